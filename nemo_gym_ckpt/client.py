@@ -1,0 +1,216 @@
+"""The one HTTP client between mesh servers.
+
+Built on the httpx API with a pluggable transport: ``aiohttp`` (``httpx-aiohttp``, the default: on
+the mesh's real call path it measured several times faster than httpx's own transport on
+loopback, see docs/benchmarks.md) or ``httpx`` (httpcore). Behaviour the rest of the mesh can rely on:
+
+- the request's rollout identity is passed on: calls made while serving ``/ng-rollout/<key>/...``
+  go to ``/ng-rollout/<key>/...`` on the peer too (or to an explicit ``identity``);
+- idempotent calls (GET, or a POST marked ``idempotent=True``) are retried a bounded number of
+  times on connection failures and 502/503/504; nothing else is ever retried;
+- every call has an overall deadline, retries included;
+- failures are mapped here, once: transport errors become ``Unavailable`` or ``UpstreamTimeout``,
+  a peer's ``{"error": ...}`` reply becomes the matching ``GymError`` class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Literal
+
+import httpx
+import orjson
+
+from nemo_gym_ckpt.errors import Unavailable, UpstreamError, UpstreamTimeout, error_from_body
+from nemo_gym_ckpt.identity import ROLLOUT_PREFIX, RolloutIdentity, current_identity
+
+__all__ = [
+    "DEFAULT_TRANSPORT",
+    "MeshClient",
+    "TransportName",
+    "decode_json",
+    "raise_for_error",
+    "with_rollout_prefix",
+]
+
+logger = logging.getLogger(__name__)
+
+TransportName = Literal["aiohttp", "httpx"]
+DEFAULT_TRANSPORT: TransportName = "aiohttp"
+RETRYABLE_STATUS = frozenset({502, 503, 504})
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+
+
+def with_rollout_prefix(url: str, identity: RolloutIdentity | None) -> str:
+    """Insert ``/ng-rollout/<capture_key>`` before the path of ``url`` (idempotent)."""
+    if identity is None:
+        return url
+    parsed = httpx.URL(url)
+    if parsed.path.startswith(ROLLOUT_PREFIX):
+        return url
+    return str(parsed.copy_with(path=f"{ROLLOUT_PREFIX}{identity.capture_key}{parsed.path}"))
+
+
+def _make_transport(name: TransportName, max_connections: int) -> httpx.AsyncBaseTransport:
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    if name == "aiohttp":
+        from httpx_aiohttp import AiohttpTransport
+
+        return AiohttpTransport(limits=limits, trust_env=False)
+    return httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+
+
+class MeshClient:
+    """An async client for calls between servers; one per process, closed with ``aclose``."""
+
+    def __init__(
+        self,
+        *,
+        transport: TransportName | httpx.AsyncBaseTransport = DEFAULT_TRANSPORT,
+        max_connections: int = 1024,
+        timeout_s: float = 600.0,
+        retries: int = 2,
+        backoff_s: float = 0.05,
+    ) -> None:
+        if isinstance(transport, str):
+            transport = _make_transport(transport, max_connections)
+        self._http = httpx.AsyncClient(transport=transport, timeout=None, trust_env=False)
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> MeshClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        cookies: Mapping[str, str] | None = None,
+        idempotent: bool | None = None,
+        timeout_s: float | None = None,
+        identity: RolloutIdentity | None = None,
+        rollout_prefix: bool = True,
+        check: bool = True,
+    ) -> httpx.Response:
+        """Send one request (with bounded retries if idempotent) under an overall deadline.
+
+        With ``check`` (the default) a non-2xx reply raises the matching ``GymError``; without it
+        the response is returned as is (the agent hands tool errors to the model as text).
+        """
+        method = method.upper()
+        retry = idempotent if idempotent is not None else method in IDEMPOTENT_METHODS
+        if rollout_prefix:
+            url = with_rollout_prefix(url, identity or current_identity())
+        content = None if json is None else orjson.dumps(json)
+        all_headers = {"content-type": "application/json"} if content is not None else {}
+        all_headers.update(headers or {})
+        deadline_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(deadline_s):
+                response = await self._send_with_retries(method, url, content, all_headers, cookies, retry)
+        except TimeoutError:
+            raise UpstreamTimeout(f"{method} {url} took longer than {deadline_s:g} s") from None
+        if check:
+            raise_for_error(response)
+        return response
+
+    async def _send_with_retries(
+        self, method: str, url: str, content: bytes | None, headers: dict[str, str],
+        cookies: Mapping[str, str] | None, retry: bool,
+    ) -> httpx.Response:
+        attempts = 1 + (self.retries if retry else 0)
+        for attempt in range(attempts):
+            last = attempt == attempts - 1
+            try:
+                response = await self._send_once(method, url, content, headers, cookies)
+            except Unavailable:
+                if last:
+                    raise
+            else:
+                if last or response.status_code not in RETRYABLE_STATUS:
+                    return response
+            await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")  # the loop returns or raises on its last attempt
+
+    async def _send_once(
+        self, method: str, url: str, content: bytes | None, headers: dict[str, str],
+        cookies: Mapping[str, str] | None,
+    ) -> httpx.Response:
+        request = self._http.build_request(method, url, content=content, headers=headers, cookies=cookies)
+        try:
+            return await self._http.send(request)
+        except httpx.TimeoutException as error:
+            raise UpstreamTimeout(f"{method} {url}: {type(error).__name__}") from error
+        except httpx.TransportError as error:
+            raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
+
+    async def post_json(self, url: str, json: Any = None, **kwargs: Any) -> Any:
+        """POST and decode the JSON reply (errors raised as ``GymError``)."""
+        return decode_json(await self.request("POST", url, json=json, **kwargs))
+
+    async def get_json(self, url: str, **kwargs: Any) -> Any:
+        return decode_json(await self.request("GET", url, **kwargs))
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        method: str,
+        url: str,
+        *,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        identity: RolloutIdentity | None = None,
+        connect_timeout_s: float | None = None,
+    ) -> AsyncIterator[httpx.Response]:
+        """A streaming request: the response is yielded once its headers arrive; never retried."""
+        url = with_rollout_prefix(url, identity or current_identity())
+        content = None if json is None else orjson.dumps(json)
+        all_headers = {"content-type": "application/json", **(headers or {})}
+        request = self._http.build_request(method.upper(), url, content=content, headers=all_headers)
+        limit = self.timeout_s if connect_timeout_s is None else connect_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                response = await self._http.send(request, stream=True)
+        except TimeoutError:
+            raise UpstreamTimeout(f"{method} {url}: no reply within {limit:g} s") from None
+        except httpx.TransportError as error:
+            raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
+        try:
+            if response.status_code >= 400:
+                await response.aread()
+                raise_for_error(response)
+            yield response
+        finally:
+            await response.aclose()
+
+
+def raise_for_error(response: httpx.Response) -> None:
+    """Raise the ``GymError`` a non-2xx reply stands for."""
+    if response.status_code < 400:
+        return
+    try:
+        body = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        body = None
+    raise error_from_body(response.status_code, body)
+
+
+def decode_json(response: httpx.Response) -> Any:
+    try:
+        return orjson.loads(response.content)
+    except orjson.JSONDecodeError as error:
+        raise UpstreamError(f"{response.request.url} answered non-JSON ({len(response.content)} bytes)") from error
+
