@@ -1,0 +1,222 @@
+"""``nemo-gym-ckpt bench``: the benchmark suite.
+
+Every figure is measured as a rate or a ratio inside one run (ours against a baseline measured
+seconds apart on the same machine), never compared with a stored number: these machines are shared
+and noisy. Results go to ``<out>/results.json`` and ``<out>/results.md``, and plots to
+``<out>/*.png`` when matplotlib is installed.
+
+Suites (``--only`` picks some):
+
+- ``client``: the mesh's real call path (a tool call on a calculator_tools process through
+  ``MeshClient`` with the rollout prefix), httpx's own transport against httpx-aiohttp.
+- ``worker``: inference-worker tokens/s, one sequence against batches.
+- ``policy``: a chat completion through the policy model against the same call made on the worker
+  directly.
+- ``checkpoint``: the control plane (prepare/commit/resume cycles; commit throughput against the
+  fsync floor), when that module is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from nemo_gym_ckpt.client import MeshClient, TransportName
+from nemo_gym_ckpt.config import load_config_dict
+from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.launch import MeshLauncher
+
+__all__ = ["SUITES", "configure", "main", "percentile", "run_closed_loop"]
+
+logger = logging.getLogger(__name__)
+
+Result = dict[str, Any]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+async def run_closed_loop(call: Callable[[int], Awaitable[None]], concurrency: int, duration_s: float) -> Result:
+    """``concurrency`` workers calling ``call`` back to back for ``duration_s``; rate and latencies."""
+    latencies: list[float] = []
+    stop_at = time.perf_counter() + duration_s
+
+    async def worker(worker_id: int) -> None:
+        n = 0
+        while time.perf_counter() < stop_at:
+            began = time.perf_counter()
+            await call(worker_id * 1_000_000 + n)
+            latencies.append(time.perf_counter() - began)
+            n += 1
+
+    began = time.perf_counter()
+    async with asyncio.timeout(duration_s + 60):
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    elapsed = time.perf_counter() - began
+    return {
+        "concurrency": concurrency,
+        "requests": len(latencies),
+        "rate_per_s": len(latencies) / elapsed,
+        "p50_ms": 1000 * percentile(latencies, 0.5),
+        "p99_ms": 1000 * percentile(latencies, 0.99),
+    }
+
+
+def _quiet(_: str, __: str) -> None:
+    """Drop server log lines during measurements."""
+
+
+# ---- client transports ---------------------------------------------------------------------------
+
+
+async def _drive_tool_calls(transport: TransportName, url: str, concurrency: int, duration_s: float) -> Result:
+    async with MeshClient(transport=transport, max_connections=max(concurrency, 16)) as client:
+        async def call(n: int) -> None:
+            await client.post_json(url, {"a": n % 1000, "b": 7}, identity=RolloutIdentity(f"bench-{n}"))
+
+        await run_closed_loop(call, concurrency, min(1.0, duration_s))  # warm-up: connections, JIT paths
+        result = await run_closed_loop(call, concurrency, duration_s)
+    return {"transport": transport, **result}
+
+
+def bench_client(duration_s: float) -> Result:
+    mesh = load_config_dict({"head_server": {"port": 0}, "calc": {"resources_servers": {"calculator_tools": {}}}})
+    rows = []
+    with MeshLauncher(mesh, on_line=_quiet) as launcher:
+        launcher.start(ready_timeout_s=60)
+        url = launcher.url_of("calc") + "/add"
+        for concurrency in (1, 16, 64):
+            for transport in ("httpx", "aiohttp"):
+                rows.append(asyncio.run(_drive_tool_calls(transport, url, concurrency, duration_s)))
+    ratios = {
+        str(c): _rate(rows, "aiohttp", c) / max(_rate(rows, "httpx", c), 1e-9) for c in (1, 16, 64)
+    }
+    return {"rows": rows, "aiohttp_over_httpx": ratios}
+
+
+def _rate(rows: list[Result], transport: str, concurrency: int) -> float:
+    return next(r["rate_per_s"] for r in rows if r["transport"] == transport and r["concurrency"] == concurrency)
+
+
+# ---- inference worker and policy model ------------------------------------------------------------
+
+
+def bench_worker(duration_s: float) -> Result:
+    throughput = importlib.import_module("model_servers.inference_worker.throughput")
+    return dict(throughput.measure_default(new_tokens=64 if duration_s >= 3 else 32))
+
+
+async def _policy_against_worker(worker_url: str, policy_url: str, model: str, duration_s: float) -> Result:
+    chat = {"model": model, "messages": [{"role": "user", "content": "What is 12 times 34?"}],
+            "max_tokens": 24, "temperature": 0}
+    completion = {"model": model, "prompt": "<|user|>What is 12 times 34?<|end|><|assistant|>",
+                  "max_tokens": 24, "temperature": 0}
+    rows = []
+    async with MeshClient() as client:
+        for concurrency in (1, 8):
+            direct = await run_closed_loop(
+                lambda _n: client.post_json(f"{worker_url}/v1/completions", completion), concurrency, duration_s)
+            fronted = await run_closed_loop(
+                lambda _n: client.post_json(f"{policy_url}/v1/chat/completions", chat), concurrency, duration_s)
+            rows.append({"concurrency": concurrency, "worker_direct": direct, "through_policy": fronted,
+                         "policy_over_direct_latency": fronted["p50_ms"] / max(direct["p50_ms"], 1e-9)})
+    return {"rows": rows}
+
+
+def bench_policy(duration_s: float) -> Result:
+    mesh = load_config_dict({
+        "head_server": {"port": 0},
+        "inference_worker": {"model_servers": {"inference_worker": {}}},
+        "policy_model": {"model_servers": {"policy_model": {
+            "worker": {"type": "model_servers", "name": "inference_worker"}}}},
+    })
+    with MeshLauncher(mesh, on_line=_quiet) as launcher:
+        launcher.start(ready_timeout_s=120)
+        worker = launcher.url_of("inference_worker")
+        policy = launcher.url_of("policy_model")
+        model = mesh.instance("inference_worker").settings.served_model_name  # type: ignore[attr-defined]
+        return asyncio.run(_policy_against_worker(worker, policy, model, duration_s))
+
+
+def bench_checkpoint(duration_s: float) -> Result:
+    module = importlib.import_module("nemo_gym_ckpt.checkpoint.bench")
+    return dict(module.run_all(quick=duration_s < 3))
+
+
+SUITES: dict[str, Callable[[float], Result]] = {
+    "client": bench_client,
+    "worker": bench_worker,
+    "policy": bench_policy,
+    "checkpoint": bench_checkpoint,
+}
+
+
+# ---- output --------------------------------------------------------------------------------------
+
+
+def _markdown(results: dict[str, Result]) -> str:
+    lines = ["# nemo-gym-ckpt bench", ""]
+    for suite, result in results.items():
+        lines += [f"## {suite}", "", "```json", json.dumps(result, indent=2, default=str), "```", ""]
+    return "\n".join(lines)
+
+
+def _plot_client(result: Result, out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("matplotlib is not installed: no plots")
+        return
+    figure, axis = plt.subplots(figsize=(5, 3.2))
+    for transport in ("httpx", "aiohttp"):
+        rows = [r for r in result["rows"] if r["transport"] == transport]
+        axis.plot([r["concurrency"] for r in rows], [r["rate_per_s"] for r in rows], marker="o", label=transport)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("concurrent calls")
+    axis.set_ylabel("tool calls / s")
+    axis.set_title("MeshClient transport, loopback")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out / "client_transports.png", dpi=120)
+    plt.close(figure)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Run the benchmark suite; writes results.json, results.md and PNG plots."
+    parser.add_argument("--only", nargs="+", choices=sorted(SUITES), help="run only these suites")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    parser.add_argument("--duration-s", type=float, default=5.0, help="seconds per measured point")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Result] = {}
+    for name in args.only or list(SUITES):
+        print(f"bench {name} ...", file=sys.stderr, flush=True)
+        began = time.perf_counter()
+        results[name] = SUITES[name](args.duration_s)
+        results[name]["elapsed_s"] = round(time.perf_counter() - began, 1)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (args.out / "results.md").write_text(_markdown(results))
+    if "client" in results:
+        _plot_client(results["client"], args.out)
+    print(_markdown(results))
+    return 0
+

@@ -1,0 +1,147 @@
+"""The app factory, the error tree and the mesh client, in process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from nemo_gym_ckpt.client import MeshClient, with_rollout_prefix
+from nemo_gym_ckpt.errors import (
+    ERROR_CODES,
+    InvalidRequest,
+    StaleAttempt,
+    Unavailable,
+    UpstreamError,
+    UpstreamTimeout,
+    error_from_body,
+)
+from nemo_gym_ckpt.identity import RolloutIdentity, current_identity, parse_capture_key
+from nemo_gym_ckpt.server import create_app
+
+pytestmark = pytest.mark.unit
+
+
+class Echo(BaseModel):
+    value: int
+
+
+def make_app() -> tuple[FastAPI, dict[str, int]]:
+    app = create_app("probe")
+    calls = {"flaky": 0, "post": 0}
+
+    @app.post("/echo")
+    async def echo(body: Echo) -> dict[str, object]:
+        ident = current_identity()
+        return {"value": body.value, "key": ident.capture_key if ident else None}
+
+    @app.post("/stale")
+    async def stale() -> None:
+        raise StaleAttempt("attempt 0 of r1 is retired")
+
+    @app.get("/flaky")
+    async def flaky() -> dict[str, int]:
+        calls["flaky"] += 1
+        if calls["flaky"] < 3:
+            raise Unavailable("warming up")
+        return {"calls": calls["flaky"]}
+
+    @app.post("/flaky-post")
+    async def flaky_post() -> None:
+        calls["post"] += 1
+        raise Unavailable("down")
+
+    @app.get("/slow")
+    async def slow() -> None:
+        await asyncio.sleep(5)
+
+    @app.get("/text")
+    async def text() -> object:
+        from starlette.responses import PlainTextResponse
+
+        return PlainTextResponse("no json", status_code=502)
+
+    return app, calls
+
+
+def client_for(app: FastAPI, **kwargs: object) -> MeshClient:
+    return MeshClient(transport=httpx.ASGITransport(app=app), backoff_s=0.001, **kwargs)  # type: ignore[arg-type]
+
+
+def test_every_code_maps_back_to_its_class() -> None:
+    for code, cls in ERROR_CODES.items():
+        error = error_from_body(cls.status, {"error": {"code": code, "detail": "d"}})
+        assert type(error) is cls and error.detail == "d"
+    assert isinstance(error_from_body(500, {"error": {"code": "weird"}}), UpstreamError)
+    assert isinstance(error_from_body(500, "not a dict"), UpstreamError)
+
+
+def test_capture_keys_round_trip() -> None:
+    assert parse_capture_key("r1") == RolloutIdentity("r1", 0)
+    assert parse_capture_key("r1-a2") == RolloutIdentity("r1", 2)
+    assert parse_capture_key("task-3-a0") == RolloutIdentity("task-3-a0", 0)
+    assert RolloutIdentity("r1", 3).capture_key == "r1-a3"
+    with pytest.raises(InvalidRequest):
+        parse_capture_key("../etc")
+
+
+def test_prefix_is_inserted_once() -> None:
+    ident = RolloutIdentity("r9", 1)
+    url = with_rollout_prefix("http://h:1/v1/x?q=1", ident)
+    assert url == "http://h:1/ng-rollout/r9-a1/v1/x?q=1"
+    assert with_rollout_prefix(url, ident) == url
+    assert with_rollout_prefix("http://h:1/a", None) == "http://h:1/a"
+
+
+async def test_health_and_structured_errors() -> None:
+    app, _ = make_app()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        assert (await http.get("/health")).json() == {"status": "ok", "name": "probe"}
+        cases = [
+            (await http.post("/echo", json={"value": "x"}), 400, "invalid_request"),
+            (await http.post("/echo", content=b"{not json", headers={"content-type": "application/json"}),
+             400, "invalid_request"),
+            (await http.post("/nowhere", json={}), 404, "not_found"),
+            (await http.get("/echo"), 405, "method_not_allowed"),
+            (await http.post("/stale"), 409, "stale_attempt"),
+            (await http.post("/ng-rollout//echo", json={"value": 1}), 400, "invalid_request"),
+        ]
+    for response, status, code in cases:
+        assert response.status_code == status
+        assert response.json()["error"]["code"] == code
+
+
+async def test_rollout_prefix_sets_and_passes_identity() -> None:
+    app, _ = make_app()
+    async with client_for(app) as client:
+        direct = await client.post_json("http://t/echo", {"value": 1})
+        prefixed = await client.post_json("http://t/ng-rollout/r7-a2/echo", {"value": 2})
+        explicit = await client.post_json("http://t/echo", {"value": 3}, identity=RolloutIdentity("r8"))
+    assert direct == {"value": 1, "key": None}
+    assert prefixed == {"value": 2, "key": "r7-a2"}
+    assert explicit == {"value": 3, "key": "r8"}
+
+
+async def test_idempotent_calls_retry_and_posts_do_not() -> None:
+    app, calls = make_app()
+    async with client_for(app, retries=3) as client:
+        assert await client.get_json("http://t/flaky") == {"calls": 3}
+        with pytest.raises(Unavailable):
+            await client.post_json("http://t/flaky-post")
+    assert calls["post"] == 1
+
+
+async def test_errors_are_mapped_once() -> None:
+    app, _ = make_app()
+    async with client_for(app) as client:
+        with pytest.raises(StaleAttempt):
+            await client.post_json("http://t/stale")
+        with pytest.raises(UpstreamTimeout):
+            await client.get_json("http://t/slow", timeout_s=0.05)
+        with pytest.raises(UpstreamError):
+            await client.get_json("http://t/text", idempotent=False)
+        raw = await client.request("POST", "http://t/stale", check=False)
+    assert raw.status_code == 409
