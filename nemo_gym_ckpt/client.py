@@ -9,6 +9,8 @@ loopback, see docs/benchmarks.md) or ``httpx`` (httpcore). Behaviour the rest of
 - idempotent calls (GET, or a POST marked ``idempotent=True``) are retried a bounded number of
   times on connection failures and 502/503/504; nothing else is ever retried;
 - every call has an overall deadline, retries included;
+- cookies are never stored: a call sends only the cookies it is given (a session cookie of one
+  rollout must never ride along on another rollout's call);
 - failures are mapped here, once: transport errors become ``Unavailable`` or ``UpstreamTimeout``,
   a peer's ``{"error": ...}`` reply becomes the matching ``GymError`` class.
 """
@@ -19,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any, Literal
 
 import httpx
@@ -57,10 +60,20 @@ def with_rollout_prefix(url: str, identity: RolloutIdentity | None) -> str:
 def _make_transport(name: TransportName, max_connections: int) -> httpx.AsyncBaseTransport:
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
     if name == "aiohttp":
+        import aiohttp
         from httpx_aiohttp import AiohttpTransport
 
-        return AiohttpTransport(limits=limits, trust_env=False)
+        def session() -> aiohttp.ClientSession:  # built lazily, inside the running loop
+            connector = aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=limits.keepalive_expiry)
+            return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+
+        return AiohttpTransport(limits=limits, trust_env=False, client=session)
     return httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+
+
+def _no_cookie_jar() -> CookieJar:
+    """A jar that refuses every cookie a reply sets; explicit per-call cookies are still sent."""
+    return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
 
 
 class MeshClient:
@@ -77,7 +90,9 @@ class MeshClient:
     ) -> None:
         if isinstance(transport, str):
             transport = _make_transport(transport, max_connections)
-        self._http = httpx.AsyncClient(transport=transport, timeout=None, trust_env=False)
+        self._http = httpx.AsyncClient(
+            transport=transport, timeout=None, trust_env=False, cookies=_no_cookie_jar()
+        )
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -149,7 +164,9 @@ class MeshClient:
         self, method: str, url: str, content: bytes | None, headers: dict[str, str],
         cookies: Mapping[str, str] | None,
     ) -> httpx.Response:
-        request = self._http.build_request(method, url, content=content, headers=headers, cookies=cookies)
+        request = self._http.build_request(method, url, content=content, headers=headers)
+        if cookies:
+            request.headers["cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
         try:
             return await self._http.send(request)
         except httpx.TimeoutException as error:

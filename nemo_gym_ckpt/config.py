@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -140,12 +140,15 @@ class MeshConfig:
     def head_url(self) -> str:
         return f"http://{self.head_server.host}:{self.head_server.port}"
 
-    def with_ports(self, ports: Mapping[str, int]) -> MeshConfig:
-        """A copy with the given instance ports filled in (the launcher's port assignment)."""
+    def with_ports(self, ports: Mapping[str, int], head_port: int | None = None) -> MeshConfig:
+        """A copy with the given instance ports (and the head port) filled in (the launcher's)."""
         raw = _deep_copy(self.raw)
         for name, port in ports.items():
             inst = self.instances[name]
-            raw[name][inst.type][inst.implementation]["port"] = port
+            block = raw[name][inst.type]
+            block[inst.implementation] = {**(block[inst.implementation] or {}), "port": port}
+        if head_port is not None:
+            raw["head_server"] = {**(raw.get("head_server") or {}), "port": head_port}
         return build_mesh(raw, origins={})
 
 
@@ -235,7 +238,9 @@ def _set_path(
 ) -> None:
     node = tree
     for depth, part in enumerate(path[:-1]):
-        child = node.setdefault(part, {})
+        if node.get(part) is None:
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             where = ".".join(path[: depth + 1])
             raise ConfigError(f"cannot set {'.'.join(path)}: {where} is not a mapping", file=COMMAND_LINE)
@@ -287,6 +292,9 @@ class _Resolver:
             self.fail(f"interpolation cycle through ${{{expr}}}", path)
         node: Any = self.root
         for part in target:
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+                continue
             if not isinstance(node, dict) or part not in node:
                 self.fail(f"${{{expr}}} refers to a key that does not exist", path)
             node = node[part]
@@ -332,12 +340,15 @@ def build_mesh(raw: dict[str, Any], origins: Mapping[tuple[str, ...], str]) -> M
     if not instances:
         raise ConfigError("the config defines no server instance")
     _check_refs(instances, origins)
+    _check_ports(head, instances, origins)
     return MeshConfig(head, checkpoint, instances, raw)
 
 
 def _refuse_missing(node: Any, origins: Mapping[tuple[str, ...], str], path: tuple[str, ...]) -> None:
     if node == MISSING:
-        raise ConfigError("required value is missing (???)", file=origin_of(origins, path), key=".".join(path))
+        raise ConfigError(
+            "required value is missing (???)", file=origin_of(origins, path), key=".".join(path)
+        )
     if isinstance(node, dict):
         for key, value in node.items():
             _refuse_missing(value, origins, (*path, str(key)))
@@ -346,7 +357,9 @@ def _refuse_missing(node: Any, origins: Mapping[tuple[str, ...], str], path: tup
             _refuse_missing(value, origins, (*path, str(index)))
 
 
-def _build_instance(name: str, block: dict[str, Any], origins: Mapping[tuple[str, ...], str]) -> ServerInstance:
+def _build_instance(
+    name: str, block: dict[str, Any], origins: Mapping[tuple[str, ...], str]
+) -> ServerInstance:
     file = origin_of(origins, (name,))
     if len(block) != 1 or next(iter(block)) not in SERVER_TYPES:
         raise ConfigError(
@@ -357,10 +370,10 @@ def _build_instance(name: str, block: dict[str, Any], origins: Mapping[tuple[str
     if not isinstance(impls, dict) or len(impls) != 1:
         raise ConfigError("expected exactly one implementation block", file=file, key=f"{name}.{server_type}")
     implementation, settings = next(iter(impls.items()))
-    config_class = config_class_for(server_type, implementation, file, f"{name}.{server_type}.{implementation}")
     path = (name, server_type, implementation)
+    config_class = config_class_for(server_type, implementation, file, ".".join(path))
     validated = _validate(config_class, settings or {}, path, origins)
-    return ServerInstance(name, server_type, implementation, validated)
+    return ServerInstance(name, cast(ServerType, server_type), implementation, validated)
 
 
 def config_class_for(server_type: str, implementation: str, file: str | None, key: str) -> type[ServerConfig]:
@@ -369,7 +382,7 @@ def config_class_for(server_type: str, implementation: str, file: str | None, ke
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        if error.name and module_name.startswith(error.name):
+        if error.name and (module_name == error.name or module_name.startswith(error.name + ".")):
             raise ConfigError(f"unknown implementation {implementation!r} under {server_type}", file=file,
                               key=key) from None
         raise
@@ -412,6 +425,22 @@ def _check_refs(instances: dict[str, ServerInstance], origins: Mapping[tuple[str
             if target.type != ref.type:
                 raise ConfigError(f"refers to {ref.name!r} as {ref.type}, but it is {target.type}",
                                   file=origin_of(origins, path), key=".".join(path))
+
+
+def _check_ports(
+    head: HeadServerConfig, instances: dict[str, ServerInstance], origins: Mapping[tuple[str, ...], str]
+) -> None:
+    """Two servers never share a port (0 or unset: the launcher picks a free one)."""
+    owners = {head.port: "head_server"} if head.port else {}
+    for inst in instances.values():
+        port = inst.settings.port
+        if not port:
+            continue
+        path = (inst.name, inst.type, inst.implementation, "port")
+        if port in owners:
+            raise ConfigError(f"port {port} is also the port of {owners[port]}",
+                              file=origin_of(origins, path), key=".".join(path))
+        owners[port] = inst.name
 
 
 def _refs_in(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], ServerRef]]:

@@ -3,7 +3,8 @@
 The launcher passes the resolved mesh config (ports assigned) as JSON in ``NEMO_GYM_CKPT_CONFIG``.
 This module builds the instance's ``ServerContext``, asks its ``app`` module for the FastAPI app and
 serves it with uvicorn (uvloop and httptools). It exits by itself when its parent dies: a
-``PR_SET_PDEATHSIG`` on Linux and a watchdog on the parent pid everywhere.
+``PR_SET_PDEATHSIG`` on Linux and a watchdog on the parent pid everywhere; if a graceful shutdown
+does not end the process within ``ORPHAN_GRACE_S``, the watchdog kills it.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ from fastapi import FastAPI
 
 from nemo_gym_ckpt.config import MeshConfig, load_config_dict
 from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.errors import ConfigError
 
-__all__ = ["CONFIG_ENV", "build_app", "main", "watch_parent"]
+__all__ = ["CONFIG_ENV", "ORPHAN_GRACE_S", "PARENT_ENV", "build_app", "exit_orphaned", "main", "watch_parent"]
 
 CONFIG_ENV = "NEMO_GYM_CKPT_CONFIG"
 PARENT_ENV = "NEMO_GYM_CKPT_PARENT_PID"
+ORPHAN_GRACE_S = 5.0
+EXIT_CONFIG = 2
 _PR_SET_PDEATHSIG = 1
 logger = logging.getLogger(__name__)
 
@@ -70,15 +74,39 @@ def watch_parent(parent_pid: int, on_orphaned: Callable[[], None], interval_s: f
     threading.Thread(target=poll, name="parent-watch", daemon=True).start()
 
 
+def exit_orphaned(grace_s: float = ORPHAN_GRACE_S) -> None:
+    """Shut down gracefully (SIGTERM to ourselves); SIGKILL ourselves if still alive after ``grace_s``."""
+    logger.warning("parent process is gone; shutting down")
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace_s)
+    logger.error("still running %g s after the parent died; killing myself", grace_s)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _load_mesh() -> MeshConfig:
+    text = os.environ.get(CONFIG_ENV)
+    if text is None:
+        raise ConfigError(f"{CONFIG_ENV} is not set: start servers with 'nemo-gym-ckpt run CONFIG'")
+    try:
+        raw = orjson.loads(text)
+    except orjson.JSONDecodeError as error:
+        raise ConfigError(f"{CONFIG_ENV} is not valid JSON: {error}") from None
+    return load_config_dict(raw)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m nemo_gym_ckpt.serve")
     parser.add_argument("instance")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    mesh = load_config_dict(orjson.loads(os.environ[CONFIG_ENV]))
-    instance = mesh.instance(args.instance)
     if PARENT_ENV in os.environ:
-        watch_parent(int(os.environ[PARENT_ENV]), lambda: os.kill(os.getpid(), signal.SIGTERM))
+        watch_parent(int(os.environ[PARENT_ENV]), exit_orphaned)
+    try:
+        mesh = _load_mesh()
+        instance = mesh.instance(args.instance)
+    except ConfigError as error:
+        logger.error("config error: %s", error)
+        raise SystemExit(EXIT_CONFIG) from None
     app = build_app(mesh, args.instance)
     uvicorn.run(
         app,

@@ -1,0 +1,518 @@
+"""Processes from config: ``nemo-gym-ckpt run CONFIG... [key=value...]`` (ARCHITECTURE.md section 4).
+
+``MeshLauncher`` is the library API (used by the CLI, the collector and the tests)::
+
+    with MeshLauncher(load_config(paths, overrides)) as mesh:
+        mesh.start(ready_timeout_s=60)      # head server + one process per instance, all healthy
+        mesh.url_of("policy_model")
+        mesh.restart_all()                  # SIGKILL every server, fresh ones on the same ports
+    # leaving the block stops everything: SIGTERM, bounded wait, SIGKILL, reap
+
+Ports: instances without a port get a free one on their host (probe-bind in 10001-20000, never the
+head port or another instance's). Each child is ``python -m nemo_gym_ckpt.serve <instance>`` with the
+resolved config (ports filled in) as JSON in ``NEMO_GYM_CKPT_CONFIG`` and the launcher's pid in
+``NEMO_GYM_CKPT_PARENT_PID``; it runs in its own process group (a terminal's Ctrl-C reaches only
+the launcher, which stops the children in order) and exits by itself when the launcher dies.
+
+No orphans: a child's parent-death signal (Linux) fires when the *thread* that forked it ends, so
+every child is forked by one spawner thread that lives from ``start`` to ``stop``; callers may use
+any thread (``asyncio.to_thread`` included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import FrameType, TracebackType
+from typing import IO
+
+import httpx
+import orjson
+
+from nemo_gym_ckpt.config import MeshConfig, load_config
+from nemo_gym_ckpt.head import HEAD_NAME, ThreadedServer, create_head_app
+from nemo_gym_ckpt.serve import CONFIG_ENV, PARENT_ENV
+
+__all__ = [
+    "PORT_RANGE",
+    "LaunchError",
+    "LineSink",
+    "MeshLauncher",
+    "StopRequested",
+    "assign_ports",
+    "configure",
+    "find_free_port",
+    "main",
+    "print_line",
+    "probe_health",
+    "split_items",
+    "stop_on_signals",
+    "wait_for_health",
+]
+
+logger = logging.getLogger(__name__)
+
+PORT_RANGE = (10001, 20000)
+TAIL_LINES = 20
+POLL_S = 0.1
+REAP_TIMEOUT_S = 5.0
+
+LineSink = Callable[[str, str], None]
+"""Receives ``(instance, line)`` for every line a child writes to stdout or stderr."""
+
+
+class LaunchError(RuntimeError):
+    """The mesh could not be started or kept running; the message is one line (notes hold logs)."""
+
+
+class StopRequested(LaunchError):
+    """``request_stop`` (a signal) arrived while ``start`` was waiting for the servers."""
+
+
+# ---- ports ---------------------------------------------------------------------------------------
+
+
+def find_free_port(host: str, avoid: Iterable[int] = (), *, rng: random.Random | None = None) -> int:
+    """A port of ``PORT_RANGE`` that ``host`` can bind now and that is not in ``avoid``."""
+    rng = rng or random.Random()
+    avoid = set(avoid)
+    for _ in range(200):
+        port = rng.randint(*PORT_RANGE)
+        if port not in avoid and _can_bind(host, port):
+            return port
+    raise LaunchError(f"found no free port on {host} in {PORT_RANGE[0]}-{PORT_RANGE[1]}")
+
+
+def _can_bind(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def assign_ports(mesh: MeshConfig, *, rng: random.Random | None = None) -> MeshConfig:
+    """The mesh with every unset (or 0) port, head server included, replaced by a free one."""
+    taken = {inst.settings.port for inst in mesh.instances.values() if inst.settings.port}
+    taken.add(mesh.head_server.port)
+    head_port = mesh.head_server.port or find_free_port(mesh.head_server.host, taken, rng=rng)
+    taken.add(head_port)
+    ports: dict[str, int] = {}
+    for inst in mesh.instances.values():
+        if not inst.settings.port:
+            ports[inst.name] = find_free_port(inst.settings.host, taken, rng=rng)
+            taken.add(ports[inst.name])
+    return mesh.with_ports(ports, head_port=head_port)
+
+
+# ---- health --------------------------------------------------------------------------------------
+
+
+def probe_health(http: httpx.Client, url: str, name: str | None = None) -> bool:
+    """Whether ``url/health`` answers 200 (and, with ``name``, that it is that server)."""
+    try:
+        response = http.get(f"{url}/health")
+        body = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return False
+    return isinstance(body, dict) and (name is None or body.get("name") == name)
+
+
+def wait_for_health(url: str, *, timeout_s: float, name: str | None = None) -> None:
+    """Wait until ``url/health`` answers; ``TimeoutError`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(trust_env=False, timeout=1.0) as http:
+        while not probe_health(http, url, name):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url}/health did not answer within {timeout_s:g} s")
+            time.sleep(POLL_S)
+
+
+# ---- children ------------------------------------------------------------------------------------
+
+
+def _log_line(name: str, line: str) -> None:
+    logger.info("[%s] %s", name, line)
+
+
+@dataclass
+class _Child:
+    """One server process, its log reader and the last lines it wrote."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    reader: threading.Thread | None = None
+
+    def start_reader(self, sink: LineSink) -> None:
+        stream = self.proc.stdout
+        assert stream is not None
+        self.reader = threading.Thread(
+            target=self._read, args=(stream, sink), name=f"log-{self.name}", daemon=True
+        )
+        self.reader.start()
+
+    def _read(self, stream: IO[bytes], sink: LineSink) -> None:
+        with stream:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode(errors="replace").rstrip("\r\n")
+                self.tail.append(line)
+                sink(self.name, line)
+
+    def signal(self, sig: int) -> bool:
+        """Signal the child's process group while the child lives; whether it was alive."""
+        if self.proc.poll() is not None:
+            return False
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def sweep(self) -> None:
+        """SIGKILL whatever is left in the reaped child's process group (processes it started).
+
+        While a member lives the group id cannot be reused; once the group is empty this finds
+        nothing (ESRCH), short of the pid being reused in the moment since the reap.
+        """
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def reap(self, timeout_s: float) -> bool:
+        """Wait for the exit (bounded) and for the log reader; whether the child is gone."""
+        try:
+            self.proc.wait(timeout=max(timeout_s, 0.0))
+        except subprocess.TimeoutExpired:
+            return False
+        if self.reader is not None:
+            self.reader.join(1.0)
+        return True
+
+    def exit_error(self, when: str) -> LaunchError:
+        last = self.tail[-1] if self.tail else "(no output)"
+        error = LaunchError(f"{self.name} exited with status {self.proc.returncode} {when}: {last}")
+        error.add_note(f"last lines of {self.name}:\n" + "\n".join(self.tail))
+        return error
+
+
+# ---- the launcher --------------------------------------------------------------------------------
+
+
+class MeshLauncher:
+    """A head server in this process and one child process per server instance of ``mesh``."""
+
+    def __init__(
+        self,
+        mesh: MeshConfig,
+        *,
+        on_line: LineSink = _log_line,
+        python: str = sys.executable,
+        env: Mapping[str, str] | None = None,
+        stop_grace_s: float = 5.0,
+    ) -> None:
+        self.config = mesh
+        self.on_line = on_line
+        self.python = python
+        self.env = dict(os.environ if env is None else env)
+        self.stop_grace_s = stop_grace_s
+        self._resolved: MeshConfig | None = None
+        self._head: ThreadedServer | None = None
+        self._children: dict[str, _Child] = {}
+        self._spawner: ThreadPoolExecutor | None = None
+        self._stop_requested = False
+        self.killed: list[str] = []
+        """The servers the last ``stop`` had to SIGKILL."""
+
+    # -- what tests and callers read --
+
+    @property
+    def mesh(self) -> MeshConfig:
+        """The resolved config (every port assigned) once started."""
+        if self._resolved is None:
+            raise LaunchError("the mesh is not started")
+        return self._resolved
+
+    @property
+    def head_url(self) -> str:
+        return self.mesh.head_url
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.config.instances)
+
+    def url_of(self, name: str) -> str:
+        return self.mesh.url_of(name)
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """The pid of every server process started and not yet stopped."""
+        return {name: child.proc.pid for name, child in self._children.items()}
+
+    def pid_of(self, name: str) -> int:
+        return self._child(name).proc.pid
+
+    def returncode(self, name: str) -> int | None:
+        """The child's exit status, or None while it runs."""
+        return self._child(name).proc.poll()
+
+    def _child(self, name: str) -> _Child:
+        try:
+            return self._children[name]
+        except KeyError:
+            raise LaunchError(f"no running server process named {name!r}") from None
+
+    # -- lifecycle --
+
+    def start(self, ready_timeout_s: float = 120.0) -> None:
+        """Assign ports, start the head server and every child, and wait until all are healthy.
+
+        One deadline covers every server. If a child exits first, or the deadline passes, everything
+        started is stopped again and ``LaunchError`` (``StopRequested`` after ``request_stop``) says why.
+        """
+        if self._resolved is not None:
+            raise LaunchError("the mesh is already started")
+        started = time.monotonic()
+        self._resolved = assign_ports(self.config)
+        try:
+            self._start_head()
+            self._spawn(self.names)
+            self._wait_ready(self.names, started + ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("mesh of %d servers ready in %.1f s; head server at %s",
+                    len(self.names), time.monotonic() - started, self.head_url)
+
+    def _start_head(self) -> None:
+        head = self.mesh.head_server
+        server = ThreadedServer(create_head_app(self.mesh), head.host, head.port, name=HEAD_NAME)
+        try:
+            server.start()
+        except OSError as error:
+            where = f"{head.host}:{head.port}"
+            raise LaunchError(f"head server cannot listen on {where}: {error.strerror}") from None
+        self._head = server
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(self.env)
+        env[CONFIG_ENV] = orjson.dumps(self.mesh.raw, option=orjson.OPT_NON_STR_KEYS).decode()
+        env[PARENT_ENV] = str(os.getpid())
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _spawn(self, names: Iterable[str]) -> None:
+        env = self._child_env()
+        if self._spawner is None:
+            self._spawner = ThreadPoolExecutor(1, thread_name_prefix="mesh-spawner")
+        for name in names:
+            proc = self._spawner.submit(
+                subprocess.Popen,
+                [self.python, "-m", "nemo_gym_ckpt.serve", name],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                env=env, process_group=0,
+            ).result()
+            child = self._children[name] = _Child(name, proc)
+            child.start_reader(self.on_line)
+            logger.debug("started %s (pid %d) at %s", name, proc.pid, self.url_of(name))
+
+    def _wait_ready(self, names: Iterable[str], deadline: float) -> None:
+        pending = set(names)
+        with httpx.Client(trust_env=False, timeout=1.0) as http:
+            while pending:
+                self._check_running("before it was healthy")
+                if self._stop_requested:
+                    raise StopRequested("stopped on request before the mesh was ready")
+                pending = {name for name in pending if not probe_health(http, self.url_of(name), name)}
+                if pending and time.monotonic() > deadline:
+                    raise LaunchError(f"not healthy before the deadline: {', '.join(sorted(pending))}")
+                if pending:
+                    time.sleep(POLL_S)
+
+    def _check_running(self, when: str) -> None:
+        for child in self._children.values():
+            if child.proc.poll() is not None:
+                child.reap(REAP_TIMEOUT_S)
+                raise child.exit_error(when)
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether ``request_stop`` was called (by a signal handler) since the last ``stop``."""
+        return self._stop_requested
+
+    def request_stop(self) -> None:
+        """Make ``wait`` return and ``start`` give up (safe to call from a signal handler)."""
+        self._stop_requested = True
+
+    def wait(self, poll_s: float = 0.2) -> str | None:
+        """Block until ``request_stop`` (returns None) or until a child exits (returns its name)."""
+        while not self._stop_requested:
+            for child in self._children.values():
+                if child.proc.poll() is not None:
+                    return child.name
+            time.sleep(poll_s)
+        return None
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> bool:
+        """Send ``sig`` to one server's process group (no reaping); whether it was running."""
+        return self._child(name).signal(sig)
+
+    def kill_all(self, sig: int = signal.SIGKILL, timeout_s: float = REAP_TIMEOUT_S) -> list[str]:
+        """Send ``sig`` to every running server and reap them all; the names that were running."""
+        running = [child for child in self._children.values() if child.signal(sig)]
+        deadline = time.monotonic() + timeout_s
+        children = self._children.values()
+        stuck = [child.name for child in children if not child.reap(deadline - time.monotonic())]
+        if stuck:
+            name = signal.Signals(sig).name
+            raise LaunchError(f"still running {timeout_s:g} s after {name}: {', '.join(stuck)}")
+        for child in children:
+            child.sweep()
+        return [child.name for child in running]
+
+    def restart_all(self, ready_timeout_s: float = 120.0) -> None:
+        """SIGKILL every server process and start fresh ones on the same ports, all healthy."""
+        self.kill_all(signal.SIGKILL)
+        self.restart(*self.names, ready_timeout_s=ready_timeout_s)
+
+    def restart(self, *names: str, ready_timeout_s: float = 120.0) -> None:
+        """Start fresh processes for servers that have exited (see ``kill``), and wait for them."""
+        alive = [name for name in names if self.returncode(name) is None]
+        if alive:
+            raise LaunchError(f"cannot restart running servers: {', '.join(alive)}")
+        for name in names:
+            self._child(name).reap(REAP_TIMEOUT_S)
+        self._spawn(names)
+        self._wait_ready(names, time.monotonic() + ready_timeout_s)
+
+    def stop(self) -> list[str]:
+        """Stop every child (SIGTERM, bounded wait, SIGKILL, reap) and the head server.
+
+        Returns the names of the servers that were still running; those that needed SIGKILL are
+        logged and left in ``killed``.
+        """
+        running = [child for child in self._children.values() if child.signal(signal.SIGTERM)]
+        deadline = time.monotonic() + self.stop_grace_s
+        killed = [child for child in running if not child.reap(deadline - time.monotonic())]
+        for child in killed:
+            child.signal(signal.SIGKILL)
+        for child in self._children.values():
+            if not child.reap(REAP_TIMEOUT_S):
+                logger.error("%s (pid %d) survived SIGKILL", child.name, child.proc.pid)
+            child.sweep()
+        self.killed = [child.name for child in killed]
+        if killed:
+            logger.warning("killed after %g s without exit: %s", self.stop_grace_s, ", ".join(self.killed))
+        self._children.clear()
+        if self._spawner is not None:
+            self._spawner.shutdown()
+            self._spawner = None
+        if self._head is not None:
+            self._head.stop()
+            self._head = None
+        self._resolved = None
+        self._stop_requested = False
+        return [child.name for child in running]
+
+    def __enter__(self) -> MeshLauncher:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+# ---- the `run` command ---------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Launch a mesh from YAML and block until Ctrl-C, SIGTERM or a server's exit."
+    parser.add_argument("items", nargs="+", metavar="CONFIG|key=value",
+                        help="config files (merged in order, later wins), then key=value overrides")
+    parser.add_argument("--ready-timeout-s", type=float, default=300.0,
+                        help="one deadline for every server to answer /health (default: 300)")
+
+
+def split_items(items: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Config paths and ``key=value`` overrides, told apart by the ``=``."""
+    overrides = [item for item in items if "=" in item]
+    return [item for item in items if "=" not in item], overrides
+
+
+_OUTPUT_LOCK = threading.Lock()
+
+
+def print_line(name: str, line: str) -> None:
+    """The CLI's sink: every child line on stdout, prefixed with its instance name."""
+    with _OUTPUT_LOCK:
+        sys.stdout.write(f"[{name}] {line}\n")
+        sys.stdout.flush()
+
+
+@contextmanager
+def stop_on_signals(launcher: MeshLauncher) -> Iterator[None]:
+    """While inside, SIGINT and SIGTERM ask the launcher to stop instead of raising."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        launcher.request_stop()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def main(args: argparse.Namespace) -> int:
+    paths, overrides = split_items(args.items)
+    launcher = MeshLauncher(load_config(paths, overrides), on_line=print_line)
+    with stop_on_signals(launcher):
+        try:
+            launcher.start(ready_timeout_s=args.ready_timeout_s)
+        except StopRequested as interrupted:
+            print(interrupted, flush=True)
+            return 0
+        except LaunchError as error:
+            print(f"nemo-gym-ckpt run: {error}", file=sys.stderr)
+            return 1
+        _print_ready(launcher)
+        try:
+            exited = launcher.wait()
+            status = None if exited is None else launcher.returncode(exited)
+        finally:
+            stopped = launcher.stop()
+    return _report_end(launcher, exited, status, stopped)
+
+
+def _print_ready(launcher: MeshLauncher) -> None:
+    print(f"head server: {launcher.head_url}", flush=True)
+    for name in launcher.names:
+        print(f"  {name}: {launcher.url_of(name)}", flush=True)
+
+
+def _report_end(launcher: MeshLauncher, exited: str | None, status: int | None, stopped: list[str]) -> int:
+    names = ", ".join(stopped) or "none"
+    killed = f" (killed: {', '.join(launcher.killed)})" if launcher.killed else ""
+    if exited is None:
+        print(f"stopped on request; stopped: {names}{killed}", flush=True)
+        return 0
+    reason = f"{exited} exited with status {status}"
+    print(f"nemo-gym-ckpt run: {reason}; stopped: {names}{killed}", file=sys.stderr)
+    return 1

@@ -1,0 +1,484 @@
+"""The resources-server base: tools, ``/seed_session``, ``/verify`` and per-session state.
+
+A resources server is a subclass of ``ResourcesServer`` plus a ``create_app`` of two lines::
+
+    class Operands(ToolArgs):
+        a: int
+        b: int
+
+    class Calculator(ResourcesServer[Config]):
+        checkpoint_mode = "stateless"
+        checkpoint_verify = "replay"
+
+        @tool
+        async def add(self, args: Operands) -> int:
+            \"\"\"Return a + b.\"\"\"
+            return args.a + args.b
+
+        async def verify(self, task: CalculatorTask) -> Verdict:
+            text = final_text(task.response)
+            return Verdict(reward=1.0 if text == task.expected_answer else 0.0)
+
+    def create_app(ctx: ServerContext[Config]) -> FastAPI:
+        return Calculator(ctx).build_app()
+
+Routes (all also under ``/ng-rollout/<capture_key>/``):
+
+- ``POST /seed_session`` with the task row: opens a session, answers ``{"session_id"}``, sets the
+  session cookie (agents pass it back explicitly) and the checkpoint headers of PROTOCOL.md
+  section 7: ``x-ng-checkpoint-verify: replay|wait`` and, for restart-only servers,
+  ``x-ng-checkpoint-restart: 1``;
+- ``POST /verify`` with the task row plus ``response`` (a Responses API object): answers the
+  request fields plus ``reward`` plus the server's own fields (the ``Verdict``);
+- ``POST /<tool>`` per ``@tool`` method, its body the tool's arguments, its reply the tool's result
+  as JSON text (the model reads it verbatim: a number is just ``5141``);
+- ``GET /tools``: the OpenAI function-tool definitions (Responses API shape; ``?shape=chat`` for
+  the Chat Completions shape);
+- ``POST /close_session``: drops the session (idempotent).
+
+Methods are typed by their annotations: a tool's first parameter is a ``ToolArgs`` model (its JSON
+schema is the tool's ``parameters``), ``verify``'s and ``initial_state``'s is a ``TaskRow`` model.
+A method that also takes ``session: Session`` needs a live session: a call without the session
+cookie, or with an unknown one, is a 400. Only servers that keep state (``checkpoint_mode`` other
+than ``stateless``) keep a session table; a stateless server still hands out a cookie so agents
+treat every server alike. A session remembers the rollout identity it was opened under, and a call
+under another attempt of the same session is refused (409 ``stale_attempt``).
+
+Session state is plain JSON data in a plain ``SessionTable``, so the checkpoint hooks of a later
+issue can export and restore it without knowing the server.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, Literal, TypeVar, cast, get_type_hints
+
+import orjson
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.responses import Response
+
+from nemo_gym_ckpt.config import ServerConfig
+from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.errors import InvalidRequest, StaleAttempt
+from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+from nemo_gym_ckpt.server import OrjsonResponse, create_app
+
+__all__ = [
+    "CHECKPOINT_MODES",
+    "CHECKPOINT_VERIFY_MODES",
+    "RESTART_HEADER",
+    "VERIFY_HEADER",
+    "CheckpointMode",
+    "CheckpointVerify",
+    "ResourcesServer",
+    "ResponseObject",
+    "Session",
+    "SessionTable",
+    "TaskRow",
+    "ToolArgs",
+    "ToolSpec",
+    "Verdict",
+    "VerifyRequest",
+    "final_text",
+    "session_cookie_name",
+    "tool",
+]
+
+CheckpointMode = Literal["stateless", "exported", "restart_only"]
+CheckpointVerify = Literal["wait", "replay"]
+CHECKPOINT_MODES: tuple[str, ...] = ("stateless", "exported", "restart_only")
+CHECKPOINT_VERIFY_MODES: tuple[str, ...] = ("wait", "replay")
+VERIFY_HEADER = "x-ng-checkpoint-verify"
+RESTART_HEADER = "x-ng-checkpoint-restart"
+RESERVED_ROUTES = frozenset({"seed_session", "verify", "tools", "close_session", "health", "ng-control"})
+_TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+_TOOL_MARK = "__ng_tool__"
+
+_C = TypeVar("_C", bound=ServerConfig)
+
+
+# ---- payloads ------------------------------------------------------------------------------------
+
+
+class TaskRow(BaseModel):
+    """A task row in the NeMo Gym shape; the task's own fields pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    responses_create_params: dict[str, Any] | None = None
+
+
+class ResponseObject(BaseModel):
+    """The part of a Responses API object a verifier reads; everything else passes through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    output: list[dict[str, Any]]
+
+
+class VerifyRequest(TaskRow):
+    """The body of ``/verify``: the task row plus the rollout's ``response``."""
+
+    response: ResponseObject
+
+
+class Verdict(BaseModel):
+    """What ``verify`` decides: ``reward``; a server subclasses it to add its own typed fields."""
+
+    reward: float
+
+
+class ToolArgs(BaseModel):
+    """Base of tool argument models: unknown arguments are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def final_text(response: ResponseObject) -> str | None:
+    """The text of the last ``message`` output item (its ``output_text`` parts), or None."""
+    for item in reversed(response.output):
+        if item.get("type") == "message":
+            return _message_text(item.get("content"))
+    return None
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    return "".join(_part_text(part) for part in content)
+
+
+def _part_text(part: Any) -> str:
+    if isinstance(part, dict) and part.get("type") in ("output_text", "text"):
+        text = part.get("text")
+        return text if isinstance(text, str) else ""
+    return ""
+
+
+# ---- sessions ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    """One seeded session: its id, the rollout identity it was opened under, its JSON state."""
+
+    session_id: str
+    identity: RolloutIdentity | None
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        identity = self.identity.to_json() if self.identity else None
+        return {"session_id": self.session_id, "identity": identity, "state": self.state}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Session:
+        identity = data.get("identity")
+        restored = RolloutIdentity(identity["rollout_id"], identity["attempt"]) if identity else None
+        return cls(data["session_id"], restored, data.get("state") or {})
+
+
+class SessionTable:
+    """The live sessions of one server, by session id."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, Session] = {}
+
+    def open(self, identity: RolloutIdentity | None, state: dict[str, Any]) -> Session:
+        session = Session(uuid.uuid4().hex, identity, state)
+        self._sessions[session.session_id] = session
+        return session
+
+    def get(self, session_id: str | None) -> Session:
+        """The session with this id; ``InvalidRequest`` when there is none."""
+        if not session_id:
+            raise InvalidRequest("no session: call /seed_session first and pass its session cookie")
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise InvalidRequest(f"unknown session {session_id!r}: not seeded here, or already closed")
+        return session
+
+    def close(self, session_id: str | None) -> bool:
+        return self._sessions.pop(session_id or "", None) is not None
+
+    def add(self, session: Session) -> None:
+        self._sessions[session.session_id] = session
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
+
+
+def session_cookie_name(instance: str) -> str:
+    """The session cookie of one server instance (distinct per instance, cookie-safe)."""
+    return "ng_session_" + re.sub(r"[^A-Za-z0-9_-]", "_", instance)
+
+
+# ---- tools ---------------------------------------------------------------------------------------
+
+
+def tool(func: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Mark an ``async`` method as a tool, served at ``POST /<method name>``."""
+    if not inspect.iscoroutinefunction(func):
+        raise TypeError(f"tool {func.__name__} must be an async method")
+    setattr(func, _TOOL_MARK, True)
+    return func
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """One tool: its name, description, argument model, and whether it needs a session."""
+
+    name: str
+    description: str
+    args_model: type[ToolArgs]
+    takes_session: bool
+
+    def definition(self, shape: Literal["responses", "chat"] = "responses") -> dict[str, Any]:
+        """The OpenAI function-tool definition."""
+        parameters = _schema_without_titles(self.args_model.model_json_schema())
+        parameters.setdefault("properties", {})
+        strict = set(parameters.get("required", ())) == set(parameters["properties"])
+        function = {"name": self.name, "description": self.description, "parameters": parameters}
+        if shape == "chat":
+            return {"type": "function", "function": {**function, "strict": strict}}
+        return {"type": "function", **function, "strict": strict}
+
+
+def _schema_without_titles(schema: Any) -> Any:
+    """A JSON schema without pydantic's ``title`` keys (a property named "title" stays)."""
+    if isinstance(schema, list):
+        return [_schema_without_titles(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {key: _named_schemas(value) if key in ("properties", "$defs") else _schema_without_titles(value)
+            for key, value in schema.items() if key != "title"}
+
+
+def _named_schemas(mapping: Any) -> Any:
+    if not isinstance(mapping, dict):
+        return _schema_without_titles(mapping)
+    return {name: _schema_without_titles(sub) for name, sub in mapping.items()}
+
+
+@dataclass(frozen=True)
+class _Signature:
+    """A typed method (unbound): its payload model and whether it takes ``session``."""
+
+    func: Callable[..., Awaitable[Any]]
+    model: type[BaseModel]
+    takes_session: bool
+
+
+def _signature(func: Callable[..., Awaitable[Any]], base: type[BaseModel], owner: str) -> _Signature:
+    params = list(inspect.signature(func).parameters.values())[1:]
+    names = [param.name for param in params]
+    where = f"{owner}.{func.__name__}"
+    if not params or names[1:] not in ([], ["session"]):
+        raise TypeError(f"{where} must take (self, <model>) or (self, <model>, session), got {names}")
+    model = get_type_hints(func).get(params[0].name)
+    if not (isinstance(model, type) and issubclass(model, base)):
+        raise TypeError(f"{where}: the first parameter must be annotated with a {base.__name__} subclass")
+    return _Signature(func, model, takes_session=len(params) == 2)
+
+
+def _tool_spec(name: str, func: Callable[..., Awaitable[Any]], owner: str) -> ToolSpec:
+    if not _TOOL_NAME.match(name) or name in RESERVED_ROUTES:
+        raise TypeError(f"{owner}.{name}: {name!r} cannot be a tool name")
+    description = (inspect.getdoc(func) or "").split("\n\n")[0].replace("\n", " ").strip()
+    if not description:
+        raise TypeError(f"{owner}.{name}: a tool needs a docstring (its description for the model)")
+    signature = _signature(func, ToolArgs, owner)
+    args_model = cast(type[ToolArgs], signature.model)  # _signature checked it subclasses ToolArgs
+    return ToolSpec(name, description, args_model, signature.takes_session)
+
+
+# ---- request plumbing ----------------------------------------------------------------------------
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+async def _read_model(request: Request, model: type[_M]) -> _M:
+    raw = await request.body()
+    try:
+        data = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as error:
+        raise InvalidRequest(f"request body is not valid JSON: {error}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise InvalidRequest(_validation_detail(error)) from None
+
+
+def _validation_detail(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors()[:5]:
+        loc = ".".join(str(part) for part in item["loc"])
+        parts.append(f"{loc or 'body'}: {item['msg']}")
+    return "; ".join(parts)
+
+
+def _tool_output(result: Any) -> Response:
+    """The tool's result as compact JSON text (exact for any int, non-ASCII kept)."""
+    body = json.dumps(result, separators=(",", ":"), ensure_ascii=False)
+    return Response(content=body, media_type="application/json")
+
+
+# ---- the base ------------------------------------------------------------------------------------
+
+
+class ResourcesServer(Generic[_C]):
+    """Base of every resources server; see the module docstring for the routes and the rules.
+
+    A subclass defines ``async def verify(self, task: <VerifyRequest subclass>[, session]) ->
+    Verdict``, optionally ``async def initial_state(self, task: <TaskRow subclass>) -> dict`` (the
+    JSON state of a new session) and ``@tool`` methods.
+    """
+
+    checkpoint_mode: ClassVar[CheckpointMode] = "restart_only"
+    checkpoint_verify: ClassVar[CheckpointVerify] = "wait"
+    tool_specs: ClassVar[dict[str, ToolSpec]] = {}
+    verify_signature: ClassVar[_Signature]
+    seed_signature: ClassVar[_Signature]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.checkpoint_mode not in CHECKPOINT_MODES:
+            raise TypeError(f"{cls.__name__}.checkpoint_mode must be one of {CHECKPOINT_MODES}")
+        if cls.checkpoint_verify not in CHECKPOINT_VERIFY_MODES:
+            raise TypeError(f"{cls.__name__}.checkpoint_verify must be one of {CHECKPOINT_VERIFY_MODES}")
+        verify = getattr(cls, "verify", None)
+        if not inspect.iscoroutinefunction(verify):
+            raise TypeError(f"{cls.__name__} must define `async def verify(self, task)`")
+        cls.verify_signature = _signature(verify, VerifyRequest, cls.__name__)
+        cls.seed_signature = _seed_signature(cls)
+        cls.tool_specs = {
+            name: _tool_spec(name, attr, cls.__name__)
+            for klass in reversed(cls.__mro__) for name, attr in vars(klass).items()
+            if getattr(attr, _TOOL_MARK, False)
+        }
+        cls._check_sessions()
+
+    @classmethod
+    def _check_sessions(cls) -> None:
+        needy = [spec.name for spec in cls.tool_specs.values() if spec.takes_session]
+        needy += ["verify"] if cls.verify_signature.takes_session else []
+        if needy and not cls.keeps_sessions():
+            raise TypeError(f"{cls.__name__} is stateless, but {needy} take a session")
+
+    @classmethod
+    def keeps_sessions(cls) -> bool:
+        """Whether this server keeps a session table (derived from its checkpoint mode)."""
+        return cls.checkpoint_mode != "stateless"
+
+    def __init__(self, ctx: ServerContext[_C]) -> None:
+        self.ctx = ctx
+        self.settings: _C = ctx.settings
+        self.sessions = SessionTable()
+        self.cookie_name = session_cookie_name(ctx.name)
+
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        """Startup and shutdown of the server's own resources; override to add some."""
+        yield
+
+    async def initial_state(self, task: Any) -> dict[str, Any]:
+        """The JSON state of a new session; override with ``task`` annotated by a TaskRow subclass."""
+        return {}
+
+    # -- the app
+
+    def build_app(self) -> FastAPI:
+        app = create_app(self.ctx.name, lifespan=self.lifespan)
+        app.add_api_route("/seed_session", self._seed_route, methods=["POST"])
+        app.add_api_route("/verify", self._verify_route, methods=["POST"])
+        app.add_api_route("/close_session", self._close_route, methods=["POST"])
+        app.add_api_route("/tools", self._tools_route, methods=["GET"])
+        for spec in self.tool_specs.values():
+            app.add_api_route(f"/{spec.name}", self._tool_route(spec), methods=["POST"])
+        return app
+
+    def tool_definitions(self, shape: Literal["responses", "chat"] = "responses") -> list[dict[str, Any]]:
+        return [spec.definition(shape) for spec in self.tool_specs.values()]
+
+    def checkpoint_headers(self) -> dict[str, str]:
+        """The headers of every ``/seed_session`` reply (PROTOCOL.md section 7)."""
+        headers: dict[str, str] = {VERIFY_HEADER: self.checkpoint_verify}
+        if self.checkpoint_mode == "restart_only":
+            headers[RESTART_HEADER] = "1"
+        return headers
+
+    # -- routes
+
+    async def _seed_route(self, request: Request) -> Response:
+        task = await _read_model(request, self.seed_signature.model)
+        if self.keeps_sessions():
+            state = await self.initial_state(task)
+            session_id = self.sessions.open(current_identity(), state).session_id
+        else:
+            session_id = uuid.uuid4().hex
+        reply = OrjsonResponse({"session_id": session_id}, headers=self.checkpoint_headers())
+        reply.set_cookie(self.cookie_name, session_id, httponly=True, samesite="lax")
+        return reply
+
+    async def _verify_route(self, request: Request) -> Response:
+        signature = self.verify_signature
+        task = await _read_model(request, signature.model)
+        args = (task, self._session(request)) if signature.takes_session else (task,)
+        verdict = await signature.func(self, *args)
+        row = task.model_dump(mode="json", exclude_unset=True)
+        return OrjsonResponse({**row, **verdict.model_dump(mode="json")})
+
+    async def _close_route(self, request: Request) -> Response:
+        closed = self.sessions.close(request.cookies.get(self.cookie_name))
+        reply = OrjsonResponse({"closed": closed})
+        reply.delete_cookie(self.cookie_name)
+        return reply
+
+    async def _tools_route(self, shape: Literal["responses", "chat"] = "responses") -> list[dict[str, Any]]:
+        return self.tool_definitions(shape)
+
+    def _tool_route(self, spec: ToolSpec) -> Callable[[Request], Awaitable[Response]]:
+        method = getattr(self, spec.name)
+
+        async def call_tool(request: Request) -> Response:
+            args = await _read_model(request, spec.args_model)
+            if spec.takes_session:
+                return _tool_output(await method(args, self._session(request)))
+            return _tool_output(await method(args))
+
+        call_tool.__name__ = f"tool_{spec.name}"
+        return call_tool
+
+    def _session(self, request: Request) -> Session:
+        """The request's session (by cookie), refusing calls from another attempt of its rollout."""
+        session = self.sessions.get(request.cookies.get(self.cookie_name))
+        identity = current_identity()
+        if identity is not None and session.identity is not None and identity != session.identity:
+            raise StaleAttempt(
+                f"session {session.session_id} belongs to rollout {session.identity.capture_key}, "
+                f"not {identity.capture_key}"
+            )
+        return session
+
+
+def _seed_signature(cls: type[ResourcesServer[Any]]) -> _Signature:
+    """``initial_state``'s task model (``TaskRow`` for the default); it never takes a session."""
+    if cls.initial_state is ResourcesServer.initial_state:
+        return _Signature(cls.initial_state, TaskRow, takes_session=False)
+    signature = _signature(cls.initial_state, TaskRow, cls.__name__)
+    if signature.takes_session:
+        raise TypeError(f"{cls.__name__}.initial_state(self, task) takes no session: it makes one")
+    if not cls.keeps_sessions():
+        raise TypeError(f"{cls.__name__} is stateless: it has no session state to initialise")
+    return signature

@@ -1,0 +1,129 @@
+"""Grading with ``math-verify`` in worker processes, each grade under a deadline.
+
+``math_verify``'s own timeouts use ``signal.alarm``, which only works on the main thread, and a
+thread cannot be stopped: one pathological answer (``10^{10^{10}}``) would pin a thread and a core
+for good. So grades run in a small pool of worker processes (spawned, started on first use). A
+grade that overruns its deadline gets its worker killed and replaced, and comes back as
+``"timeout"``; a worker that dies mid-grade comes back as ``"worker_died"``. The server never
+waits longer than the deadline for one grade, and a stuck input never outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Literal
+
+__all__ = ["Grade", "GradeStatus", "GraderPool", "grade_answer"]
+
+GradeStatus = Literal["ok", "timeout", "worker_died"]
+GradeFn = Callable[[str, str], tuple[bool, str | None]]
+
+
+@dataclass(frozen=True)
+class Grade:
+    status: GradeStatus
+    correct: bool = False
+    extracted: str | None = None
+
+
+def grade_answer(expected: str, text: str) -> tuple[bool, str | None]:
+    """Whether ``text`` states ``expected`` (math-verify), and what it was read as."""
+    from math_verify import parse, verify
+
+    latex = expected if "$" in expected or "\\boxed" in expected else f"${expected}$"
+    gold = parse(latex, parsing_timeout=None)
+    answer = parse(text, parsing_timeout=None)
+    extracted = str(answer[-1]) if answer else None
+    return bool(gold and answer and verify(gold, answer, timeout_seconds=None)), extracted
+
+
+def _serve(conn: Connection, grade: GradeFn) -> None:
+    """A worker's loop: (expected, text) in, grade out, until ``None`` or the parent is gone."""
+    # the deadline is ours (see above): math-verify's "timeout is disabled" and parse-failure
+    # warnings are expected here and would only flood the server log
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    with conn:
+        while True:
+            try:
+                job = conn.recv()
+            except EOFError:
+                return
+            if job is None:
+                return
+            conn.send(grade(*job))
+
+
+class _Worker:
+    """One worker process and the parent's end of its pipe."""
+
+    def __init__(self, grade: GradeFn) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process: BaseProcess = context.Process(
+            target=_serve, args=(child, grade), name="math-verify-worker", daemon=True
+        )
+        self.process.start()
+        child.close()
+
+    async def grade(self, expected: str, text: str, timeout_s: float) -> Grade:
+        self.conn.send((expected, text))
+        if not await asyncio.to_thread(self.conn.poll, timeout_s):
+            return Grade("timeout")
+        try:
+            correct, extracted = self.conn.recv()
+        except EOFError:
+            return Grade("worker_died")
+        return Grade("ok", correct, extracted)
+
+    async def stop(self) -> None:
+        self.process.kill()
+        await asyncio.to_thread(self.process.join, 5.0)
+        self.conn.close()
+
+
+class GraderPool:
+    """At most ``workers`` grades at once, each bounded by ``timeout_s``."""
+
+    def __init__(self, workers: int, timeout_s: float, grade: GradeFn = grade_answer) -> None:
+        self.timeout_s = timeout_s
+        self._grade = grade
+        self._slots = asyncio.Semaphore(workers)
+        self._idle: list[_Worker] = []
+        self._busy: set[_Worker] = set()
+
+    async def grade(self, expected: str, text: str) -> Grade:
+        async with self._slots:
+            worker = self._idle.pop() if self._idle else _Worker(self._grade)
+            self._busy.add(worker)
+            result: Grade | None = None
+            try:
+                result = await worker.grade(expected, text, self.timeout_s)
+                return result
+            finally:
+                self._busy.discard(worker)
+                await self._release(worker, healthy=result is not None and result.status == "ok")
+
+    async def _release(self, worker: _Worker, healthy: bool) -> None:
+        if healthy:
+            self._idle.append(worker)
+        else:
+            await worker.stop()
+
+    @property
+    def live_workers(self) -> int:
+        return len(self._idle) + len(self._busy)
+
+    async def aclose(self) -> None:
+        workers, self._idle = [*self._idle, *self._busy], []
+        self._busy.clear()
+        for worker in workers:
+            with contextlib.suppress(OSError):
+                worker.conn.send(None)
+            await worker.stop()

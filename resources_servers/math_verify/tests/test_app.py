@@ -1,0 +1,129 @@
+"""math_verify over httpx.ASGITransport (lifespan run): grading, the deadline, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from nemo_gym_ckpt.config import load_config_dict
+from nemo_gym_ckpt.context import ServerContext
+from resources_servers.math_verify.app import create_app
+from resources_servers.math_verify.grader import GraderPool
+
+pytestmark = pytest.mark.unit
+
+PATHOLOGICAL = "$\\boxed{10^{10^{10}}+1}$"  # sympy evaluates this for minutes
+
+
+def answer(text: str) -> dict[str, Any]:
+    message = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+    return {"output": [message]}
+
+
+def crash(expected: str, text: str) -> tuple[bool, str | None]:
+    """A grade function whose worker process dies (runs in the spawned worker)."""
+    os._exit(3)
+
+
+@pytest.fixture
+async def make_client() -> AsyncIterator[Callable[..., Any]]:
+    """Clients of apps built by create_app, their lifespan (the worker pool) run and closed."""
+    stack: list[tuple[ServerContext[Any], Any]] = []
+
+    async def make(**settings: Any) -> httpx.AsyncClient:
+        mesh = load_config_dict({"mv": {"resources_servers": {"math_verify": settings}}})
+        ctx: ServerContext[Any] = ServerContext("mv", mesh.instance("mv").settings, mesh)
+        app = create_app(ctx)
+        lifespan = app.router.lifespan_context(app)
+        await lifespan.__aenter__()
+        stack.append((ctx, lifespan))
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mv")
+
+    yield make
+    for ctx, lifespan in stack:
+        await lifespan.__aexit__(None, None, None)
+        await ctx.aclose()
+
+
+async def verify(http: httpx.AsyncClient, text: str, expected: Any) -> dict[str, Any]:
+    reply = await http.post("/verify", json={"expected_answer": expected, "response": answer(text)})
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json())
+
+
+async def test_grades_with_math_verify(make_client: Callable[..., Any]) -> None:
+    http = await make_client()
+    cases = [
+        ("The answer is $42$.", 42, 1.0),
+        ("so \\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("$\\boxed{\\frac{2}{4}}$", "$\\frac{1}{2}$", 1.0),
+        ("$\\boxed{(x+1)^2}$", "x^2+2x+1", 1.0),
+        ("The answer is $43$.", 42, 0.0),
+        ("I cannot tell.", 7, 0.0),
+        ("", 2.5, 0.0),
+    ]
+    for text, expected, reward in cases:
+        body = await verify(http, text, expected)
+        assert (body["reward"], body["grade_status"]) == (reward, "ok"), (text, expected, body)
+    body = await verify(http, "The answer is $42$.", 42)
+    assert (body["expected_answer"], body["extracted_answer"]) == (42, "42")
+
+
+async def test_pathological_answer_times_out_and_server_stays_up(make_client: Callable[..., Any]) -> None:
+    http = await make_client(timeout_s=1.0, workers=1)
+    stuck = asyncio.create_task(verify(http, PATHOLOGICAL, 1))
+    assert (await http.get("/health")).status_code == 200
+    assert not stuck.done()
+    body = await stuck
+    assert (body["reward"], body["grade_status"], body["extracted_answer"]) == (0.0, "timeout", None)
+    body = await verify(http, "$\\boxed{3}$", 3)
+    assert (body["reward"], body["grade_status"]) == (1.0, "ok")
+
+
+async def test_only_the_tail_of_the_answer_is_read(make_client: Callable[..., Any]) -> None:
+    http = await make_client(max_answer_chars=12)
+    body = await verify(http, PATHOLOGICAL + " " * 40 + "$\\boxed{7}$", 7)
+    assert (body["reward"], body["grade_status"]) == (1.0, "ok")
+
+
+async def test_a_dead_worker_is_replaced() -> None:
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=crash)
+    try:
+        assert (await pool.grade("1", "1")).status == "worker_died"
+        assert pool.live_workers == 0
+        assert (await pool.grade("1", "1")).status == "worker_died"
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"expected_answer": "", "response": {"output": []}},
+        {"expected_answer": True, "response": {"output": []}},
+        {"expected_answer": None, "response": {"output": []}},
+        {"expected_answer": [1], "response": {"output": []}},
+        {"response": {"output": []}},
+        {"expected_answer": "1"},
+        {"expected_answer": "1", "response": None},
+    ],
+)
+async def test_bad_verify_bodies_are_400(make_client: Callable[..., Any], row: dict[str, Any]) -> None:
+    http = await make_client()
+    reply = await http.post("/verify", json=row)
+    assert (reply.status_code, reply.json()["error"]["code"]) == (400, "invalid_request")
+
+
+async def test_garbage_and_seed(make_client: Callable[..., Any]) -> None:
+    http = await make_client()
+    reply = await http.post("/verify", content=b"{{", headers={"content-type": "application/json"})
+    assert (reply.status_code, reply.json()["error"]["code"]) == (400, "invalid_request")
+    reply = await http.post("/seed_session", json={"expected_answer": "1"})
+    assert reply.headers["x-ng-checkpoint-verify"] == "replay"
+    assert "x-ng-checkpoint-restart" not in reply.headers
+    assert (await http.get("/tools")).json() == []

@@ -1,0 +1,156 @@
+"""The head server and port assignment, on real sockets (uvicorn in a thread, 127.0.0.1 only)."""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from nemo_gym_ckpt import cli
+from nemo_gym_ckpt.config import MeshConfig, load_config
+from nemo_gym_ckpt.head import ThreadedServer, create_head_app, server_entries
+from nemo_gym_ckpt.launch import (
+    PORT_RANGE,
+    LaunchError,
+    MeshLauncher,
+    assign_ports,
+    find_free_port,
+    wait_for_health,
+)
+from nemo_gym_ckpt.server import create_app
+
+pytestmark = pytest.mark.sockets
+
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+
+
+class ScriptedRandom(random.Random):
+    """A ``random.Random`` whose ``randint`` answers from a script (then from the seeded stream)."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__(7)
+        self.script = list(script)
+
+    def randint(self, a: int, b: int) -> int:
+        return self.script.pop(0) if self.script else super().randint(a, b)
+
+
+@pytest.fixture
+def occupied() -> Iterator[Callable[[], int]]:
+    """Bind (without listening) ports in ``PORT_RANGE`` on 127.0.0.1, so nothing else can."""
+    socks: list[socket.socket] = []
+
+    def take() -> int:
+        sock = socket.socket()
+        socks.append(sock)
+        sock.bind(("127.0.0.1", find_free_port("127.0.0.1")))
+        return int(sock.getsockname()[1])
+
+    yield take
+    for sock in socks:
+        sock.close()
+
+
+def two_servers() -> MeshConfig:
+    return load_config([FIXTURES / "two_string_match.yaml"], ["head_server.port=0"])
+
+
+def test_servers_lists_every_instance(serve_app: Callable[[Any], str]) -> None:
+    mesh = two_servers().with_ports({"sm": 15301, "sm_loose": 15302}, head_port=15300)
+    url = serve_app(create_head_app(mesh))
+    with httpx.Client(trust_env=False, timeout=5.0) as http:
+        listing = http.get(f"{url}/servers")
+        health = http.get(f"{url}/health")
+        missing = http.get(f"{url}/servers/sm")
+    assert listing.status_code == 200
+    assert listing.json() == [
+        {"name": "sm", "type": "resources_servers", "implementation": "string_match",
+         "url": "http://127.0.0.1:15301"},
+        {"name": "sm_loose", "type": "resources_servers", "implementation": "string_match",
+         "url": "http://127.0.0.1:15302"},
+    ]
+    assert listing.json() == server_entries(mesh)
+    assert health.json() == {"status": "ok", "name": "head_server"}
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_threaded_server_frees_its_port_and_refuses_a_taken_one() -> None:
+    server = ThreadedServer(create_app("probe"), "127.0.0.1", 0)
+    server.start()
+    port = server.port
+    wait_for_health(server.url, timeout_s=5.0, name="probe")
+    with pytest.raises(OSError), ThreadedServer(create_app("second"), "127.0.0.1", port):
+        pass
+    server.stop()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))  # nothing listens there any more
+    with pytest.raises(httpx.ConnectError), httpx.Client(trust_env=False) as http:
+        http.get(f"http://127.0.0.1:{port}/health")
+
+
+def test_wait_for_health_has_a_deadline(serve_app: Callable[[Any], str], occupied: Callable[[], int]) -> None:
+    url = serve_app(create_app("somebody"))
+    wait_for_health(url, timeout_s=5.0, name="somebody")
+    with pytest.raises(TimeoutError, match=r"did not answer within 0\.3 s"):
+        wait_for_health(url, timeout_s=0.3, name="somebody_else")
+    with pytest.raises(TimeoutError):
+        wait_for_health(f"http://127.0.0.1:{occupied()}", timeout_s=0.3)
+
+
+def test_assign_ports_fills_every_unset_port_with_a_distinct_free_one() -> None:
+    placed = assign_ports(two_servers())
+    ports = [placed.head_server.port, *(inst.settings.port for inst in placed.instances.values())]
+    assert all(port is not None and PORT_RANGE[0] <= port <= PORT_RANGE[1] for port in ports)
+    assert len(set(ports)) == 3
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_assign_ports_keeps_configured_ports_and_avoids_them() -> None:
+    mesh = load_config([FIXTURES / "two_string_match.yaml"],
+                       ["head_server.port=15400", "sm.resources_servers.string_match.port=15401"])
+    placed = assign_ports(mesh, rng=ScriptedRandom([15400, 15401, 15402]))
+    assert placed.head_server.port == 15400
+    assert placed.url_of("sm") == "http://127.0.0.1:15401"
+    assert placed.url_of("sm_loose") == "http://127.0.0.1:15402"
+
+
+def test_assign_ports_skips_ports_in_use(occupied: Callable[[], int]) -> None:
+    busy, other_busy = occupied(), occupied()
+    free = find_free_port("127.0.0.1", avoid={busy, other_busy})
+    placed = assign_ports(two_servers(), rng=ScriptedRandom([busy, free, other_busy, busy]))
+    ports = {placed.head_server.port, *(inst.settings.port for inst in placed.instances.values())}
+    assert free in ports and busy not in ports and other_busy not in ports and len(ports) == 3
+
+
+def test_find_free_port_gives_up_when_nothing_is_free(occupied: Callable[[], int]) -> None:
+    busy = occupied()
+    with pytest.raises(LaunchError, match="found no free port"):
+        find_free_port("127.0.0.1", rng=ScriptedRandom([busy] * 200))
+
+
+def test_the_launcher_fails_fast_when_the_head_port_is_taken(occupied: Callable[[], int]) -> None:
+    busy = occupied()
+    mesh = load_config([FIXTURES / "string_match.yaml"], [f"head_server.port={busy}"])
+    launcher = MeshLauncher(mesh)
+    with pytest.raises(LaunchError, match=f"head server cannot listen on 127.0.0.1:{busy}"):
+        launcher.start(ready_timeout_s=5.0)
+    assert launcher.pids == {}, "no server process may be started without a head server"
+    assert launcher.stop() == []
+
+
+def test_run_exits_1_with_one_line_when_the_mesh_cannot_start(
+    occupied: Callable[[], int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    busy = occupied()
+    assert cli.main(["run", str(FIXTURES / "string_match.yaml"), f"head_server.port={busy}"]) == 1
+    err = capsys.readouterr().err
+    reason = f"head server cannot listen on 127.0.0.1:{busy}: Address already in use"
+    assert err == f"nemo-gym-ckpt run: {reason}\n"

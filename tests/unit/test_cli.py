@@ -1,0 +1,138 @@
+"""The ``nemo-gym-ckpt`` command: lazy dispatch, exit statuses, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import nemo_gym_ckpt
+from nemo_gym_ckpt import cli
+from nemo_gym_ckpt.errors import ConfigError
+from nemo_gym_ckpt.launch import print_line, split_items
+
+pytestmark = pytest.mark.unit
+
+
+def _command_module(name: str, result: int | Exception) -> tuple[types.ModuleType, list[argparse.Namespace]]:
+    """A subcommand module as the CLI sees it: ``configure(parser)`` and ``main(args) -> int``."""
+    module = types.ModuleType(name)
+    seen: list[argparse.Namespace] = []
+
+    def configure(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("target")
+        parser.add_argument("--times", type=int, default=1)
+
+    def main(args: argparse.Namespace) -> int:
+        seen.append(args)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    module.configure = configure  # type: ignore[attr-defined]
+    module.main = main  # type: ignore[attr-defined]
+    return module, seen
+
+
+AddCommand = Callable[..., None]
+Capture = pytest.CaptureFixture[str]
+
+
+@pytest.fixture
+def add_command(monkeypatch: pytest.MonkeyPatch) -> AddCommand:
+    def add(name: str, module_name: str, module: types.ModuleType | None = None) -> None:
+        monkeypatch.setitem(cli.COMMANDS, name, cli.Command(module_name, f"the {name} command"))
+        if module is not None:
+            monkeypatch.setitem(sys.modules, module_name, module)
+
+    return add
+
+
+def test_every_fixed_command_is_listed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["--help"])
+    assert caught.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("run", "collect", "checkpoint", "bench", "demo"):
+        assert f"  {name} " in out
+    assert cli.COMMANDS["run"].module == "nemo_gym_ckpt.launch"
+    assert cli.COMMANDS["checkpoint"].module == "nemo_gym_ckpt.checkpoint.cli"
+
+
+@pytest.mark.parametrize("argv", [[], ["no-such-command"], ["run"], ["run", "--bogus", "x.yaml"]])
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        cli.main(argv)
+    assert caught.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_dispatch_parses_with_the_commands_own_parser(add_command: AddCommand) -> None:
+    module, seen = _command_module("ngc_test_cmd_ok", 3)
+    add_command("probe", "ngc_test_cmd_ok", module)
+    assert cli.main(["probe", "there", "--times", "4"]) == 3
+    assert [(args.target, args.times) for args in seen] == [("there", 4)]
+
+
+def test_a_config_error_is_one_line_and_exit_2(add_command: AddCommand, capsys: Capture) -> None:
+    module, _ = _command_module("ngc_test_cmd_config", ConfigError("bad value", file="m.yaml", key="a.b"))
+    add_command("probe", "ngc_test_cmd_config", module)
+    assert cli.main(["probe", "x"]) == 2
+    assert capsys.readouterr().err == "nemo-gym-ckpt: config error: m.yaml, key 'a.b': bad value\n"
+
+
+def test_a_command_not_written_yet_exits_1(add_command: AddCommand, capsys: Capture) -> None:
+    add_command("ghost", "nemo_gym_ckpt.ngc_test_ghost_command")
+    assert cli.main(["ghost", "anything"]) == 1
+    assert capsys.readouterr().err == "nemo-gym-ckpt: 'ghost' is not available yet\n"
+
+
+def test_a_missing_dependency_of_a_command_is_not_hidden(
+    add_command: AddCommand, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "ngc_test_cmd_broken.py").write_text("import ngc_test_dependency_that_is_absent\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    add_command("broken", "ngc_test_cmd_broken")
+    with pytest.raises(ModuleNotFoundError, match="ngc_test_dependency_that_is_absent"):
+        cli.main(["broken"])
+
+
+def test_a_module_without_the_interface_exits_1(add_command: AddCommand, capsys: Capture) -> None:
+    add_command("half", "ngc_test_cmd_half", types.ModuleType("ngc_test_cmd_half"))
+    assert cli.main(["half"]) == 1
+    assert "does not declare configure(parser) and main(args)" in capsys.readouterr().err
+
+
+def test_run_reports_a_config_error_on_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "mesh.yaml"
+    path.write_text("sm:\n  resources_servers:\n    string_match: {mood: exact}\n")
+    assert cli.main(["run", str(path), "head_server.port=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("nemo-gym-ckpt: config error: ")
+    assert str(path) in err and "key 'sm.resources_servers.string_match.mood'" in err and "unknown key" in err
+
+
+def test_run_arguments_split_configs_from_overrides() -> None:
+    assert split_items(["a.yaml", "x.y=1", "b.yml", "+z=[1]"]) == (["a.yaml", "b.yml"], ["x.y=1", "+z=[1]"])
+
+
+def test_the_public_api_is_exactly_all() -> None:
+    for name in nemo_gym_ckpt.__all__:
+        assert getattr(nemo_gym_ckpt, name) is not None, name
+    assert set(nemo_gym_ckpt.__all__) <= set(dir(nemo_gym_ckpt))
+    with pytest.raises(AttributeError):
+        _ = nemo_gym_ckpt.not_a_public_name  # type: ignore[attr-defined]
+    from nemo_gym_ckpt.launch import MeshLauncher
+
+    assert nemo_gym_ckpt.MeshLauncher is MeshLauncher
+
+
+def test_run_prefixes_each_server_line_with_its_name(capsys: pytest.CaptureFixture[str]) -> None:
+    print_line("policy_model", "INFO uvicorn: started")
+    print_line("sm", "")
+    assert capsys.readouterr().out == "[policy_model] INFO uvicorn: started\n[sm] \n"

@@ -1,0 +1,291 @@
+"""The resources-server base: declarations, typed methods, sessions, routes, the final-text helper."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import Field
+
+import nemo_gym_ckpt.resources as resources
+from nemo_gym_ckpt.config import ServerConfig, load_config_dict
+from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.errors import InvalidRequest, StaleCheckpoint
+from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.resources import (
+    ResourcesServer,
+    ResponseObject,
+    Session,
+    SessionTable,
+    TaskRow,
+    ToolArgs,
+    Verdict,
+    VerifyRequest,
+    final_text,
+    session_cookie_name,
+    tool,
+)
+
+pytestmark = pytest.mark.unit
+
+
+class Note(ToolArgs):
+    title: str = Field(description="what the note is called")
+    body: str = ""
+
+
+class Empty(ToolArgs):
+    pass
+
+
+class CounterTask(TaskRow):
+    start: int = 0
+
+
+class CounterVerify(VerifyRequest):
+    target: int
+
+
+class CounterVerdict(Verdict):
+    count: int
+    seen_by: str | None
+
+
+class Counter(ResourcesServer[ServerConfig]):
+    """Restart-only by default: keeps a counter per session."""
+
+    async def initial_state(self, task: CounterTask) -> dict[str, Any]:
+        return {"count": task.start}
+
+    @tool
+    async def bump(self, args: Empty, session: Session) -> int:
+        """Add one to the counter."""
+        session.state["count"] += 1
+        return int(session.state["count"])
+
+    @tool
+    async def jot(self, args: Note) -> dict[str, str]:
+        """Echo a note.
+
+        This second paragraph is not part of the description.
+        """
+        if args.title == "stale":
+            raise StaleCheckpoint("a domain error from a tool")
+        return {"title": args.title, "body": args.body}
+
+    async def verify(self, task: CounterVerify, session: Session) -> CounterVerdict:
+        count = int(session.state["count"])
+        seen_by = session.identity.capture_key if session.identity else None
+        return CounterVerdict(reward=float(count == task.target), count=count, seen_by=seen_by)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Counter]:
+    mesh = load_config_dict({"ctr": {"resources_servers": {"calculator_tools": {}}}})
+    ctx: ServerContext[Any] = ServerContext("ctr", mesh.instance("ctr").settings, mesh)
+    yield Counter(ctx)
+    await ctx.aclose()
+
+
+@pytest.fixture
+async def client(server: Counter) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=server.build_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://ctr") as http:
+        yield http
+
+
+async def test_restart_only_is_the_default_and_says_so(client: httpx.AsyncClient) -> None:
+    assert (Counter.checkpoint_mode, Counter.checkpoint_verify) == ("restart_only", "wait")
+    reply = await client.post("/seed_session", json={})
+    assert reply.headers["x-ng-checkpoint-verify"] == "wait"
+    assert reply.headers["x-ng-checkpoint-restart"] == "1"
+
+
+async def test_sessions_keep_state_and_identity(client: httpx.AsyncClient, server: Counter) -> None:
+    seeded = await client.post("/ng-rollout/r7-a2/seed_session", json={"start": 5})
+    cookie = {"cookie": f"ng_session_ctr={seeded.json()['session_id']}"}
+    client.cookies.clear()
+    assert (await client.post("/ng-rollout/r7-a2/bump", json={}, headers=cookie)).text == "6"
+    assert (await client.post("/bump", json={}, headers=cookie)).text == "7"
+    (session,) = list(server.sessions)
+    assert session.identity == RolloutIdentity("r7", 2)
+    assert session.state == {"count": 7}
+    row = {"target": 7, "response": {"output": []}}
+    body = (await client.post("/verify", json=row, headers=cookie)).json()
+    assert (body["reward"], body["count"], body["seen_by"]) == (1.0, 7, "r7-a2")
+
+
+async def test_a_stateless_tool_needs_no_session(client: httpx.AsyncClient) -> None:
+    reply = await client.post("/jot", json={"title": "t"})
+    assert reply.json() == {"title": "t", "body": ""}
+
+
+async def test_tool_domain_errors_are_structured(client: httpx.AsyncClient) -> None:
+    reply = await client.post("/jot", json={"title": "stale"})
+    assert (reply.status_code, reply.json()["error"]["code"]) == (409, "stale_checkpoint")
+
+
+async def test_bad_seed_body_is_400_and_opens_nothing(client: httpx.AsyncClient, server: Counter) -> None:
+    reply = await client.post("/seed_session", json={"start": "five"})
+    assert (reply.status_code, reply.json()["error"]["code"]) == (400, "invalid_request")
+    assert "start" in reply.json()["error"]["detail"] and len(server.sessions) == 0
+
+
+async def test_verify_echoes_only_what_was_sent(client: httpx.AsyncClient) -> None:
+    seeded = await client.post("/seed_session", json={})
+    row = {"target": 1, "response": {"id": "resp_1", "output": [], "usage": {"total_tokens": 3}}, "k": [1]}
+    cookie = {"cookie": f"ng_session_ctr={seeded.json()['session_id']}"}
+    client.cookies.clear()
+    body = (await client.post("/verify", json=row, headers=cookie)).json()
+    assert body == {**row, "reward": 0.0, "count": 0, "seen_by": None}
+
+
+def test_tool_definitions_are_openai_function_tools(server: Counter) -> None:
+    jot = {t["name"]: t for t in server.tool_definitions()}["jot"]
+    assert jot == {
+        "type": "function",
+        "name": "jot",
+        "description": "Echo a note.",
+        "parameters": {
+            "additionalProperties": False,
+            "properties": {
+                "title": {"description": "what the note is called", "type": "string"},
+                "body": {"default": "", "type": "string"},
+            },
+            "required": ["title"],
+            "type": "object",
+        },
+        "strict": False,
+    }
+    chat = {t["function"]["name"]: t for t in server.tool_definitions("chat")}["bump"]
+    assert chat["type"] == "function" and chat["function"]["parameters"]["properties"] == {}
+
+
+def test_final_text() -> None:
+    def response(*items: dict[str, Any]) -> ResponseObject:
+        return ResponseObject(output=list(items))
+
+    parts = [{"type": "output_text", "text": "a"}, {"type": "refusal", "refusal": "no"},
+             {"type": "output_text", "text": "b"}, "junk", {"type": "output_text", "text": None}]
+    assert final_text(response({"type": "message", "content": parts})) == "ab"
+    assert final_text(response({"type": "message", "content": "plain"})) == "plain"
+    assert final_text(response({"type": "message"})) == ""
+    assert final_text(response({"type": "message", "content": "x"}, {"type": "reasoning"})) == "x"
+    assert final_text(response({"type": "function_call", "name": "f"})) is None
+    assert final_text(response()) is None
+
+
+def test_session_table_and_json_round_trip() -> None:
+    table = SessionTable()
+    opened = table.open(RolloutIdentity("r1", 1), {"items": {"k": "v"}})
+    assert table.get(opened.session_id) is opened
+    data = opened.to_json()
+    assert data == {"session_id": opened.session_id, "identity": {"rollout_id": "r1", "attempt": 1},
+                    "state": {"items": {"k": "v"}}}
+    assert Session.from_json(data) == opened
+    assert Session.from_json({"session_id": "s", "identity": None}) == Session("s", None, {})
+    assert table.close(opened.session_id) and not table.close(opened.session_id)
+    for missing in (None, "", opened.session_id):
+        with pytest.raises(InvalidRequest):
+            table.get(missing)
+    table.add(opened)
+    assert [s.session_id for s in table] == [opened.session_id]
+
+
+def test_cookie_names_are_cookie_safe() -> None:
+    assert session_cookie_name("kv_store-1") == "ng_session_kv_store-1"
+    assert session_cookie_name("a b;c=d") == "ng_session_a_b_c_d"
+
+
+def _define(body: dict[str, Any], base: type = ResourcesServer) -> type:
+    return type("Bad", (base,), body)
+
+
+async def _verify(self: Any, task: VerifyRequest) -> Verdict:
+    return Verdict(reward=0.0)
+
+
+async def _verify_session(self: Any, task: VerifyRequest, session: Session) -> Verdict:
+    return Verdict(reward=0.0)
+
+
+async def _described(self: Any, args: Empty) -> int:
+    """Described."""
+    return 0
+
+
+async def _needs_session(self: Any, args: Empty, session: Session) -> int:
+    """Needs a session."""
+    return 0
+
+
+async def _undocumented(self: Any, args: Empty) -> int:
+    return 0
+
+
+async def _untyped(self: Any, args: dict) -> int:  # type: ignore[type-arg]
+    """Untyped."""
+    return 0
+
+
+async def _too_many(self: Any, args: Empty, session: Session, extra: int) -> int:
+    """Too many."""
+    return 0
+
+
+async def _seed_with_session(self: Any, task: TaskRow, session: Session) -> dict[str, Any]:
+    return {}
+
+
+async def _seed(self: Any, task: TaskRow) -> dict[str, Any]:
+    return {}
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"checkpoint_mode": "sometimes", "verify": _verify}, "checkpoint_mode must be one of"),
+        ({"checkpoint_verify": "maybe", "verify": _verify}, "checkpoint_verify must be one of"),
+        ({}, "must define `async def verify"),
+        ({"verify": lambda self, task: None}, "must define `async def verify"),
+        ({"verify": _described}, "VerifyRequest subclass"),
+        ({"verify": _verify, "t": tool(_undocumented)}, "needs a docstring"),
+        ({"verify": _verify, "t": tool(_untyped)}, "ToolArgs subclass"),
+        ({"verify": _verify, "t": tool(_too_many)}, "must take (self, <model>)"),
+        ({"verify": _verify, "tools": tool(_described)}, "cannot be a tool name"),
+        ({"verify": _verify, "bad name": tool(_described)}, "cannot be a tool name"),
+        ({"verify": _verify, "checkpoint_mode": "stateless", "t": tool(_needs_session)}, "is stateless, but"),
+        ({"verify": _verify_session, "checkpoint_mode": "stateless"}, "is stateless, but ['verify']"),
+        ({"verify": _verify, "initial_state": _seed_with_session}, "takes no session"),
+        ({"verify": _verify, "checkpoint_mode": "stateless", "initial_state": _seed}, "no session state"),
+    ],
+)
+def test_class_definitions_are_checked(body: dict[str, Any], message: str) -> None:
+    with pytest.raises(TypeError) as raised:
+        _define(body)
+    assert message in str(raised.value)
+
+
+def test_tools_must_be_async() -> None:
+    def sync_tool(self: Any, args: Empty) -> int:
+        return 0
+
+    with pytest.raises(TypeError, match="must be an async method"):
+        tool(sync_tool)  # type: ignore[arg-type]
+
+
+def test_a_minimal_server_is_a_few_lines() -> None:
+    server = _define({"checkpoint_mode": "stateless", "verify": _verify, "ping": tool(_described)})
+    assert list(server.tool_specs) == ["ping"] and not server.keeps_sessions()
+    assert server.seed_signature.model is TaskRow and server.verify_signature.model is VerifyRequest
+
+
+def test_public_surface() -> None:
+    defined_here = {
+        name for name, value in vars(resources).items()
+        if not name.startswith("_") and getattr(value, "__module__", None) == resources.__name__
+    }
+    assert defined_here <= set(resources.__all__)
+    assert all(hasattr(resources, name) for name in resources.__all__)
