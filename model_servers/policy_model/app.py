@@ -1,0 +1,114 @@
+"""The policy model server: OpenAI-compatible chat and Responses in front of the policy.
+
+It renders chats with the model's chat template, parses Hermes-style tool calls, and hands the
+caller the exact token ids and logprobs of each call for training (``return_token_ids``). It
+generates on our inference worker (``worker``), sending token ids and reusing the ids of earlier
+turns, or fronts an external OpenAI-compatible server (``upstream``). See README.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from model_servers.policy_model.backend import Backend
+from model_servers.policy_model.call_params import Defaults
+from model_servers.policy_model.routes import make_router
+from model_servers.policy_model.upstream_backend import UpstreamBackend
+from model_servers.policy_model.worker_backend import WorkerBackend
+from nemo_gym_ckpt.config import MeshConfig, ServerConfig, ServerRef
+from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.server import create_app as create_app_base
+
+__all__ = ["Config", "UpstreamConfig", "create_app", "make_backend", "tokenizer_dir"]
+
+
+class UpstreamConfig(BaseModel):
+    """An external OpenAI-compatible server; ``base_url`` includes ``/v1``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str = Field(pattern=r"^https?://")
+    api_key: SecretStr | None = None
+    model: str = Field(min_length=1)
+
+
+class Config(ServerConfig):
+    worker: ServerRef | None = None
+    upstream: UpstreamConfig | None = None
+    tokenizer_path: Path | None = None
+    model_name: str | None = None
+    return_token_ids: bool = False
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(256, ge=1)
+    request_timeout_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> Config:
+        if (self.worker is None) == (self.upstream is None):
+            raise ValueError("set exactly one of worker (our inference worker) or upstream (an external "
+                             "server)")
+        if self.worker is not None and self.worker.type != "model_servers":
+            raise ValueError(f"worker must be a model_servers instance, got {self.worker.type}")
+        if self.upstream is not None and self.tokenizer_path is not None:
+            raise ValueError("tokenizer_path is only used with worker (the upstream server tokenizes)")
+        return self
+
+
+def tokenizer_dir(settings: Config, mesh: MeshConfig) -> Path:
+    """Where the chat template and tokenizer live: ``tokenizer_path``, else the worker's model."""
+    if settings.tokenizer_path is not None:
+        return settings.tokenizer_path
+    assert settings.worker is not None
+    from model_servers.inference_worker.model_dir import resolve_model_path
+
+    worker_settings = mesh.instance(settings.worker.name).settings
+    return resolve_model_path(getattr(worker_settings, "model_path", None), must_exist=False)
+
+
+def _served_name(settings: Config, mesh: MeshConfig) -> str:
+    if settings.model_name:
+        return settings.model_name
+    if settings.upstream is not None:
+        return settings.upstream.model
+    assert settings.worker is not None
+    worker_settings = mesh.instance(settings.worker.name).settings
+    return str(getattr(worker_settings, "served_model_name", None) or settings.worker.name)
+
+
+def make_backend(ctx: ServerContext[Config]) -> Backend:
+    settings = ctx.settings
+    name = _served_name(settings, ctx.mesh)
+    if settings.upstream is not None:
+        upstream = settings.upstream
+        return UpstreamBackend(
+            client=ctx.client, base_url=upstream.base_url, api_key=upstream.api_key, model=upstream.model,
+            model_name=name, timeout_s=settings.request_timeout_s,
+        )
+    assert settings.worker is not None
+    worker_settings = ctx.mesh.instance(settings.worker.name).settings
+    return WorkerBackend(
+        client=ctx.client, url=ctx.url_of(settings.worker), tokenizer_dir=tokenizer_dir(settings, ctx.mesh),
+        model_name=name, timeout_s=settings.request_timeout_s,
+        context_length=getattr(worker_settings, "max_model_len", None),
+    )
+
+
+def create_app(ctx: ServerContext[Config]) -> FastAPI:
+    settings = ctx.settings
+    backend = make_backend(ctx)
+    defaults = Defaults(settings.temperature, settings.top_p, settings.max_tokens, settings.return_token_ids)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await backend.start()
+        yield
+
+    app = create_app_base(ctx.name, lifespan=lifespan)
+    app.include_router(make_router(backend, defaults))
+    return app

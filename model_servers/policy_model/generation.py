@@ -1,0 +1,113 @@
+"""What one model call is asked for and what it produced, independent of the wire format.
+
+The chat and Responses routes both turn their request into a ``ChatCall`` (OpenAI chat messages,
+chat-format tools, sampling) and their reply out of a ``ChatResult``; the backends (inference
+worker or external upstream) only ever see these two shapes. A streaming call yields
+``StreamStarted``, then ``TextDelta`` pieces, then the final ``ChatResult``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "TOKEN_FIELDS",
+    "ChatCall",
+    "ChatResult",
+    "FinishReason",
+    "Sampling",
+    "StreamEvent",
+    "StreamStarted",
+    "TextDelta",
+    "TokenCapture",
+    "ToolCall",
+]
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+#: The token capture fields, in the order they are written on a chat message or output item.
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "policy_version")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings after the server defaults are applied."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """One generation request: chat messages (token fields kept on assistant turns) and tools."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    sampling: Sampling
+    tool_choice: Literal["auto", "none"] = "auto"
+    want_tokens: bool = False
+
+    @property
+    def parse_tool_calls(self) -> bool:
+        """Tool calls are parsed out of the text only when tools were offered and not refused."""
+        return bool(self.tools) and self.tool_choice == "auto"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+
+    def to_chat(self) -> dict[str, Any]:
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class TokenCapture:
+    """Exact token ids and logprobs of one call, for training (NeMo Gym ``...ForTraining`` fields)."""
+
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    policy_version: int | str | None = None
+
+    def to_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in TOKEN_FIELDS}
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """The assistant turn one call produced."""
+
+    content: str
+    tool_calls: list[ToolCall]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    digest: str
+    capture: TokenCapture | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class StreamStarted:
+    """The backend accepted the call; ``digest`` names the prompt (stable ids before any token)."""
+
+    digest: str
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+StreamEvent = StreamStarted | TextDelta | ChatResult

@@ -1,0 +1,128 @@
+"""A scripted inference worker: the worker's ``/v1/completions`` contract, with chosen outputs.
+
+Each call takes the next scripted reply: text to "generate" (one id per character, the eos token
+appended unless the script says the model ran on), or an error to answer. It honours
+``max_tokens`` (cut, ``finish_reason: "length"``), answers token ids, logprobs and the prompt ids,
+streams one SSE chunk per token, and records every request body and rollout capture key.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from model_servers.policy_model.chat_format import ChatFormat
+from nemo_gym_ckpt.identity import current_identity
+from nemo_gym_ckpt.server import create_app, sse_event
+
+__all__ = ["Generate", "ScriptedWorker", "WorkerFails"]
+
+
+@dataclass(frozen=True)
+class Generate:
+    text: str
+    eos: bool = True
+    error_after: int | None = None  # streaming: send this many tokens, then an error event
+
+
+@dataclass(frozen=True)
+class WorkerFails:
+    status: int
+    body: Any
+
+
+class ScriptedWorker:
+    def __init__(self, fmt: ChatFormat, *, policy_version: int = 7) -> None:
+        self.fmt = fmt
+        self.policy_version = policy_version
+        self.script: list[Generate | WorkerFails] = []
+        self.requests: list[dict[str, Any]] = []
+        self.capture_keys: list[str | None] = []
+        self._ids = itertools.count()
+        self.app = self._make_app()
+
+    def will(self, *replies: Generate | WorkerFails | str) -> ScriptedWorker:
+        self.script.extend(Generate(r) if isinstance(r, str) else r for r in replies)
+        return self
+
+    def _make_app(self) -> FastAPI:
+        app = create_app("scripted_worker")
+
+        @app.post("/v1/completions", response_model=None)
+        async def completions(request: Request) -> Response:
+            return await self._complete(await request.json())
+
+        return app
+
+    def _generation(self, reply: Generate, max_tokens: int) -> tuple[list[int], str]:
+        # one id per character, tags included: the same text as a fresh encoding (which would merge
+        # each tag into one id) but other ids, as a model may produce; re-tokenizing them would show
+        ids = [self.fmt.encode(char)[0] for char in reply.text]
+        ids += [self.fmt.encode(self.fmt.eos_text)[0]] if reply.eos else []
+        if len(ids) > max_tokens:
+            return ids[:max_tokens], "length"
+        return ids, "stop" if reply.eos else "length"
+
+    async def _complete(self, body: dict[str, Any]) -> Response:
+        self.requests.append(body)
+        identity = current_identity()
+        self.capture_keys.append(identity.capture_key if identity else None)
+        reply = self.script.pop(0)
+        if isinstance(reply, WorkerFails):
+            return JSONResponse(reply.body, status_code=reply.status)
+        ids, finish = self._generation(reply, body["max_tokens"])
+        logprobs = [-0.25 - index / 100 for index in range(len(ids))]
+        if body.get("stream"):
+            chunks = self._chunks(body, ids, logprobs, finish, reply.error_after)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        choice = self._choice(ids, logprobs, finish, body["prompt"])
+        return JSONResponse(self._envelope(choice))
+
+    def _choice(
+        self, ids: list[int], logprobs: list[float], finish: str | None, prompt: Any
+    ) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "text": self.fmt.decode(ids).replace(self.fmt.eos_text, ""),
+            "finish_reason": finish,
+            "logprobs": {"tokens": [self.fmt.decode([i]) for i in ids], "token_logprobs": logprobs},
+            "token_ids": ids,
+            "seed": 0,
+        }
+        if prompt is not None:
+            choice["prompt_token_ids"] = prompt
+        return choice
+
+    def _envelope(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": f"cmpl-{next(self._ids)}",
+            "object": "text_completion",
+            "created": 0,
+            "model": "scripted",
+            "choices": [choice],
+            "usage": None,
+            "policy_version": self.policy_version,
+        }
+
+    async def _chunks(
+        self,
+        body: dict[str, Any],
+        ids: list[int],
+        logprobs: list[float],
+        finish: str,
+        error_after: int | None,
+    ) -> AsyncIterator[bytes]:
+        for index, token in enumerate(ids):
+            if index == error_after:
+                yield sse_event({"error": {"code": "unavailable", "detail": "engine stopped"}})
+                return
+            last = index == len(ids) - 1
+            prompt = body["prompt"] if index == 0 else None
+            choice = self._choice([token], [logprobs[index]], finish if last else None, prompt)
+            yield sse_event(self._envelope(choice))
+        yield sse_event("[DONE]")
