@@ -1,0 +1,247 @@
+"""The inference worker: one engine behind an OpenAI-compatible ``/v1/completions``.
+
+Routes (all also reachable under ``/ng-rollout/<capture_key>/``):
+
+- ``POST /v1/completions``: token ids (or text) in; text, token ids and logprobs out; SSE streaming.
+- ``GET /v1/models``: the served model name.
+- ``GET|POST /ng-control/v1/policy-version``: the version of the served weights. Every completion is
+  stamped with the version current when it was admitted. With checkpointing enabled the POST needs
+  the control bearer token.
+- ``GET /health`` (from the base app).
+
+The engine is loaded in the app's lifespan (``transformers`` on the CPU by default, ``vllm`` on a GPU);
+torch and transformers are imported only then, so loading a config that names this app stays fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from starlette.responses import Response, StreamingResponse
+
+from model_servers.inference_worker.completions import (
+    CompletionBuilder,
+    CompletionRequest,
+    plan_completion,
+)
+from model_servers.inference_worker.engine import Engine
+from model_servers.inference_worker.model_dir import model_dir_problem, resolve_model_path
+from model_servers.inference_worker.sampling import derive_seed
+from nemo_gym_ckpt.config import CheckpointConfig, ServerConfig
+from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.errors import GymError, InvalidRequest, Unauthorized, Unavailable
+from nemo_gym_ckpt.server import create_app as create_app_base
+from nemo_gym_ckpt.server import sse_event
+
+__all__ = ["Config", "EngineFactory", "PolicyVersionBody", "create_app", "load_engine"]
+
+logger = logging.getLogger(__name__)
+
+
+class Config(ServerConfig):
+    """Settings of one inference worker (the YAML block under ``inference_worker:``)."""
+
+    engine: Literal["transformers", "vllm"] = "transformers"
+    model_path: Path | None = None
+    served_model_name: str = Field("nemo-gym-ckpt-tiny", min_length=1)
+    max_batch_size: int = Field(64, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    policy_version: int = Field(0, ge=0)
+    seed: int = 0
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+    torch_threads: int | None = Field(None, ge=1)
+    kv_cache: bool = True
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    vllm_args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _local_model_exists(self) -> Config:
+        if self.engine == "transformers" and self.model_path is not None:
+            problem = model_dir_problem(self.model_path.expanduser())
+            if problem is not None:
+                raise ValueError(problem)
+        return self
+
+
+class PolicyVersionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    policy_version: StrictInt = Field(ge=0)
+
+
+EngineFactory = Callable[[Config], Awaitable[Engine]]
+
+
+async def load_engine(settings: Config) -> Engine:
+    """The engine the settings name, loaded (model weights in memory), not yet started.
+
+    The app sets the engine's ``policy_version`` from the settings before starting it.
+    """
+    if settings.engine == "vllm":
+        from model_servers.inference_worker.vllm_engine import VllmEngine
+
+        return await VllmEngine.load(
+            settings.model_path, max_batch_size=settings.max_batch_size, max_model_len=settings.max_model_len,
+            seed=settings.seed, gpu_memory_utilization=settings.gpu_memory_utilization,
+            logprobs_mode=settings.logprobs_mode, extra_args=settings.vllm_args,
+        )
+    from model_servers.inference_worker.transformers_engine import TransformersEngine
+
+    path = resolve_model_path(settings.model_path)
+    return await asyncio.to_thread(
+        TransformersEngine.load, path, max_batch_size=settings.max_batch_size,
+        max_model_len=settings.max_model_len, torch_threads=settings.torch_threads,
+        logprobs_mode=settings.logprobs_mode, kv_cache=settings.kv_cache,
+    )
+
+
+class _Worker:
+    """The loaded engine and the counter that seeds requests that come without a seed."""
+
+    def __init__(self, settings: Config) -> None:
+        self.settings = settings
+        self._engine: Engine | None = None
+        self._requests = itertools.count()
+        self.started_at = int(time.time())
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise Unavailable("the inference engine is not loaded")
+        return self._engine
+
+    def attach(self, engine: Engine | None) -> None:
+        self._engine = engine
+
+    def next_seed(self) -> int:
+        return derive_seed(self.settings.seed, next(self._requests))
+
+
+# ---- generation ----------------------------------------------------------------------------------
+
+
+async def _generate(engine: Engine, builder: CompletionBuilder) -> AsyncGenerator[bool, None]:
+    """Feed the engine's tokens to ``builder``; yields after each one, True on the last."""
+    async with aclosing(engine.generate(builder.plan.generation)) as steps:
+        async for step in steps:
+            finished = builder.add(step)
+            yield finished
+            if finished:
+                return
+    builder.close()
+
+
+async def _collect(engine: Engine, builder: CompletionBuilder) -> None:
+    async with aclosing(_generate(engine, builder)) as progress:
+        async for _ in progress:
+            pass
+
+
+async def _stream(engine: Engine, builder: CompletionBuilder) -> AsyncIterator[bytes]:
+    try:
+        async with aclosing(_generate(engine, builder)) as progress:
+            async for _ in progress:
+                chunk = builder.chunk()
+                if chunk is not None:
+                    yield sse_event(chunk)
+    except GymError as error:
+        logger.warning("completion stream %s failed: %s", builder.id, error)
+        yield sse_event(error.to_body())
+        return
+    yield sse_event("[DONE]")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[None]) -> None:
+    """Run ``work``; cancel it (and so the engine request) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise InvalidRequest("the client disconnected before the completion finished")
+    task.result()
+
+
+# ---- routes --------------------------------------------------------------------------------------
+
+
+def _check_bearer(request: Request, checkpoint: CheckpointConfig) -> None:
+    token = checkpoint.control_auth_token
+    if not checkpoint.enabled or token is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    expected = token.get_secret_value().encode()
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        raise Unauthorized("missing or wrong control bearer token")
+
+
+def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig) -> None:
+    served = worker.settings.served_model_name
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response | dict[str, Any]:
+        engine = worker.engine
+        plan = plan_completion(body, engine, served_model=served, next_seed=worker.next_seed)
+        builder = CompletionBuilder(plan, engine.tokenizer, served, engine.policy_version)
+        if plan.stream:
+            return StreamingResponse(_stream(engine, builder), media_type="text/event-stream")
+        await _unless_disconnected(request, _collect(engine, builder))
+        return builder.response()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        engine = worker.engine
+        card = {"id": served, "object": "model", "created": worker.started_at, "owned_by": "nemo-gym-ckpt",
+                "max_model_len": engine.context_length}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/ng-control/v1/policy-version")
+    async def get_policy_version() -> dict[str, int]:
+        return {"policy_version": worker.engine.policy_version}
+
+    @app.post("/ng-control/v1/policy-version")
+    async def set_policy_version(body: PolicyVersionBody, request: Request) -> dict[str, int]:
+        _check_bearer(request, checkpoint)
+        engine = worker.engine
+        engine.policy_version = body.policy_version
+        return {"policy_version": engine.policy_version}
+
+
+def create_app(ctx: ServerContext[Config], *, engine_factory: EngineFactory = load_engine) -> FastAPI:
+    """The worker app; the engine comes from ``engine_factory`` when the app starts."""
+    worker = _Worker(ctx.settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine = await engine_factory(ctx.settings)
+        engine.policy_version = ctx.settings.policy_version
+        await engine.start()
+        worker.attach(engine)
+        try:
+            yield
+        finally:
+            worker.attach(None)
+            await engine.aclose()
+
+    app = create_app_base(ctx.name, lifespan=lifespan)
+    _install_routes(app, worker, ctx.mesh.checkpoint)
+    return app
