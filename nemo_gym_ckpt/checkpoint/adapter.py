@@ -1,0 +1,75 @@
+"""What a server kind implements to be a checkpoint participant: ``ParticipantAdapter``.
+
+The participant (phases, fencing, lease, admission, files) is generic; everything that knows what
+an episode or a session is lives in the adapter. The contract of each method:
+
+- ``readiness()``: a snapshot. Ready when nothing blocks: every live episode is parked at a
+  boundary, inside a replay step, or a restart. Called while admission is closed; cheap.
+- ``export(scope)``: stream one record per exported episode or session (``None`` = everything
+  continuable). Each record is a JSON object with ``episode_id: {rollout_id, attempt}``, or a
+  ``Record`` read at restore and not changed since (exported again byte for byte). Never a restart,
+  never token arrays. Runs while admission is closed; cancelled if the checkpoint is resumed.
+- ``committed(scope)``: the records and manifest are durable. Drop restored state that ``scope``
+  left out; return extra fields for the commit reply (the model adds ``staging_keys``).
+- ``install(records, scope)``: all or nothing. Check the records (task digests, lineage, a fresh
+  process) and install each under the next attempt (``record.episode.next_attempt()``); on any
+  problem raise ``InvalidCheckpointState`` with nothing installed.
+- ``retire(episodes)``: stop those attempts (and earlier ones of the same rollouts), wait for their
+  work to end, free their state. The participant has already fenced them.
+- ``forget(rollout_ids)``: drop whatever is left of those rollouts (the fences are dropped by the
+  participant).
+- ``status_extras()``: kind-specific fields for ``GET /status`` (counts, declarations).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.identity import RolloutIdentity
+
+__all__ = ["MAX_BLOCKERS", "ExportItem", "ParticipantAdapter", "Readiness"]
+
+MAX_BLOCKERS = 100
+ExportItem = Record | Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """What a prepare waits on: ready when there are no blockers (derived, never stored)."""
+
+    blockers: Sequence[str] = ()
+    counts: Mapping[str, int] = field(default_factory=dict)
+    restarts: Sequence[str] = ()
+
+    @property
+    def ready(self) -> bool:
+        return not self.blockers
+
+    def report(self) -> dict[str, Any]:
+        """The wire report: at most 100 blockers listed, every restart listed."""
+        return {
+            "ready": self.ready,
+            "blockers": list(self.blockers[:MAX_BLOCKERS]),
+            "blocker_count": len(self.blockers),
+            "counts": dict(self.counts),
+            "restarts": list(self.restarts),
+        }
+
+
+class ParticipantAdapter(Protocol):
+    async def readiness(self) -> Readiness: ...
+
+    def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]: ...
+
+    async def committed(self, scope: Scope | None) -> Mapping[str, Any]: ...
+
+    async def install(self, records: Sequence[Record], scope: Scope) -> None: ...
+
+    async def retire(self, episodes: Sequence[RolloutIdentity]) -> None: ...
+
+    async def forget(self, rollout_ids: Sequence[str]) -> None: ...
+
+    def status_extras(self) -> Mapping[str, Any]: ...

@@ -1,0 +1,52 @@
+"""Who may come in: retire marks (``stale_attempt``) and the change signal waiters sleep on.
+
+Admission itself is derived from the phase (open exactly when idle); what is stored here is the
+per-rollout retire mark (an attempt at or below it is refused until the rollout is forgotten) and
+a ``Signal`` that wakes every waiter (a prepare waiting for readiness, a request waiting for
+resume) whenever something they wait on may have changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from nemo_gym_ckpt.errors import StaleAttempt
+from nemo_gym_ckpt.identity import RolloutIdentity
+
+__all__ = ["RetireMarks", "Signal"]
+
+
+class Signal:
+    """A broadcast: ``current`` is an event set by the next ``notify``. Take it before you look."""
+
+    def __init__(self) -> None:
+        self.current = asyncio.Event()
+
+    def notify(self) -> None:
+        event, self.current = self.current, asyncio.Event()
+        event.set()
+
+
+class RetireMarks:
+    """The highest retired attempt per rollout."""
+
+    def __init__(self) -> None:
+        self._marks: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._marks)
+
+    def check(self, episode: RolloutIdentity) -> None:
+        mark = self._marks.get(episode.rollout_id)
+        if mark is not None and episode.attempt <= mark:
+            raise StaleAttempt(f"attempt {episode.attempt} of rollout {episode.rollout_id!r} is retired "
+                               f"(retired up to attempt {mark})")
+
+    def retire(self, episodes: Iterable[RolloutIdentity]) -> None:
+        for episode in episodes:
+            self._marks[episode.rollout_id] = max(episode.attempt, self._marks.get(episode.rollout_id, -1))
+
+    def forget(self, rollout_ids: Iterable[str]) -> None:
+        for rollout_id in rollout_ids:
+            self._marks.pop(rollout_id, None)

@@ -1,0 +1,270 @@
+"""Benchmarks of the checkpoint control plane; ``nemo-gym-ckpt bench`` calls ``run_all``.
+
+- ``cycle_latency``: prepare, commit, resume cycles across 5 idle participants, each its own
+  uvicorn process on loopback, driven by the ``Coordinator`` through a head server: p50 and p99.
+- ``commit_throughput``: one participant commits 10,000 records of 4 KB; its rate against this
+  machine's fsync'd sequential write speed measured in the same run (write, fsync, rename, fsync
+  of the directory: the floor any durable commit pays), as a ratio.
+- ``admission_overhead``: what ``admit`` costs a data-plane request when checkpointing is on and
+  idle (the hot path), per call.
+
+Every figure is measured within the run against its own baseline; each function returns a dict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
+from nemo_gym_ckpt.checkpoint.minimal import SessionsAdapter, create_head_stub
+from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest
+from nemo_gym_ckpt.checkpoint.participant import Participant
+from nemo_gym_ckpt.checkpoint.store import CheckpointStore
+from nemo_gym_ckpt.head import ThreadedServer
+from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.launch import find_free_port, wait_for_health
+
+__all__ = ["admission_overhead", "commit_throughput", "cycle_latency", "run_all"]
+
+Result = dict[str, Any]
+KINDS = ("environment", "model", "agent", "resources", "resources")
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+MB = 1_000_000
+
+
+def run_all(quick: bool = False) -> Result:
+    """Every checkpoint benchmark (smaller sizes with ``quick``)."""
+    return {
+        "cycle": cycle_latency(cycles=10 if quick else 100),
+        "commit_throughput": commit_throughput(records=1_000 if quick else 10_000),
+        "admission": admission_overhead(calls=20_000 if quick else 200_000),
+    }
+
+
+def percentiles(samples_ms: list[float]) -> Result:
+    ordered = sorted(samples_ms)
+    rank = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
+    return {"p50_ms": round(rank(0.50), 3), "p99_ms": round(rank(0.99), 3), "max_ms": round(ordered[-1], 3)}
+
+
+# ---- prepare / commit / resume cycles ------------------------------------------------------------
+
+
+def cycle_latency(
+    *, participants: int = 5, cycles: int = 100, warmup: int = 5, root: Path | None = None
+) -> Result:
+    """Full cycles across ``participants`` idle participant processes on loopback."""
+    token = secrets.token_hex(16)
+    with _workdir(root) as directory, _participants(participants, directory, token) as urls:
+        listing = [
+            {"name": f"p{n}", "type": "resources_servers", "implementation": "minimal", "url": url}
+            for n, url in enumerate(urls)
+        ]
+        with ThreadedServer(create_head_stub(listing), name="bench-head") as head:
+            samples = asyncio.run(_cycles(head.url, token, cycles + warmup, directory))[warmup:]
+    return {
+        "participants": participants,
+        "cycles": cycles,
+        **percentiles([s["cycle"] for s in samples]),
+        **{
+            f"{op}_p50_ms": percentiles([s[op] for s in samples])["p50_ms"]
+            for op in ("prepare", "commit", "resume")
+        },
+    }
+
+
+async def _cycles(head_url: str, token: str, count: int, root: Path) -> list[dict[str, float]]:
+    samples = []
+    async with Coordinator(head_url, token) as coordinator:
+        await coordinator.discover()
+        for n in range(count):
+            cid, deadline = f"bench-{n}", time.time() + 60
+            started = time.perf_counter()
+            prepared = await coordinator.prepare(cid, deadline_ts=deadline)
+            after_prepare = time.perf_counter()
+            assert prepared.prepared
+            await coordinator.commit(cid, deadline_ts=deadline, checkpoint_dir=str(root / cid))
+            after_commit = time.perf_counter()
+            await coordinator.resume(cid, deadline_ts=deadline)
+            ended = time.perf_counter()
+            samples.append(
+                {
+                    "prepare": (after_prepare - started) * 1000,
+                    "commit": (after_commit - after_prepare) * 1000,
+                    "resume": (ended - after_commit) * 1000,
+                    "cycle": (ended - started) * 1000,
+                }
+            )
+    return samples
+
+
+@contextmanager
+def _participants(count: int, root: Path, token: str) -> Iterator[list[str]]:
+    env = {**os.environ, "GYM_CKPT_TOKEN": token}
+    ports: list[int] = []
+    processes = []
+    try:
+        for n in range(count):
+            ports.append(find_free_port("127.0.0.1", ports))
+            command = [
+                sys.executable,
+                "-m",
+                "nemo_gym_ckpt.checkpoint.minimal",
+                "--name",
+                f"p{n}",
+                "--kind",
+                KINDS[n % len(KINDS)],
+                "--root",
+                str(root),
+                "--port",
+                str(ports[-1]),
+            ]
+            processes.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL))
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for url in urls:
+            wait_for_health(url, timeout_s=START_TIMEOUT_S)
+        yield urls
+    finally:
+        _stop(processes)
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(STOP_TIMEOUT_S)
+
+
+@contextmanager
+def _workdir(root: Path | None) -> Iterator[Path]:
+    if root is not None:
+        yield root
+        return
+    with tempfile.TemporaryDirectory(prefix="ckpt-bench-", dir=os.environ.get("CKPT_BENCH_DIR")) as path:
+        yield Path(path)
+
+
+# ---- commit throughput against the fsync floor ----------------------------------------------------
+
+
+def commit_throughput(
+    *, records: int = 10_000, record_bytes: int = 4096, repeats: int = 3, root: Path | None = None
+) -> Result:
+    """A participant's commit of ``records`` records against fsync'd sequential writes, same run."""
+    with _workdir(root) as directory:
+        adapter = _filled_adapter(records, record_bytes)
+        floor, commit = [], []
+        for n in range(repeats):
+            floor.append(_sequential_write(directory / f"floor-{n}", records * record_bytes))
+            commit.append(asyncio.run(_commit_once(adapter, directory, f"throughput-{n}")))
+    floor_mb_s = statistics.median(floor)
+    commit_mb_s = statistics.median(commit)
+    return {
+        "records": records,
+        "record_bytes": record_bytes,
+        "repeats": repeats,
+        "fsync_write_mb_s": round(floor_mb_s, 1),
+        "commit_mb_s": round(commit_mb_s, 1),
+        "commit_records_per_s": round(commit_mb_s * MB / record_bytes),
+        "ratio_to_fsync_write": round(commit_mb_s / floor_mb_s, 3),
+    }
+
+
+def _filled_adapter(records: int, record_bytes: int) -> SessionsAdapter:
+    adapter = SessionsAdapter()
+    overhead = len(b'{"episode_id":{"rollout_id":"r0000000","attempt":0},"state":{"pad":""}}\n')
+    for n in range(records):
+        adapter.put(RolloutIdentity(f"r{n:07d}"), {"pad": "x" * (record_bytes - overhead)})
+    return adapter
+
+
+def _sequential_write(directory: Path, size: int, chunk: int = 1 << 20) -> float:
+    """MB/s of writing ``size`` bytes, fsync, rename into place, fsync of the directory."""
+    directory.mkdir(parents=True)
+    block = os.urandom(chunk)
+    started = time.perf_counter()
+    fd = os.open(directory / "data.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for offset in range(0, size, chunk):
+            os.write(fd, block[: min(chunk, size - offset)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(directory / "data.tmp", directory / "data")
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return size / MB / (time.perf_counter() - started)
+
+
+async def _commit_once(adapter: SessionsAdapter, root: Path, cid: str) -> float:
+    participant = Participant(
+        kind="environment", instance="bench", adapter=adapter, store=CheckpointStore(root), lease_grace_s=600
+    )
+    deadline = time.time() + 600
+    await participant.prepare(ControlRequest(checkpoint_id=cid, deadline_ts=deadline))
+    started = time.perf_counter()
+    reply = await participant.commit(
+        CommitRequest(checkpoint_id=cid, deadline_ts=deadline, checkpoint_dir=str(root / cid))
+    )
+    elapsed = time.perf_counter() - started
+    await participant.resume(ControlRequest(checkpoint_id=cid, deadline_ts=deadline))
+    await participant.aclose()
+    records = root / cid / "gym" / "environment" / "bench" / reply["manifest"]["records_file"]
+    return records.stat().st_size / MB / elapsed
+
+
+# ---- the hot path: admission while idle -----------------------------------------------------------
+
+
+def admission_overhead(*, calls: int = 200_000) -> Result:
+    """ns per ``admit`` of an idle participant, against an empty coroutine call (the floor)."""
+    return asyncio.run(_admission(calls))
+
+
+async def _admission(calls: int) -> Result:
+    participant = Participant(
+        kind="agent",
+        instance="bench",
+        adapter=SessionsAdapter(),
+        store=CheckpointStore(Path(tempfile.gettempdir())),
+        lease_grace_s=600,
+    )
+    identity = RolloutIdentity("r1", 3)
+
+    async def nothing(_: RolloutIdentity) -> None:
+        return None
+
+    floor = await _time_calls(nothing, identity, calls)
+    admit = await _time_calls(participant.admit, identity, calls)
+    return {
+        "calls": calls,
+        "admit_ns": round(admit),
+        "empty_call_ns": round(floor),
+        "overhead_ns": round(admit - floor),
+    }
+
+
+async def _time_calls(call: Any, identity: RolloutIdentity, calls: int) -> float:
+    started = time.perf_counter()
+    for _ in range(calls):
+        await call(identity)
+    return (time.perf_counter() - started) / calls * 1e9

@@ -1,0 +1,42 @@
+"""The lease of an open checkpoint (PROTOCOL.md section 4).
+
+It expires at ``deadline_ts + lease_grace_seconds`` of the last control call for the open id.
+Expiry is derived, never stored: ``expired`` is ``expires_at <= clock.now()``. ``watch`` sleeps on
+the clock until the lease runs out (following renewals) and then calls ``on_expiry`` once, so a
+dead controller never leaves a participant paused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nemo_gym_ckpt.checkpoint.clock import Clock
+
+__all__ = ["Lease"]
+
+
+@dataclass
+class Lease:
+    clock: Clock
+    grace_s: float
+    expires_at: float
+
+    @classmethod
+    def start(cls, clock: Clock, grace_s: float, deadline_ts: float) -> Lease:
+        return cls(clock, grace_s, deadline_ts + grace_s)
+
+    def renew(self, deadline_ts: float) -> float:
+        """Renew to this call's ``deadline_ts + grace`` and return the new expiry."""
+        self.expires_at = deadline_ts + self.grace_s
+        return self.expires_at
+
+    @property
+    def expired(self) -> bool:
+        return self.expires_at <= self.clock.now()
+
+    async def watch(self, on_expiry: Callable[[], None]) -> None:
+        """Sleep until the lease has run out, then call ``on_expiry`` (cancel to stop watching)."""
+        while not self.expired:
+            await self.clock.sleep_until(self.expires_at)
+        on_expiry()

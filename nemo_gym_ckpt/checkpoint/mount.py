@@ -1,0 +1,79 @@
+"""One call for a server to become a participant: ``mount_checkpointing``.
+
+With checkpointing off (no ``checkpoint:`` block, or ``enabled: false``) it does nothing at all and
+returns ``None``: no route (``/status`` answers 404), no participant, no waiting. With it on, it
+builds the ``Participant`` over the server's adapter, mounts the control router and closes the
+participant's background work when the app shuts down. Servers keep the returned participant and
+call ``participant.admit(identity)`` on rollout-scoped routes (only when it is not ``None``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter
+from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
+from nemo_gym_ckpt.checkpoint.fileops import FileOps
+from nemo_gym_ckpt.checkpoint.participant import Participant
+from nemo_gym_ckpt.checkpoint.router import make_router
+from nemo_gym_ckpt.checkpoint.store import CheckpointStore
+from nemo_gym_ckpt.checkpoint.telemetry import Telemetry
+from nemo_gym_ckpt.config import CheckpointConfig
+from nemo_gym_ckpt.context import ServerContext
+
+__all__ = ["mount_checkpointing"]
+
+
+def mount_checkpointing(
+    app: FastAPI,
+    source: ServerContext[Any] | CheckpointConfig,
+    adapter: ParticipantAdapter,
+    *,
+    kind: str,
+    instance: str | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+    telemetry: Telemetry | None = None,
+    file_ops: FileOps | None = None,
+) -> Participant | None:
+    """Mount the control routes of a new participant on ``app``; ``None`` when checkpointing is off.
+
+    ``source`` is the server's context (its instance name and the mesh's ``checkpoint`` block) or a
+    ``CheckpointConfig`` (then ``instance`` is required).
+    """
+    config = source.mesh.checkpoint if isinstance(source, ServerContext) else source
+    if not config.enabled:
+        return None
+    name = instance or (source.name if isinstance(source, ServerContext) else None)
+    if name is None:
+        raise ValueError("instance is required when mounting from a CheckpointConfig")
+    assert config.control_auth_token is not None  # the config refuses enabled without a token
+    participant = Participant(
+        kind=kind,
+        instance=name,
+        adapter=adapter,
+        store=CheckpointStore(config.root, file_ops),
+        lease_grace_s=config.lease_grace_seconds,
+        clock=clock,
+        telemetry=telemetry.for_participant(kind, name) if telemetry else None,
+    )
+    app.include_router(make_router(participant, config.control_auth_token.get_secret_value()))
+    _close_with(app, participant)
+    return participant
+
+
+def _close_with(app: FastAPI, participant: Participant) -> None:
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(instance: FastAPI) -> AsyncIterator[Any]:
+        async with inner(instance) as state:
+            try:
+                yield state
+            finally:
+                await participant.aclose()
+
+    app.router.lifespan_context = lifespan

@@ -1,0 +1,487 @@
+"""The checkpoint participant: phases, fencing, idempotent replies, the lease, admission.
+
+Generic over a ``ParticipantAdapter`` (the kind-specific part). PROTOCOL.md section 4:
+
+- one checkpoint id open at a time (another one: ``checkpoint_conflict``); the last 64 resumed
+  ids are fenced (``stale_checkpoint``), and a resume of an unknown id while idle fences it too;
+- prepare, commit and restore are stored with their arguments: the same call again gets the
+  stored reply (or awaits the same work), other arguments get ``checkpoint_conflict``;
+- one export task and one write task per checkpoint id, started by the first commit and
+  outliving its request; a resume before the write's commit point means no manifest, ever;
+- the lease expires at ``deadline_ts + lease_grace_seconds`` of the last call for the open id;
+  then the participant resumes itself and emits ``lease_expired``;
+- data-plane requests wait (``admit``) while a checkpoint is open; retired attempts are refused.
+
+All state changes happen in synchronous code between awaits, so no lock is needed; every wait is
+bounded by a deadline on the injected clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Coroutine, Hashable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter, Readiness
+from nemo_gym_ckpt.checkpoint.admission import RetireMarks, Signal
+from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock, wait_until
+from nemo_gym_ckpt.checkpoint.lease import Lease
+from nemo_gym_ckpt.checkpoint.models import (
+    CommitRequest,
+    ControlRequest,
+    ForgetRequest,
+    RestoreRequest,
+    RetireRequest,
+)
+from nemo_gym_ckpt.checkpoint.phases import Op, Phase, advance
+from nemo_gym_ckpt.checkpoint.pipeline import ExportPipeline
+from nemo_gym_ckpt.checkpoint.records import Scope
+from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
+from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
+from nemo_gym_ckpt.errors import (
+    CheckpointConflict,
+    DeadlineExceeded,
+    GymError,
+    InvalidCheckpointState,
+    InvalidPhase,
+    RolloutIdRequired,
+    StaleCheckpoint,
+)
+from nemo_gym_ckpt.identity import RolloutIdentity
+
+__all__ = ["KINDS", "REMEMBERED_IDS", "Participant"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+KINDS = ("environment", "model", "agent", "resources")
+REMEMBERED_IDS = 64
+READINESS_POLL_S = 1.0
+_INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+Work = Coroutine[Any, Any, dict[str, Any]]
+
+
+@dataclass
+class _Job:
+    """One export+write (commit) or read+install (restore), keyed by its arguments."""
+
+    args: Hashable
+    task: asyncio.Task[dict[str, Any]]
+
+
+@dataclass
+class _Open:
+    """The open checkpoint: at most one at a time."""
+
+    checkpoint_id: str
+    lease: Lease
+    stop: StopSignal = field(default_factory=StopSignal)
+    prepared: dict[str, Any] | None = None
+    jobs: dict[Op, _Job] = field(default_factory=dict)
+    pipeline: ExportPipeline | None = None
+    installing: bool = False
+    watchdog: asyncio.Task[None] | None = None
+
+
+class Participant:
+    """One server's side of the checkpoint protocol."""
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        instance: str,
+        adapter: ParticipantAdapter,
+        store: CheckpointStore,
+        lease_grace_s: float,
+        clock: Clock = SYSTEM_CLOCK,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if not _INSTANCE.fullmatch(instance):
+            raise ValueError(f"instance name {instance!r} is not a safe directory name")
+        if lease_grace_s <= 0:
+            raise ValueError("lease_grace_s must be > 0")
+        self.kind, self.instance, self.adapter, self.store = kind, instance, adapter, store
+        self.lease_grace_s, self.clock = lease_grace_s, clock
+        self.telemetry = telemetry or Telemetry(kind, instance)
+        self.phase = Phase.IDLE
+        self.marks = RetireMarks()
+        self.signal = Signal()
+        self._open: _Open | None = None
+        self._fenced: OrderedDict[str, None] = OrderedDict()
+        self._served = False
+        self._installed = False
+        self._waiting = 0
+        self._last_report: dict[str, Any] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ---- read-only view ---------------------------------------------------------------------
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self._open.checkpoint_id if self._open else None
+
+    @property
+    def fresh(self) -> bool:
+        """Has served no rollout traffic and installed nothing: a restore may run."""
+        return not (self._served or self._installed)
+
+    def status(self) -> dict[str, Any]:
+        self._expire_if_due()
+        return {
+            "kind": self.kind,
+            "instance": self.instance,
+            "phase": self.phase,
+            "checkpoint_id": self.checkpoint_id,
+            "lease_expires_at": self._open.lease.expires_at if self._open else None,
+            "retired_rollouts": len(self.marks),
+            "report": self._last_report,
+            "waiting_requests": self._waiting,
+            "extras": dict(self.adapter.status_extras()),
+        }
+
+    # ---- control operations -----------------------------------------------------------------
+
+    async def prepare(self, request: ControlRequest) -> dict[str, Any]:
+        with self.telemetry.operation(Op.PREPARE, request.checkpoint_id) as span:
+            reply = await self._prepare(request)
+            span.set_attribute(ATTR.PHASE, self.phase)
+            return reply
+
+    async def renew(self, request: ControlRequest) -> dict[str, Any]:
+        with self.telemetry.operation(Op.RENEW, request.checkpoint_id):
+            open_ = self._enter(request.checkpoint_id)
+            self._check_deadline(request.deadline_ts)
+            advance(self.phase, Op.RENEW)
+            assert open_ is not None  # every phase renew is allowed in has an open checkpoint
+            return {"lease_expires_at": open_.lease.renew(request.deadline_ts)}
+
+    async def commit(self, request: CommitRequest) -> dict[str, Any]:
+        with self.telemetry.operation(Op.COMMIT, request.checkpoint_id) as span:
+            reply = await self._commit(request)
+            span.set_attribute(ATTR.PHASE, self.phase)
+            return reply
+
+    async def restore(self, request: RestoreRequest) -> dict[str, Any]:
+        with self.telemetry.operation(Op.RESTORE, request.checkpoint_id) as span:
+            reply = await self._restore(request)
+            span.set_attribute(ATTR.PHASE, self.phase)
+            return reply
+
+    async def resume(self, request: ControlRequest) -> dict[str, Any]:
+        with self.telemetry.operation(Op.RESUME, request.checkpoint_id):
+            return self._resume(request)
+
+    async def retire(self, request: RetireRequest) -> dict[str, Any]:
+        with self.telemetry.operation(Op.RETIRE, request.checkpoint_id):
+            episodes = request.episodes() or []
+            self._enter_housekeeping(request, Op.RETIRE)
+            self.marks.retire(episodes)
+            self.signal.notify()
+            await self._bounded(self.adapter.retire(episodes), request.deadline_ts, "retire")
+            return {"retired": [episode.capture_key for episode in episodes]}
+
+    async def forget(self, request: ForgetRequest) -> dict[str, Any]:
+        with self.telemetry.operation(Op.FORGET, request.checkpoint_id):
+            self._enter_housekeeping(request, Op.FORGET)
+            self.marks.forget(request.rollout_ids)
+            await self._bounded(self.adapter.forget(request.rollout_ids), request.deadline_ts, "forget")
+            return {"forgotten": list(request.rollout_ids)}
+
+    # ---- data plane -------------------------------------------------------------------------
+
+    async def admit(self, identity: RolloutIdentity | None, *, deadline_ts: float | None = None) -> None:
+        """Let a rollout-scoped request in: wait while a checkpoint is open; refuse retired attempts."""
+        try:
+            await self._admit(identity, deadline_ts)
+        except GymError as error:
+            self.telemetry.event("refused", code=error.code)
+            raise
+
+    def notify_changed(self) -> None:
+        """Tell waiters that readiness may have changed (an episode parked, a stream drained)."""
+        self.signal.notify()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait (up to ``timeout_s``) until no background work is left; ``True`` if none is.
+
+        Jobs outlive their requests (a write goes on to its end or its stop); this is how a test,
+        or a graceful shutdown, waits for them.
+        """
+        tasks = set(self._background)
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        return not self._background
+
+    async def aclose(self) -> None:
+        """Cancel the background work (jobs, lease watch) and wait for it to end."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- prepare ----------------------------------------------------------------------------
+
+    async def _prepare(self, request: ControlRequest) -> dict[str, Any]:
+        open_ = self._enter(request.checkpoint_id)
+        if open_ is not None and open_.prepared is not None:
+            self._renew(open_, request.deadline_ts)
+            return open_.prepared
+        self._check_deadline(request.deadline_ts)
+        self.phase = advance(self.phase, Op.PREPARE)
+        open_ = open_ or self._open_checkpoint(request.checkpoint_id, request.deadline_ts)
+        open_.lease.renew(request.deadline_ts)
+        with self.telemetry.span("wait_ready", **{ATTR.ID: request.checkpoint_id}):
+            return await self._wait_ready(open_, request.deadline_ts)
+
+    async def _wait_ready(self, open_: _Open, deadline_ts: float) -> dict[str, Any]:
+        while True:
+            changed = self.signal.current
+            readiness = await self.adapter.readiness()
+            self._ensure_current(open_)
+            if open_.prepared is not None:
+                return open_.prepared
+            self._last_report = readiness.report()
+            if readiness.ready:
+                self.phase = advance(self.phase, Op.READY)
+                open_.prepared = {"phase": self.phase, "report": self._last_report}
+                return open_.prepared
+            if self.clock.now() >= deadline_ts:
+                self.telemetry.event("prepare_not_ready")
+                return {"phase": self.phase, "report": self._last_report}
+            poll_until = min(deadline_ts, self.clock.now() + READINESS_POLL_S)
+            await wait_until(self.clock, changed.wait(), poll_until)
+
+    # ---- commit -----------------------------------------------------------------------------
+
+    async def _commit(self, request: CommitRequest) -> dict[str, Any]:
+        open_ = self._enter(request.checkpoint_id)
+        directory = self.store.locate(request.checkpoint_dir)
+        episodes = request.episodes()
+        scope = None if episodes is None else frozenset(episodes)
+        job = self._stored_job(open_, Op.COMMIT, (directory, scope), request.deadline_ts)
+        if job is None:
+            self._check_deadline(request.deadline_ts)
+            advance(self.phase, Op.COMMIT)
+            assert open_ is not None  # commit is only allowed from prepared
+            for episode in episodes or ():
+                self.marks.check(episode)
+            open_.lease.renew(request.deadline_ts)
+            work = self._run_commit(open_, directory, scope)
+            job = self._start_job(open_, Op.COMMIT, (directory, scope), work)
+        return await self._await_job(job, request.deadline_ts, request.checkpoint_id)
+
+    async def _run_commit(self, open_: _Open, directory: Path, scope: Scope | None) -> dict[str, Any]:
+        _check_committable(await self.adapter.readiness(), scope)
+        open_writer = self.store.open_writer
+        writer = await asyncio.to_thread(open_writer, directory, self.kind, self.instance, open_.stop)
+        open_.pipeline = ExportPipeline(self.adapter, scope, self.telemetry, open_.checkpoint_id)
+        with self.telemetry.span("write", **{ATTR.ID: open_.checkpoint_id}) as span:
+            manifest, exported = await open_.pipeline.run(writer, self.kind, self.instance)
+            self.telemetry.moved(Op.COMMIT, span, writer.count, writer.bytes)
+        extras = await self.adapter.committed(scope)
+        if self._open is open_:
+            self.phase = advance(self.phase, Op.COMMIT)
+        return {"phase": Phase.COMMITTED, "manifest": manifest.to_json(), "episode_ids": exported, **extras}
+
+    # ---- restore ----------------------------------------------------------------------------
+
+    async def _restore(self, request: RestoreRequest) -> dict[str, Any]:
+        open_ = self._enter(request.checkpoint_id)
+        directory = self.store.locate(request.checkpoint_dir)
+        scope = frozenset(request.episodes() or ())
+        job = self._stored_job(open_, Op.RESTORE, (directory, scope), request.deadline_ts)
+        if job is None:
+            self._check_deadline(request.deadline_ts)
+            phase = advance(self.phase, Op.RESTORE)
+            if not self.fresh:
+                raise InvalidPhase("restore expected a fresh process (no rollout traffic, nothing restored), "
+                                   "got one that is not")
+            for episode in scope:
+                self.marks.check(episode.next_attempt())
+            self.phase = phase
+            open_ = self._open_checkpoint(request.checkpoint_id, request.deadline_ts)
+            work = self._run_restore(open_, directory, scope)
+            job = self._start_job(open_, Op.RESTORE, (directory, scope), work)
+        return await self._await_job(job, request.deadline_ts, request.checkpoint_id)
+
+    async def _run_restore(self, open_: _Open, directory: Path, scope: Scope) -> dict[str, Any]:
+        with self.telemetry.span("read", **{ATTR.ID: open_.checkpoint_id}) as span:
+            read = await asyncio.to_thread(self.store.read, directory, self.kind, self.instance, scope)
+            self.telemetry.moved(Op.RESTORE, span, len(read.records), read.bytes_read)
+        open_.stop.check()
+        open_.installing = True
+        attributes = {ATTR.ID: open_.checkpoint_id, ATTR.RECORDS: len(read.records)}
+        with self.telemetry.span("install", **attributes):
+            await self.adapter.install(read.records, scope)
+        self._installed = True
+        restored = sorted({record.episode.next_attempt().capture_key for record in read.records})
+        source = read.manifest.checkpoint_id
+        return {"phase": Phase.RESTORED, "source_checkpoint_id": source, "restored": restored}
+
+    # ---- resume, retire, forget -------------------------------------------------------------
+
+    def _resume(self, request: ControlRequest) -> dict[str, Any]:
+        self._expire_if_due()
+        if request.checkpoint_id in self._fenced:
+            return {"phase": self.phase, "idempotent": True}
+        open_ = self._enter(request.checkpoint_id)
+        self._check_deadline(request.deadline_ts)
+        if open_ is None:
+            self._fence(request.checkpoint_id)
+            return {"phase": self.phase, "idempotent": True}
+        self._close(open_)
+        return {"phase": self.phase, "idempotent": False}
+
+    def _enter_housekeeping(self, request: ControlRequest, op: Op) -> None:
+        open_ = self._enter(request.checkpoint_id)
+        self._check_deadline(request.deadline_ts)
+        advance(self.phase, op)
+        if open_ is not None:
+            open_.lease.renew(request.deadline_ts)
+
+    async def _bounded(self, work: Coroutine[Any, Any, T], deadline_ts: float, what: str) -> T | None:
+        done, result = await wait_until(self.clock, work, deadline_ts)
+        if not done:
+            raise DeadlineExceeded(f"{what} did not finish by the deadline (the fences are in place)")
+        return result
+
+    # ---- admission --------------------------------------------------------------------------
+
+    async def _admit(self, identity: RolloutIdentity | None, deadline_ts: float | None) -> None:
+        if identity is None:
+            raise RolloutIdRequired("checkpointing is on: a rollout-scoped request needs /ng-rollout/<key>/")
+        while True:
+            self._expire_if_due()
+            self.marks.check(identity)
+            if self.phase is Phase.IDLE:
+                self._served = True
+                return
+            changed = self.signal.current
+            until = self._open.lease.expires_at if self._open else self.clock.now()
+            if deadline_ts is not None:
+                self._check_deadline(deadline_ts)
+                until = min(until, deadline_ts)
+            self._waiting += 1
+            try:
+                await wait_until(self.clock, changed.wait(), until)
+            finally:
+                self._waiting -= 1
+
+    # ---- the open checkpoint ----------------------------------------------------------------
+
+    def _enter(self, checkpoint_id: str) -> _Open | None:
+        """Fencing common to every op: a resumed id is stale; another open id is a conflict."""
+        self._expire_if_due()
+        if checkpoint_id in self._fenced:
+            raise StaleCheckpoint(f"checkpoint {checkpoint_id} was already resumed")
+        open_ = self._open
+        if open_ is not None and open_.checkpoint_id != checkpoint_id:
+            raise CheckpointConflict(f"checkpoint {open_.checkpoint_id} is open, got {checkpoint_id}")
+        return open_
+
+    def _check_deadline(self, deadline_ts: float) -> None:
+        late = self.clock.now() - deadline_ts
+        if late >= 0:
+            raise DeadlineExceeded(f"deadline_ts passed {late:.3f} s ago")
+
+    def _renew(self, open_: _Open, deadline_ts: float) -> None:
+        if deadline_ts > self.clock.now():
+            open_.lease.renew(deadline_ts)
+
+    def _open_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> _Open:
+        open_ = _Open(checkpoint_id, Lease.start(self.clock, self.lease_grace_s, deadline_ts))
+        self._open = open_
+        open_.watchdog = self._spawn(open_.lease.watch(lambda: self._expire(open_)))
+        self.signal.notify()
+        return open_
+
+    def _ensure_current(self, open_: _Open) -> None:
+        if self._open is not open_:
+            raise StaleCheckpoint(f"checkpoint {open_.checkpoint_id} was resumed while waiting")
+
+    def _expire_if_due(self) -> None:
+        if self._open is not None and self._open.lease.expired:
+            self._expire(self._open)
+
+    def _expire(self, open_: _Open) -> None:
+        if self._open is open_:
+            logger.warning("checkpoint %s: lease expired; resuming by itself", open_.checkpoint_id)
+            self.telemetry.event("lease_expired")
+            self._close(open_)
+
+    def _close(self, open_: _Open) -> None:
+        """Resume: stop the write before its commit point (or let a passed one finish), reopen."""
+        self._open = None
+        self._fence(open_.checkpoint_id)
+        if open_.stop.stop():
+            for op, job in open_.jobs.items():
+                if not (op is Op.RESTORE and open_.installing):
+                    job.task.cancel()
+            if open_.pipeline is not None:
+                open_.pipeline.cancel_export()
+        if open_.watchdog is not None:
+            open_.watchdog.cancel()
+        self.phase = advance(self.phase, Op.RESUME)
+        self.signal.notify()
+
+    def _fence(self, checkpoint_id: str) -> None:
+        self._fenced[checkpoint_id] = None
+        self._fenced.move_to_end(checkpoint_id)
+        while len(self._fenced) > REMEMBERED_IDS:
+            self._fenced.popitem(last=False)
+
+    # ---- jobs -------------------------------------------------------------------------------
+
+    def _stored_job(self, open_: _Open | None, op: Op, args: Hashable, deadline_ts: float) -> _Job | None:
+        job = open_.jobs.get(op) if open_ is not None else None
+        if job is None:
+            return None
+        if job.args != args:
+            raise CheckpointConflict(f"{op} of this checkpoint was already asked with other arguments")
+        assert open_ is not None
+        self._renew(open_, deadline_ts)
+        return job
+
+    def _start_job(self, open_: _Open, op: Op, args: Hashable, work: Work) -> _Job:
+        job = _Job(args, self._spawn(work))
+        open_.jobs[op] = job
+        return job
+
+    async def _await_job(self, job: _Job, deadline_ts: float, checkpoint_id: str) -> dict[str, Any]:
+        done, reply = await wait_until(self.clock, asyncio.shield(job.task), deadline_ts)
+        if job.task.cancelled():
+            raise StaleCheckpoint(f"checkpoint {checkpoint_id} was resumed before this finished")
+        if not done or reply is None:
+            raise DeadlineExceeded("still working at the deadline; the same call again awaits the same work")
+        return reply
+
+    def _spawn(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._forget_task)
+        return task
+
+    def _forget_task(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        error = None if task.cancelled() else task.exception()
+        if error is not None and not isinstance(error, GymError):
+            logger.error("checkpoint background work failed", exc_info=error)
+
+
+def _check_committable(readiness: Readiness, scope: Scope | None) -> None:
+    if not readiness.ready:
+        raise InvalidPhase(f"commit expected a ready participant, got {len(readiness.blockers)} blockers "
+                           f"({', '.join(readiness.blockers[:5])})")
+    if scope is not None:
+        restarts = {episode.capture_key for episode in scope} & set(readiness.restarts)
+        if restarts:
+            listed = sorted(restarts)[:10]
+            raise InvalidCheckpointState(f"restart episodes cannot be in a commit scope: {listed}")

@@ -1,0 +1,96 @@
+"""One exported record: a JSON object of one episode (or one session of an episode).
+
+Every record names its episode in ``episode_id: {rollout_id, attempt}``; that is how a commit or a
+restore keeps only the records in its scope. A ``Record`` keeps the exact bytes it was read from,
+so content restored and not changed is exported again byte for byte (an adapter yields the same
+``Record`` back). Token arrays never appear in records: a record carrying one of
+``TOKEN_ARRAY_KEYS`` is refused when it is encoded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from nemo_gym_ckpt.errors import GymError, InternalError, InvalidCheckpointState
+from nemo_gym_ckpt.identity import RolloutIdentity
+
+__all__ = ["TOKEN_ARRAY_KEYS", "Record", "Scope", "episode_of", "scope_of"]
+
+Scope = frozenset[RolloutIdentity]
+
+TOKEN_ARRAY_KEYS = (
+    "prompt_token_ids",
+    "generation_token_ids",
+    "generation_log_probs",
+    "token_ids",
+    "logprobs",
+)
+_TOKEN_KEYS = frozenset(TOKEN_ARRAY_KEYS)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A record's exact JSON bytes (no newline), its parsed object and its episode."""
+
+    raw: bytes
+    data: dict[str, Any]
+    episode: RolloutIdentity
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> Record:
+        """Encode a record an adapter exported (key order kept); a malformed one is a bug."""
+        try:
+            raw = orjson.dumps(data)
+            episode = episode_of(data)
+        except (TypeError, GymError) as error:
+            raise InternalError(f"adapter exported an unusable record: {error}") from error
+        _refuse_token_arrays(data, InternalError)
+        return cls(raw, data if isinstance(data, dict) else dict(data), episode)
+
+    @classmethod
+    def from_raw(cls, raw: bytes) -> Record:
+        """Parse one line of a records file; anything malformed is ``InvalidCheckpointState``."""
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as error:
+            raise InvalidCheckpointState(f"a record is not valid JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise InvalidCheckpointState("a record is not a JSON object")
+        _refuse_token_arrays(data, InvalidCheckpointState)
+        try:
+            return cls(raw, data, episode_of(data))
+        except GymError as error:
+            raise InvalidCheckpointState(f"a record has no valid episode_id: {error.detail}") from None
+
+
+def episode_of(data: Mapping[str, Any]) -> RolloutIdentity:
+    """The ``episode_id`` of a record (``InvalidCheckpointState`` when missing or malformed)."""
+    episode = data.get("episode_id")
+    if not isinstance(episode, dict) or len(episode) != 2:
+        raise InvalidCheckpointState("episode_id must be {rollout_id, attempt}")
+    rollout_id, attempt = episode.get("rollout_id"), episode.get("attempt")
+    if not isinstance(rollout_id, str) or type(attempt) is not int:
+        raise InvalidCheckpointState("episode_id must be {rollout_id: str, attempt: int}")
+    return RolloutIdentity(rollout_id, attempt)
+
+
+def scope_of(episodes: list[RolloutIdentity] | None) -> Scope | None:
+    return None if episodes is None else frozenset(episodes)
+
+
+def _refuse_token_arrays(data: Any, error: type[GymError]) -> None:
+    """Walk the containers of a record (never the text of its strings) for a token-array key."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            found = _TOKEN_KEYS.intersection(value)
+            if found:
+                raise error(f"records never carry token arrays; found {sorted(found)[0]!r}")
+            stack.extend(item for item in value.values() if isinstance(item, dict | list))
+        elif isinstance(value, list):
+            stack.extend(item for item in value if isinstance(item, dict | list))

@@ -1,0 +1,367 @@
+"""Checkpoint files: records, then the manifest (PROTOCOL.md section 6). The only code that
+touches them, through one ``FileOps`` seam.
+
+Write, per participant, under ``<checkpoint_dir>/gym/<kind>/<instance>/``:
+
+1. stream the record lines to ``.records-<random>.tmp``, hashing (SHA-256) and counting; fsync;
+2. rename it to ``records-<sha256>.jsonl``; fsync the directory;
+3. write ``.manifest-<random>.tmp``, fsync it, hard-link it to ``manifest.json`` (never replaced:
+   an identical manifest already there is the same commit, a different one an error); fsync the
+   directory.
+
+The link is the commit point. It runs under a ``StopSignal``: a checkpoint resumed before that
+point never gets a manifest. Read streams the records file once, checking the manifest's digest
+and count and keeping only the records in scope; any inconsistency is ``InvalidCheckpointState``.
+``checkpoint_dir`` must resolve inside the store's root (no ``..``, no symlink escape); like any path,
+a relative one resolves against the process's working directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import re
+import secrets
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+from pathlib import Path, PurePath
+from typing import Any, TypeVar
+
+import orjson
+
+from nemo_gym_ckpt.checkpoint.fileops import FileOps
+from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.errors import (
+    CheckpointConflict,
+    InvalidCheckpointState,
+    InvalidRequest,
+    StaleCheckpoint,
+    Unavailable,
+)
+
+__all__ = [
+    "MANIFEST_NAME",
+    "SCHEMA_VERSION",
+    "CheckpointStore",
+    "Manifest",
+    "ReadResult",
+    "RecordWriter",
+    "StopSignal",
+    "WriteStopped",
+]
+
+T = TypeVar("T")
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 64 * 1024
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class WriteStopped(StaleCheckpoint):
+    """The checkpoint was resumed before its write reached the commit point."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    kind: str
+    instance: str
+    checkpoint_id: str
+    records_file: str
+    records_sha256: str
+    record_count: int
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": self.schema_version, **{k: v for k, v in asdict(self).items()
+                                                          if k != "schema_version"}}
+
+    def encode(self) -> bytes:
+        return orjson.dumps(self.to_json(), option=orjson.OPT_INDENT_2) + b"\n"
+
+    @classmethod
+    def parse(cls, content: bytes) -> Manifest:
+        try:
+            data = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            raise InvalidCheckpointState("manifest.json is not valid JSON") from None
+        expected = set(cls.__dataclass_fields__)
+        if not isinstance(data, dict) or set(data) != expected:
+            raise InvalidCheckpointState(f"manifest.json must have exactly the fields {sorted(expected)}")
+        _check_manifest_types(data)
+        return cls(**data)
+
+
+def _check_manifest_types(data: dict[str, Any]) -> None:
+    if data["schema_version"] != SCHEMA_VERSION or type(data["schema_version"]) is not int:
+        raise InvalidCheckpointState(f"manifest schema_version: expected {SCHEMA_VERSION}, "
+                                     f"got {data['schema_version']!r}")
+    for key in ("kind", "instance", "checkpoint_id", "records_file", "records_sha256"):
+        if not isinstance(data[key], str):
+            raise InvalidCheckpointState(f"manifest {key} must be a string")
+    if type(data["record_count"]) is not int or data["record_count"] < 0:
+        raise InvalidCheckpointState("manifest record_count must be a non-negative integer")
+    if not _SHA256.fullmatch(data["records_sha256"]):
+        raise InvalidCheckpointState("manifest records_sha256 is not a SHA-256 hex digest")
+    if data["records_file"] != f"records-{data['records_sha256']}.jsonl":
+        raise InvalidCheckpointState(f"manifest names records file {data['records_file']!r}, "
+                                     f"expected records-{data['records_sha256']}.jsonl")
+
+
+class StopSignal:
+    """Orders a resume against the commit point of a write: exactly one of them goes first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._passed = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def stop(self) -> bool:
+        """Stop the write; ``False`` when it had already passed its commit point."""
+        with self._lock:
+            if not self._passed:
+                self._stopped = True
+            return not self._passed
+
+    def check(self) -> None:
+        if self._stopped:
+            raise WriteStopped("the checkpoint was resumed before its write finished")
+
+    def commit_point(self, action: Callable[[], T]) -> T:
+        """Run ``action`` unless stopped; once it returns, a later ``stop`` is too late."""
+        with self._lock:
+            self.check()
+            result = action()
+            self._passed = True
+            return result
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    manifest: Manifest
+    records: list[Record]
+    bytes_read: int
+
+
+class RecordWriter:
+    """One participant's write of one checkpoint; its methods run in a worker thread, in order."""
+
+    def __init__(self, ops: FileOps, directory: Path, stop: StopSignal) -> None:
+        self._ops = ops
+        self.directory = directory
+        self._stop = stop
+        self._lock = threading.Lock()
+        self._hash = hashlib.sha256()
+        self.count = 0
+        self.bytes = 0
+        self._fd: int | None = None
+        self._temps: list[Path] = []
+
+    def start(self) -> None:
+        with self._lock, _io_errors(self.directory):
+            self._records_temp = self._temp_path(".records")
+            self._fd = self._ops.open_new(self._records_temp)
+
+    def write_lines(self, lines: Sequence[bytes]) -> None:
+        """Append records (each without its newline) to the temporary records file."""
+        if not lines:
+            return
+        with self._lock:
+            self._stop.check()
+            if self._fd is None:
+                raise WriteStopped("the write was aborted")
+            chunk = b"\n".join(lines) + b"\n"
+            with _io_errors(self.directory):
+                self._ops.write(self._fd, chunk)
+            self._hash.update(chunk)
+            self.bytes += len(chunk)
+            self.count += len(lines)
+
+    def finish(self, kind: str, instance: str, checkpoint_id: str) -> Manifest:
+        """fsync and rename the records, then hard-link the manifest into place (the commit point)."""
+        with self._lock, _io_errors(self.directory):
+            self._stop.check()
+            digest = self._hash.hexdigest()
+            manifest = Manifest(kind, instance, checkpoint_id, f"records-{digest}.jsonl", digest, self.count)
+            self._seal_records(self.directory / manifest.records_file)
+            self._stop.check()
+            content = manifest.encode()
+            temp = self._write_manifest_temp(content)
+            self._stop.commit_point(lambda: self._link_manifest(temp, content))
+            _quietly(self._ops.unlink, temp)  # a leftover temporary file is harmless; the link counts
+            self._temps.remove(temp)
+            self._ops.fsync_dir(self.directory)
+            return manifest
+
+    def abort(self) -> None:
+        """Close and remove the temporary files (never a renamed records file or a manifest)."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                _quietly(self._ops.close, fd)
+            for temp in self._temps:
+                _quietly(self._ops.unlink, temp)
+            self._temps.clear()
+
+    def _temp_path(self, prefix: str) -> Path:
+        temp = self.directory / f"{prefix}-{secrets.token_hex(8)}.tmp"
+        self._temps.append(temp)
+        return temp
+
+    def _seal_records(self, final: Path) -> None:
+        assert self._fd is not None
+        self._ops.fsync(self._fd)
+        fd, self._fd = self._fd, None
+        self._ops.close(fd)
+        self._ops.rename(self._records_temp, final)
+        self._temps.remove(self._records_temp)
+        self._ops.fsync_dir(self.directory)
+
+    def _write_manifest_temp(self, content: bytes) -> Path:
+        temp = self._temp_path(".manifest")
+        fd = self._ops.open_new(temp)
+        try:
+            self._ops.write(fd, content)
+            self._ops.fsync(fd)
+        finally:
+            self._ops.close(fd)
+        return temp
+
+    def _link_manifest(self, temp: Path, content: bytes) -> None:
+        target = self.directory / MANIFEST_NAME
+        try:
+            self._ops.link(temp, target)
+        except FileExistsError:
+            existing = _read_manifest_bytes(self._ops, target)
+            if Manifest.parse(existing) != Manifest.parse(content):
+                raise CheckpointConflict(f"{target} already holds a different manifest") from None
+
+
+class CheckpointStore:
+    """Writes and reads participant checkpoints under ``root`` (the configured checkpoint root)."""
+
+    def __init__(self, root: Path, ops: FileOps | None = None) -> None:
+        self.root = Path(root)
+        self.ops = ops or FileOps()
+
+    def locate(self, checkpoint_dir: str) -> Path:
+        """The resolved ``checkpoint_dir``, confined to the root (a relative path resolves against the
+        working directory, as any path does: controllers should send absolute paths)."""
+        return _confine(self.root, checkpoint_dir)
+
+    def instance_dir(self, checkpoint_dir: Path, kind: str, instance: str) -> Path:
+        return checkpoint_dir / "gym" / kind / instance
+
+    def open_writer(self, checkpoint_dir: Path, kind: str, instance: str, stop: StopSignal) -> RecordWriter:
+        """Create the instance directory (durably) and start a writer in it."""
+        directory = self.instance_dir(checkpoint_dir, kind, instance)
+        _check_inside(self.root, directory)  # before creating anything: no symlink leads out
+        with _io_errors(directory):
+            self._makedirs(directory)
+        _check_inside(self.root, directory)
+        writer = RecordWriter(self.ops, directory, stop)
+        writer.start()
+        return writer
+
+    def read(self, checkpoint_dir: Path, kind: str, instance: str, scope: Scope) -> ReadResult:
+        """Read and check a committed checkpoint, keeping the records of the episodes in ``scope``."""
+        directory = self.instance_dir(checkpoint_dir, kind, instance)
+        _check_inside(self.root, directory)
+        manifest = self._read_manifest(directory)
+        if (manifest.kind, manifest.instance) != (kind, instance):
+            raise InvalidCheckpointState(f"manifest is for {manifest.kind}/{manifest.instance}, "
+                                         f"expected {kind}/{instance}")
+        records, size = self._read_records(directory / manifest.records_file, manifest, scope)
+        return ReadResult(manifest, records, size)
+
+    def _read_manifest(self, directory: Path) -> Manifest:
+        try:
+            content = _read_manifest_bytes(self.ops, directory / MANIFEST_NAME)
+        except FileNotFoundError:
+            raise InvalidCheckpointState(f"no committed checkpoint at {directory} (no manifest)") from None
+        except OSError as error:
+            raise InvalidCheckpointState(f"cannot read the manifest in {directory}: {error}") from None
+        return Manifest.parse(content)
+
+    def _read_records(self, path: Path, manifest: Manifest, scope: Scope) -> tuple[list[Record], int]:
+        digest, count, size, kept = hashlib.sha256(), 0, 0, []
+        try:
+            with self.ops.open_read(path) as file:
+                for line in file:
+                    digest.update(line)
+                    count, size = count + 1, size + len(line)
+                    record = _parse_line(line, count)
+                    if record.episode in scope:
+                        kept.append(record)
+        except OSError as error:
+            raise InvalidCheckpointState(f"cannot read records {path.name}: {error.strerror}") from None
+        if (digest.hexdigest(), count) != (manifest.records_sha256, manifest.record_count):
+            raise InvalidCheckpointState(f"records {path.name} do not match the manifest (sha256 or count: "
+                                         f"{count} lines, expected {manifest.record_count})")
+        return kept, size
+
+    def _makedirs(self, directory: Path) -> None:
+        missing = []
+        for path in (directory, *directory.parents):
+            if path.is_dir():
+                break
+            missing.append(path)
+        for path in reversed(missing):
+            try:
+                self.ops.mkdir(path)
+            except FileExistsError:
+                continue
+            self.ops.fsync_dir(path.parent)
+
+
+def _parse_line(line: bytes, number: int) -> Record:
+    if not line.endswith(b"\n"):
+        raise InvalidCheckpointState(f"record {number} is truncated (no newline)")
+    return Record.from_raw(line[:-1])
+
+
+def _read_manifest_bytes(ops: FileOps, path: Path) -> bytes:
+    with ops.open_read(path) as file:
+        content = file.read(MAX_MANIFEST_BYTES + 1)
+    if len(content) > MAX_MANIFEST_BYTES:
+        raise InvalidCheckpointState(f"{path.name} is larger than {MAX_MANIFEST_BYTES} bytes")
+    return content
+
+
+def _confine(root: Path, checkpoint_dir: str) -> Path:
+    if not checkpoint_dir or "\x00" in checkpoint_dir:
+        raise InvalidRequest("checkpoint_dir must be a non-empty path")
+    if ".." in PurePath(checkpoint_dir).parts:
+        raise InvalidRequest(f"checkpoint_dir {checkpoint_dir!r} must not contain '..'")
+    return _check_inside(root, Path(checkpoint_dir))
+
+
+def _check_inside(root: Path, path: Path) -> Path:
+    resolved_root, resolved = root.resolve(), path.resolve()
+    if resolved == resolved_root or not resolved.is_relative_to(resolved_root):
+        raise InvalidRequest(f"checkpoint_dir must resolve inside the checkpoint root {resolved_root}")
+    return resolved
+
+
+@contextmanager
+def _io_errors(directory: Path) -> Iterator[None]:
+    """Turn an ``OSError`` of a write into ``Unavailable`` naming the errno and the directory."""
+    try:
+        yield
+    except OSError as error:
+        name = errno.errorcode.get(error.errno or 0, "OSError")
+        raise Unavailable(f"checkpoint write failed in {directory}: {name} ({error.strerror or error}); "
+                          "this commit did not succeed and must not be published") from error
+
+
+def _quietly(operation: Callable[[Any], None], argument: Any) -> None:
+    """Clean-up after a failed write: a second failure must not hide the first."""
+    with suppress(OSError):
+        operation(argument)
+
+
