@@ -1,0 +1,162 @@
+"""The simple agent: policy-model calls and tool calls on a resources server, until an answer.
+
+Routes (also under ``/ng-rollout/<capture_key>/``, where the capture key names the agent session):
+
+- ``POST /v1/responses``: a Responses create body (``input``, ``tools``, sampling parameters, which
+  pass through to the policy model). Runs the loop of ``loop.py``: a model call with the original
+  input plus every output so far and the request's tools; each function call on the resources
+  server (``POST /<name>`` with the parsed arguments and the request's cookies, which are the
+  resources server's); again, until a message without calls, ``max_steps`` model calls, or an
+  incomplete response. Answers a Responses object whose ``output`` is the whole trajectory and whose
+  ``usage`` is summed; the resources cookies as they stand after the last tool call come back as
+  ``Set-Cookie``. The header ``x-ng-agent-activation: <n>`` (1-based) numbers the calls of one
+  episode; it is recorded in the session (deduplication comes with checkpointing).
+- ``POST /close``: frees the session of the request's capture key (idempotent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from agents.simple_agent.loop import LoopState, response_object, run_loop
+from nemo_gym_ckpt.client import MeshClient, decode_json
+from nemo_gym_ckpt.config import ServerConfig, ServerRef
+from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.environment import ACTIVATION_HEADER, cookies_of
+from nemo_gym_ckpt.errors import InvalidRequest, UpstreamError
+from nemo_gym_ckpt.identity import current_identity
+from nemo_gym_ckpt.responses import normalize_input
+from nemo_gym_ckpt.server import OrjsonResponse
+from nemo_gym_ckpt.server import create_app as create_app_base
+
+__all__ = ["AgentRequest", "AgentSession", "Config", "HttpCalls", "create_app", "parse_activation"]
+
+
+class Config(ServerConfig):
+    model_server: ServerRef
+    resources_server: ServerRef | None = None
+    max_steps: int = Field(8, ge=1)
+    """Model calls per activation, at most."""
+    return_token_ids: bool = False
+    """Ask the policy model for token ids, log probs and policy versions on every output item."""
+    model_timeout_s: float = Field(600.0, gt=0)
+    tool_timeout_s: float = Field(120.0, gt=0)
+
+
+class AgentRequest(BaseModel):
+    """A Responses create body; fields other than ``input`` pass through to the policy model."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input: str | list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    stream: bool | None = None
+
+
+def parse_activation(value: str | None) -> int | None:
+    """The ``x-ng-agent-activation`` header as an int >= 1 (None when absent)."""
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise InvalidRequest(f"{ACTIVATION_HEADER} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+@dataclass
+class AgentSession:
+    """One episode's session: the activations seen so far and the loop of the latest one."""
+
+    activations: list[int] = field(default_factory=list)
+    loop: LoopState | None = None
+
+
+@dataclass(frozen=True)
+class HttpCalls:
+    """``LoopCalls`` over the mesh client."""
+
+    client: MeshClient
+    settings: Config
+    model_url: str
+    resources_url: str | None
+
+    async def call_model(
+        self, body: dict[str, Any], cookies: dict[str, str]
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        if self.settings.return_token_ids:
+            body = {**body, "return_token_ids": True}
+        reply = await self.client.request(
+            "POST", f"{self.model_url}/v1/responses", json=body, cookies=cookies,
+            timeout_s=self.settings.model_timeout_s,
+        )
+        response = decode_json(reply)
+        if not isinstance(response, dict):
+            raise UpstreamError("the policy model answered something other than a Responses object")
+        return response, cookies_of(reply)
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], cookies: dict[str, str]
+    ) -> tuple[str, dict[str, str]]:
+        if self.resources_url is None:
+            return '{"error": {"code": "no_tools", "detail": "this agent has no resources server"}}', {}
+        reply = await self.client.request(
+            "POST", f"{self.resources_url}/{name}", json=arguments, cookies=cookies, check=False,
+            timeout_s=self.settings.tool_timeout_s,
+        )
+        return reply.text, cookies_of(reply)
+
+
+class SimpleAgent:
+    """The agent of one server instance: its calls and its sessions by capture key."""
+
+    def __init__(self, ctx: ServerContext[Config]) -> None:
+        settings = ctx.settings
+        resources = settings.resources_server
+        self.settings = settings
+        self.calls = HttpCalls(
+            ctx.client, settings, ctx.url_of(settings.model_server),
+            ctx.url_of(resources) if resources is not None else None,
+        )
+        self.sessions: dict[str, AgentSession] = {}
+
+    def session(self, activation: int | None) -> AgentSession | None:
+        """The request's session (created at its first call); None outside a rollout."""
+        identity = current_identity()
+        if identity is None:
+            return None
+        session = self.sessions.setdefault(identity.capture_key, AgentSession())
+        if activation is not None:
+            session.activations.append(activation)
+        return session
+
+    async def responses(self, body: AgentRequest, request: Request) -> OrjsonResponse:
+        if body.stream:
+            raise InvalidRequest("the simple agent does not stream; send stream: false")
+        session = self.session(parse_activation(request.headers.get(ACTIVATION_HEADER)))
+        params = body.model_dump(exclude={"input", "stream"}, exclude_none=True)
+        state = LoopState(
+            normalize_input(body.input), params, self.settings.max_steps, cookies=dict(request.cookies)
+        )
+        if session is not None:
+            session.loop = state
+        await run_loop(state, self.calls)
+        reply = OrjsonResponse(response_object(state))
+        for name, value in state.cookies.items():
+            reply.set_cookie(name, value, httponly=True, samesite="lax")
+        return reply
+
+    async def close(self) -> dict[str, bool]:
+        identity = current_identity()
+        closed = identity is not None and self.sessions.pop(identity.capture_key, None) is not None
+        return {"closed": closed}
+
+
+def create_app(ctx: ServerContext[Config]) -> FastAPI:
+    agent = SimpleAgent(ctx)
+    app = create_app_base(ctx.name)
+    app.add_api_route("/v1/responses", agent.responses, methods=["POST"])
+    app.add_api_route("/close", agent.close, methods=["POST"])
+    return app

@@ -1,0 +1,154 @@
+"""The simple agent's loop, as explicit JSON state that advances one call at a time.
+
+    model call ──function calls──> tool call ... tool call ──> model call ──> ... ──> stop
+             └──message without calls: "answer"; incomplete_details: "incomplete"; nothing: "no_action"
+    after the tool calls of the max_steps-th model call: "max_steps"
+
+``LoopState`` holds everything the loop needs to go on: the original input, the request's other
+parameters, every output item so far (passed back verbatim as the next model input, so token ids
+are reused), the summed usage, the model calls made, the function calls still to run, the cookies
+of the resources and model servers, and the last model response. ``advance`` makes exactly one call
+and updates the state, so a state taken between two calls is a point the loop can continue from.
+
+Tool calls that cannot be made (a name that is not a tool route, arguments that are not a JSON
+object) and tools that answer an error become the tool output text the model sees; a model call
+that fails, or a resources server that cannot be reached, fails the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol
+
+from nemo_gym_ckpt.errors import UpstreamError
+from nemo_gym_ckpt.responses import add_usage
+
+__all__ = [
+    "LoopCalls",
+    "LoopState",
+    "StopReason",
+    "advance",
+    "response_object",
+    "run_loop",
+    "tool_request",
+]
+
+StopReason = Literal["answer", "incomplete", "no_action", "max_steps"]
+_TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+
+
+class LoopCalls(Protocol):
+    """The two calls the loop makes (the agent implements them over HTTP)."""
+
+    async def call_model(
+        self, body: dict[str, Any], cookies: dict[str, str]
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """One policy-model ``/v1/responses`` call: the Responses object and the cookies it set."""
+        ...
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], cookies: dict[str, str]
+    ) -> tuple[str, dict[str, str]]:
+        """One tool call on the resources server: the reply text and the cookies it set."""
+        ...
+
+
+@dataclass
+class LoopState:
+    """Where one agent loop stands; plain JSON data (``to_json``/``from_json``)."""
+
+    input: list[dict[str, Any]]
+    params: dict[str, Any]
+    max_steps: int
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    turns: int = 0
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    cookies: dict[str, str] = field(default_factory=dict)
+    model_cookies: dict[str, str] = field(default_factory=dict)
+    last_response: dict[str, Any] | None = None
+    stop_reason: StopReason | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LoopState:
+        return cls(**data)
+
+
+def tool_request(call: dict[str, Any]) -> tuple[str, dict[str, Any]] | str:
+    """The (name, arguments) of a function call, or the error text the model gets instead."""
+    name = call.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.match(name):
+        return _error_text(f"unknown tool {name!r}")
+    try:
+        arguments = json.loads(call.get("arguments") or "{}")
+    except (TypeError, ValueError) as error:
+        return _error_text(f"arguments of {name} are not valid JSON: {error}")
+    if not isinstance(arguments, dict):
+        return _error_text(f"arguments of {name} must be a JSON object")
+    return name, arguments
+
+
+def _error_text(detail: str) -> str:
+    return json.dumps({"error": {"code": "invalid_tool_call", "detail": detail}})
+
+
+async def advance(state: LoopState, calls: LoopCalls) -> None:
+    """Make the next call of the loop (a pending tool call first, else a model call)."""
+    if state.stop_reason is not None:
+        raise ValueError(f"the loop has stopped ({state.stop_reason})")
+    if state.pending:
+        await _next_tool_call(state, calls)
+    else:
+        await _model_call(state, calls)
+
+
+async def run_loop(state: LoopState, calls: LoopCalls) -> LoopState:
+    """Advance until the loop stops; answers the same (updated) state."""
+    while state.stop_reason is None:
+        await advance(state, calls)
+    return state
+
+
+async def _model_call(state: LoopState, calls: LoopCalls) -> None:
+    body = {**state.params, "input": [*state.input, *state.outputs]}
+    response, cookies = await calls.call_model(body, state.model_cookies)
+    output = response.get("output")
+    if not isinstance(output, list) or not all(isinstance(item, dict) for item in output):
+        raise UpstreamError("the policy model answered a response without an output list")
+    state.model_cookies.update(cookies)
+    state.outputs.extend(output)
+    state.usage = add_usage(state.usage, response.get("usage"))
+    state.turns += 1
+    state.last_response = {key: value for key, value in response.items() if key != "output"}
+    function_calls = [item for item in output if item.get("type") == "function_call"]
+    if response.get("incomplete_details"):
+        state.stop_reason = "incomplete"
+    elif function_calls:
+        state.pending = function_calls
+    else:
+        has_message = any(item.get("type") == "message" for item in output)
+        state.stop_reason = "answer" if has_message else "no_action"
+
+
+async def _next_tool_call(state: LoopState, calls: LoopCalls) -> None:
+    call = state.pending[0]
+    request = tool_request(call)
+    if isinstance(request, str):
+        text = request
+    else:
+        text, cookies = await calls.call_tool(*request, state.cookies)
+        state.cookies.update(cookies)
+    state.outputs.append({"type": "function_call_output", "call_id": call.get("call_id"), "output": text})
+    state.pending.pop(0)
+    if not state.pending and state.turns >= state.max_steps:
+        state.stop_reason = "max_steps"
+
+
+def response_object(state: LoopState) -> dict[str, Any]:
+    """The agent's answer: the last model response with the whole trajectory and the summed usage."""
+    return {**(state.last_response or {}), "output": state.outputs, "usage": state.usage}

@@ -1,0 +1,133 @@
+"""nim: a multi-step game environment whose own state and RNG carry over between steps.
+
+Each agent action is one environment step: the environment sends the conversation so far (the task's
+input, then each observation and each of the agent's outputs) to the agent as activation n, reads
+the move from the agent's final message, applies it, lets the opponent reply (with the game's own
+RNG, see ``game.py``), and appends what happened as the next observation. The reward is 1 if the
+agent took the last stone, else 0.
+
+Steps (``nemo_gym_ckpt.episode``):
+
+- ``start`` (replay): a new game from the row's ``nim`` rules (RNG seeded from them) and the first
+  observation;
+- ``act`` (replay): one agent activation and one move; repeats until the game is over or
+  ``max_turns`` activations;
+- ``close_agent`` (wait): agent ``POST /close``;
+- ``return`` (replay): the rollout row: the task row, ``response`` (every item after the task's own
+  input: observations and agent outputs), ``reward``, ``winner``, ``moves``, ``invalid_actions``,
+  ``activations``.
+
+The game (pile, moves, the RNG's state) is JSON in the episode state, so every boundary holds the
+whole game and a restored episode continues with the same dice.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import Field
+
+from environment_servers.nim.game import NimGame, NimRules, parse_move
+from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.environment import AgentClient, EnvironmentConfig, EpisodeTask, mount_run
+from nemo_gym_ckpt.episode import Episode, Program, Step
+from nemo_gym_ckpt.errors import GymError
+from nemo_gym_ckpt.resources import ResponseObject, final_text
+from nemo_gym_ckpt.responses import add_usage, normalize_input
+from nemo_gym_ckpt.server import create_app as create_app_base
+
+__all__ = ["Config", "Nim", "NimTask", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+
+class Config(EnvironmentConfig):
+    max_turns: int = Field(50, ge=1)
+    """Agent activations per episode, at most (a game still running then is lost)."""
+
+
+class NimTask(EpisodeTask):
+    nim: NimRules
+
+
+def _observation(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": text}
+
+
+class Nim:
+    """The steps of one game, bound to this server's agent client and settings."""
+
+    def __init__(self, ctx: ServerContext[Config]) -> None:
+        self.settings = ctx.settings
+        self.agent = AgentClient(ctx.client, ctx.url_of(ctx.settings.agent), ctx.settings)
+        self.program = Program.of(
+            [
+                Step("start", self.start, "replay"),
+                Step("act", self.act, "replay"),
+                Step("close_agent", self.close_agent, "wait"),
+                Step("return", self.finish, "replay"),
+            ],
+            cleanup=self.cleanup,
+        )
+
+    async def start(self, episode: Episode) -> str:
+        game = NimGame.new(NimRules.model_validate(episode.task["nim"]))
+        transcript = normalize_input(episode.task["responses_create_params"]["input"])
+        episode.state.update(
+            game=game.to_json(), input_items=len(transcript), activation=0, usage=None, last_response=None,
+            transcript=[*transcript, _observation(game.observation())],
+        )
+        return "act"
+
+    async def act(self, episode: Episode) -> str:
+        state = episode.state
+        state["activation"] += 1
+        params = {k: v for k, v in episode.task["responses_create_params"].items() if k != "input"}
+        reply = await self.agent.invoke(
+            episode.identity, state["activation"], {**params, "input": state["transcript"]}, {}
+        )
+        output = reply.response["output"]
+        state["transcript"].extend(output)
+        state["usage"] = add_usage(state["usage"], reply.response.get("usage"))
+        state["last_response"] = {k: v for k, v in reply.response.items() if k != "output"}
+        game = NimGame.from_json(state["game"])
+        happened = game.play(parse_move(final_text(ResponseObject(output=output))))
+        state["game"] = game.to_json()
+        if game.over or state["activation"] >= self.settings.max_turns:
+            state["transcript"].append(_observation(happened))
+            return "close_agent"
+        state["transcript"].append(_observation(f"{happened} {game.observation()}"))
+        return "act"
+
+    async def close_agent(self, episode: Episode) -> str:
+        await self.agent.close(episode.identity)
+        episode.state["agent_closed"] = True
+        return "return"
+
+    async def finish(self, episode: Episode) -> None:
+        state = episode.state
+        game = NimGame.from_json(state.pop("game"))
+        output = state.pop("transcript")[state["input_items"]:]
+        response = {**(state.pop("last_response") or {}), "output": output, "usage": state.pop("usage")}
+        state["result"] = {
+            **episode.task, "response": response, "reward": 1.0 if game.winner == "agent" else 0.0,
+            "winner": game.winner, "moves": len(game.moves), "invalid_actions": game.invalid,
+            "activations": state["activation"],
+        }
+        return None
+
+    async def cleanup(self, episode: Episode) -> None:
+        if episode.state.get("agent_closed"):
+            return
+        try:
+            await self.agent.close(episode.identity)
+        except GymError as error:
+            logger.warning("could not close the agent session: %r", error)
+
+
+def create_app(ctx: ServerContext[Config]) -> FastAPI:
+    app = create_app_base(ctx.name)
+    mount_run(app, Nim(ctx).program, ctx.settings, task_model=NimTask)
+    return app

@@ -1,0 +1,143 @@
+"""single_agent_turn: one agent activation per episode, verified by a resources server.
+
+``POST /run`` (under ``/ng-rollout/<capture_key>/``) takes a task row and runs these steps
+(``nemo_gym_ckpt.episode``; the mode says what a checkpoint does with a step in flight):
+
+- ``seed`` (replay): resources ``POST /seed_session`` with the row; keeps its cookies and its
+  ``x-ng-checkpoint-verify`` and ``x-ng-checkpoint-restart`` answers;
+- ``invoke_agent`` (replay): agent ``POST /v1/responses`` as activation 1, the body the row's
+  ``responses_create_params``, the resources cookies passed explicitly;
+- ``close_agent`` (wait): agent ``POST /close``, which frees the agent session;
+- ``verify`` (the mode the seed reply announced; default wait): resources ``POST /verify`` with the
+  row and ``response``;
+- ``close_session`` (replay): resources ``POST /close_session`` (idempotent);
+- ``return`` (replay): the rollout row: the task row, ``response``, ``reward``, the verifier's fields.
+
+A failed step answers its error with the step named in the detail; the agent session and the
+resources session are closed on the way out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI
+
+from nemo_gym_ckpt.client import decode_json
+from nemo_gym_ckpt.config import ServerRef
+from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.environment import AgentClient, EnvironmentConfig, cookies_of, mount_run
+from nemo_gym_ckpt.episode import Episode, Program, Step, StepMode
+from nemo_gym_ckpt.errors import GymError, UpstreamError
+from nemo_gym_ckpt.resources import RESTART_HEADER, VERIFY_HEADER
+from nemo_gym_ckpt.server import create_app as create_app_base
+
+__all__ = ["Config", "SingleAgentTurn", "create_app", "verify_mode"]
+
+logger = logging.getLogger(__name__)
+
+
+class Config(EnvironmentConfig):
+    resources_server: ServerRef
+
+
+def verify_mode(state: Mapping[str, Any]) -> StepMode:
+    """The verify step's mode: what the resources server announced at seed time (default wait)."""
+    return "replay" if state.get("resources", {}).get("verify_mode") == "replay" else "wait"
+
+
+class SingleAgentTurn:
+    """The steps of one episode, bound to this server's clients and settings."""
+
+    def __init__(self, ctx: ServerContext[Config]) -> None:
+        self.client = ctx.client
+        self.settings = ctx.settings
+        self.resources_url = ctx.url_of(ctx.settings.resources_server)
+        self.agent = AgentClient(ctx.client, ctx.url_of(ctx.settings.agent), ctx.settings)
+        self.program = Program.of(
+            [
+                Step("seed", self.seed, "replay"),
+                Step("invoke_agent", self.invoke_agent, "replay"),
+                Step("close_agent", self.close_agent, "wait"),
+                Step("verify", self.verify, verify_mode),
+                Step("close_session", self.close_session, "replay"),
+                Step("return", self.finish, "replay"),
+            ],
+            cleanup=self.cleanup,
+        )
+
+    async def _resources(self, episode: Episode, path: str, body: Any, **kwargs: Any) -> Any:
+        cookies = episode.state.get("resources", {}).get("cookies", {})
+        return await self.client.request(
+            "POST", f"{self.resources_url}{path}", json=body, cookies=cookies, identity=episode.identity,
+            timeout_s=self.settings.call_timeout_s, **kwargs,
+        )
+
+    async def seed(self, episode: Episode) -> str:
+        reply = await self._resources(episode, "/seed_session", episode.task)
+        episode.state["resources"] = {
+            "cookies": cookies_of(reply),
+            "verify_mode": "replay" if reply.headers.get(VERIFY_HEADER) == "replay" else "wait",
+            "restart": reply.headers.get(RESTART_HEADER) == "1",
+        }
+        return "invoke_agent"
+
+    async def invoke_agent(self, episode: Episode) -> str:
+        resources = episode.state["resources"]
+        body = episode.task["responses_create_params"]
+        reply = await self.agent.invoke(episode.identity, 1, body, resources["cookies"])
+        resources["cookies"] = reply.cookies
+        episode.state["response"] = reply.response
+        return "close_agent"
+
+    async def close_agent(self, episode: Episode) -> str:
+        await self.agent.close(episode.identity)
+        episode.state["agent_closed"] = True
+        return "verify"
+
+    async def verify(self, episode: Episode) -> str:
+        body = {**episode.task, "response": episode.state["response"]}
+        reply = await self._resources(episode, "/verify", body)
+        verdict = decode_json(reply)
+        reward = verdict.get("reward") if isinstance(verdict, dict) else None
+        if not isinstance(reward, int | float) or isinstance(reward, bool):
+            raise UpstreamError("the resources server's /verify answered no numeric reward")
+        episode.state["verdict"] = verdict
+        return "close_session"
+
+    async def close_session(self, episode: Episode) -> str:
+        await self._resources(episode, "/close_session", {}, idempotent=True)
+        episode.state["resources"]["closed"] = True
+        return "return"
+
+    async def finish(self, episode: Episode) -> None:
+        verdict = episode.state.pop("verdict")
+        response = episode.state.pop("response")
+        reward = float(verdict["reward"])
+        episode.state["result"] = {**episode.task, **verdict, "response": response, "reward": reward}
+        return None
+
+    async def cleanup(self, episode: Episode) -> None:
+        """After a failure or cancellation: close whatever the episode still holds open."""
+        state = episode.state
+        if not state.get("agent_closed"):
+            await _best_effort(self.agent.close(episode.identity), "close the agent session")
+        resources = state.get("resources")
+        if resources and not resources.get("closed"):
+            closing = self._resources(episode, "/close_session", {}, idempotent=True)
+            await _best_effort(closing, "close the resources session")
+
+
+async def _best_effort(call: Any, what: str) -> None:
+    try:
+        await call
+    except GymError as error:
+        logger.warning("could not %s: %r", what, error)
+
+
+def create_app(ctx: ServerContext[Config]) -> FastAPI:
+    app = create_app_base(ctx.name)
+    mount_run(app, SingleAgentTurn(ctx).program, ctx.settings)
+    return app

@@ -1,0 +1,162 @@
+"""The environment-server side of a rollout: ``POST /run`` serving a ``Program``, and the agent calls.
+
+An environment server declares its settings as a subclass of ``EnvironmentConfig``, its task rows as
+a subclass of ``EpisodeTask``, and its episode as a ``Program`` (``nemo_gym_ckpt.episode``)::
+
+    def create_app(ctx: ServerContext[Config]) -> FastAPI:
+        app = create_app_base(ctx.name)
+        mount_run(app, MyEnvironment(ctx).program, ctx.settings, task_model=MyTask)
+        return app
+
+``POST /run`` (called under ``/ng-rollout/<capture_key>/``) takes a task row, runs one episode of
+the program for the request's rollout identity and answers the final state's ``result`` (the
+rollout row). A row that fails validation is a 400 before any step runs; a failed step answers its
+error, named after the step. A ``/run`` without a rollout prefix runs under a fresh ``anon-...`` id.
+
+``AgentClient`` makes the two agent calls of an episode: ``invoke`` (``POST /v1/responses`` with the
+``x-ng-agent-activation`` header and the resources cookies passed explicitly) and ``close``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from nemo_gym_ckpt.client import MeshClient, decode_json
+from nemo_gym_ckpt.config import ServerConfig, ServerRef
+from nemo_gym_ckpt.episode import NO_HOOKS, Episode, EpisodeHooks, Program, StepBudget, run_episode
+from nemo_gym_ckpt.errors import InternalError, InvalidRequest, UpstreamError
+from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+from nemo_gym_ckpt.server import OrjsonResponse
+
+__all__ = [
+    "ACTIVATION_HEADER",
+    "AgentClient",
+    "AgentReply",
+    "EnvironmentConfig",
+    "EpisodeTask",
+    "cookies_of",
+    "mount_run",
+    "read_task",
+]
+
+ACTIVATION_HEADER = "x-ng-agent-activation"
+
+
+class EnvironmentConfig(ServerConfig):
+    """Settings every environment server has: its agent and its timeouts."""
+
+    agent: ServerRef
+    episode_timeout_s: float | None = Field(3600.0, gt=0)
+    """Time an episode may spend inside its steps (parked time is not charged); null: no limit."""
+    call_timeout_s: float = Field(120.0, gt=0)
+    """Deadline of each short call (seed, close, verify)."""
+    agent_timeout_s: float = Field(3600.0, gt=0)
+    """Deadline of one agent activation (a whole model/tool loop)."""
+    cleanup_timeout_s: float = Field(30.0, gt=0)
+
+
+class EpisodeTask(BaseModel):
+    """A task row in the NeMo Gym shape; the task's own fields pass through unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+
+    responses_create_params: dict[str, Any]
+
+    @field_validator("responses_create_params")
+    @classmethod
+    def _has_input(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(value.get("input"), str | list):
+            raise ValueError("must carry 'input' (a string or a list of input items)")
+        return value
+
+
+def read_task(raw: bytes, model: type[EpisodeTask]) -> dict[str, Any]:
+    """Validate a ``/run`` body; answers the row as sent (``InvalidRequest`` when it is not one)."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
+        raise InvalidRequest(f"request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("a task row is a JSON object")
+    try:
+        model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise InvalidRequest(f"task row {where}: {first['msg']}") from None
+    return data
+
+
+def mount_run(
+    app: FastAPI,
+    program: Program,
+    settings: EnvironmentConfig,
+    *,
+    task_model: type[EpisodeTask] = EpisodeTask,
+    hooks: EpisodeHooks = NO_HOOKS,
+) -> None:
+    """Mount ``POST /run``: one episode of ``program`` per call, answering its ``result``."""
+
+    async def run(request: Request) -> OrjsonResponse:
+        task = read_task(await request.body(), task_model)
+        identity = current_identity() or RolloutIdentity(f"anon-{uuid.uuid4().hex[:16]}")
+        episode = Episode.start(identity, task, program)
+        final = await run_episode(
+            program, episode, hooks=hooks, budget=StepBudget(settings.episode_timeout_s),
+            cleanup_timeout_s=settings.cleanup_timeout_s,
+        )
+        if not isinstance(final.get("result"), dict):
+            raise InternalError("the episode ended without a result")
+        return OrjsonResponse(final["result"])
+
+    app.add_api_route("/run", run, methods=["POST"])
+
+
+def cookies_of(response: httpx.Response) -> dict[str, str]:
+    """The cookies a reply sets, by name."""
+    return dict(response.cookies.items())
+
+
+@dataclass(frozen=True)
+class AgentReply:
+    """One activation's answer: the Responses object and the resources cookies after it."""
+
+    response: dict[str, Any]
+    cookies: dict[str, str]
+
+
+@dataclass(frozen=True)
+class AgentClient:
+    """The agent calls of one environment server."""
+
+    client: MeshClient
+    url: str
+    settings: EnvironmentConfig
+
+    async def invoke(
+        self, identity: RolloutIdentity, activation: int, body: Mapping[str, Any], cookies: Mapping[str, str]
+    ) -> AgentReply:
+        """Activation ``activation`` (1-based) of the episode's agent session."""
+        reply = await self.client.request(
+            "POST", f"{self.url}/v1/responses", json=dict(body), cookies=cookies, identity=identity,
+            headers={ACTIVATION_HEADER: str(activation)}, timeout_s=self.settings.agent_timeout_s,
+        )
+        response = decode_json(reply)
+        if not isinstance(response, dict) or not isinstance(response.get("output"), list):
+            raise UpstreamError(f"agent activation {activation} answered no Responses object")
+        return AgentReply(response, {**cookies, **cookies_of(reply)})
+
+    async def close(self, identity: RolloutIdentity) -> None:
+        """Free the agent's session of this episode (idempotent on the agent's side)."""
+        await self.client.request(
+            "POST", f"{self.url}/close", json={}, identity=identity, idempotent=True,
+            timeout_s=self.settings.call_timeout_s,
+        )

@@ -1,0 +1,317 @@
+"""Episodes as explicit named steps, with a boundary after every completed step.
+
+An environment server describes its episode once, as a ``Program``: named ``Step`` objects, the
+first step's name, and an optional cleanup. Each step has a checkpoint mode (PROTOCOL.md section 7):
+
+- ``replay``: safe to run again after a crash; a checkpoint does not wait for it, and an episode
+  inside it is exported at its previous boundary;
+- ``wait``: must not run twice; a checkpoint waits for it to end at a new boundary.
+
+A mode may also be derived from the state (``single_agent_turn``'s verify step takes the mode the
+resources server announced at seed time).
+
+A step's action reads the episode's ``task`` and changes its JSON ``state``, and answers the name of
+the next step, or ``None`` when the episode is done. Each step starts from a fresh copy of the last
+boundary's state, so a step that fails or is cancelled leaves nothing half-written behind::
+
+    Episode.start ──> boundary 0 (next: first step) ──run step──> boundary 1 ──> ... ──> next None
+                             ^                          │ fails or is cancelled
+                             └──── stays at the last boundary; the program's cleanup runs
+
+A ``Boundary`` is the number of completed steps, the next step's name and the state frozen as
+canonical JSON, so it is always serializable and never changes under a running step.
+``Episode.from_boundary`` puts an episode back at a saved boundary and ``run_episode`` continues from
+there: restoring an episode never needs the program to change.
+
+``EpisodeHooks`` is where checkpointing plugs in: ``entering`` runs before each step and
+``at_boundary`` after each (it may park the episode until a checkpoint ends). Time spent in hooks is
+not charged to the episode's timeout; only time inside steps is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import orjson
+
+from nemo_gym_ckpt.errors import (
+    GymError,
+    InternalError,
+    InvalidCheckpointState,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from nemo_gym_ckpt.identity import RolloutIdentity
+
+__all__ = [
+    "NO_HOOKS",
+    "STEP_MODES",
+    "Action",
+    "Boundary",
+    "Episode",
+    "EpisodeHooks",
+    "Program",
+    "Step",
+    "StepBudget",
+    "StepMode",
+    "canonical_json",
+    "run_episode",
+    "step_error",
+    "task_digest",
+]
+
+logger = logging.getLogger(__name__)
+
+StepMode = Literal["wait", "replay"]
+STEP_MODES: tuple[StepMode, ...] = ("wait", "replay")
+
+Action = Callable[["Episode"], Awaitable[str | None]]
+"""A step's work: reads ``episode.task``, changes ``episode.state``, answers the next step's name."""
+
+
+def canonical_json(value: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8: the same data always gives the same bytes."""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def task_digest(task: Mapping[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of a task row (PROTOCOL.md section 7)."""
+    return hashlib.sha256(canonical_json(task)).hexdigest()
+
+
+# ---- steps and programs --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """One named step: its action and its checkpoint mode (fixed, or derived from the state)."""
+
+    name: str
+    action: Action
+    mode: StepMode | Callable[[Mapping[str, Any]], StepMode] = "wait"
+
+    def mode_for(self, state: Mapping[str, Any]) -> StepMode:
+        mode = self.mode(state) if callable(self.mode) else self.mode
+        if mode not in STEP_MODES:
+            raise InternalError(f"step {self.name} has mode {mode!r}; expected one of {STEP_MODES}")
+        return mode
+
+
+Cleanup = Callable[["Episode"], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Program:
+    """The steps of one kind of episode, by name, and where an episode starts."""
+
+    steps: Mapping[str, Step]
+    first: str
+    cleanup: Cleanup | None = None
+
+    @classmethod
+    def of(cls, steps: Sequence[Step], *, cleanup: Cleanup | None = None) -> Program:
+        """A program whose first step is the first of ``steps``; names must be unique."""
+        by_name = {step.name: step for step in steps}
+        if not steps or len(by_name) != len(steps):
+            raise ValueError(f"a program needs steps with unique names, got {[s.name for s in steps]}")
+        return cls(by_name, steps[0].name, cleanup)
+
+    def step(self, name: str) -> Step:
+        try:
+            return self.steps[name]
+        except KeyError:
+            raise InternalError(f"no step named {name!r}; steps are {list(self.steps)}") from None
+
+
+# ---- boundaries and episodes ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The saved state of an episode after ``index`` completed steps; ``next_step`` None: finished."""
+
+    index: int
+    next_step: str | None
+    state_json: bytes
+
+    @classmethod
+    def start(cls, first: str, state: Mapping[str, Any] | None = None) -> Boundary:
+        return cls(0, first, canonical_json(dict(state or {})))
+
+    def advance(self, next_step: str | None, state: Mapping[str, Any]) -> Boundary:
+        try:
+            frozen = canonical_json(state)
+        except TypeError as error:
+            raise InternalError(f"episode state is not JSON data: {error}") from None
+        return Boundary(self.index + 1, next_step, frozen)
+
+    def state(self) -> dict[str, Any]:
+        """A fresh, independent copy of the saved state."""
+        return dict(orjson.loads(self.state_json))
+
+    @property
+    def finished(self) -> bool:
+        return self.next_step is None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "next_step": self.next_step, "state": self.state()}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Boundary:
+        """Read a saved boundary; ``InvalidCheckpointState`` if it is malformed."""
+        if not isinstance(data, Mapping) or set(data) != {"index", "next_step", "state"}:
+            raise InvalidCheckpointState("a boundary is {index, next_step, state}")
+        index, next_step, state = data["index"], data["next_step"], data["state"]
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise InvalidCheckpointState(f"boundary index must be an int >= 0, got {index!r}")
+        if not (next_step is None or isinstance(next_step, str)) or not isinstance(state, Mapping):
+            raise InvalidCheckpointState("boundary next_step must be a string or null, state an object")
+        return cls(index, next_step, canonical_json(state))
+
+
+@dataclass(eq=False)
+class Episode:
+    """One attempt of one rollout: its task, its last boundary, and the step running now (if any)."""
+
+    identity: RolloutIdentity
+    task: dict[str, Any]
+    boundary: Boundary
+    state: dict[str, Any] = field(default_factory=dict)
+    current: Step | None = None
+
+    @classmethod
+    def start(cls, identity: RolloutIdentity, task: Mapping[str, Any], program: Program) -> Episode:
+        boundary = Boundary.start(program.first)
+        return cls(identity, dict(task), boundary, boundary.state())
+
+    @classmethod
+    def from_boundary(
+        cls, identity: RolloutIdentity, task: Mapping[str, Any], boundary: Boundary, program: Program
+    ) -> Episode:
+        """An episode that continues at ``boundary`` (a restored attempt); its next step must exist."""
+        if boundary.next_step is not None and boundary.next_step not in program.steps:
+            raise InvalidCheckpointState(f"boundary names step {boundary.next_step!r}, not in this program")
+        return cls(identity, dict(task), boundary, boundary.state())
+
+    @property
+    def task_digest(self) -> str:
+        return task_digest(self.task)
+
+    @property
+    def mode(self) -> StepMode | None:
+        """The mode of the step running now; None between steps."""
+        return None if self.current is None else self.current.mode_for(self.state)
+
+    def record(self) -> dict[str, Any]:
+        """``{episode_id, task_digest, boundary}``; boundary null before the first step completes."""
+        boundary = None if self.boundary.index == 0 else self.boundary.to_json()
+        return {"episode_id": self.identity.to_json(), "task_digest": self.task_digest, "boundary": boundary}
+
+
+# ---- running -------------------------------------------------------------------------------------
+
+
+class EpisodeHooks(Protocol):
+    """Called by ``run_episode`` around every step; checkpointing parks episodes here."""
+
+    async def entering(self, episode: Episode, step: Step) -> None: ...
+
+    async def at_boundary(self, episode: Episode) -> None: ...
+
+
+class _NoHooks:
+    async def entering(self, episode: Episode, step: Step) -> None:
+        return None
+
+    async def at_boundary(self, episode: Episode) -> None:
+        return None
+
+
+NO_HOOKS: EpisodeHooks = _NoHooks()
+
+
+@dataclass
+class StepBudget:
+    """An episode's timeout, charged only with time spent inside steps (never parked time)."""
+
+    timeout_s: float | None
+    clock: Callable[[], float] = time.monotonic
+    spent_s: float = 0.0
+
+    def remaining(self) -> float | None:
+        return None if self.timeout_s is None else max(self.timeout_s - self.spent_s, 0.0)
+
+
+def step_error(step: str, error: GymError) -> GymError:
+    """The error a failed step answers: the cause's class, its detail prefixed with the step.
+
+    A peer's 500 is the peer's bug, so it is passed on as ``upstream_error``, not as our own 500.
+    """
+    cls = UpstreamError if isinstance(error, InternalError) else type(error)
+    return cls(f"step {step} failed: {error.detail}", step=step)
+
+
+async def _run_step(episode: Episode, step: Step, budget: StepBudget) -> None:
+    episode.state = episode.boundary.state()
+    episode.current = step
+    started = budget.clock()
+    timer = asyncio.timeout(budget.remaining())
+    try:
+        async with timer:
+            next_step = await step.action(episode)
+    except TimeoutError:
+        if not timer.expired():
+            raise
+        raise UpstreamTimeout(
+            f"step {step.name} failed: the episode timeout of {budget.timeout_s:g} s ran out", step=step.name
+        ) from None
+    except GymError as error:
+        raise step_error(step.name, error) from error
+    finally:
+        budget.spent_s += budget.clock() - started
+        episode.current = None
+    episode.boundary = episode.boundary.advance(next_step, episode.state)
+
+
+async def _clean_up(program: Program, episode: Episode, timeout_s: float) -> None:
+    if program.cleanup is None:
+        return
+    try:
+        async with asyncio.timeout(timeout_s):
+            await program.cleanup(episode)
+    except (GymError, TimeoutError) as error:
+        logger.warning("cleanup of episode %s failed: %r", episode.identity.capture_key, error)
+
+
+async def run_episode(
+    program: Program,
+    episode: Episode,
+    *,
+    hooks: EpisodeHooks = NO_HOOKS,
+    budget: StepBudget | None = None,
+    cleanup_timeout_s: float = 30.0,
+) -> dict[str, Any]:
+    """Run ``episode`` from its boundary to the end and answer the final state.
+
+    A step that fails raises its error (named after the step, see ``step_error``); on failure or
+    cancellation the program's cleanup runs first, bounded by ``cleanup_timeout_s``.
+    """
+    budget = budget or StepBudget(None)
+    finished = False
+    try:
+        while (name := episode.boundary.next_step) is not None:
+            step = program.step(name)
+            await hooks.entering(episode, step)
+            await _run_step(episode, step, budget)
+            await hooks.at_boundary(episode)
+        finished = True
+    finally:
+        if not finished:
+            await _clean_up(program, episode, cleanup_timeout_s)
+    return episode.boundary.state()
