@@ -7,7 +7,7 @@ Each row is one problem from ``default_model_data.make_problem`` drawn from ``ra
 (default 20260: neither the training seed 0 nor the evaluation seed 12345 of
 ``build_default_model.py``). Questions are held out: none repeats, and none is one of the default
 model's training questions (the first ``--train-examples`` problems of ``random.Random(--train-seed)``,
-by default the build's 5000 steps x 32 from seed 0), so the quickstart reward measures
+by default the build's 8000 steps x 32 from seed 0), so the quickstart reward measures
 generalisation. A row is a NeMo Gym task row: the question as the user message, the three
 calculator tools in the Responses API shape (as calculator_tools' ``GET /tools`` serves them),
 ``expected_answer``, and the problem's ``tool`` and ``template`` for slicing results. The same
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=20260)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--train-seed", type=int, default=0)
-    parser.add_argument("--train-examples", type=int, default=5000 * 32, help="0: exclude nothing")
+    parser.add_argument("--train-examples", type=int, default=8000 * 32, help="0: exclude nothing")
     args = parser.parse_args()
     rows = make_rows(args.rows, args.seed, training_questions(args.train_seed, args.train_examples))
     args.out.parent.mkdir(parents=True, exist_ok=True)
