@@ -4,6 +4,10 @@ It renders chats with the model's chat template, parses Hermes-style tool calls,
 caller the exact token ids and logprobs of each call for training (``return_token_ids``). It
 generates on our inference worker (``worker``), sending token ids and reusing the ids of earlier
 turns, or fronts an external OpenAI-compatible server (``upstream``). See README.md.
+
+With ``checkpoint_policy: true`` and the mesh's checkpointing on, the server is the checkpoint
+participant of kind ``model`` (``participant``): its routes serve through the custody backend
+(admission, held replies, the capture ledger). Otherwise nothing of that is mounted.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from model_servers.policy_model.backend import Backend
 from model_servers.policy_model.call_params import Defaults
+from model_servers.policy_model.participant import mount_policy_participant
 from model_servers.policy_model.routes import make_router
 from model_servers.policy_model.upstream_backend import UpstreamBackend
 from model_servers.policy_model.worker_backend import WorkerBackend
+from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.config import MeshConfig, ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.server import create_app as create_app_base
@@ -47,6 +53,8 @@ class Config(ServerConfig):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(256, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)
+    checkpoint_policy: bool = False  # the one policy participant of the mesh (PROTOCOL.md section 2)
+    generation_cuts: bool = False  # cut generations in flight at a checkpoint (declared; not made yet)
 
     @model_validator(mode="after")
     def _one_backend(self) -> Config:
@@ -57,6 +65,13 @@ class Config(ServerConfig):
             raise ValueError(f"worker must be a model_servers instance, got {self.worker.type}")
         if self.upstream is not None and self.tokenizer_path is not None:
             raise ValueError("tokenizer_path is only used with worker (the upstream server tokenizes)")
+        return self
+
+    @model_validator(mode="after")
+    def _cuts_on_the_policy_worker(self) -> Config:
+        if self.generation_cuts and not (self.checkpoint_policy and self.worker is not None):
+            raise ValueError("generation_cuts needs checkpoint_policy: true and a worker (an upstream server "
+                             "cannot be cut)")
         return self
 
 
@@ -99,7 +114,8 @@ def make_backend(ctx: ServerContext[Config]) -> Backend:
     )
 
 
-def create_app(ctx: ServerContext[Config]) -> FastAPI:
+def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
+    """The server's app; ``clock`` is the checkpoint participant's (tests pass a fake one)."""
     settings = ctx.settings
     backend = make_backend(ctx)
     defaults = Defaults(settings.temperature, settings.top_p, settings.max_tokens, settings.return_token_ids)
@@ -110,5 +126,10 @@ def create_app(ctx: ServerContext[Config]) -> FastAPI:
         yield
 
     app = create_app_base(ctx.name, lifespan=lifespan)
-    app.include_router(make_router(backend, defaults))
+    policy = None
+    if settings.checkpoint_policy:
+        policy = mount_policy_participant(
+            app, ctx, backend, generation_cuts=settings.generation_cuts, clock=clock
+        )
+    app.include_router(make_router(policy.backend if policy else backend, defaults))
     return app

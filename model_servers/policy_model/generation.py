@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "MODEL_CALL_HEADER",
     "TOKEN_FIELDS",
     "ChatCall",
     "ChatResult",
@@ -25,6 +26,9 @@ __all__ = [
 ]
 
 FinishReason = Literal["stop", "length", "tool_calls"]
+
+#: The reply header naming the call in the capture ledger (only while checkpointing is on).
+MODEL_CALL_HEADER = "x-nemo-gym-model-call-id"
 
 #: The token capture fields, in the order they are written on a chat message or output item.
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "policy_version")
@@ -50,6 +54,9 @@ class ChatCall:
     sampling: Sampling
     tool_choice: Literal["auto", "none"] = "auto"
     want_tokens: bool = False
+    #: When set and ``sampling.seed`` is None, the backend derives the seed from this scope (the
+    #: rollout id) and the prompt digest (``ids.call_seed``); set only while checkpointing is on.
+    seed_scope: str | None = None
 
     @property
     def parse_tool_calls(self) -> bool:
@@ -92,6 +99,13 @@ class ChatResult:
     completion_tokens: int
     digest: str
     capture: TokenCapture | None = None
+    #: What the capture ledger records (``ids.sha256_of``): the prompt and generated token ids on
+    #: our worker (and upstream with token capture), else the messages sent and the reply.
+    prompt_digest: str = ""
+    output_digest: str = ""
+    policy_version: int | str | None = None
+    #: The capture ledger's id of the call (checkpointing on): the ``x-nemo-gym-model-call-id`` header.
+    model_call_id: str | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -103,6 +117,7 @@ class StreamStarted:
     """The backend accepted the call; ``digest`` names the prompt (stable ids before any token)."""
 
     digest: str
+    model_call_id: str | None = None
 
 
 @dataclass(frozen=True)

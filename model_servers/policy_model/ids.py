@@ -1,8 +1,14 @@
-"""Deterministic object ids derived from what a call saw and produced.
+"""Deterministic ids, digests and seeds derived from what a call saw and produced.
 
 A completion, a tool call and a Responses item get ids from a digest of the call's prompt and
 generation, never from a random source: a rollout that is restored and generates the same tokens
 again gets the same ids, so its output matches an uninterrupted run.
+
+``sha256_of`` is the digest the capture ledger records (prompt, output and conversation digests):
+SHA-256 of the compact JSON with sorted keys, so token ids ``[1, 2, 3]`` hash the bytes
+``[1,2,3]``; anyone holding the ids can check it. ``call_seed`` is the sampling seed of a
+rollout-scoped call that came without one: a pure function of the rollout id and the prompt
+digest, so a call made again by the next attempt of the rollout samples with the same seed.
 """
 
 from __future__ import annotations
@@ -12,9 +18,10 @@ from typing import Any
 
 import orjson
 
-__all__ = ["digest_of", "object_id"]
+__all__ = ["SEED_BITS", "call_seed", "digest_of", "object_id", "sha256_of"]
 
 _ID_HEX = 24
+SEED_BITS = 63
 
 
 def digest_of(*parts: Any) -> str:
@@ -28,3 +35,14 @@ def object_id(prefix: str, digest: str, index: int | None = None) -> str:
     if index is None:
         return f"{prefix}{digest[:_ID_HEX]}"
     return f"{prefix}{digest_of(digest, index)[:_ID_HEX]}"
+
+
+def sha256_of(value: Any) -> str:
+    """Hex SHA-256 of ``value`` as compact JSON with sorted keys (token ids: ``[1,2,3]``)."""
+    return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def call_seed(rollout_id: str, prompt_digest: str) -> int:
+    """The seed of a rollout's call that came without one: non-negative, below ``2**63``."""
+    data = f"ng-call-seed:v1:{rollout_id}:{prompt_digest}".encode()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big") >> (64 - SEED_BITS)

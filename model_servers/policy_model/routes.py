@@ -13,13 +13,20 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from starlette.responses import StreamingResponse
 
 from model_servers.policy_model.backend import Backend
 from model_servers.policy_model.call_params import Defaults, chat_call, responses_call
 from model_servers.policy_model.chat_api import ChatChunks, chat_completion
-from model_servers.policy_model.generation import ChatCall, ChatResult, StreamEvent, StreamStarted, TextDelta
+from model_servers.policy_model.generation import (
+    MODEL_CALL_HEADER,
+    ChatCall,
+    ChatResult,
+    StreamEvent,
+    StreamStarted,
+    TextDelta,
+)
 from model_servers.policy_model.responses_convert import response_object
 from model_servers.policy_model.schemas import ChatCompletionRequest, ResponsesRequest
 from nemo_gym_ckpt.errors import GymError, InternalError
@@ -37,17 +44,21 @@ def make_router(backend: Backend, defaults: Defaults) -> APIRouter:
         return {"object": "list", "data": [model]}
 
     @router.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: ChatCompletionRequest) -> dict[str, Any] | StreamingResponse:
+    async def chat_completions(
+        request: ChatCompletionRequest, response: Response
+    ) -> dict[str, Any] | StreamingResponse:
         call = chat_call(request, defaults)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return await _stream_chat(backend, call, include_usage=include_usage)
         result = await backend.complete(call)
+        response.headers.update(_call_headers(result.model_call_id))
         return chat_completion(result, model=backend.model_name, created=int(time.time()))
 
     @router.post("/v1/responses")
-    async def responses(request: ResponsesRequest) -> dict[str, Any]:
+    async def responses(request: ResponsesRequest, response: Response) -> dict[str, Any]:
         result = await backend.complete(responses_call(request, defaults))
+        response.headers.update(_call_headers(result.model_call_id))
         return response_object(result, request, model=backend.model_name, created_at=int(time.time()))
 
     return router
@@ -60,7 +71,16 @@ async def _stream_chat(backend: Backend, call: ChatCall, *, include_usage: bool)
         await events.aclose()
         raise InternalError(f"the backend's stream began with {type(first).__name__}, not StreamStarted")
     chunks = ChatChunks(digest=first.digest, model=backend.model_name, created=int(time.time()))
-    return StreamingResponse(_chat_events(events, chunks, include_usage), media_type="text/event-stream")
+    return StreamingResponse(
+        _chat_events(events, chunks, include_usage),
+        media_type="text/event-stream",
+        headers=_call_headers(first.model_call_id),
+    )
+
+
+def _call_headers(model_call_id: str | None) -> dict[str, str]:
+    """The model call's id in the capture ledger, when the call has one (checkpointing on)."""
+    return {MODEL_CALL_HEADER: model_call_id} if model_call_id else {}
 
 
 async def _chat_events(

@@ -5,7 +5,9 @@ rollout prefix: the external server knows nothing of it), with the token fields 
 messages. With token capture asked, the request also asks for vLLM's ``logprobs`` and
 ``return_token_ids`` and the reply must carry token ids, either NeMo RL style on the message or
 vLLM style (``prompt_token_ids`` plus the choice's ``token_ids`` and ``logprobs.content``).
-Streaming is served by replaying the finished reply.
+Streaming is served by replaying the finished reply. Without token ids, the ledger digests are
+those of the messages sent and of the reply, and a derived seed (``ChatCall.seed_scope``) comes
+from the messages' digest.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from model_servers.policy_model.generation import (
     TokenCapture,
     ToolCall,
 )
-from model_servers.policy_model.ids import digest_of, object_id
+from model_servers.policy_model.ids import call_seed, digest_of, object_id, sha256_of
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.errors import GymError, InvalidRequest, Unavailable, UpstreamError, UpstreamTimeout
 
@@ -117,6 +119,8 @@ class UpstreamBackend:
             body.update(tools=call.tools, tool_choice=call.tool_choice)
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        elif call.seed_scope is not None:
+            body["seed"] = call_seed(call.seed_scope, sha256_of(body["messages"]))
         if sampling.stop:
             body["stop"] = list(sampling.stop)
         if call.want_tokens:
@@ -192,9 +196,21 @@ def _result(reply: _UpReply, call: ChatCall, sent_messages: list[dict[str, Any]]
     usage = reply.usage or _UpUsage()
     prompt_tokens = len(capture.prompt_token_ids) if capture else usage.prompt_tokens
     completion_tokens = len(capture.generation_token_ids) if capture else usage.completion_tokens
+    prompt_digest, output_digest = _ledger_digests(capture, sent_messages, content, calls)
+    version = message.policy_version if message.policy_version is not None else reply.policy_version
     return ChatResult(
-        content, calls, _finish_reason(choice, bool(calls)), prompt_tokens, completion_tokens, digest, capture
+        content, calls, _finish_reason(choice, bool(calls)), prompt_tokens, completion_tokens, digest,
+        capture, prompt_digest=prompt_digest, output_digest=output_digest, policy_version=version,
     )
+
+
+def _ledger_digests(
+    capture: TokenCapture | None, sent: list[dict[str, Any]], content: str, calls: list[ToolCall]
+) -> tuple[str, str]:
+    """Token digests when the ids came back; else digests of the messages sent and of the reply."""
+    if capture is not None:
+        return sha256_of(capture.prompt_token_ids), sha256_of(capture.generation_token_ids)
+    return sha256_of(sent), sha256_of([content, [call.to_chat() for call in calls]])
 
 
 def _capture(reply: _UpReply) -> TokenCapture:

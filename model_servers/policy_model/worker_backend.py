@@ -5,6 +5,10 @@ The prompt is rendered with the model's chat template and sent to the worker's
 The worker answers the generated ids (the eos token included) and their logprobs; this server
 decodes them itself, keeping special tokens, because the tool-call tags are added tokens that a
 text reply could drop or alter. Content ends at the eos text or a stop string.
+
+A call that comes without a seed but with a ``seed_scope`` (a rollout-scoped call while
+checkpointing is on) is sent with ``ids.call_seed(rollout id, prompt digest)``, so the same call
+made again by the rollout's next attempt samples the same tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from model_servers.policy_model.generation import (
     TokenCapture,
     ToolCall,
 )
-from model_servers.policy_model.ids import digest_of, object_id
+from model_servers.policy_model.ids import call_seed, digest_of, object_id, sha256_of
 from model_servers.policy_model.sse_reader import read_sse_json
 from model_servers.policy_model.text_cut import ContentStreamer, cut_at_markers
 from model_servers.policy_model.token_splice import known_prefix, prompt_ids
@@ -138,14 +142,14 @@ class WorkerBackend:
                                  "tokens")
         return min(call.sampling.max_tokens, room)
 
-    def _body(self, call: ChatCall, prompt: list[int], *, stream: bool) -> dict[str, Any]:
+    def _body(self, call: ChatCall, prompt: list[int], prompt_digest: str, *, stream: bool) -> dict[str, Any]:
         sampling = call.sampling
         return {
             "prompt": prompt,
             "max_tokens": self._max_tokens(call, prompt),
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
-            "seed": sampling.seed,
+            "seed": _seed(call, prompt_digest),
             "stop": list(sampling.stop) or None,
             "logprobs": 1,
             "return_token_ids": True,
@@ -158,7 +162,9 @@ class WorkerBackend:
     def _markers(self, call: ChatCall) -> list[str]:
         return [self.format.eos_text, *call.sampling.stop]
 
-    def _result(self, call: ChatCall, prompt: list[int], generated: _Generated) -> ChatResult:
+    def _result(
+        self, call: ChatCall, prompt: list[int], prompt_digest: str, generated: _Generated
+    ) -> ChatResult:
         if generated.finish_reason is None:
             raise UpstreamError("the inference worker ended a generation without a finish_reason")
         text = cut_at_markers(self.format.decode(generated.ids), self._markers(call))
@@ -172,24 +178,29 @@ class WorkerBackend:
         capture = None
         if call.want_tokens:
             capture = TokenCapture(list(prompt), generated.ids, generated.logprobs, generated.policy_version)
-        return ChatResult(turn.content, calls, finish, len(prompt), len(generated.ids), digest, capture)
+        return ChatResult(
+            turn.content, calls, finish, len(prompt), len(generated.ids), digest, capture,
+            prompt_digest=prompt_digest, output_digest=sha256_of(generated.ids),
+            policy_version=generated.policy_version,
+        )
 
     # ---- calls -----------------------------------------------------------------------------------
 
     async def complete(self, call: ChatCall) -> ChatResult:
         prompt = self._prompt(call)
-        response = await self._client.request(
-            "POST", self._url, json=self._body(call, prompt, stream=False), timeout_s=self._timeout_s
-        )
+        prompt_digest = sha256_of(prompt)
+        body = self._body(call, prompt, prompt_digest, stream=False)
+        response = await self._client.request("POST", self._url, json=body, timeout_s=self._timeout_s)
         choice, policy_version = _choice_of(decode_json(response), "completion")
         generated = _Generated()
         generated.add(choice, policy_version, prompt)
-        return self._result(call, prompt, generated)
+        return self._result(call, prompt, prompt_digest, generated)
 
     async def stream(self, call: ChatCall) -> AsyncGenerator[StreamEvent, None]:
         prompt = self._prompt(call)
+        prompt_digest = sha256_of(prompt)
         deadline = asyncio.get_running_loop().time() + self._timeout_s
-        body = self._body(call, prompt, stream=True)
+        body = self._body(call, prompt, prompt_digest, stream=True)
         opened = self._client.stream("POST", self._url, json=body, connect_timeout_s=self._timeout_s)
         async with opened as response:
             yield StreamStarted(digest_of(prompt))
@@ -201,11 +212,18 @@ class WorkerBackend:
                 delta = streamer.feed(self.format.decode(generated.ids))
                 if delta:
                     yield TextDelta(delta)
-        result = self._result(call, prompt, generated)
+        result = self._result(call, prompt, prompt_digest, generated)
         rest = streamer.finish(result.content)
         if rest:
             yield TextDelta(rest)
         yield result
+
+
+def _seed(call: ChatCall, prompt_digest: str) -> int | None:
+    """The request's seed; without one, a rollout-scoped call's seed derived from its prompt."""
+    if call.sampling.seed is not None or call.seed_scope is None:
+        return call.sampling.seed
+    return call_seed(call.seed_scope, prompt_digest)
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -1,13 +1,17 @@
 """A scripted inference worker: the worker's ``/v1/completions`` contract, with chosen outputs.
 
-Each call takes the next scripted reply: text to "generate" (one id per character, the eos token
-appended unless the script says the model ran on), or an error to answer. It honours
-``max_tokens`` (cut, ``finish_reason: "length"``), answers token ids, logprobs and the prompt ids,
-streams one SSE chunk per token, and records every request body and rollout capture key.
+Each call takes the next scripted reply (``default`` once the script is empty): text to
+"generate" (one id per character, the eos token appended unless the script says the model ran
+on), or an error to answer. It honours ``max_tokens`` (cut, ``finish_reason: "length"``), answers
+token ids, logprobs and the prompt ids, streams one SSE chunk per token, and records every request
+body and rollout capture key. A reply may signal ``started`` when the call reaches the worker and
+wait for ``gate`` (a generation in flight): a whole reply before it answers, a stream after its
+first token (or, with ``gate_first``, before its headers).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,7 +24,9 @@ from model_servers.policy_model.chat_format import ChatFormat
 from nemo_gym_ckpt.identity import current_identity
 from nemo_gym_ckpt.server import create_app, sse_event
 
-__all__ = ["Generate", "ScriptedWorker", "WorkerFails"]
+__all__ = ["GATE_S", "Generate", "ScriptedWorker", "WorkerFails"]
+
+GATE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,14 @@ class Generate:
     text: str
     eos: bool = True
     error_after: int | None = None  # streaming: send this many tokens, then an error event
+    started: asyncio.Event | None = None  # set when the call reaches the worker
+    gate: asyncio.Event | None = None  # generation waits for it (a stream: after its first token)
+    gate_first: bool = False  # a stream waits for the gate before its headers
+
+    async def pass_gate(self) -> None:
+        if self.gate is not None:
+            async with asyncio.timeout(GATE_S):
+                await self.gate.wait()
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,7 @@ class ScriptedWorker:
         self.fmt = fmt
         self.policy_version = policy_version
         self.script: list[Generate | WorkerFails] = []
+        self.default: Generate | None = None
         self.requests: list[dict[str, Any]] = []
         self.capture_keys: list[str | None] = []
         self._ids = itertools.count()
@@ -72,14 +87,19 @@ class ScriptedWorker:
         self.requests.append(body)
         identity = current_identity()
         self.capture_keys.append(identity.capture_key if identity else None)
-        reply = self.script.pop(0)
+        reply = self.script.pop(0) if self.script or self.default is None else self.default
         if isinstance(reply, WorkerFails):
             return JSONResponse(reply.body, status_code=reply.status)
+        if reply.started is not None:
+            reply.started.set()
         ids, finish = self._generation(reply, body["max_tokens"])
         logprobs = [-0.25 - index / 100 for index in range(len(ids))]
         if body.get("stream"):
-            chunks = self._chunks(body, ids, logprobs, finish, reply.error_after)
+            if reply.gate_first:
+                await reply.pass_gate()
+            chunks = self._chunks(body, ids, logprobs, finish, reply)
             return StreamingResponse(chunks, media_type="text/event-stream")
+        await reply.pass_gate()
         choice = self._choice(ids, logprobs, finish, body["prompt"])
         return JSONResponse(self._envelope(choice))
 
@@ -115,10 +135,12 @@ class ScriptedWorker:
         ids: list[int],
         logprobs: list[float],
         finish: str,
-        error_after: int | None,
+        reply: Generate,
     ) -> AsyncIterator[bytes]:
         for index, token in enumerate(ids):
-            if index == error_after:
+            if index == 1 and not reply.gate_first:
+                await reply.pass_gate()
+            if index == reply.error_after:
                 yield sse_event({"error": {"code": "unavailable", "detail": "engine stopped"}})
                 return
             last = index == len(ids) - 1

@@ -1,0 +1,198 @@
+"""Custody of the policy's calls while checkpointing is on: a ``Backend`` around the real one.
+
+PROTOCOL.md section 8, first half. Every model call goes through ``CustodyBackend``:
+
+1. **Admission**: ``participant.admit`` (no rollout identity: 400 ``rollout_id_required``; during
+   an open checkpoint a new call waits for resume; a retired attempt: 409 ``stale_attempt``), then
+   a ticket is opened in ``ActiveCalls``.
+2. **Generation** by the wrapped backend, keeping on through a checkpoint; a request without a
+   seed gets one derived from its rollout id and prompt (``ChatCall.seed_scope``). A retire of the
+   attempt cancels it (``stale_attempt``).
+3. **Delivery**. A reply (or an error) that finishes while a checkpoint is open is held until
+   resume. A stream whose first event comes while a checkpoint is open has not started to be
+   delivered: it is read to its end and held the same way. A stream that started to be delivered
+   blocks readiness until it drains. The ledger row is written as the reply goes out: a whole
+   reply when it is returned, a stream once its final event was passed on and the next one asked
+   for. A held reply has no row when the commit exports, so after a restore the call is made again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import TypeVar
+
+from model_servers.policy_model.active_calls import ActiveCalls, CallState, Ticket
+from model_servers.policy_model.backend import Backend
+from model_servers.policy_model.generation import ChatCall, ChatResult, StreamEvent, StreamStarted
+from model_servers.policy_model.ledger import LedgerBook
+from nemo_gym_ckpt.checkpoint.participant import Participant
+from nemo_gym_ckpt.checkpoint.phases import Phase
+from nemo_gym_ckpt.errors import GymError, StaleAttempt
+from nemo_gym_ckpt.identity import current_identity
+
+__all__ = ["CANCEL_WAIT_S", "Custody", "CustodyBackend", "StreamEvents"]
+
+T = TypeVar("T")
+CANCEL_WAIT_S = 5.0
+
+
+class StreamEvents:
+    """A stream's events: those read ahead (a held reply, then its error), then the live rest."""
+
+    def __init__(
+        self, ahead: list[StreamEvent], error: GymError | None, live: AsyncIterator[StreamEvent]
+    ) -> None:
+        self._ahead = deque(ahead)
+        self._error = error
+        self._live = live
+
+    def __aiter__(self) -> StreamEvents:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._ahead:
+            return self._ahead.popleft()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return await anext(self._live)
+
+
+class Custody:
+    """The steps of one call under checkpointing: admit, generate, hold, deliver, release."""
+
+    def __init__(self, participant: Participant, calls: ActiveCalls, ledgers: LedgerBook) -> None:
+        self.participant = participant
+        self.calls = calls
+        self.ledgers = ledgers
+
+    @property
+    def checkpoint_open(self) -> bool:
+        return self.participant.phase is not Phase.IDLE
+
+    async def admit(self, call: ChatCall) -> Ticket:
+        identity = current_identity()
+        await self.participant.admit(identity)
+        assert identity is not None  # admit refuses a call without one
+        return self.calls.open(identity, call, self.participant.clock.now())
+
+    @staticmethod
+    def as_sent(call: ChatCall, ticket: Ticket) -> ChatCall:
+        """The call as the backend gets it: without a seed, one derived from the rollout and prompt."""
+        if call.sampling.seed is not None:
+            return call
+        return dataclasses.replace(call, seed_scope=ticket.episode.rollout_id)
+
+    async def generated(self, ticket: Ticket, work: Awaitable[T]) -> T:
+        """The result of ``work``; an error is held like a reply before it is raised."""
+        try:
+            return await self._unless_stopped(ticket, work)
+        except GymError:
+            await self.hold(ticket)
+            raise
+
+    async def hold(self, ticket: Ticket) -> None:
+        """Wait for resume if a checkpoint is open (at once otherwise); refuse a retired attempt."""
+        if self.checkpoint_open:
+            self.calls.mark(ticket, CallState.HELD)
+        await self.participant.admit(ticket.episode)
+
+    async def opened(self, ticket: Ticket, events: AsyncIterator[StreamEvent]) -> StreamEvents:
+        """A stream's events once it may start to be delivered (held to its end if need be)."""
+        first = self.named(ticket, await self.generated(ticket, anext(events)))
+        if not self.checkpoint_open:
+            return StreamEvents([first], None, events)
+        ahead, error = await self._unless_stopped(ticket, _read_to_end(events))
+        await self.hold(ticket)
+        return StreamEvents([first, *ahead], error, events)
+
+    def delivering(self, ticket: Ticket) -> None:
+        self.calls.mark(ticket, CallState.DELIVERING)
+
+    def check_retired(self, ticket: Ticket) -> None:
+        """A stream being delivered stops at its next event once its attempt is retired."""
+        self.participant.marks.check(ticket.episode)
+
+    def deliver(self, ticket: Ticket, result: ChatResult) -> None:
+        self.ledgers.deliver(ticket, result)
+
+    @staticmethod
+    def named(ticket: Ticket, event: T) -> T:
+        """The reply's start or result, named with the ticket's model call id (a reply header)."""
+        if isinstance(event, ChatResult | StreamStarted):
+            return dataclasses.replace(event, model_call_id=ticket.model_call_id)
+        return event
+
+    def release(self, ticket: Ticket) -> None:
+        self.calls.close(ticket)
+        self.participant.notify_changed()
+
+    async def _unless_stopped(self, ticket: Ticket, work: Awaitable[T]) -> T:
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(ticket.stopped.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
+        if not task.done() or task.cancelled():
+            raise StaleAttempt(f"attempt {ticket.episode.capture_key} was retired during the call")
+        return task.result()
+
+
+async def _read_to_end(events: AsyncIterator[StreamEvent]) -> tuple[list[StreamEvent], GymError | None]:
+    ahead: list[StreamEvent] = []
+    try:
+        async for event in events:
+            ahead.append(event)
+    except GymError as error:
+        return ahead, error
+    return ahead, None
+
+
+class CustodyBackend:
+    """A ``Backend`` that runs every call of ``inner`` under ``custody``."""
+
+    def __init__(self, inner: Backend, custody: Custody) -> None:
+        self._inner = inner
+        self._custody = custody
+
+    @property
+    def model_name(self) -> str:
+        return self._inner.model_name
+
+    async def start(self) -> None:
+        await self._inner.start()
+
+    async def complete(self, call: ChatCall) -> ChatResult:
+        custody = self._custody
+        ticket = await custody.admit(call)
+        try:
+            result = await custody.generated(ticket, self._inner.complete(custody.as_sent(call, ticket)))
+            await custody.hold(ticket)
+            custody.deliver(ticket, result)
+            return custody.named(ticket, result)
+        finally:
+            custody.release(ticket)
+
+    async def stream(self, call: ChatCall) -> AsyncGenerator[StreamEvent, None]:
+        custody = self._custody
+        ticket = await custody.admit(call)
+        try:
+            events = self._inner.stream(custody.as_sent(call, ticket))
+            async with contextlib.aclosing(events):
+                source = await custody.opened(ticket, events)
+                custody.delivering(ticket)
+                async for event in source:
+                    custody.check_retired(ticket)
+                    yield event
+                    if isinstance(event, ChatResult):
+                        custody.deliver(ticket, event)
+        finally:
+            custody.release(ticket)

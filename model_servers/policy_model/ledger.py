@@ -1,0 +1,240 @@
+"""The capture ledger: per capture key, one row per call whose reply was delivered.
+
+A row holds the coordinates and digests of a call, never its token arrays (those travel to the
+caller in the reply). Fields, in this order on the wire (``ROW_FIELDS``):
+
+| field | meaning |
+|---|---|
+| ``call_id`` | the model call id, given at admission (``mc_<hex>``) |
+| ``parent_call_id`` | the previous delivered call of the rollout's lineage; ``null`` for the first |
+| ``attempt`` | the attempt that made the call |
+| ``prompt_length`` / ``output_length`` | token counts of the prompt and of the generation |
+| ``prompt_digest`` / ``output_digest`` | ``ids.sha256_of`` the prompt and generated token ids |
+| ``finish_reason`` | ``stop``, ``length`` or ``tool_calls`` |
+| ``policy_version`` | the engine's policy version for the call |
+| ``admitted_at`` | Unix seconds when the call was admitted |
+| ``conversation_digest`` | ``sha256_of`` the request's messages, tools and tool choice |
+
+A rollout's ledger is one lineage across attempts: restoring attempt N installs a ledger for N+1
+that inherits N's rows, and the first call N+1 delivers has N's last row as its parent. The record
+of a ledger is ``{"episode_id": {rollout_id, attempt}, "ledger": [row, ...]}`` with the whole
+lineage; a restored ledger that delivered nothing since is exported as the very record it came
+from (byte for byte).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from model_servers.policy_model.active_calls import Ticket
+from model_servers.policy_model.generation import ChatResult
+from nemo_gym_ckpt.checkpoint.adapter import ExportItem
+from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.errors import InvalidCheckpointState
+from nemo_gym_ckpt.identity import RolloutIdentity
+
+__all__ = ["RECORD_KEYS", "ROW_FIELDS", "Ledger", "LedgerBook", "LedgerRow"]
+
+RECORD_KEYS = frozenset({"episode_id", "ledger"})
+FINISH_REASONS = frozenset({"stop", "length", "tool_calls"})
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerRow:
+    call_id: str
+    parent_call_id: str | None
+    attempt: int
+    prompt_length: int
+    prompt_digest: str
+    output_length: int
+    output_digest: str
+    finish_reason: str
+    policy_version: int | str | None
+    admitted_at: float
+    conversation_digest: str
+
+    @classmethod
+    def delivered(cls, ticket: Ticket, result: ChatResult, parent_call_id: str | None) -> LedgerRow:
+        return cls(
+            call_id=ticket.model_call_id,
+            parent_call_id=parent_call_id,
+            attempt=ticket.episode.attempt,
+            prompt_length=result.prompt_tokens,
+            prompt_digest=result.prompt_digest,
+            output_length=result.completion_tokens,
+            output_digest=result.output_digest,
+            finish_reason=result.finish_reason,
+            policy_version=result.policy_version,
+            admitted_at=ticket.admitted_at,
+            conversation_digest=ticket.conversation_digest,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ROW_FIELDS}
+
+    @classmethod
+    def from_json(cls, data: Any) -> LedgerRow:
+        """A row read back from a record; anything malformed is ``InvalidCheckpointState``."""
+        if not isinstance(data, dict) or set(data) != set(ROW_FIELDS):
+            raise InvalidCheckpointState(f"a ledger row must have exactly the fields {list(ROW_FIELDS)}")
+        for name, valid in _VALID.items():
+            if not valid(data[name]):
+                raise InvalidCheckpointState(f"ledger row field {name} has an invalid value {data[name]!r}")
+        return cls(**data)
+
+
+ROW_FIELDS = tuple(f.name for f in fields(LedgerRow))
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _digest(value: Any) -> bool:
+    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
+
+
+def _call_id(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 200
+
+
+_VALID: dict[str, Callable[[Any], bool]] = {
+    "call_id": _call_id,
+    "parent_call_id": lambda value: value is None or _call_id(value),
+    "attempt": _count,
+    "prompt_length": _count,
+    "prompt_digest": _digest,
+    "output_length": _count,
+    "output_digest": _digest,
+    "finish_reason": lambda value: value in FINISH_REASONS,
+    "policy_version": lambda value: value is None or type(value) in (int, str),
+    "admitted_at": lambda value: type(value) in (int, float) and math.isfinite(value),
+    "conversation_digest": _digest,
+}
+
+
+@dataclass
+class Ledger:
+    """The delivered calls of one capture key, after the rows inherited from earlier attempts."""
+
+    episode: RolloutIdentity
+    inherited: tuple[LedgerRow, ...] = ()
+    rows: list[LedgerRow] = field(default_factory=list)
+    source: Record | None = None  # the record it was restored from
+
+    @property
+    def head(self) -> str | None:
+        """The call id a new row takes as its parent."""
+        last = self.rows[-1] if self.rows else (self.inherited[-1] if self.inherited else None)
+        return last.call_id if last else None
+
+    @property
+    def unchanged_restore(self) -> bool:
+        return self.source is not None and not self.rows
+
+    def __len__(self) -> int:
+        return len(self.inherited) + len(self.rows)
+
+    def covered_by(self, scope: Scope | None) -> bool:
+        """In ``scope`` as itself, or (restored and unchanged) as the episode it came from."""
+        if scope is None or self.episode in scope:
+            return True
+        return self.source is not None and self.unchanged_restore and self.source.episode in scope
+
+    def export(self, scope: Scope | None) -> ExportItem | None:
+        source = self.source if self.unchanged_restore else None
+        if source is not None and (scope is None or source.episode in scope):
+            return source
+        if scope is not None and self.episode not in scope:
+            return None
+        rows = [row.to_json() for row in (*self.inherited, *self.rows)]
+        return {"episode_id": self.episode.to_json(), "ledger": rows}
+
+
+class LedgerBook:
+    """Every ledger of this server, by capture key."""
+
+    def __init__(self) -> None:
+        self._ledgers: dict[str, Ledger] = {}
+
+    def __len__(self) -> int:
+        return len(self._ledgers)
+
+    @property
+    def row_count(self) -> int:
+        return sum(len(ledger) for ledger in self._ledgers.values())
+
+    def get(self, episode: RolloutIdentity) -> Ledger | None:
+        return self._ledgers.get(episode.capture_key)
+
+    def deliver(self, ticket: Ticket, result: ChatResult) -> LedgerRow:
+        """Record a call whose reply is being delivered, as the new head of its lineage."""
+        ledger = self._ledgers.get(ticket.episode.capture_key)
+        if ledger is None:
+            ledger = self._ledgers[ticket.episode.capture_key] = Ledger(ticket.episode)
+        row = LedgerRow.delivered(ticket, result, ledger.head)
+        ledger.rows.append(row)
+        return row
+
+    def records(self, scope: Scope | None) -> list[ExportItem]:
+        """A snapshot of the records of the ledgers in ``scope`` (``None``: all)."""
+        exported = (ledger.export(scope) for ledger in self._ledgers.values())
+        return [item for item in exported if item is not None]
+
+    def drop_restored_outside(self, scope: Scope | None) -> None:
+        """After a commit: a restored, unchanged ledger that ``scope`` left out is deleted."""
+        self._drop(lambda ledger: ledger.unchanged_restore and not ledger.covered_by(scope))
+
+    def install(self, records: Sequence[Record]) -> list[RolloutIdentity]:
+        """All or nothing: check every record, then install each under the next attempt."""
+        restored = [restored_ledger(record) for record in records]
+        keys = [ledger.episode.capture_key for ledger in restored]
+        clashes = sorted(set(keys) & set(self._ledgers)) or sorted({k for k in keys if keys.count(k) > 1})
+        if clashes:
+            raise InvalidCheckpointState(f"ledgers already present or restored twice: {clashes[:10]}")
+        for ledger in restored:
+            self._ledgers[ledger.episode.capture_key] = ledger
+        return [ledger.episode for ledger in restored]
+
+    def retire(self, episodes: Iterable[RolloutIdentity]) -> None:
+        """Cumulative: each episode's ledger and those of every earlier attempt of its rollout."""
+        marks: dict[str, int] = {}
+        for episode in episodes:
+            marks[episode.rollout_id] = max(episode.attempt, marks.get(episode.rollout_id, -1))
+        self._drop(lambda ledger: ledger.episode.attempt <= marks.get(ledger.episode.rollout_id, -1))
+
+    def forget(self, rollout_ids: Iterable[str]) -> None:
+        gone = set(rollout_ids)
+        self._drop(lambda ledger: ledger.episode.rollout_id in gone)
+
+    def _drop(self, doomed: Callable[[Ledger], bool]) -> None:
+        for key in [key for key, ledger in self._ledgers.items() if doomed(ledger)]:
+            del self._ledgers[key]
+
+
+def restored_ledger(record: Record) -> Ledger:
+    """The ledger of the attempt after ``record``'s, inheriting its rows (checked)."""
+    if set(record.data) != RECORD_KEYS or not isinstance(record.data["ledger"], list):
+        raise InvalidCheckpointState(f"record of {record.episode.capture_key} is not a ledger record")
+    rows = tuple(LedgerRow.from_json(row) for row in record.data["ledger"])
+    _check_lineage(rows, record.episode)
+    return Ledger(record.episode.next_attempt(), rows, source=record)
+
+
+def _check_lineage(rows: Sequence[LedgerRow], episode: RolloutIdentity) -> None:
+    parent, attempt, seen = None, 0, set()
+    for index, row in enumerate(rows):
+        where = f"ledger of {episode.capture_key}, row {index}"
+        if row.parent_call_id != parent:
+            raise InvalidCheckpointState(f"{where}: parent {row.parent_call_id!r}, expected {parent!r}")
+        if not attempt <= row.attempt <= episode.attempt:
+            raise InvalidCheckpointState(f"{where}: attempt {row.attempt} out of order")
+        if row.call_id in seen:
+            raise InvalidCheckpointState(f"{where}: call {row.call_id} appears twice")
+        parent, attempt = row.call_id, row.attempt
+        seen.add(row.call_id)
