@@ -44,8 +44,16 @@ than ``stateless``) keep a session table; a stateless server still hands out a c
 treat every server alike. A session remembers the rollout identity it was opened under, and a call
 under another attempt of the same session is refused (409 ``stale_attempt``).
 
-Session state is plain JSON data in a plain ``SessionTable``, so the checkpoint hooks of a later
-issue can export and restore it without knowing the server.
+Checkpointing (PROTOCOL.md section 7; ``docs/participants.md``, "Resources servers"). With the
+mesh's ``checkpoint:`` block enabled, ``build_app`` mounts a participant (``ResourcesAdapter``):
+every rollout-scoped request (seed, tools, verify, close) then needs ``/ng-rollout/<key>/``, waits
+while a checkpoint is open and is refused ``stale_attempt`` for a retired attempt. The class
+declares ``checkpoint_mode`` (``stateless``: sessions are membership only; ``exported``: session
+state is saved through the hooks ``export_session``, ``restore_session``, ``park_session``;
+``restart_only``, the default: never saved, its episodes start over after a crash) and
+``checkpoint_verify`` (``wait``, the default, or ``replay``). ``retire_session`` frees what a
+session holds whenever it is dropped. With checkpointing off none of this runs: no control route,
+no waiting, and a stateless server keeps no sessions.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, TypeVar, cast, get_type_hints
 
@@ -64,6 +72,10 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.responses import Response
 
+from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
+from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
+from nemo_gym_ckpt.checkpoint.records import Record
+from nemo_gym_ckpt.checkpoint.resources_adapter import ResourcesAdapter, Route
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import InvalidRequest, StaleAttempt
@@ -73,6 +85,7 @@ from nemo_gym_ckpt.server import OrjsonResponse, create_app
 __all__ = [
     "CHECKPOINT_MODES",
     "CHECKPOINT_VERIFY_MODES",
+    "EXPORTED_HOOKS",
     "RESTART_HEADER",
     "VERIFY_HEADER",
     "CheckpointMode",
@@ -100,6 +113,7 @@ RESTART_HEADER = "x-ng-checkpoint-restart"
 RESERVED_ROUTES = frozenset({"seed_session", "verify", "tools", "close_session", "health", "ng-control"})
 _TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 _TOOL_MARK = "__ng_tool__"
+EXPORTED_HOOKS = ("export_session", "restore_session", "park_session")
 
 _C = TypeVar("_C", bound=ServerConfig)
 
@@ -169,11 +183,16 @@ def _part_text(part: Any) -> str:
 
 @dataclass
 class Session:
-    """One seeded session: its id, the rollout identity it was opened under, its JSON state."""
+    """One seeded session: its id, the rollout identity it was opened under, its JSON state.
+
+    ``restored`` is the checkpoint record a restored session came from, kept until a call touches
+    the session (it is then exported afresh); it takes no part in equality.
+    """
 
     session_id: str
     identity: RolloutIdentity | None
     state: dict[str, Any] = field(default_factory=dict)
+    restored: Record | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         identity = self.identity.to_json() if self.identity else None
@@ -207,13 +226,28 @@ class SessionTable:
         return session
 
     def close(self, session_id: str | None) -> bool:
-        return self._sessions.pop(session_id or "", None) is not None
+        return self.pop(session_id) is not None
+
+    def pop(self, session_id: str | None) -> Session | None:
+        """Remove and return the session with this id (``None`` when there is none)."""
+        return self._sessions.pop(session_id or "", None)
 
     def add(self, session: Session) -> None:
         self._sessions[session.session_id] = session
 
+    def install(
+        self, session_id: str, identity: RolloutIdentity, state: dict[str, Any], *, restored: Record
+    ) -> Session:
+        """Put back a session read from a checkpoint: same id (its cookie still works), new attempt."""
+        session = Session(session_id, identity, state, restored=restored)
+        self.add(session)
+        return session
+
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
 
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
@@ -368,6 +402,7 @@ class ResourcesServer(Generic[_C]):
             if getattr(attr, _TOOL_MARK, False)
         }
         cls._check_sessions()
+        cls._check_hooks()
 
     @classmethod
     def _check_sessions(cls) -> None:
@@ -375,6 +410,17 @@ class ResourcesServer(Generic[_C]):
         needy += ["verify"] if cls.verify_signature.takes_session else []
         if needy and not cls.keeps_sessions():
             raise TypeError(f"{cls.__name__} is stateless, but {needy} take a session")
+
+    @classmethod
+    def _check_hooks(cls) -> None:
+        """Checkpoint hooks only where the mode uses them: they would silently never run."""
+        overridden = [name for name in (*EXPORTED_HOOKS, "retire_session")
+                      if getattr(cls, name) is not getattr(ResourcesServer, name)]
+        unused = overridden if not cls.keeps_sessions() else [
+            name for name in overridden if name in EXPORTED_HOOKS and cls.checkpoint_mode != "exported"]
+        if unused:
+            raise TypeError(f"{cls.__name__} is {cls.checkpoint_mode}: {unused} never run "
+                            f"(export, restore and park are for exported servers)")
 
     @classmethod
     def keeps_sessions(cls) -> bool:
@@ -386,6 +432,7 @@ class ResourcesServer(Generic[_C]):
         self.settings: _C = ctx.settings
         self.sessions = SessionTable()
         self.cookie_name = session_cookie_name(ctx.name)
+        self.checkpoint: ResourcesAdapter | None = None  # set by build_app when checkpointing is on
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -396,9 +443,51 @@ class ResourcesServer(Generic[_C]):
         """The JSON state of a new session; override with ``task`` annotated by a TaskRow subclass."""
         return {}
 
+    # -- checkpoint hooks (docs/participants.md, "Resources servers")
+
+    async def export_session(self, session: Session) -> dict[str, Any]:
+        """Exported servers: the session's state as a JSON object, for its checkpoint record.
+
+        Called while the checkpoint is open, after ``park_session``, with no tool call in flight.
+        The default exports ``session.state`` as it is.
+        """
+        return session.state
+
+    async def restore_session(self, state: Any) -> dict[str, Any]:
+        """Exported servers: check a state read from a checkpoint; return the state to install.
+
+        No side effects: a restore installs every session or none. Raise ``ValueError`` (a
+        pydantic ``ValidationError`` is one) for a malformed state: the restore then fails with
+        ``invalid_checkpoint_state`` and nothing is installed. The default wants a JSON object.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"a session state must be a JSON object, got {type(state).__name__}")
+        return state
+
+    async def park_session(self, session: Session) -> None:
+        """Exported servers: quiesce the session (settle background work) so that its export is
+        consistent. Called once per checkpoint, at prepare, when no tool call of it is in flight;
+        the session keeps being used after the checkpoint. The default has nothing to settle."""
+
+    async def retire_session(self, session: Session) -> None:
+        """Free what the session holds outside its JSON state (a process, a file, a connection).
+
+        Called after the session left the table, whenever it is dropped: ``/close_session``, a
+        retire or forget of its rollout, a restored session that a commit left out. The default
+        holds nothing."""
+
+    async def drop_session(self, session_id: str | None) -> bool:
+        """Remove a session and free it (``retire_session``); ``False`` when there was none."""
+        session = self.sessions.pop(session_id)
+        if session is None:
+            return False
+        await self.retire_session(session)
+        return True
+
     # -- the app
 
-    def build_app(self) -> FastAPI:
+    def build_app(self, *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
+        """The server's app; a checkpoint participant too when the mesh enables checkpointing."""
         app = create_app(self.ctx.name, lifespan=self.lifespan)
         app.add_api_route("/seed_session", self._seed_route, methods=["POST"])
         app.add_api_route("/verify", self._verify_route, methods=["POST"])
@@ -406,6 +495,10 @@ class ResourcesServer(Generic[_C]):
         app.add_api_route("/tools", self._tools_route, methods=["GET"])
         for spec in self.tool_specs.values():
             app.add_api_route(f"/{spec.name}", self._tool_route(spec), methods=["POST"])
+        adapter = ResourcesAdapter(self)
+        participant = mount_checkpointing(app, self.ctx, adapter, kind="resources", clock=clock)
+        if participant is not None:
+            adapter.participant, self.checkpoint = participant, adapter
         return app
 
     def tool_definitions(self, shape: Literal["responses", "chat"] = "responses") -> list[dict[str, Any]]:
@@ -420,13 +513,18 @@ class ResourcesServer(Generic[_C]):
 
     # -- routes
 
+    def _entered(self, route: Route) -> AbstractAsyncContextManager[Any]:
+        """Admission of a rollout-scoped request: the participant's when checkpointing is on."""
+        return self.checkpoint.admitted(route) if self.checkpoint is not None else nullcontext()
+
     async def _seed_route(self, request: Request) -> Response:
         task = await _read_model(request, self.seed_signature.model)
-        if self.keeps_sessions():
-            state = await self.initial_state(task)
-            session_id = self.sessions.open(current_identity(), state).session_id
-        else:
-            session_id = uuid.uuid4().hex
+        async with self._entered("seed"):
+            if self.keeps_sessions() or self.checkpoint is not None:  # stateless: membership only
+                state = await self.initial_state(task)
+                session_id = self.sessions.open(current_identity(), state).session_id
+            else:
+                session_id = uuid.uuid4().hex
         reply = OrjsonResponse({"session_id": session_id}, headers=self.checkpoint_headers())
         reply.set_cookie(self.cookie_name, session_id, httponly=True, samesite="lax")
         return reply
@@ -434,13 +532,15 @@ class ResourcesServer(Generic[_C]):
     async def _verify_route(self, request: Request) -> Response:
         signature = self.verify_signature
         task = await _read_model(request, signature.model)
-        args = (task, self._session(request)) if signature.takes_session else (task,)
-        verdict = await signature.func(self, *args)
+        async with self._entered("verify"):
+            args = (task, self._session(request)) if signature.takes_session else (task,)
+            verdict = await signature.func(self, *args)
         row = task.model_dump(mode="json", exclude_unset=True)
         return OrjsonResponse({**row, **verdict.model_dump(mode="json")})
 
     async def _close_route(self, request: Request) -> Response:
-        closed = self.sessions.close(request.cookies.get(self.cookie_name))
+        async with self._entered("close"):
+            closed = await self.drop_session(request.cookies.get(self.cookie_name))
         reply = OrjsonResponse({"closed": closed})
         reply.delete_cookie(self.cookie_name)
         return reply
@@ -453,9 +553,10 @@ class ResourcesServer(Generic[_C]):
 
         async def call_tool(request: Request) -> Response:
             args = await _read_model(request, spec.args_model)
-            if spec.takes_session:
-                return _tool_output(await method(args, self._session(request)))
-            return _tool_output(await method(args))
+            async with self._entered("tool"):
+                if spec.takes_session:
+                    return _tool_output(await method(args, self._session(request)))
+                return _tool_output(await method(args))
 
         call_tool.__name__ = f"tool_{spec.name}"
         return call_tool
@@ -469,6 +570,7 @@ class ResourcesServer(Generic[_C]):
                 f"session {session.session_id} belongs to rollout {session.identity.capture_key}, "
                 f"not {identity.capture_key}"
             )
+        session.restored = None  # touched: its next export is fresh, under its current attempt
         return session
 
 

@@ -4,8 +4,11 @@ Tools ``kv_set``, ``kv_get``, ``kv_delete`` and ``kv_list`` change and read the 
 caller's session (the session cookie from ``/seed_session``). A task may seed the store with
 ``initial_state``; verify gives 1.0 when the final store equals ``expected_state`` exactly.
 
-The session state is plain JSON, ``{"items": {key: value}}``, kept in the base's session table,
-so it can be exported and restored as it is: the server declares ``exported`` + ``wait``.
+The session state is plain JSON, ``{"items": {key: value}}``, kept in the base's session table:
+the server declares ``exported`` + ``wait``. Its checkpoint hooks export that state and check a
+restored one (``KvState``, at most ``max_keys`` keys); it keeps the default ``park_session`` and
+``retire_session``, since every tool call finishes inside its request and nothing lives outside
+the state.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import FastAPI
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
@@ -24,6 +27,7 @@ __all__ = [
     "Config",
     "KeyArgs",
     "KvSeedTask",
+    "KvState",
     "KvStore",
     "KvVerdict",
     "KvVerifyTask",
@@ -67,6 +71,14 @@ class KvVerdict(Verdict):
     mismatched_keys: list[str]
 
 
+class KvState(BaseModel):
+    """The exported state of one session (its checkpoint record's ``state``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    items: dict[Key, Value]
+
+
 def items_of(session: Session) -> dict[str, str]:
     """The session's store (the ``items`` of its JSON state)."""
     items: dict[str, str] = session.state.setdefault("items", {})
@@ -106,6 +118,15 @@ class KvStore(ResourcesServer[Config]):
     async def kv_list(self, args: NoArgs, session: Session) -> dict[str, Any]:
         """List the stored keys, sorted."""
         return {"keys": sorted(items_of(session))}
+
+    async def export_session(self, session: Session) -> dict[str, Any]:
+        return {"items": items_of(session)}
+
+    async def restore_session(self, state: Any) -> dict[str, Any]:
+        items = KvState.model_validate(state).items  # a ValidationError is a ValueError
+        if len(items) > self.settings.max_keys:
+            raise ValueError(f"{len(items)} keys, more than max_keys={self.settings.max_keys}")
+        return {"items": dict(items)}
 
     async def verify(self, task: KvVerifyTask, session: Session) -> KvVerdict:
         final, expected = items_of(session), task.expected_state

@@ -1,0 +1,271 @@
+"""The resources server's side of a checkpoint: ``ResourcesAdapter`` (PROTOCOL.md section 7).
+
+``ResourcesServer.build_app`` mounts one over the server when checkpointing is on; with it off
+nothing here runs. What it does, by the server's ``checkpoint_mode``:
+
+- ``stateless``: a session is membership only. Each record is ``{episode_id, session_id}``; a
+  restore puts back empty sessions under the same ids, so the cookies the environment kept still
+  work.
+- ``exported``: each record is ``{episode_id, session_id, state}``, the state being what the
+  server's ``export_session`` hook answers. At prepare each idle session is parked once
+  (``park_session``); a restore checks each state with ``restore_session`` before it installs
+  anything.
+- ``restart_only``: never exported. Its sessions are listed as ``restarts`` and never block a
+  prepare; new sessions wait while a checkpoint is open, existing ones keep running.
+
+Data-plane requests go through ``admitted(route)``: it waits while a checkpoint is open (a
+restart-only server's calls on existing sessions only check the retire marks), refuses retired
+attempts with ``stale_attempt`` and counts the request in flight. In-flight tool calls and, when the
+server declares ``checkpoint_verify = "wait"``, in-flight verifies block a prepare; a ``replay``
+verify never does (after a crash it simply runs again).
+
+A restored session keeps the ``Record`` it came from until a call touches it, and is exported
+again byte for byte while it is untouched (as its new attempt when only that attempt is in scope).
+Restore installs every record under ``episode.next_attempt()``, bound to that attempt, or nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
+from nemo_gym_ckpt.checkpoint.participant import Participant
+from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidPhase, RolloutIdRequired
+from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+
+if TYPE_CHECKING:
+    from nemo_gym_ckpt.resources import ResourcesServer, Session
+
+__all__ = ["SESSION_ID", "ResourcesAdapter", "Route"]
+
+Route = Literal["seed", "tool", "verify", "close"]
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One checked record, ready to install."""
+
+    session_id: str
+    identity: RolloutIdentity
+    state: dict[str, Any]
+    record: Record
+
+
+class ResourcesAdapter:
+    """A ``ParticipantAdapter`` over one ``ResourcesServer`` and its session table."""
+
+    def __init__(self, server: ResourcesServer[Any]) -> None:
+        self.server = server
+        self.mode = server.checkpoint_mode
+        self.verify_mode = server.checkpoint_verify
+        self.participant: Participant | None = None
+        self._in_flight: Counter[RolloutIdentity] = Counter()
+        self._blocking: Counter[RolloutIdentity] = Counter()
+        self._parked: set[str] = set()
+        self._parked_for: str | None = None
+        self._served = False
+
+    # ---- data plane -------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def admitted(self, route: Route) -> AsyncIterator[RolloutIdentity]:
+        """Let one request in (waiting while a checkpoint is open) and count it while it runs."""
+        identity = await self._admit(route)
+        blocking = self._blocks(route)
+        self._in_flight[identity] += 1
+        if blocking:
+            self._blocking[identity] += 1
+        try:
+            yield identity
+        finally:
+            _release(self._in_flight, identity)
+            if blocking:
+                _release(self._blocking, identity)
+            self._participant().notify_changed()
+
+    async def _admit(self, route: Route) -> RolloutIdentity:
+        identity = current_identity()
+        participant = self._participant()
+        if self.mode == "restart_only" and route != "seed":
+            _check_marks(participant, identity)
+        else:
+            await participant.admit(identity)
+        if identity is None:  # admit refuses a request without identity; this narrows the type
+            raise RolloutIdRequired("checkpointing is on: a rollout-scoped request needs /ng-rollout/<key>/")
+        self._served = True
+        return identity
+
+    def _blocks(self, route: Route) -> bool:
+        if self.mode == "restart_only":
+            return False
+        return route == "tool" or (route == "verify" and self.verify_mode == "wait")
+
+    def _participant(self) -> Participant:
+        assert self.participant is not None, "the adapter is used only once mounted"
+        return self.participant
+
+    # ---- prepare ----------------------------------------------------------------------------
+
+    async def readiness(self) -> Readiness:
+        blockers = sorted({identity.capture_key for identity in self._blocking})
+        if self.mode == "exported":
+            await self._park_idle_sessions()
+        counts = {
+            "sessions": len(self.server.sessions),
+            "in_flight": sum(self._in_flight.values()),
+            "blocking": sum(self._blocking.values()),
+        }
+        return Readiness(blockers=blockers, counts=counts, restarts=self._restarts())
+
+    def _restarts(self) -> list[str]:
+        if self.mode != "restart_only":
+            return []
+        live = {s.identity for s in self.server.sessions if s.identity is not None} | set(self._in_flight)
+        return sorted(identity.capture_key for identity in live)
+
+    async def _park_idle_sessions(self) -> None:
+        """Park every session with no blocking call in flight, once per checkpoint."""
+        checkpoint_id = self._participant().checkpoint_id
+        if checkpoint_id != self._parked_for:
+            self._parked, self._parked_for = set(), checkpoint_id
+        for session in self.server.sessions:
+            busy = session.identity in self._blocking
+            if not busy and session.session_id not in self._parked:
+                await self.server.park_session(session)
+                self._parked.add(session.session_id)
+
+    # ---- commit -----------------------------------------------------------------------------
+
+    async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
+        if self.mode == "restart_only":
+            return
+        for session in self.server.sessions:
+            item = await self._record_of(session, scope)
+            if item is not None:
+                yield item
+
+    async def _record_of(self, session: Session, scope: Scope | None) -> ExportItem | None:
+        restored, identity = session.restored, session.identity
+        if restored is not None and (scope is None or restored.episode in scope):
+            return restored
+        if identity is None or (scope is not None and identity not in scope):
+            return None
+        record: dict[str, Any] = {"episode_id": identity.to_json(), "session_id": session.session_id}
+        if self.mode == "exported":
+            record["state"] = await self.server.export_session(session)
+        return record
+
+    async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
+        """Drop the restored, untouched sessions that this commit's scope left out."""
+        if scope is not None:
+            for session in self.server.sessions:
+                restored = session.restored
+                if restored is not None and restored.episode not in scope and session.identity not in scope:
+                    await self.server.drop_session(session.session_id)
+        return {}
+
+    # ---- restore ----------------------------------------------------------------------------
+
+    async def install(self, records: Sequence[Record], scope: Scope) -> None:
+        if self._served or len(self.server.sessions):
+            raise InvalidPhase("restore expected a fresh resources server, got one that served rollout "
+                               "traffic")
+        planned = [await self._plan(record) for record in records]
+        seen: set[str] = set()
+        for plan in planned:
+            if plan.session_id in seen:
+                raise InvalidCheckpointState(f"session {plan.session_id} appears in more than one record")
+            seen.add(plan.session_id)
+        for plan in planned:
+            self.server.sessions.install(plan.session_id, plan.identity, plan.state, restored=plan.record)
+
+    async def _plan(self, record: Record) -> _Planned:
+        key = record.episode.capture_key
+        if self.mode == "restart_only":
+            raise InvalidCheckpointState(f"a restart-only server never exports, got a record of {key}")
+        expected = {"episode_id", "session_id"} | ({"state"} if self.mode == "exported" else set())
+        if set(record.data) != expected:
+            raise InvalidCheckpointState(
+                f"record of {key}: expected the fields {sorted(expected)}, got {sorted(record.data)}"
+            )
+        session_id = record.data["session_id"]
+        if not isinstance(session_id, str) or not SESSION_ID.fullmatch(session_id):
+            raise InvalidCheckpointState(f"record of {key}: session_id {session_id!r} is malformed")
+        state = await self._restored_state(record) if self.mode == "exported" else {}
+        return _Planned(session_id, record.episode.next_attempt(), state, record)
+
+    async def _restored_state(self, record: Record) -> dict[str, Any]:
+        try:
+            return await self.server.restore_session(record.data["state"])
+        except ValueError as error:
+            key = record.episode.capture_key
+            raise InvalidCheckpointState(f"record of {key}: malformed session state: {error}") from error
+
+    # ---- retire, forget ---------------------------------------------------------------------
+
+    async def retire(self, episodes: Sequence[RolloutIdentity]) -> None:
+        """Stop and free the sessions of those attempts (and earlier ones), then wait for their calls."""
+        marks: dict[str, int] = {}
+        for episode in episodes:
+            marks[episode.rollout_id] = max(episode.attempt, marks.get(episode.rollout_id, -1))
+
+        def retired(identity: RolloutIdentity | None) -> bool:
+            return identity is not None and identity.attempt <= marks.get(identity.rollout_id, -1)
+
+        await self._drop_where(retired)
+        await self._until_quiet(retired)
+
+    async def forget(self, rollout_ids: Sequence[str]) -> None:
+        gone = set(rollout_ids)
+        await self._drop_where(lambda identity: identity is not None and identity.rollout_id in gone)
+
+    async def _drop_where(self, condition: Callable[[RolloutIdentity | None], bool]) -> None:
+        for session in self.server.sessions:
+            if condition(session.identity):
+                await self.server.drop_session(session.session_id)
+
+    async def _until_quiet(self, condition: Callable[[RolloutIdentity | None], bool]) -> None:
+        """Wait (the participant bounds it by the deadline) until no such request is in flight."""
+        signal = self._participant().signal
+        while True:
+            changed = signal.current
+            if not any(condition(identity) for identity in self._in_flight):
+                return
+            await changed.wait()
+
+    # ---- status -----------------------------------------------------------------------------
+
+    def status_extras(self) -> Mapping[str, Any]:
+        sessions = list(self.server.sessions)
+        return {
+            "checkpoint_mode": self.mode,
+            "checkpoint_verify": self.verify_mode,
+            "sessions": len(sessions),
+            "restored_sessions": sum(1 for session in sessions if session.restored is not None),
+            "in_flight_requests": sum(self._in_flight.values()),
+            "blocking_requests": sum(self._blocking.values()),
+        }
+
+
+def _release(counter: Counter[RolloutIdentity], identity: RolloutIdentity) -> None:
+    counter[identity] -= 1
+    if counter[identity] <= 0:
+        del counter[identity]
+
+
+def _check_marks(participant: Participant, identity: RolloutIdentity | None) -> None:
+    """Admission without the wait: a call on an existing restart session keeps running."""
+    try:
+        if identity is None:
+            raise RolloutIdRequired("checkpointing is on: a rollout-scoped request needs /ng-rollout/<key>/")
+        participant.marks.check(identity)
+    except GymError as error:
+        participant.telemetry.event("refused", code=error.code)
+        raise

@@ -1,0 +1,87 @@
+"""The child process of one python_repl session: a persistent interpreter spoken to in JSON lines.
+
+Run as ``python -I -S child.py <max_output_chars>``. Each request line is ``{"code": str}``; each
+reply line is ``{"output": str, "error": str | null}``: what the code printed (stdout and stderr)
+and the values of its expression statements, shown as an interactive interpreter shows them, and
+the last line of the traceback when it raised. Variables, imports and functions persist between
+requests. The protocol runs over private copies of fds 0 and 1: the code's own stdin and stdout
+are /dev/null and a buffer, so nothing it does can garble a reply. Standard library only.
+"""
+
+from __future__ import annotations
+
+import ast
+import code
+import contextlib
+import io
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+FILENAME = "<session>"
+
+
+class Console(code.InteractiveInterpreter):
+    """An interpreter that also remembers the one-line summary of the last error it showed."""
+
+    def __init__(self) -> None:
+        super().__init__({"__name__": "__main__", "__builtins__": __builtins__})
+        self.error: str | None = None
+
+    def showtraceback(self) -> None:
+        self.error = _summary()
+        super().showtraceback()
+
+    def showsyntaxerror(self, filename: str | None = None, **kwargs: Any) -> None:
+        self.error = _summary()
+        super().showsyntaxerror(filename, **kwargs)
+
+
+def _summary() -> str:
+    kind, value, _ = sys.exc_info()
+    return "".join(traceback.format_exception_only(kind, value)).strip().splitlines()[-1]
+
+
+def run(console: Console, source: str, limit: int) -> dict[str, Any]:
+    """Run ``source`` in the console: what it showed (at most ``limit`` characters) and its error."""
+    console.error = None
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(shown):
+        _run_source(console, source)
+    output = shown.getvalue()
+    if len(output) > limit:
+        output = output[:limit] + f"\n... ({len(output) - limit} more characters)"
+    return {"output": output, "error": console.error}
+
+
+def _run_source(console: Console, source: str) -> None:
+    try:
+        tree = ast.parse(source, FILENAME, "exec")
+        compiled = compile(ast.Interactive(body=tree.body), FILENAME, "single")
+    except (SyntaxError, ValueError, OverflowError):  # what ast.parse and compile raise on bad source
+        console.showsyntaxerror(FILENAME)
+        return
+    try:
+        console.runcode(compiled)  # shows (and records) any exception of the code but SystemExit
+    except SystemExit as stop:
+        console.error = f"SystemExit: {stop.code} (ignored: the interpreter keeps running)"
+
+
+def main() -> None:
+    limit = int(sys.argv[1])
+    requests = os.fdopen(os.dup(0), "r", encoding="utf-8")
+    replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    console = Console()
+    for line in requests:
+        reply = run(console, json.loads(line)["code"], limit)
+        replies.write(json.dumps(reply, ensure_ascii=False) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""python_repl over httpx.ASGITransport (its lifespan entered): a real child interpreter per session."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from http.cookiejar import CookieJar, DefaultCookiePolicy
+from typing import Any
+
+import httpx
+import pytest
+
+from nemo_gym_ckpt.config import load_config_dict
+from nemo_gym_ckpt.context import ServerContext
+from resources_servers.python_repl.app import PythonRepl
+from resources_servers.python_repl.interpreter import Interpreter
+
+pytestmark = pytest.mark.unit
+
+COOKIE = "ng_session_py"
+EMPTY_RESPONSE: dict[str, Any] = {"output": []}
+
+
+@dataclass
+class Repl:
+    server: PythonRepl
+    http: httpx.AsyncClient
+
+    async def seed(self) -> dict[str, str]:
+        reply = await self.http.post("/seed_session", json={})
+        assert reply.status_code == 200, reply.text
+        return {"cookie": f"{COOKIE}={reply.cookies[COOKIE]}"}
+
+    async def run(self, cookie: dict[str, str], code: str) -> dict[str, Any]:
+        reply = await self.http.post("/run_python", json={"code": code}, headers=cookie)
+        assert reply.status_code == 200, reply.text
+        body: dict[str, Any] = reply.json()
+        return body
+
+
+@asynccontextmanager
+async def repl(**settings: Any) -> AsyncIterator[Repl]:
+    mesh = load_config_dict({"py": {"resources_servers": {"python_repl": settings}}})
+    ctx: ServerContext[Any] = ServerContext("py", mesh.instance("py").settings, mesh)
+    server = PythonRepl(ctx)
+    app = server.build_app()
+    jar = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+    try:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://py", cookies=jar) as http:
+                yield Repl(server, http)
+    finally:
+        await ctx.aclose()
+
+
+@pytest.fixture
+def start() -> Callable[..., AbstractAsyncContextManager[Repl]]:
+    return repl
+
+
+async def test_state_persists_within_a_session_and_not_across(start: Callable[..., Any]) -> None:
+    async with start() as py:
+        first, second = await py.seed(), await py.seed()
+        assert await py.run(first, "x = 6") == {"output": "", "error": None}
+        assert await py.run(first, "def twice(n):\n    return 2 * n\nprint('ready')\ntwice(x) + 30") == {
+            "output": "ready\n42\n",
+            "error": None,
+        }
+        missing = await py.run(second, "x")
+        assert missing["error"] == "NameError: name 'x' is not defined"
+        assert len(py.server.interpreters) == 2
+
+
+async def test_errors_are_answers_and_the_interpreter_survives_them(start: Callable[..., Any]) -> None:
+    async with start() as py:
+        cookie = await py.seed()
+        await py.run(cookie, "kept = 'yes'")
+        assert (await py.run(cookie, "1 / 0"))["error"] == "ZeroDivisionError: division by zero"
+        assert (await py.run(cookie, "def f(:"))["error"] == "SyntaxError: invalid syntax"
+        stopped = await py.run(cookie, "raise SystemExit(3)")
+        assert stopped["error"] == "SystemExit: 3 (ignored: the interpreter keeps running)"
+        assert (await py.run(cookie, "input()"))["error"] == "EOFError: EOF when reading a line"
+        assert await py.run(cookie, "import os; n = os.write(1, b'noise'); kept") == {
+            "output": "'yes'\n",
+            "error": None,
+        }
+
+
+async def test_a_call_past_its_timeout_loses_the_interpreter(start: Callable[..., Any]) -> None:
+    async with start(call_timeout_s=0.5) as py:
+        cookie = await py.seed()
+        await py.run(cookie, "kept = 1")
+        (old,) = py.server.interpreters.values()
+        lost = await py.run(cookie, "while True: pass")
+        assert lost["error"].startswith("InterpreterLost: the interpreter exited or ran past 0.5 s")
+        assert not old.alive and py.server.interpreters == {}
+        assert (await py.run(cookie, "kept"))["error"] == "NameError: name 'kept' is not defined"
+
+
+async def test_an_interpreter_that_exits_is_replaced(start: Callable[..., Any]) -> None:
+    async with start() as py:
+        cookie = await py.seed()
+        assert (await py.run(cookie, "import os; os._exit(0)"))["error"].startswith("InterpreterLost")
+        assert await py.run(cookie, "1 + 1") == {"output": "2\n", "error": None}
+
+
+async def test_output_is_bounded(start: Callable[..., Any]) -> None:
+    async with start(max_output_chars=10) as py:
+        cookie = await py.seed()
+        reply = await py.run(cookie, "print('a' * 25)")
+        assert reply["output"] == "a" * 10 + "\n... (16 more characters)"
+
+
+async def test_verify_runs_the_check_in_the_session(start: Callable[..., Any]) -> None:
+    async with start() as py:
+        cookie = await py.seed()
+        await py.run(cookie, "def square(n):\n    return n * n")
+        row = {"check": "assert square(3) == 9", "response": EMPTY_RESPONSE}
+        passed = await py.http.post("/verify", json=row, headers=cookie)
+        assert passed.json() == {**row, "reward": 1.0, "check_error": None}
+        row = {"check": "assert square(3) == 10, 'wrong'", "response": EMPTY_RESPONSE}
+        failed = (await py.http.post("/verify", json=row, headers=cookie)).json()
+        assert (failed["reward"], failed["check_error"]) == (0.0, "AssertionError: wrong")
+
+
+async def test_closing_a_session_kills_its_interpreter(start: Callable[..., Any]) -> None:
+    async with start() as py:
+        cookie = await py.seed()
+        await py.run(cookie, "1")
+        (interpreter,) = py.server.interpreters.values()
+        assert (await py.http.post("/close_session", headers=cookie)).json() == {"closed": True}
+        assert not interpreter.alive and py.server.interpreters == {}
+        reply = await py.http.post("/run_python", json={"code": "1"}, headers=cookie)
+        assert reply.status_code == 400 and "unknown session" in reply.json()["error"]["detail"]
+
+
+async def test_shutdown_kills_every_interpreter(start: Callable[..., Any]) -> None:
+    interpreters: list[Interpreter] = []
+    async with start() as py:
+        for _ in range(2):
+            await py.run(await py.seed(), "1")
+        interpreters = list(py.server.interpreters.values())
+        assert all(interpreter.alive for interpreter in interpreters)
+    assert interpreters and not any(interpreter.alive for interpreter in interpreters)
+
+
+async def test_live_interpreters_are_bounded(start: Callable[..., Any]) -> None:
+    async with start(max_interpreters=1) as py:
+        await py.run(await py.seed(), "1")
+        reply = await py.http.post("/run_python", json={"code": "1"}, headers=await py.seed())
+        assert reply.status_code == 400 and "max_interpreters" in reply.json()["error"]["detail"]
+
+
+async def test_seed_declares_restart_only(start: Callable[..., Any]) -> None:
+    async with start() as py:
+        reply = await py.http.post("/seed_session", json={})
+        assert reply.headers["x-ng-checkpoint-restart"] == "1"
+        assert reply.headers["x-ng-checkpoint-verify"] == "wait"
+        assert (PythonRepl.checkpoint_mode, PythonRepl.checkpoint_verify) == ("restart_only", "wait")
+
+
+@pytest.mark.parametrize(
+    ("body", "detail"),
+    [
+        ({}, "code: Field required"),
+        ({"code": 1}, "code: Input should be a valid string"),
+        ({"code": "1", "x": 1}, "x"),
+    ],
+)
+async def test_bad_arguments_are_400(start: Callable[..., Any], body: dict[str, Any], detail: str) -> None:
+    async with start() as py:
+        reply = await py.http.post("/run_python", json=body, headers=await py.seed())
+        assert (reply.status_code, reply.json()["error"]["code"]) == (400, "invalid_request")
+        assert detail in reply.json()["error"]["detail"]
+        assert py.server.interpreters == {}
+
+
+async def test_tool_definition(start: Callable[..., Any]) -> None:
+    async with start() as py:
+        (definition,) = (await py.http.get("/tools")).json()
+        assert definition["name"] == "run_python" and definition["parameters"]["required"] == ["code"]
