@@ -114,26 +114,50 @@ def _rate(rows: list[Result], transport: str, concurrency: int) -> float:
 # ---- inference worker and policy model ------------------------------------------------------------
 
 
+async def _worker_throughput(kv_cache: bool, new_tokens: int) -> Result:
+    from model_servers.inference_worker.model_dir import DEFAULT_MODEL_DIR
+    from model_servers.inference_worker.throughput import measure_throughput
+    from model_servers.inference_worker.transformers_engine import TransformersEngine
+
+    engine = await asyncio.to_thread(TransformersEngine.load, DEFAULT_MODEL_DIR, kv_cache=kv_cache)
+    await engine.start()
+    try:
+        return dict(await measure_throughput(engine, [1, 8, 32, 64], new_tokens))
+    finally:
+        await engine.aclose()
+
+
 def bench_worker(duration_s: float) -> Result:
-    throughput = importlib.import_module("model_servers.inference_worker.throughput")
-    return dict(throughput.measure_default(new_tokens=64 if duration_s >= 3 else 32))
+    new_tokens = 64 if duration_s >= 3 else 32
+    runs = {mode: asyncio.run(_worker_throughput(mode == "kv_cache", new_tokens))
+            for mode in ("kv_cache", "full_recompute")}
+    single = runs["kv_cache"]["results"][0]["tokens_per_s"]
+    batched = {str(r["batch_size"]): r["tokens_per_s"] / max(single, 1e-9) for r in runs["kv_cache"]["results"]}
+    return {"runs": runs, "batched_over_single_kv_cache": batched}
 
 
 async def _policy_against_worker(worker_url: str, policy_url: str, model: str, duration_s: float) -> Result:
+    """The same greedy generation through the policy model and straight from the worker."""
     chat = {"model": model, "messages": [{"role": "user", "content": "What is 12 times 34?"}],
-            "max_tokens": 24, "temperature": 0}
-    completion = {"model": model, "prompt": "<|user|>What is 12 times 34?<|end|><|assistant|>",
-                  "max_tokens": 24, "temperature": 0}
+            "tools": [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+                      for n in ("add", "subtract", "multiply")],
+            "temperature": 0, "return_token_ids": True}
     rows = []
     async with MeshClient() as client:
+        first = await client.post_json(f"{policy_url}/v1/chat/completions", chat)
+        message = first["choices"][0]["message"]
+        completion = {"model": model, "prompt": message["prompt_token_ids"], "temperature": 0,
+                      "max_tokens": len(message["generation_token_ids"]), "return_token_ids": True}
         for concurrency in (1, 8):
             direct = await run_closed_loop(
                 lambda _n: client.post_json(f"{worker_url}/v1/completions", completion), concurrency, duration_s)
             fronted = await run_closed_loop(
                 lambda _n: client.post_json(f"{policy_url}/v1/chat/completions", chat), concurrency, duration_s)
             rows.append({"concurrency": concurrency, "worker_direct": direct, "through_policy": fronted,
-                         "policy_over_direct_latency": fronted["p50_ms"] / max(direct["p50_ms"], 1e-9)})
-    return {"rows": rows}
+                         "policy_over_direct_latency": fronted["p50_ms"] / max(direct["p50_ms"], 1e-9),
+                         "policy_over_direct_rate": fronted["rate_per_s"] / max(direct["rate_per_s"], 1e-9)})
+    return {"prompt_tokens": len(message["prompt_token_ids"]),
+            "generated_tokens": len(message["generation_token_ids"]), "rows": rows}
 
 
 def bench_policy(duration_s: float) -> Result:
