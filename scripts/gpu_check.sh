@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the inference worker's vLLM engine: installs the vllm extra if it is missing, runs the
-# gpu tests (tests/gpu) and prints a table of their outcome and the measured throughput.
+# gpu tests (tests/gpu) and prints tables of their outcome, the measured throughput, and the
+# cut-and-continue runs (a generation cut through the worker, continued from its staged prefix).
 # Budget: under 10 minutes on one GPU (install <= 4 min, tests <= 5 min).
 #
 #   scripts/gpu_check.sh                    # uses .venv/bin/python if present, else python3
@@ -12,7 +13,7 @@ PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 OUT=${NG_GPU_CHECK_OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
-export NG_GPU_REPORT="$OUT/throughput.json" HF_HUB_OFFLINE=1
+export NG_GPU_REPORT="$OUT/throughput.json" NG_GPU_CUTS_REPORT="$OUT/cuts.json" HF_HUB_OFFLINE=1
 
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -30,13 +31,13 @@ timeout 300 "$PY" -m pytest tests/gpu -m gpu -p no:cacheprovider -q -rA --timeou
 status=${PIPESTATUS[0]}
 set -e
 
-"$PY" - "$OUT/gpu-tests.xml" "$NG_GPU_REPORT" <<'PYEOF'
+"$PY" - "$OUT/gpu-tests.xml" "$NG_GPU_REPORT" "$NG_GPU_CUTS_REPORT" <<'PYEOF'
 import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-junit, report = map(Path, sys.argv[1:3])
+junit, report, cuts = map(Path, sys.argv[1:4])
 print("\n| gpu test | outcome | seconds |\n|---|---|---|")
 if junit.is_file():
     for case in ET.parse(junit).getroot().iter("testcase"):
@@ -50,5 +51,14 @@ if report.is_file():
         print(f"| {row['batch_size']} | {row['new_tokens']} | {row['seconds']} | {row['tokens_per_s']} |")
 else:
     print("\n(no throughput numbers: the throughput test did not run)")
+if cuts.is_file():
+    print("\ncut and continue (vLLM, through the worker; sampled continuations are fresh samples after the prefix)")
+    print("| temperature | prefix tokens | total tokens | prefix kept | tokens equal uncut | max abs logprob diff "
+          "| continued ms |\n|---|---|---|---|---|---|---|")
+    for row in json.loads(cuts.read_text()):
+        print(f"| {row['temperature']} | {row['prefix_tokens']} | {row['total_tokens']} | {row['prefix_kept']} "
+              f"| {row['tokens_equal_uncut']} | {row['max_abs_logprob_diff']:.2e} | {row['continued_ms']} |")
+else:
+    print("\n(no cut-and-continue numbers: that test did not run)")
 PYEOF
 exit "$status"

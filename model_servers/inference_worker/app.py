@@ -7,6 +7,9 @@ Routes (all also reachable under ``/ng-rollout/<capture_key>/``):
 - ``GET|POST /ng-control/v1/policy-version``: the version of the served weights. Every completion is
   stamped with the version current when it was admitted. With checkpointing enabled the POST needs
   the control bearer token.
+- ``/ng-control/v1/generation-cut`` (+ ``/keep``, ``/status``): generation cuts, mounted only with
+  checkpointing enabled (``cut_routes``, ``generation_cuts``); completions may then name their
+  ``model_call`` and ask for a ``continuation`` of a staged prefix.
 - ``GET /health`` (from the base app).
 
 The engine is loaded in the app's lifespan (``transformers`` on the CPU by default, ``vllm`` on a GPU);
@@ -16,7 +19,6 @@ torch and transformers are imported only then, so loading a config that names th
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import logging
 import time
@@ -34,16 +36,21 @@ from model_servers.inference_worker.completions import (
     CompletionRequest,
     plan_completion,
 )
+from model_servers.inference_worker.cut_routes import check_bearer, make_cut_router
 from model_servers.inference_worker.engine import Engine
+from model_servers.inference_worker.generation_cuts import GenerationCuts
+from model_servers.inference_worker.live_generations import GenerationJob
 from model_servers.inference_worker.model_dir import model_dir_problem, resolve_model_path
 from model_servers.inference_worker.sampling import derive_seed
+from model_servers.inference_worker.staging import StagingStore
 from nemo_gym_ckpt.config import CheckpointConfig, ServerConfig
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.errors import GymError, InvalidRequest, Unauthorized, Unavailable
+from nemo_gym_ckpt.errors import GymError, InvalidRequest, Unavailable
+from nemo_gym_ckpt.identity import current_identity
 from nemo_gym_ckpt.server import create_app as create_app_base
 from nemo_gym_ckpt.server import sse_event
 
-__all__ = ["Config", "EngineFactory", "PolicyVersionBody", "create_app", "load_engine"]
+__all__ = ["Config", "EngineFactory", "PolicyVersionBody", "create_app", "load_engine", "staging_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +70,10 @@ class Config(ServerConfig):
     kv_cache: bool = True
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     vllm_args: dict[str, Any] = Field(default_factory=dict)
+    # generation cuts (checkpointing on): where staged prefixes live and how many may
+    staging_dir: Path | None = None  # null = <checkpoint root>/.generation-cuts/<instance>
+    staging_max_files: int = Field(4096, ge=1)
+    staging_max_bytes: int = Field(1 << 30, ge=1)
 
     @model_validator(mode="after")
     def _local_model_exists(self) -> Config:
@@ -108,8 +119,9 @@ async def load_engine(settings: Config) -> Engine:
 class _Worker:
     """The loaded engine and the counter that seeds requests that come without a seed."""
 
-    def __init__(self, settings: Config) -> None:
+    def __init__(self, settings: Config, cuts: GenerationCuts | None = None) -> None:
         self.settings = settings
+        self.cuts = cuts
         self._engine: Engine | None = None
         self._requests = itertools.count()
         self.started_at = int(time.time())
@@ -126,30 +138,52 @@ class _Worker:
     def next_seed(self) -> int:
         return derive_seed(self.settings.seed, next(self._requests))
 
+    async def job(self, body: CompletionRequest) -> GenerationJob:
+        """What the completion runs: a fresh generation, or the continuation of a staged prefix."""
+        engine, served = self.engine, self.settings.served_model_name
+        cuts = self.cuts
+        if cuts is None and (body.model_call is not None or body.continuation is not None):
+            raise InvalidRequest("model_call and continuation need the mesh's checkpointing on")
+        if cuts is not None and body.continuation is not None:
+            return await cuts.continuation_job(body, engine, served, current_identity())
+        plan = plan_completion(body, engine, served_model=served, next_seed=self.next_seed)
+        if cuts is not None:
+            return cuts.fresh_job(body, plan, engine, served, current_identity())
+        return GenerationJob(plan.generation, CompletionBuilder(plan, engine.tokenizer, served,
+                                                                engine.policy_version))
+
 
 # ---- generation ----------------------------------------------------------------------------------
 
 
-async def _generate(engine: Engine, builder: CompletionBuilder) -> AsyncGenerator[bool, None]:
-    """Feed the engine's tokens to ``builder``; yields after each one, True on the last."""
-    async with aclosing(engine.generate(builder.plan.generation)) as steps:
-        async for step in steps:
-            finished = builder.add(step)
-            yield finished
-            if finished:
-                return
-    builder.close()
+async def _generate(engine: Engine, job: GenerationJob) -> AsyncGenerator[bool, None]:
+    """Feed the engine's tokens to the job's builder; yields after each one, True on the last.
+
+    A continued terminal completion is finished before it starts: nothing is generated.
+    """
+    with job.tracked():
+        if job.builder.finish_reason is not None:
+            yield True
+            return
+        async with aclosing(engine.generate(job.request)) as steps:
+            async for step in steps:
+                finished = job.add(step)
+                yield finished
+                if finished:
+                    return
+        job.builder.close()
 
 
-async def _collect(engine: Engine, builder: CompletionBuilder) -> None:
-    async with aclosing(_generate(engine, builder)) as progress:
+async def _collect(engine: Engine, job: GenerationJob) -> None:
+    async with aclosing(_generate(engine, job)) as progress:
         async for _ in progress:
             pass
 
 
-async def _stream(engine: Engine, builder: CompletionBuilder) -> AsyncIterator[bytes]:
+async def _stream(engine: Engine, job: GenerationJob) -> AsyncIterator[bytes]:
+    builder = job.builder
     try:
-        async with aclosing(_generate(engine, builder)) as progress:
+        async with aclosing(_generate(engine, job)) as progress:
             async for _ in progress:
                 chunk = builder.chunk()
                 if chunk is not None:
@@ -186,12 +220,8 @@ async def _unless_disconnected(request: Request, work: Awaitable[None]) -> None:
 
 def _check_bearer(request: Request, checkpoint: CheckpointConfig) -> None:
     token = checkpoint.control_auth_token
-    if not checkpoint.enabled or token is None:
-        return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    expected = token.get_secret_value().encode()
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-        raise Unauthorized("missing or wrong control bearer token")
+    if checkpoint.enabled and token is not None:
+        check_bearer(request, token.get_secret_value().encode())
 
 
 def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig) -> None:
@@ -200,12 +230,11 @@ def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig)
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response | dict[str, Any]:
         engine = worker.engine
-        plan = plan_completion(body, engine, served_model=served, next_seed=worker.next_seed)
-        builder = CompletionBuilder(plan, engine.tokenizer, served, engine.policy_version)
-        if plan.stream:
-            return StreamingResponse(_stream(engine, builder), media_type="text/event-stream")
-        await _unless_disconnected(request, _collect(engine, builder))
-        return builder.response()
+        job = await worker.job(body)
+        if job.builder.plan.stream:
+            return StreamingResponse(_stream(engine, job), media_type="text/event-stream")
+        await _unless_disconnected(request, _collect(engine, job))
+        return job.builder.response()
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -226,12 +255,29 @@ def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig)
         return {"policy_version": engine.policy_version}
 
 
+def staging_dir(ctx: ServerContext[Config]) -> Path:
+    """Where this worker stages generation cuts: ``staging_dir``, else under the checkpoint root."""
+    configured = ctx.settings.staging_dir
+    return configured if configured is not None else ctx.mesh.checkpoint.root / ".generation-cuts" / ctx.name
+
+
+def _generation_cuts(ctx: ServerContext[Config]) -> GenerationCuts | None:
+    if not ctx.mesh.checkpoint.enabled:
+        return None
+    settings = ctx.settings
+    store = StagingStore(staging_dir(ctx), max_files=settings.staging_max_files,
+                         max_bytes=settings.staging_max_bytes)
+    return GenerationCuts(store)
+
+
 def create_app(ctx: ServerContext[Config], *, engine_factory: EngineFactory = load_engine) -> FastAPI:
     """The worker app; the engine comes from ``engine_factory`` when the app starts."""
-    worker = _Worker(ctx.settings)
+    worker = _Worker(ctx.settings, _generation_cuts(ctx))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if worker.cuts is not None:
+            await worker.cuts.open()
         engine = await engine_factory(ctx.settings)
         engine.policy_version = ctx.settings.policy_version
         await engine.start()
@@ -244,4 +290,7 @@ def create_app(ctx: ServerContext[Config], *, engine_factory: EngineFactory = lo
 
     app = create_app_base(ctx.name, lifespan=lifespan)
     _install_routes(app, worker, ctx.mesh.checkpoint)
+    token = ctx.mesh.checkpoint.control_auth_token
+    if worker.cuts is not None and token is not None:
+        app.include_router(make_cut_router(worker.cuts, token.get_secret_value()))
     return app

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from model_servers.inference_worker.cut_models import ContinuationRef, ModelCall
 from model_servers.inference_worker.engine import Engine, EngineTokenizer, GenerationRequest, TokenStep
 from nemo_gym_ckpt.errors import InternalError, InvalidRequest, NotFound
 
@@ -88,6 +89,10 @@ class CompletionRequest(BaseModel):
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     n: int | None = 1
+    #: Generation cuts (checkpointing on only, see ``cut_models``): the policy model's call, and a
+    #: staged prefix to continue.
+    model_call: ModelCall | None = None
+    continuation: ContinuationRef | None = None
 
 
 @dataclass(frozen=True)
@@ -212,6 +217,7 @@ class CompletionBuilder:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    last_step_finish: str | None = None  # the engine's finish reason of the last token taken
     _text_ids: list[int] = field(default_factory=list)
     _sent: _Cursor = field(default_factory=_Cursor)
 
@@ -223,6 +229,7 @@ class CompletionBuilder:
             raise InternalError("a token arrived after the choice finished")
         self.token_ids.append(step.token_id)
         self.token_logprobs.append(step.logprob)
+        self.last_step_finish = step.finish_reason
         self.text_offsets.append(len(self.text))
         if step.finish_reason == "stop":
             eos = self.tokenizer.eos_token_id

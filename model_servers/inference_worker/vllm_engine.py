@@ -12,6 +12,11 @@ fresh sample of the same policy, not the tokens the uninterrupted run would have
 continuations match, up to batch numerics). Exact sampled continuation on vLLM needs the per-position
 sampler of ``sampling.py`` as a vLLM logits processor.
 
+Generation cuts: a cut copies the tokens the worker's HTTP layer has taken and never aborts the vLLM
+request (it goes on to its end unchanged); closing the iterator (a retire, a disconnect) aborts it
+and the tokens taken are a valid prefix; a continuation is an ordinary request whose
+``TokensPrompt`` is prompt + prefix ids (``GenerationRequest.continuation``).
+
 vllm is imported only inside ``load`` and ``generate``: this module imports on machines without it.
 """
 

@@ -11,7 +11,8 @@ abandoned. Its ``state`` says where the call is:
 A retire stops the tickets of the retired attempts (``stop``) and waits for them to close.
 Generation cuts (PROTOCOL.md section 8) take ``cut_inventory(scope)``: per episode in scope, the
 latest admitted call still generating, as ``{ticket_id, rollout_id, attempt, model_call_id,
-admitted_at}``; ``cut_candidates`` gives the tickets themselves (with the ``ChatCall``).
+admitted_at}``; ``cut_candidates`` gives the tickets themselves (with the ``ChatCall`` and the
+rollout's lineage when the call was admitted: the parent call and how many calls the ledger held).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class Ticket:
     admitted_at: float
     conversation_digest: str
     call: ChatCall
+    parent_call_id: str | None = None  # the rollout's lineage when the call was admitted
+    previous_length: int = 0
     state: CallState = CallState.GENERATING
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -64,7 +67,7 @@ class Ticket:
             "rollout_id": self.episode.rollout_id,
             "attempt": self.episode.attempt,
             "model_call_id": self.model_call_id,
-            "admitted_at": self.admitted_at,
+            "admitted_at": float(self.admitted_at),
         }
 
 
@@ -80,7 +83,10 @@ class ActiveCalls:
     def __len__(self) -> int:
         return len(self._open)
 
-    def open(self, episode: RolloutIdentity, call: ChatCall, admitted_at: float) -> Ticket:
+    def open(
+        self, episode: RolloutIdentity, call: ChatCall, admitted_at: float, *,
+        parent_call_id: str | None = None, previous_length: int = 0,
+    ) -> Ticket:
         ticket = Ticket(
             ticket_id=f"tk-{self._prefix}-{next(self._numbers)}",
             model_call_id=f"mc_{secrets.token_hex(12)}",
@@ -88,6 +94,8 @@ class ActiveCalls:
             admitted_at=admitted_at,
             conversation_digest=conversation_digest(call),
             call=call,
+            parent_call_id=parent_call_id,
+            previous_length=previous_length,
         )
         self._open[ticket.ticket_id] = ticket
         return ticket

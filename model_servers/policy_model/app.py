@@ -54,7 +54,7 @@ class Config(ServerConfig):
     max_tokens: int = Field(256, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)
     checkpoint_policy: bool = False  # the one policy participant of the mesh (PROTOCOL.md section 2)
-    generation_cuts: bool = False  # cut generations in flight at a checkpoint (declared; not made yet)
+    generation_cuts: bool = False  # cut the generations in flight at a checkpoint (needs the worker)
 
     @model_validator(mode="after")
     def _one_backend(self) -> Config:
@@ -128,8 +128,9 @@ def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> Fa
     app = create_app_base(ctx.name, lifespan=lifespan)
     policy = None
     if settings.checkpoint_policy:
+        worker_url = ctx.url_of(settings.worker) if settings.worker is not None else None
         policy = mount_policy_participant(
-            app, ctx, backend, generation_cuts=settings.generation_cuts, clock=clock
+            app, ctx, backend, worker_url=worker_url, generation_cuts=settings.generation_cuts, clock=clock
         )
     app.include_router(make_router(policy.backend if policy else backend, defaults))
     return app

@@ -7,7 +7,9 @@ PROTOCOL.md section 8, first half. Every model call goes through ``CustodyBacken
    a ticket is opened in ``ActiveCalls``.
 2. **Generation** by the wrapped backend, keeping on through a checkpoint; a request without a
    seed gets one derived from its rollout id and prompt (``ChatCall.seed_scope``). A retire of the
-   attempt cancels it (``stale_attempt``).
+   attempt cancels it (``stale_attempt``). With generation cuts on, the call is sent with its
+   ``model_call`` (id and lineage at admission, so a cut can find it on the worker), and a call
+   that repeats a restored cut's conversation continues from its staged prefix (``continuation``).
 3. **Delivery**. A reply (or an error) that finishes while a checkpoint is open is held until
    resume. A stream whose first event comes while a checkpoint is open has not started to be
    delivered: it is read to its end and held the same way. A stream that started to be delivered
@@ -27,7 +29,13 @@ from typing import TypeVar
 
 from model_servers.policy_model.active_calls import ActiveCalls, CallState, Ticket
 from model_servers.policy_model.backend import Backend
-from model_servers.policy_model.generation import ChatCall, ChatResult, StreamEvent, StreamStarted
+from model_servers.policy_model.generation import (
+    ChatCall,
+    ChatResult,
+    ModelCallRef,
+    StreamEvent,
+    StreamStarted,
+)
 from model_servers.policy_model.ledger import LedgerBook
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.phases import Phase
@@ -65,10 +73,14 @@ class StreamEvents:
 class Custody:
     """The steps of one call under checkpointing: admit, generate, hold, deliver, release."""
 
-    def __init__(self, participant: Participant, calls: ActiveCalls, ledgers: LedgerBook) -> None:
+    def __init__(
+        self, participant: Participant, calls: ActiveCalls, ledgers: LedgerBook, *,
+        generation_cuts: bool = False,
+    ) -> None:
         self.participant = participant
         self.calls = calls
         self.ledgers = ledgers
+        self.generation_cuts = generation_cuts
 
     @property
     def checkpoint_open(self) -> bool:
@@ -78,14 +90,21 @@ class Custody:
         identity = current_identity()
         await self.participant.admit(identity)
         assert identity is not None  # admit refuses a call without one
-        return self.calls.open(identity, call, self.participant.clock.now())
+        parent, length = self.ledgers.lineage(identity)
+        return self.calls.open(identity, call, self.participant.clock.now(), parent_call_id=parent,
+                               previous_length=length)
 
-    @staticmethod
-    def as_sent(call: ChatCall, ticket: Ticket) -> ChatCall:
-        """The call as the backend gets it: without a seed, one derived from the rollout and prompt."""
-        if call.sampling.seed is not None:
+    def as_sent(self, call: ChatCall, ticket: Ticket) -> ChatCall:
+        """The call as the backend gets it: without a seed, one derived from the rollout and prompt;
+        with cuts on, named for the worker, and continuing a restored cut it repeats."""
+        if call.sampling.seed is None:
+            call = dataclasses.replace(call, seed_scope=ticket.episode.rollout_id)
+        if not self.generation_cuts:
             return call
-        return dataclasses.replace(call, seed_scope=ticket.episode.rollout_id)
+        model_call = ModelCallRef(ticket.model_call_id, ticket.parent_call_id, ticket.previous_length)
+        cut = self.ledgers.restored_cut(ticket.episode, ticket.conversation_digest)
+        return dataclasses.replace(call, model_call=model_call,
+                                   continuation=cut.continuation() if cut is not None else None)
 
     async def generated(self, ticket: Ticket, work: Awaitable[T]) -> T:
         """The result of ``work``; an error is held like a reply before it is raised."""

@@ -16,7 +16,9 @@ __all__ = [
     "TOKEN_FIELDS",
     "ChatCall",
     "ChatResult",
+    "CutContinuation",
     "FinishReason",
+    "ModelCallRef",
     "Sampling",
     "StreamEvent",
     "StreamStarted",
@@ -46,6 +48,35 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class ModelCallRef:
+    """The call as the worker knows it for generation cuts: its id and its lineage at admission."""
+
+    model_call_id: str
+    parent_call_id: str | None
+    previous_length: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model_call_id": self.model_call_id, "parent_call_id": self.parent_call_id,
+                "previous_length": self.previous_length}
+
+
+@dataclass(frozen=True)
+class CutContinuation:
+    """A staged prefix the call continues from (a generation cut matched after a restore)."""
+
+    staging_keys: tuple[str, ...]
+    source_call_id: str
+    prefix_token_count: int
+    prefix_digest: str
+    effective_output_limit: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"staging_keys": list(self.staging_keys), "source_call_id": self.source_call_id,
+                "prefix_token_count": self.prefix_token_count, "prefix_digest": self.prefix_digest,
+                "effective_output_limit": self.effective_output_limit}
+
+
+@dataclass(frozen=True)
 class ChatCall:
     """One generation request: chat messages (token fields kept on assistant turns) and tools."""
 
@@ -57,6 +88,9 @@ class ChatCall:
     #: When set and ``sampling.seed`` is None, the backend derives the seed from this scope (the
     #: rollout id) and the prompt digest (``ids.call_seed``); set only while checkpointing is on.
     seed_scope: str | None = None
+    #: Set only with generation cuts on: the call's id and lineage, and a staged prefix to continue.
+    model_call: ModelCallRef | None = None
+    continuation: CutContinuation | None = None
 
     @property
     def parse_tool_calls(self) -> bool:

@@ -20,26 +20,34 @@ that inherits N's rows, and the first call N+1 delivers has N's last row as its 
 of a ledger is ``{"episode_id": {rollout_id, attempt}, "ledger": [row, ...]}`` with the whole
 lineage; a restored ledger that delivered nothing since is exported as the very record it came
 from (byte for byte).
+
+With generation cuts, a record may add ``"cut": {...}`` (``cuts.CutRecord``: the call in flight at
+the commit, its staging keys, counts and digests, and its lineage, which must be the ledger's head
+and length). An episode whose first call was cut has a record with an empty ledger. A restored cut
+stays with the ledger (and in its records) until the rollout delivers its next call.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from model_servers.policy_model.active_calls import Ticket
+from model_servers.policy_model.cuts import CutRecord, Lineage
 from model_servers.policy_model.generation import ChatResult
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.errors import InvalidCheckpointState
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["RECORD_KEYS", "ROW_FIELDS", "Ledger", "LedgerBook", "LedgerRow"]
+__all__ = ["CUT_KEY", "RECORD_KEYS", "ROW_FIELDS", "Ledger", "LedgerBook", "LedgerRow", "ledger_record",
+           "restored_ledger"]
 
 RECORD_KEYS = frozenset({"episode_id", "ledger"})
+CUT_KEY = "cut"
 FINISH_REASONS = frozenset({"stop", "length", "tool_calls"})
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -126,6 +134,7 @@ class Ledger:
     inherited: tuple[LedgerRow, ...] = ()
     rows: list[LedgerRow] = field(default_factory=list)
     source: Record | None = None  # the record it was restored from
+    restored_cut: CutRecord | None = None  # a cut to continue, until the next delivered call
 
     @property
     def head(self) -> str | None:
@@ -140,20 +149,33 @@ class Ledger:
     def __len__(self) -> int:
         return len(self.inherited) + len(self.rows)
 
+    @property
+    def lineage(self) -> Lineage:
+        return self.head, len(self)
+
     def covered_by(self, scope: Scope | None) -> bool:
         """In ``scope`` as itself, or (restored and unchanged) as the episode it came from."""
         if scope is None or self.episode in scope:
             return True
         return self.source is not None and self.unchanged_restore and self.source.episode in scope
 
-    def export(self, scope: Scope | None) -> ExportItem | None:
-        source = self.source if self.unchanged_restore else None
+    def export(self, scope: Scope | None, cut: CutRecord | None = None) -> ExportItem | None:
+        """The record (a fresh ``cut`` made at this commit replaces a restored one)."""
+        source = self.source if self.unchanged_restore and cut is None else None
         if source is not None and (scope is None or source.episode in scope):
             return source
         if scope is not None and self.episode not in scope:
             return None
-        rows = [row.to_json() for row in (*self.inherited, *self.rows)]
-        return {"episode_id": self.episode.to_json(), "ledger": rows}
+        return ledger_record(self.episode, (*self.inherited, *self.rows), cut or self.restored_cut)
+
+
+def ledger_record(
+    episode: RolloutIdentity, rows: Iterable[LedgerRow], cut: CutRecord | None
+) -> dict[str, Any]:
+    record: dict[str, Any] = {"episode_id": episode.to_json(), "ledger": [row.to_json() for row in rows]}
+    if cut is not None:
+        record[CUT_KEY] = cut.to_json()
+    return record
 
 
 class LedgerBook:
@@ -172,6 +194,17 @@ class LedgerBook:
     def get(self, episode: RolloutIdentity) -> Ledger | None:
         return self._ledgers.get(episode.capture_key)
 
+    def lineage(self, episode: RolloutIdentity) -> Lineage:
+        """(parent call id, previous length) a new call of ``episode`` gets."""
+        ledger = self.get(episode)
+        return ledger.lineage if ledger is not None else (None, 0)
+
+    def restored_cut(self, episode: RolloutIdentity, conversation_digest: str) -> CutRecord | None:
+        """The restored cut a call of ``episode`` continues, if it says what the cut call said."""
+        ledger = self.get(episode)
+        cut = ledger.restored_cut if ledger is not None else None
+        return cut if cut is not None and cut.conversation_digest == conversation_digest else None
+
     def deliver(self, ticket: Ticket, result: ChatResult) -> LedgerRow:
         """Record a call whose reply is being delivered, as the new head of its lineage."""
         ledger = self._ledgers.get(ticket.episode.capture_key)
@@ -179,11 +212,19 @@ class LedgerBook:
             ledger = self._ledgers[ticket.episode.capture_key] = Ledger(ticket.episode)
         row = LedgerRow.delivered(ticket, result, ledger.head)
         ledger.rows.append(row)
+        ledger.restored_cut = None
         return row
 
-    def records(self, scope: Scope | None) -> list[ExportItem]:
-        """A snapshot of the records of the ledgers in ``scope`` (``None``: all)."""
-        exported = (ledger.export(scope) for ledger in self._ledgers.values())
+    def records(
+        self, scope: Scope | None, cuts: Mapping[RolloutIdentity, CutRecord] | None = None
+    ) -> list[ExportItem]:
+        """A snapshot of the records of the ledgers in ``scope`` (``None``: all), with this commit's
+        ``cuts`` (an episode cut before its first delivered call gets a record of its own)."""
+        cuts = cuts or {}
+        exported = [ledger.export(scope, cuts.get(ledger.episode)) for ledger in self._ledgers.values()]
+        for episode, cut in cuts.items():
+            if episode.capture_key not in self._ledgers and (scope is None or episode in scope):
+                exported.append(ledger_record(episode, (), cut))
         return [item for item in exported if item is not None]
 
     def drop_restored_outside(self, scope: Scope | None) -> None:
@@ -218,12 +259,20 @@ class LedgerBook:
 
 
 def restored_ledger(record: Record) -> Ledger:
-    """The ledger of the attempt after ``record``'s, inheriting its rows (checked)."""
-    if set(record.data) != RECORD_KEYS or not isinstance(record.data["ledger"], list):
-        raise InvalidCheckpointState(f"record of {record.episode.capture_key} is not a ledger record")
+    """The ledger of the attempt after ``record``'s, inheriting its rows and its cut (checked)."""
+    keys, key = set(record.data), record.episode.capture_key
+    if keys not in (RECORD_KEYS, RECORD_KEYS | {CUT_KEY}) or not isinstance(record.data["ledger"], list):
+        raise InvalidCheckpointState(f"record of {key} is not a ledger record")
     rows = tuple(LedgerRow.from_json(row) for row in record.data["ledger"])
     _check_lineage(rows, record.episode)
-    return Ledger(record.episode.next_attempt(), rows, source=record)
+    ledger = Ledger(record.episode.next_attempt(), rows, source=record)
+    if CUT_KEY in keys:
+        cut = CutRecord.from_json(record.data[CUT_KEY], f"record of {key}")
+        if cut.lineage != ledger.lineage:
+            raise InvalidCheckpointState(f"record of {key}: the cut's lineage {cut.lineage} is not the "
+                                         f"ledger's {ledger.lineage}")
+        ledger.restored_cut = cut
+    return ledger
 
 
 def _check_lineage(rows: Sequence[LedgerRow], episode: RolloutIdentity) -> None:

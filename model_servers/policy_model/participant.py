@@ -15,9 +15,10 @@ see ``custody``) and ``PolicyAdapter`` answers the control plane:
   while a checkpoint is open;
 - forget: every ledger of those rollouts dropped.
 
-Generation cuts (``generation_cuts: true``) are declared in ``/status`` but not made yet: every
-call in flight at a checkpoint is generated again after a restore, as a failed cut would be, and
-the commit's ``staging_keys`` is empty. ``ActiveCalls.cut_inventory`` is what a cut will post.
+Generation cuts (``generation_cuts: true``, see ``cuts``): at commit, before the export
+(``before_export``, which gets the commit's deadline), the calls in flight are cut on the worker;
+each durable cut goes into its episode's record; ``committed`` settles the cut with the worker and
+answers the kept ``staging_keys`` (those of every exported record, restored cuts included).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from fastapi import FastAPI
 from model_servers.policy_model.active_calls import ActiveCalls, CallState
 from model_servers.policy_model.backend import Backend
 from model_servers.policy_model.custody import Custody, CustodyBackend
-from model_servers.policy_model.ledger import LedgerBook
+from model_servers.policy_model.cuts import CutClient, CutRecord, GenerationCutter
+from model_servers.policy_model.ledger import CUT_KEY, LedgerBook
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
@@ -41,7 +43,7 @@ from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["PolicyAdapter", "PolicyParticipant", "mount_policy_participant"]
+__all__ = ["PolicyAdapter", "PolicyParticipant", "kept_staging_keys", "mount_policy_participant"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +51,17 @@ logger = logging.getLogger(__name__)
 class PolicyAdapter:
     """The ``ParticipantAdapter`` of the policy model: the active calls and the capture ledgers."""
 
-    def __init__(self, calls: ActiveCalls, ledgers: LedgerBook, *, generation_cuts: bool = False) -> None:
+    def __init__(
+        self, calls: ActiveCalls, ledgers: LedgerBook, *, generation_cuts: bool = False,
+        cutter: GenerationCutter | None = None,
+    ) -> None:
         self.calls = calls
         self.ledgers = ledgers
         self.generation_cuts = generation_cuts
+        self.cutter = cutter
+        self._commit: tuple[str, float] | None = None  # (checkpoint id, deadline) of the commit running
+        self._cuts: dict[RolloutIdentity, CutRecord] = {}
+        self._kept: list[str] = []
 
     def counts(self) -> dict[str, int]:
         return {
@@ -66,13 +75,25 @@ class PolicyAdapter:
     async def readiness(self) -> Readiness:
         return Readiness(blockers=self.calls.delivering_keys(), counts=self.counts())
 
+    async def before_export(self, checkpoint_id: str, scope: Scope | None, deadline_ts: float) -> None:
+        """Cut the calls in flight (never fails: a failed cut leaves those calls to be generated again)."""
+        self._commit, self._cuts = (checkpoint_id, deadline_ts), {}
+        if self.cutter is not None:
+            self._cuts = await self.cutter.cut(checkpoint_id, scope, deadline_ts, self.ledgers.lineage)
+
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
-        for item in self.ledgers.records(scope):
+        items = self.ledgers.records(scope, self._cuts)
+        self._kept = kept_staging_keys(items)
+        for item in items:
             yield item
 
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
         self.ledgers.drop_restored_outside(scope)
-        return {"staging_keys": []}
+        kept, commit = sorted(set(self._kept)), self._commit
+        self._commit, self._cuts, self._kept = None, {}, []
+        if self.cutter is not None and commit is not None:
+            await self.cutter.settle(commit[0], kept, commit[1])
+        return {"staging_keys": kept}
 
     async def install(self, records: Sequence[Record], scope: Scope) -> None:
         self.ledgers.install(records)
@@ -86,6 +107,17 @@ class PolicyAdapter:
 
     def status_extras(self) -> Mapping[str, Any]:
         return {"checkpoint_policy": True, "generation_cuts": self.generation_cuts, **self.counts()}
+
+
+def kept_staging_keys(items: Sequence[ExportItem]) -> list[str]:
+    """The staging keys the cuts of exported records name."""
+    keys: list[str] = []
+    for item in items:
+        data = item.data if isinstance(item, Record) else item
+        cut = data.get(CUT_KEY)
+        if isinstance(cut, dict):
+            keys.extend(cut["staging_keys"])
+    return keys
 
 
 @dataclass
@@ -102,17 +134,25 @@ def mount_policy_participant(
     ctx: ServerContext[Any],
     backend: Backend,
     *,
+    worker_url: str | None = None,
     generation_cuts: bool = False,
     clock: Clock = SYSTEM_CLOCK,
 ) -> PolicyParticipant | None:
-    """Mount the model participant on ``app`` (``None``, nothing mounted, with checkpointing off)."""
+    """Mount the model participant on ``app`` (``None``, nothing mounted, with checkpointing off).
+
+    With ``generation_cuts``, ``worker_url`` is the inference worker the cuts are posted to.
+    """
     calls, ledgers = ActiveCalls(), LedgerBook()
     adapter = PolicyAdapter(calls, ledgers, generation_cuts=generation_cuts)
     participant = mount_checkpointing(app, ctx, adapter, kind="model", clock=clock)
     if participant is None:
         return None
     if generation_cuts:
-        logger.warning("generation_cuts is on but cuts are not made yet: calls in flight at a checkpoint "
-                       "are generated again after a restore")
-    custody = Custody(participant, calls, ledgers)
+        if worker_url is None:
+            raise ValueError("generation cuts need the inference worker's url")
+        token = ctx.mesh.checkpoint.control_auth_token
+        assert token is not None  # the config refuses checkpointing without a token
+        client = CutClient(ctx.client, worker_url, token.get_secret_value(), ctx.name)
+        adapter.cutter = GenerationCutter(calls, client, participant.clock, participant.telemetry)
+    custody = Custody(participant, calls, ledgers, generation_cuts=generation_cuts)
     return PolicyParticipant(participant, adapter, CustodyBackend(backend, custody))

@@ -155,6 +155,7 @@ class WorkerBackend:
             "return_token_ids": True,
             "skip_special_tokens": False,
             "stream": stream,
+            **_cut_fields(call),
         }
 
     # ---- result ----------------------------------------------------------------------------------
@@ -224,6 +225,16 @@ def _seed(call: ChatCall, prompt_digest: str) -> int | None:
     if call.sampling.seed is not None or call.seed_scope is None:
         return call.sampling.seed
     return call_seed(call.seed_scope, prompt_digest)
+
+
+def _cut_fields(call: ChatCall) -> dict[str, Any]:
+    """The call's generation-cut fields for the worker (none unless cuts are on)."""
+    fields: dict[str, Any] = {}
+    if call.model_call is not None:
+        fields["model_call"] = call.model_call.to_json()
+    if call.continuation is not None:
+        fields["continuation"] = call.continuation.to_json()
+    return fields
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -19,18 +19,23 @@ an episode or a session is lives in the adapter. The contract of each method:
 - ``forget(rollout_ids)``: drop whatever is left of those rollouts (the fences are dropped by the
   participant).
 - ``status_extras()``: kind-specific fields for ``GET /status`` (counts, declarations).
+
+Optional (``BeforeExport``): ``before_export(checkpoint_id, scope, deadline_ts)`` runs once per
+commit, after the readiness check and before ``export``, with the commit's deadline; the model uses
+it to cut the generations in flight within half of the time left. It must not fail the commit for
+work it can do without (a failed generation cut is only logged).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["MAX_BLOCKERS", "ExportItem", "ParticipantAdapter", "Readiness"]
+__all__ = ["MAX_BLOCKERS", "BeforeExport", "ExportItem", "ParticipantAdapter", "Readiness"]
 
 MAX_BLOCKERS = 100
 ExportItem = Record | Mapping[str, Any]
@@ -73,3 +78,10 @@ class ParticipantAdapter(Protocol):
     async def forget(self, rollout_ids: Sequence[str]) -> None: ...
 
     def status_extras(self) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class BeforeExport(Protocol):
+    """An adapter that works once per commit before its export, knowing the commit's deadline."""
+
+    async def before_export(self, checkpoint_id: str, scope: Scope | None, deadline_ts: float) -> None: ...

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter, Readiness
+from nemo_gym_ckpt.checkpoint.adapter import BeforeExport, ParticipantAdapter, Readiness
 from nemo_gym_ckpt.checkpoint.admission import RetireMarks, Signal
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock, wait_until
 from nemo_gym_ckpt.checkpoint.lease import Lease
@@ -274,12 +274,16 @@ class Participant:
             for episode in episodes or ():
                 self.marks.check(episode)
             open_.lease.renew(request.deadline_ts)
-            work = self._run_commit(open_, directory, scope)
+            work = self._run_commit(open_, directory, scope, request.deadline_ts)
             job = self._start_job(open_, Op.COMMIT, (directory, scope), work)
         return await self._await_job(job, request.deadline_ts, request.checkpoint_id)
 
-    async def _run_commit(self, open_: _Open, directory: Path, scope: Scope | None) -> dict[str, Any]:
+    async def _run_commit(
+        self, open_: _Open, directory: Path, scope: Scope | None, deadline_ts: float
+    ) -> dict[str, Any]:
         _check_committable(await self.adapter.readiness(), scope)
+        if isinstance(self.adapter, BeforeExport):
+            await self.adapter.before_export(open_.checkpoint_id, scope, deadline_ts)
         open_writer = self.store.open_writer
         writer = await asyncio.to_thread(open_writer, directory, self.kind, self.instance, open_.stop)
         open_.pipeline = ExportPipeline(self.adapter, scope, self.telemetry, open_.checkpoint_id)

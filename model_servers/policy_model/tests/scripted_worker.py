@@ -7,24 +7,31 @@ token ids, logprobs and the prompt ids, streams one SSE chunk per token, and rec
 body and rollout capture key. A reply may signal ``started`` when the call reaches the worker and
 wait for ``gate`` (a generation in flight): a whole reply before it answers, a stream after its
 first token (or, with ``gate_first``, before its headers).
+
+It also serves the worker's generation-cut routes as scripted by ``cuts`` (``CutScript``): every
+listed ticket gets a ``durable_prefix`` of ``prefix_tokens`` tokens (a key naming its call) unless
+its call is in ``refuse``; ``fail`` answers an error instead; ``gate`` holds the reply. Cut and
+keep requests are recorded with their bearer header.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from model_servers.policy_model.chat_format import ChatFormat
+from model_servers.policy_model.ids import sha256_of
 from nemo_gym_ckpt.identity import current_identity
 from nemo_gym_ckpt.server import create_app, sse_event
 
-__all__ = ["GATE_S", "Generate", "ScriptedWorker", "WorkerFails"]
+__all__ = ["GATE_S", "CutScript", "Generate", "ScriptedWorker", "WorkerFails", "staging_key"]
 
 GATE_S = 10.0
 
@@ -50,6 +57,32 @@ class WorkerFails:
     body: Any
 
 
+@dataclass
+class CutScript:
+    prefix_tokens: int = 5
+    refuse: set[str] = field(default_factory=set)
+    fail: WorkerFails | None = None
+    gate: asyncio.Event | None = None
+
+
+def staging_key(model_call_id: str, checkpoint_id: str) -> str:
+    return f"{model_call_id}.{hashlib.sha256(checkpoint_id.encode()).hexdigest()}"
+
+
+def _receipt(entry: dict[str, Any], checkpoint_id: str, script: CutScript) -> dict[str, Any]:
+    if entry["model_call_id"] in script.refuse:
+        return {"ticket_id": entry["ticket_id"], "model_call_id": entry["model_call_id"],
+                "disposition": "durable_failure", "cut_kind": None, "staging_keys": [],
+                "prefix_token_count": 0, "prefix_digest": None, "effective_output_limit": None,
+                "terminal_finish_reason": None, "detail": "refused by the script"}
+    count = script.prefix_tokens
+    return {"ticket_id": entry["ticket_id"], "model_call_id": entry["model_call_id"],
+            "disposition": "durable_prefix", "cut_kind": "active_prefix",
+            "staging_keys": [staging_key(entry["model_call_id"], checkpoint_id)], "prefix_token_count": count,
+            "prefix_digest": sha256_of(list(range(count))), "effective_output_limit": 100 - count,
+            "terminal_finish_reason": None, "detail": None}
+
+
 class ScriptedWorker:
     def __init__(self, fmt: ChatFormat, *, policy_version: int = 7) -> None:
         self.fmt = fmt
@@ -58,6 +91,9 @@ class ScriptedWorker:
         self.default: Generate | None = None
         self.requests: list[dict[str, Any]] = []
         self.capture_keys: list[str | None] = []
+        self.cuts = CutScript()
+        self.cut_requests: list[tuple[str | None, dict[str, Any]]] = []  # (authorization, body)
+        self.keep_requests: list[tuple[str | None, dict[str, Any]]] = []
         self._ids = itertools.count()
         self.app = self._make_app()
 
@@ -72,7 +108,28 @@ class ScriptedWorker:
         async def completions(request: Request) -> Response:
             return await self._complete(await request.json())
 
+        @app.post("/ng-control/v1/generation-cut", response_model=None)
+        async def generation_cut(request: Request) -> Response:
+            return await self._cut(request.headers.get("authorization"), await request.json())
+
+        @app.post("/ng-control/v1/generation-cut/keep")
+        async def keep(request: Request) -> dict[str, Any]:
+            body = await request.json()
+            self.keep_requests.append((request.headers.get("authorization"), body))
+            return {"kept": body["staging_keys"], "deleted": 0, "missing": []}
+
         return app
+
+    async def _cut(self, authorization: str | None, body: dict[str, Any]) -> Response:
+        self.cut_requests.append((authorization, body))
+        script = self.cuts
+        if script.gate is not None:
+            async with asyncio.timeout(GATE_S):
+                await script.gate.wait()
+        if script.fail is not None:
+            return JSONResponse(script.fail.body, status_code=script.fail.status)
+        receipts = [_receipt(entry, body["checkpoint_id"], script) for entry in body["active_prefixes"]]
+        return JSONResponse({"cut_id": "cut-1", "checkpoint_id": body["checkpoint_id"], "receipts": receipts})
 
     def _generation(self, reply: Generate, max_tokens: int) -> tuple[list[int], str]:
         # one id per character, tags included: the same text as a fresh encoding (which would merge

@@ -1,11 +1,12 @@
 """The conformance suite against the policy model participant: in process with a fake clock, and
-over real uvicorn (both over the scripted worker)."""
+over real uvicorn (both over the scripted worker), and in process with generation cuts on."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,9 @@ def root(tmp_path: Path) -> Path:
     return path
 
 
-def maker(fmt: ChatFormat, tokenizer_dir: Path, root: Path, *, uvicorn: bool) -> MakeParticipant:
+def maker(
+    fmt: ChatFormat, tokenizer_dir: Path, root: Path, *, uvicorn: bool, **settings: Any
+) -> MakeParticipant:
     @asynccontextmanager
     async def make() -> AsyncIterator[ParticipantUnderTest]:
         worker = ScriptedWorker(fmt)
@@ -34,7 +37,7 @@ def maker(fmt: ChatFormat, tokenizer_dir: Path, root: Path, *, uvicorn: bool) ->
                 yield ParticipantUnderTest(http, TOKEN, root, data=hooks)
             return
         clock = FakeClock(start=1_700_000_000.0)
-        async with serve_policy(worker, tokenizer_dir, root=root, clock=clock) as http:
+        async with serve_policy(worker, tokenizer_dir, root=root, clock=clock, **settings) as http:
             yield ParticipantUnderTest(
                 http, TOKEN, root, now=clock.now, advance_clock=clock.advance, data=hooks
             )
@@ -52,4 +55,10 @@ async def test_conformance_in_process(name: str, fmt: ChatFormat, tokenizer_dir:
 async def test_conformance_over_uvicorn(fmt: ChatFormat, tokenizer_dir: Path, root: Path) -> None:
     results = await check_participant(maker(fmt, tokenizer_dir, root, uvicorn=True))
     assert set(results) == set(CHECKS)
+    assert set(results.values()) == {"passed"}, results
+
+
+@pytest.mark.unit
+async def test_conformance_with_generation_cuts(fmt: ChatFormat, tokenizer_dir: Path, root: Path) -> None:
+    results = await check_participant(maker(fmt, tokenizer_dir, root, uvicorn=False, generation_cuts=True))
     assert set(results.values()) == {"passed"}, results

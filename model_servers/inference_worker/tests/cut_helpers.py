@@ -1,0 +1,133 @@
+"""Helpers of the generation-cut tests: bodies, a gate around any engine, and bounded waits.
+
+``GatedEngine`` wraps any ``Engine`` (the scripted one, or the real transformers engine) behind
+the same interface and lets a test decide how many tokens reach the worker's HTTP layer, so a cut
+lands at a chosen token boundary. Waits poll the worker's cut status (a state, never an ordering)
+and every one has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import httpx
+
+from model_servers.inference_worker.cut_models import inventory_digest
+from model_servers.inference_worker.engine import Engine, EngineTokenizer, GenerationRequest, TokenStep
+from model_servers.inference_worker.tests.conftest import TOKEN
+
+__all__ = [
+    "AUTH",
+    "GatedEngine",
+    "complete_under",
+    "cut",
+    "cut_body",
+    "model_call",
+    "start_under",
+    "status",
+    "until_tokens",
+]
+
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+WAIT_S = 30.0
+
+
+def model_call(call_id: str, parent: str | None = None, previous_length: int = 0,
+               constrained: bool = False) -> dict[str, Any]:
+    return {"model_call_id": call_id, "parent_call_id": parent, "previous_length": previous_length,
+            "constrained": constrained}
+
+
+def cut_body(
+    checkpoint_id: str, *entries: tuple[str, str, int, str], server: str = "policy_model"
+) -> dict[str, Any]:
+    """A cut request of ``(ticket_id, rollout_id, attempt, model_call_id)`` entries."""
+    prefixes = [{"ticket_id": t, "rollout_id": r, "attempt": a, "model_call_id": c, "admitted_at": 1.5}
+                for t, r, a, c in entries]
+    return {"checkpoint_id": checkpoint_id, "server_name": server, "active_prefixes": prefixes,
+            "inventory_digest": inventory_digest(prefixes)}
+
+
+async def cut(http: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+    reply = await http.post("/ng-control/v1/generation-cut", json=body, headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    result: dict[str, Any] = reply.json()
+    return result
+
+
+async def status(http: httpx.AsyncClient) -> dict[str, Any]:
+    reply = await http.get("/ng-control/v1/generation-cut/status", headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    result: dict[str, Any] = reply.json()
+    return result
+
+
+async def until_tokens(http: httpx.AsyncClient, call_id: str, tokens: int) -> None:
+    """Until the worker's live generation ``call_id`` holds ``tokens`` tokens (bounded)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        live = {g["model_call_id"]: g["tokens"] for g in (await status(http))["live_generations"]}
+        if live.get(call_id) == tokens:
+            return
+        assert time.monotonic() < deadline, f"{call_id} never reached {tokens} tokens: {live}"
+        await asyncio.sleep(0.005)
+
+
+def start_under(
+    http: httpx.AsyncClient, capture_key: str, body: dict[str, Any]
+) -> asyncio.Task[httpx.Response]:
+    return asyncio.ensure_future(http.post(f"/ng-rollout/{capture_key}/v1/completions", json=body))
+
+
+async def complete_under(http: httpx.AsyncClient, capture_key: str, body: dict[str, Any]) -> httpx.Response:
+    async with asyncio.timeout(WAIT_S):
+        return await start_under(http, capture_key, body)
+
+
+class GatedEngine(Engine):
+    """``inner`` behind the engine interface; each token waits for the gate while it is closed."""
+
+    def __init__(self, inner: Engine) -> None:
+        super().__init__(policy_version=inner.policy_version)
+        self.inner = inner
+        self.gate = asyncio.Semaphore(0)
+        self.open = False
+        self.admitted: list[GenerationRequest] = []
+
+    @property
+    def tokenizer(self) -> EngineTokenizer:
+        return self.inner.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.inner.context_length
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def release(self, tokens: int) -> None:
+        for _ in range(tokens):
+            self.gate.release()
+
+    def open_gate(self) -> None:
+        """Let every further token through."""
+        self.open = True
+        self.release(1_000_000)
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenStep, None]:
+        self.admitted.append(request)
+        steps = self.inner.generate(request)
+        try:
+            async for step in steps:
+                if not self.open:
+                    async with asyncio.timeout(WAIT_S):
+                        await self.gate.acquire()
+                yield step
+        finally:
+            await steps.aclose()
