@@ -1,8 +1,9 @@
-"""``nemo-gym-ckpt collect``: rollout collection over a mesh (checkpointing comes later).
+"""``nemo-gym-ckpt collect``: rollout collection over a mesh, with checkpoints that survive preemption.
 
     nemo-gym-ckpt collect --config configs/quickstart.yaml --output out.jsonl
         [--input TASKS.jsonl] [--limit N] [--num-repeats K] [--concurrency C]
-        [--environment NAME] [--head URL] [key=value ...]
+        [--environment NAME] [--head URL] [--checkpoint-dir DIR [--checkpoint-every-s S]]
+        [key=value ...]
 
 With ``--config`` the collector launches the mesh itself (``MeshLauncher``; server logs go to
 ``<output>_servers.log``) and stops it at the end; with ``--head URL`` it uses a running mesh, found
@@ -10,59 +11,71 @@ through ``GET {head}/servers``. The environment server is the config's (or the h
 ``--environment NAME``. ``--input`` defaults to the first dataset that environment declares
 (relative paths are tried against the working directory, then the project root).
 
-Each task row is dispatched ``--num-repeats`` times as ``POST {environment}/ng-rollout/<id>/run``
+Each task row is dispatched ``--num-repeats`` times as ``POST {environment}/ng-rollout/<key>/run``
 with rollout id ``"{task_index}-{rollout_index}"``, at most ``--concurrency`` at a time. Finished
 rows are appended to the output as they come (``rollouts.py``); failures go to
-``<output>_failures.jsonl`` with their reason. Rollouts already in the output are not run again, so a
-run that was stopped picks up where it left off. At the end the mean reward and the mean of every
-numeric field the rollouts added are printed and written to ``<output>_aggregate_metrics.json``.
+``<output>_failures.jsonl`` with their reason. Rollouts already in the output are never run again; a
+run with nothing left exits 0 at once and starts nothing. At the end the mean reward and the mean of
+every numeric field the rollouts added are printed and written to ``<output>_aggregate_metrics.json``.
 
-Ctrl-C (or SIGTERM) stops dispatching, cancels the rollouts in flight, keeps every row already
-written, stops the mesh it launched and exits 130 (1 for SIGTERM) with a one-line reason.
+With ``--checkpoint-dir DIR`` the collector is the mesh's checkpoint controller
+(``collection_control``; files: ``collection_checkpoint``). A mesh it launches gets
+``checkpoint.enabled=true``, ``checkpoint.root=DIR`` and a fresh control token, unless the config
+enables checkpointing itself (then DIR must lie inside its root); with ``--head`` the token is
+``--token`` or ``$GYM_CKPT_TOKEN``. Checkpoints are taken every ``--checkpoint-every-s`` seconds, on
+SIGUSR1 (and the collection goes on), and on SIGTERM (then the collector stops and exits 75). Run
+again with the same arguments: the latest published checkpoint is restored on the fresh mesh, every
+other attempt dispatched before is fenced, and each unfinished rollout goes on (as its next attempt)
+or starts over. Output rows carry ``_ng_attempt_index``.
+
+Ctrl-C stops dispatching, cancels the rollouts in flight, keeps every row already written, stops
+the mesh it launched and exits 130; SIGTERM without ``--checkpoint-dir`` does the same with exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import secrets
 import signal
 import sys
 import threading
-import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from types import FrameType
+from typing import Any, Literal
 
 import httpx
-import orjson
 
-from nemo_gym_ckpt.client import MeshClient
-from nemo_gym_ckpt.config import MeshConfig, load_config
-from nemo_gym_ckpt.errors import GymError, UpstreamError
-from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.launch import LaunchError, MeshLauncher, StopRequested, stop_on_signals
-from nemo_gym_ckpt.progress import Progress
-from nemo_gym_ckpt.rollouts import (
-    JsonlAppender,
-    RolloutKey,
-    aggregate,
-    failure_row,
-    failures_path,
-    metrics_path,
-    output_row,
-    read_jsonl,
-    rollout_id,
-    rollout_key,
+from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
+from nemo_gym_ckpt.collection import CollectionStartFailed, Plan, Summary, done_keys, run_plan
+from nemo_gym_ckpt.collection_checkpoint import (
+    CheckpointRefused,
+    RunIdentity,
+    check_same_run,
+    config_digest,
+    find_latest,
+    input_digest,
 )
+from nemo_gym_ckpt.collection_control import CollectionControl, ControlSettings
+from nemo_gym_ckpt.collection_triggers import Triggers, hold_signals
+from nemo_gym_ckpt.config import MeshConfig, load_config
+from nemo_gym_ckpt.launch import LaunchError, MeshLauncher, StopRequested
+from nemo_gym_ckpt.rollouts import failures_path, metrics_path, read_jsonl
 
 __all__ = [
+    "EXIT_CHECKPOINTED",
+    "EXIT_INTERRUPTED",
     "PROJECT_ROOT",
+    "TOKEN_ENV",
+    "CheckpointSetup",
     "CollectFailed",
     "Plan",
     "Summary",
     "UsageError",
-    "collect",
     "configure",
     "main",
     "resolve_input",
@@ -72,6 +85,8 @@ __all__ = [
 PROG = "nemo-gym-ckpt collect"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 ENVIRONMENT_TYPE: Literal["environment_servers"] = "environment_servers"
+TOKEN_ENV = "GYM_CKPT_TOKEN"
+EXIT_CHECKPOINTED = 75
 EXIT_INTERRUPTED = 130
 
 
@@ -97,6 +112,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=_positive, default=8, help="rollouts in flight (default 8)")
     parser.add_argument("--rollout-timeout-s", type=float, default=3600.0, help="deadline of one rollout")
     parser.add_argument("--ready-timeout-s", type=float, default=300.0, help="deadline for the mesh to start")
+    group = parser.add_argument_group("checkpointing")
+    group.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                       help="checkpoint the mesh into DIR (SIGUSR1: checkpoint; SIGTERM: checkpoint, "
+                            "exit 75); run again with the same arguments to restore and continue")
+    group.add_argument("--checkpoint-every-s", type=_positive_float, metavar="S", help="also every S seconds")
+    group.add_argument("--checkpoint-timeout-s", type=_positive_float, default=300.0,
+                       help="deadline of one checkpoint and of the restore (default 300)")
+    group.add_argument("--token", help=f"control token of a --head mesh (default: ${TOKEN_ENV}; the "
+                                       "environment keeps it out of the process list)")
 
 
 def _positive(text: str) -> int:
@@ -106,23 +130,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 # ---- the plan ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Everything one collection needs, resolved."""
-
-    environment: str
-    environment_url: str
-    tasks: list[dict[str, Any]]
-    output: Path
-    num_repeats: int = 1
-    concurrency: int = 8
-    rollout_timeout_s: float = 3600.0
-
-    def rollouts(self) -> list[RolloutKey]:
-        return [(task, rollout) for task in range(len(self.tasks)) for rollout in range(self.num_repeats)]
 
 
 def resolve_input(path: Path) -> Path:
@@ -191,124 +206,70 @@ def environment_urls(mesh: MeshConfig) -> dict[str, str]:
     return {inst.name: inst.url for inst in mesh.of_type(ENVIRONMENT_TYPE)}
 
 
-# ---- collecting ----------------------------------------------------------------------------------
+def nothing_left(plan: Plan) -> bool:
+    """Every rollout of the plan has its row in the output already."""
+    return not set(plan.rollouts()) - done_keys(plan.output)
 
 
-@dataclass
-class Summary:
-    """What one run did."""
-
-    planned: int
-    skipped: int
-    finished: int = 0
-    failed: int = 0
-    elapsed_s: float = 0.0
-    stopped_by: str | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
+# ---- checkpointing -------------------------------------------------------------------------------
 
 
-@dataclass
-class _Sinks:
-    rows: JsonlAppender
-    failures: JsonlAppender
-    progress: Progress
+@dataclass(frozen=True)
+class CheckpointSetup:
+    """How this run checkpoints its mesh: where, with which token, how often."""
+
+    directory: Path
+    token: str
+    identity: RunIdentity
+    every_s: float | None = None
+    timeout_s: float = 300.0
+
+    def check_latest(self) -> None:
+        """``CheckpointRefused`` if the directory's latest checkpoint belongs to another collection."""
+        latest = find_latest(self.directory)
+        if latest is not None:
+            check_same_run(latest, self.identity, self.directory)
+
+    def triggers(self) -> Triggers:
+        return Triggers(self.every_s)
+
+    def control(self, head_url: str) -> CollectionControl:
+        coordinator = Coordinator(head_url, self.token, required_kinds=("model",))
+        return CollectionControl(coordinator, ControlSettings(self.directory, self.identity, self.timeout_s))
 
 
-async def _one(plan: Plan, client: MeshClient, key: RolloutKey, sinks: _Sinks, summary: Summary) -> None:
-    task_index, rollout_index = key
-    task = plan.tasks[task_index]
-    identity = RolloutIdentity(rollout_id(task_index, rollout_index))
-    try:
-        reply = await client.post_json(f"{plan.environment_url}/run", json=task, identity=identity,
-                                       timeout_s=plan.rollout_timeout_s)
-        if not isinstance(reply, dict):
-            raise UpstreamError("the environment answered something other than a row")
-    except GymError as error:
-        sinks.failures.append(failure_row(task, task_index, rollout_index, error.code, error.detail))
-        summary.failed += 1
-        sinks.progress.advance(failed=True)
-        return
-    sinks.rows.append(output_row(reply, task_index, rollout_index))
-    summary.finished += 1
-    reward = reply.get("reward")
-    sinks.progress.advance(reward=float(reward) if isinstance(reward, int | float) else None)
+def run_identity(raw: Any, plan: Plan) -> RunIdentity:
+    return RunIdentity(config_digest(raw), input_digest(plan.tasks), plan.num_repeats)
 
 
-async def collect(
-    plan: Plan, client: MeshClient, keys: list[RolloutKey], sinks: _Sinks, summary: Summary
-) -> None:
-    """Dispatch ``keys``, at most ``plan.concurrency`` at a time, writing each result as it ends."""
-    pending = deque(keys)
-
-    async def worker() -> None:
-        while pending:
-            await _one(plan, client, pending.popleft(), sinks, summary)
-
-    async with asyncio.TaskGroup() as group:
-        for _ in range(min(plan.concurrency, len(pending))):
-            group.create_task(worker())
-
-
-async def _collect_until_stopped(
-    plan: Plan, client: MeshClient, keys: list[RolloutKey], sinks: _Sinks, summary: Summary
-) -> None:
-    """``collect``, cancelled cleanly by SIGINT or SIGTERM (recorded in ``summary.stopped_by``)."""
-    loop = asyncio.get_running_loop()
-    work = asyncio.create_task(collect(plan, client, keys, sinks, summary))
-
-    def stop(signum: int) -> None:
-        summary.stopped_by = signal.Signals(signum).name
-        work.cancel()
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop, signum)
-    try:
-        await work
-    except asyncio.CancelledError:
-        if summary.stopped_by is None:
-            raise
-    finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
+def checkpoint_overrides(mesh: MeshConfig, directory: Path) -> list[str]:
+    """What a launched mesh needs to checkpoint into ``directory`` (nothing when its config does)."""
+    block = mesh.checkpoint
+    if block.enabled:
+        root = block.root.absolute().resolve()
+        if not directory.resolve().is_relative_to(root) or directory.resolve() == root:
+            raise UsageError(f"--checkpoint-dir {directory} is not inside the config's "
+                             f"checkpoint.root {root}")
+        return []
+    overrides = ["checkpoint.enabled=true", f"checkpoint.root={directory}"]
+    token = block.control_auth_token
+    if token is None or not token.get_secret_value():
+        overrides.append(f"checkpoint.control_auth_token=ng-{secrets.token_hex(16)}")
+    return overrides
 
 
-async def run_plan(plan: Plan, client: MeshClient | None = None, stream: TextIO | None = None) -> Summary:
-    """Collect every rollout of ``plan`` not yet in its output; answers the summary (metrics written)."""
-    own_client = client is None
-    client = client or MeshClient(max_connections=max(64, 2 * plan.concurrency))
-    rows = JsonlAppender(plan.output)  # cuts a torn tail before the finished rows are read
-    done = {key for row in read_jsonl(plan.output, complete_lines_only=True) if (key := rollout_key(row))}
-    keys = [key for key in plan.rollouts() if key not in done]
-    summary = Summary(planned=len(plan.rollouts()), skipped=len(plan.rollouts()) - len(keys))
-    sinks = _Sinks(rows, JsonlAppender(failures_path(plan.output)), Progress(len(keys), stream))
-    started = time.monotonic()
-    try:
-        await _collect_until_stopped(plan, client, keys, sinks, summary)
-    finally:
-        summary.elapsed_s = time.monotonic() - started
-        sinks.progress.close()
-        rows.close()
-        sinks.failures.close()
-        if own_client:
-            await client.aclose()
-    summary.metrics = _write_metrics(plan, summary)
-    return summary
+def _token_of(mesh: MeshConfig) -> str:
+    token = mesh.checkpoint.control_auth_token
+    assert token is not None  # enabled checkpointing requires one (config validation)
+    return token.get_secret_value()
 
 
-def _write_metrics(plan: Plan, summary: Summary) -> dict[str, Any]:
-    task_fields = {key for task in plan.tasks for key in task}
-    metrics = aggregate(read_jsonl(plan.output, complete_lines_only=True), task_fields, summary.failed)
-    ran = summary.finished + summary.failed
-    metrics.update(
-        environment=plan.environment, concurrency=plan.concurrency, elapsed_s=round(summary.elapsed_s, 3),
-        rollouts_per_s=round(ran / summary.elapsed_s, 3) if summary.elapsed_s > 0 else None,
-    )
-    metrics_path(plan.output).write_bytes(_json(metrics))
-    return metrics
-
-
-def _json(value: Any) -> bytes:
-    return orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n"
+def _head_token(args: argparse.Namespace) -> str:
+    token = args.token or os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise UsageError(f"--checkpoint-dir with --head needs the mesh's control token: set {TOKEN_ENV} "
+                         "(or pass --token)")
+    return token
 
 
 # ---- the command ---------------------------------------------------------------------------------
@@ -318,7 +279,13 @@ def _report(plan: Plan, summary: Summary) -> None:
     ran = summary.finished + summary.failed
     rate = f"{ran / summary.elapsed_s:.2f} rollouts/s" if summary.elapsed_s > 0 else "-"
     skipped = f", {summary.skipped} already in {plan.output}" if summary.skipped else ""
-    print(f"{ran} rollouts ({summary.failed} failed) in {summary.elapsed_s:.1f} s, {rate}{skipped}")
+    continued = f", {summary.continued} continued from a checkpoint" if summary.continued else ""
+    elapsed = f"{summary.elapsed_s:.1f} s"
+    print(f"{ran} rollouts ({summary.failed} failed) in {elapsed}, {rate}{skipped}{continued}")
+    for published in summary.checkpoints:
+        manifest = published.manifest
+        print(f"checkpoint {manifest.checkpoint_id}: {len(manifest.continued)} rollouts in flight kept, "
+              f"{len(manifest.restarted)} to start over, paused {published.pause_ms:.0f} ms")
     metrics = summary.metrics
     if metrics.get("mean_reward") is not None:
         reward, count = metrics["mean_reward"], metrics["rollouts"]
@@ -333,6 +300,10 @@ def _report(plan: Plan, summary: Summary) -> None:
 def _exit_status(summary: Summary) -> int:
     if summary.stopped_by is not None:
         left = summary.planned - summary.skipped - summary.finished - summary.failed
+        if summary.stopped_by == "SIGTERM" and summary.stop_checkpointed:
+            print(f"{PROG}: checkpointed and stopped by SIGTERM; {left} rollouts left: run again with the "
+                  "same arguments to continue", file=sys.stderr)
+            return EXIT_CHECKPOINTED
         print(f"{PROG}: stopped by {summary.stopped_by}; {left} rollouts not run", file=sys.stderr)
         return EXIT_INTERRUPTED if summary.stopped_by == "SIGINT" else 1
     if summary.failed and not summary.finished:
@@ -341,10 +312,29 @@ def _exit_status(summary: Summary) -> int:
     return 0
 
 
-def _collect_and_report(plan: Plan) -> int:
+async def _collect(
+    plan: Plan, head_url: str | None, checkpoint: CheckpointSetup | None, triggers: Triggers | None
+) -> Summary:
+    if checkpoint is None or head_url is None:
+        return await run_plan(plan)
+    control = checkpoint.control(head_url)
+    try:
+        return await run_plan(plan, control=control, triggers=triggers or checkpoint.triggers())
+    finally:
+        control.close()
+        await control.coordinator.aclose()
+
+
+def _collect_and_report(
+    plan: Plan, head_url: str | None = None, checkpoint: CheckpointSetup | None = None,
+    triggers: Triggers | None = None,
+) -> int:
     print(f"collecting {len(plan.rollouts())} rollouts of {len(plan.tasks)} tasks on {plan.environment} "
           f"({plan.environment_url}), concurrency {plan.concurrency}", file=sys.stderr)
-    summary = asyncio.run(run_plan(plan))
+    try:
+        summary = asyncio.run(_collect(plan, head_url, checkpoint, triggers))
+    except CollectionStartFailed as error:
+        raise CollectFailed(f"cannot restore and fence before dispatching: {error}") from None
     _report(plan, summary)
     return _exit_status(summary)
 
@@ -362,41 +352,110 @@ class _LogFile:
             self.file.write(f"[{name}] {line}\n")
 
 
+def _nothing_left(plan: Plan) -> int:
+    print(f"nothing left: all {len(plan.rollouts())} rollouts are in {plan.output}")
+    return 0
+
+
+def _launch_setup(args: argparse.Namespace, mesh: MeshConfig) -> tuple[MeshConfig, CheckpointSetup | None]:
+    """The config to launch (with checkpoint overrides) and the checkpoint setup, if asked for."""
+    if args.checkpoint_dir is None:
+        return mesh, None
+    directory = args.checkpoint_dir.absolute()
+    mesh = load_config(args.config, [*args.overrides, *checkpoint_overrides(mesh, directory)])
+    plan = build_plan(args, mesh, environment_urls(mesh))
+    setup = CheckpointSetup(directory, _token_of(mesh), run_identity(mesh.raw, plan),
+                            args.checkpoint_every_s, args.checkpoint_timeout_s)
+    return mesh, setup
+
+
 def _with_launched_mesh(args: argparse.Namespace, mesh: MeshConfig) -> int:
-    build_plan(args, mesh, environment_urls(mesh))  # fail on usage before starting anything
+    plan = build_plan(args, mesh, environment_urls(mesh))  # fail on usage before starting anything
+    mesh, checkpoint = _launch_setup(args, mesh)
+    if checkpoint is not None:
+        checkpoint.check_latest()
+    if nothing_left(plan):
+        return _nothing_left(plan)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     log = _LogFile(args.output.with_name(args.output.name.removesuffix(".jsonl") + "_servers.log"))
+    triggers = checkpoint.triggers() if checkpoint is not None else None
     with MeshLauncher(mesh, on_line=log) as launcher:
-        with stop_on_signals(launcher):
-            try:
-                launcher.start(ready_timeout_s=args.ready_timeout_s)
-            except StopRequested:
-                print(f"{PROG}: stopped before the mesh was ready", file=sys.stderr)
-                return EXIT_INTERRUPTED
-            except LaunchError as error:
-                print(f"{PROG}: {error} (server logs: {log.path})", file=sys.stderr)
-                return 1
+        status = _start(launcher, args.ready_timeout_s, log.path, triggers)
+        if status is not None:
+            return status
         print(f"mesh up, head server {launcher.head_url}; server logs in {log.path}", file=sys.stderr)
-        return _collect_and_report(build_plan(args, mesh, environment_urls(launcher.mesh)))
+        plan = build_plan(args, mesh, environment_urls(launcher.mesh))
+        return _collect_and_report(plan, launcher.head_url, checkpoint, triggers)
+
+
+def _start(
+    launcher: MeshLauncher, ready_timeout_s: float, log: Path, triggers: Triggers | None
+) -> int | None:
+    """Start the mesh; None when it is up, else the exit status (SIGUSR1 meanwhile is kept for later)."""
+    stopped_by: list[str] = []
+    with _stop_on_signals(launcher, stopped_by), hold_signals(triggers) if triggers else nullcontext():
+        try:
+            launcher.start(ready_timeout_s=ready_timeout_s)
+        except StopRequested:
+            print(f"{PROG}: stopped by {stopped_by[0]} before the mesh was ready", file=sys.stderr)
+            checkpointing = triggers is not None and stopped_by[0] == "SIGTERM"
+            return EXIT_CHECKPOINTED if checkpointing else EXIT_INTERRUPTED
+        except LaunchError as error:
+            print(f"{PROG}: {error} (server logs: {log})", file=sys.stderr)
+            return 1
+    return None
+
+
+@contextmanager
+def _stop_on_signals(launcher: MeshLauncher, stopped_by: list[str]) -> Iterator[None]:
+    """While inside, SIGINT and SIGTERM make the launcher give up starting; the signal's name is kept."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stopped_by.append(signal.Signals(signum).name)
+        launcher.request_stop()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _with_head(args: argparse.Namespace, mesh: MeshConfig | None) -> int:
     servers = head_servers(args.head)
     urls = {entry["name"]: entry["url"] for entry in servers if entry.get("type") == ENVIRONMENT_TYPE}
-    return _collect_and_report(build_plan(args, mesh, urls))
+    plan = build_plan(args, mesh, urls)
+    checkpoint = None
+    if args.checkpoint_dir is not None:
+        listing = [{k: v for k, v in entry.items() if k != "url"} for entry in servers]
+        raw = mesh.raw if mesh is not None else {"servers": listing}
+        checkpoint = CheckpointSetup(args.checkpoint_dir.absolute(), _head_token(args),
+                                     run_identity(raw, plan), args.checkpoint_every_s,
+                                     args.checkpoint_timeout_s)
+        checkpoint.check_latest()
+    if nothing_left(plan):
+        return _nothing_left(plan)
+    return _collect_and_report(plan, args.head, checkpoint)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if not args.config and not args.head:
+        raise UsageError("pass --config CONFIG (launch a mesh) or --head URL (use a running one)")
+    if args.overrides and not args.config:
+        raise UsageError("key=value overrides need --config")
+    if args.checkpoint_dir is None and (args.checkpoint_every_s is not None or args.token):
+        raise UsageError("--checkpoint-every-s and --token need --checkpoint-dir")
 
 
 def main(args: argparse.Namespace) -> int:
-    if not args.config and not args.head:
-        return _usage("pass --config CONFIG (launch a mesh) or --head URL (use a running one)")
-    if args.overrides and not args.config:
-        return _usage("key=value overrides need --config")
-    mesh = load_config(args.config, args.overrides) if args.config else None
     try:
+        _check_flags(args)
+        mesh = load_config(args.config, args.overrides) if args.config else None
         if args.head or mesh is None:
             return _with_head(args, mesh)
         return _with_launched_mesh(args, mesh)
-    except UsageError as error:
+    except (UsageError, CheckpointRefused) as error:
         return _usage(str(error))
     except CollectFailed as error:
         print(f"{PROG}: {error}", file=sys.stderr)

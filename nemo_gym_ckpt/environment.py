@@ -3,10 +3,16 @@
 An environment server declares its settings as a subclass of ``EnvironmentConfig``, its task rows as
 a subclass of ``EpisodeTask``, and its episode as a ``Program`` (``nemo_gym_ckpt.episode``)::
 
-    def create_app(ctx: ServerContext[Config]) -> FastAPI:
+    def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
         app = create_app_base(ctx.name)
-        mount_run(app, MyEnvironment(ctx).program, ctx.settings, task_model=MyTask)
+        mount_environment(app, ctx, MyEnvironment(ctx).program, task_model=MyTask, clock=clock)
         return app
+
+``mount_environment`` mounts ``POST /run`` and, when the mesh enables checkpointing, makes the
+server a participant of kind ``environment`` (``nemo_gym_ckpt.checkpoint.episodes_adapter``): every
+``/run`` then needs a rollout identity, parks at boundaries during a checkpoint and continues from
+a restored boundary when it is the next attempt of a checkpointed episode. With checkpointing off
+it is ``mount_run``: no control route, no waiting.
 
 ``POST /run`` (called under ``/ng-rollout/<capture_key>/``) takes a task row, runs one episode of
 the program for the request's rollout identity and answers the final state's ``result`` (the
@@ -14,7 +20,10 @@ rollout row). A row that fails validation is a 400 before any step runs; a faile
 error, named after the step. A ``/run`` without a rollout prefix runs under a fresh ``anon-...`` id.
 
 ``AgentClient`` makes the two agent calls of an episode: ``invoke`` (``POST /v1/responses`` with the
-``x-ng-agent-activation`` header and the resources cookies passed explicitly) and ``close``.
+``x-ng-agent-activation`` header and the resources cookies passed explicitly) and ``close``. A
+reply carrying ``x-ng-checkpoint-restart: 1`` comes from a restart-only agent: ``AgentReply.restart``
+says so, and the client remembers it (``restart_only``) so later episodes are restarts from their
+first step.
 """
 
 from __future__ import annotations
@@ -22,18 +31,23 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import orjson
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
+from nemo_gym_ckpt.checkpoint.episodes_adapter import EpisodesAdapter, RunLimits
+from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
+from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.episode import NO_HOOKS, Episode, EpisodeHooks, Program, StepBudget, run_episode
 from nemo_gym_ckpt.errors import InternalError, InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+from nemo_gym_ckpt.resources import RESTART_HEADER
 from nemo_gym_ckpt.server import OrjsonResponse
 
 __all__ = [
@@ -43,6 +57,7 @@ __all__ = [
     "EnvironmentConfig",
     "EpisodeTask",
     "cookies_of",
+    "mount_environment",
     "mount_run",
     "read_task",
 ]
@@ -113,11 +128,43 @@ def mount_run(
             program, episode, hooks=hooks, budget=StepBudget(settings.episode_timeout_s),
             cleanup_timeout_s=settings.cleanup_timeout_s,
         )
-        if not isinstance(final.get("result"), dict):
-            raise InternalError("the episode ended without a result")
-        return OrjsonResponse(final["result"])
+        return _result(final)
 
     app.add_api_route("/run", run, methods=["POST"])
+
+
+def _result(final: Mapping[str, Any]) -> OrjsonResponse:
+    if not isinstance(final.get("result"), dict):
+        raise InternalError("the episode ended without a result")
+    return OrjsonResponse(final["result"])
+
+
+def mount_environment(
+    app: FastAPI,
+    ctx: ServerContext[Any],
+    program: Program,
+    *,
+    task_model: type[EpisodeTask] = EpisodeTask,
+    clock: Clock = SYSTEM_CLOCK,
+) -> EpisodesAdapter | None:
+    """Mount ``POST /run`` for ``program``; a participant too when the mesh enables checkpointing.
+
+    Answers the adapter (``None`` when checkpointing is off and ``/run`` is plain ``mount_run``).
+    """
+    settings = cast(EnvironmentConfig, ctx.settings)
+    adapter = EpisodesAdapter(program, RunLimits(settings.episode_timeout_s, settings.cleanup_timeout_s))
+    participant = mount_checkpointing(app, ctx, adapter, kind="environment", clock=clock)
+    if participant is None:
+        mount_run(app, program, settings, task_model=task_model)
+        return None
+    adapter.participant = participant
+
+    async def run(request: Request) -> OrjsonResponse:
+        task = read_task(await request.body(), task_model)
+        return _result(await adapter.run(current_identity(), task))
+
+    app.add_api_route("/run", run, methods=["POST"])
+    return adapter
 
 
 def cookies_of(response: httpx.Response) -> dict[str, str]:
@@ -127,19 +174,22 @@ def cookies_of(response: httpx.Response) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class AgentReply:
-    """One activation's answer: the Responses object and the resources cookies after it."""
+    """One activation's answer: the Responses object, the resources cookies after it, and whether
+    the agent declared itself restart-only."""
 
     response: dict[str, Any]
     cookies: dict[str, str]
+    restart: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class AgentClient:
-    """The agent calls of one environment server."""
+    """The agent calls of one environment server; ``restart_only`` once the agent said so."""
 
     client: MeshClient
     url: str
     settings: EnvironmentConfig
+    restart_only: bool = False
 
     async def invoke(
         self, identity: RolloutIdentity, activation: int, body: Mapping[str, Any], cookies: Mapping[str, str]
@@ -152,7 +202,9 @@ class AgentClient:
         response = decode_json(reply)
         if not isinstance(response, dict) or not isinstance(response.get("output"), list):
             raise UpstreamError(f"agent activation {activation} answered no Responses object")
-        return AgentReply(response, {**cookies, **cookies_of(reply)})
+        restart = reply.headers.get(RESTART_HEADER) == "1"
+        self.restart_only = self.restart_only or restart
+        return AgentReply(response, {**cookies, **cookies_of(reply)}, restart)
 
     async def close(self, identity: RolloutIdentity) -> None:
         """Free the agent's session of this episode (idempotent on the agent's side)."""

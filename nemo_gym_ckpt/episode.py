@@ -26,6 +26,15 @@ there: restoring an episode never needs the program to change.
 ``EpisodeHooks`` is where checkpointing plugs in: ``entering`` runs before each step and
 ``at_boundary`` after each (it may park the episode until a checkpoint ends). Time spent in hooks is
 not charged to the episode's timeout; only time inside steps is.
+
+Records never carry token arrays (PROTOCOL.md section 6): ``Episode.record()`` leaves out the token
+capture fields (``TOKEN_ARRAY_KEYS``) wherever they appear in the boundary's state; the boundary kept
+in memory keeps them, so an episode that goes on in the same process loses nothing, while one
+restored from a record continues without the token arrays of its earlier turns.
+
+A step that learns its episode cannot be captured (a restart-only resources server or agent,
+PROTOCOL.md section 7) calls ``episode.mark_restart()``; the mark is sticky and checkpointing
+then leaves the episode alone (it never parks and is never exported).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
+from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS
 from nemo_gym_ckpt.errors import (
     GymError,
     InternalError,
@@ -64,6 +74,7 @@ __all__ = [
     "run_episode",
     "step_error",
     "task_digest",
+    "without_token_arrays",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,6 +94,18 @@ def canonical_json(value: Any) -> bytes:
 def task_digest(task: Mapping[str, Any]) -> str:
     """SHA-256 of the canonical JSON of a task row (PROTOCOL.md section 7)."""
     return hashlib.sha256(canonical_json(task)).hexdigest()
+
+
+_TOKEN_KEYS = frozenset(TOKEN_ARRAY_KEYS)
+
+
+def without_token_arrays(value: Any) -> Any:
+    """A copy of JSON data without the token-array keys at any depth (what a record may carry)."""
+    if isinstance(value, dict):
+        return {key: without_token_arrays(item) for key, item in value.items() if key not in _TOKEN_KEYS}
+    if isinstance(value, list):
+        return [without_token_arrays(item) for item in value]
+    return value
 
 
 # ---- steps and programs --------------------------------------------------------------------------
@@ -184,6 +207,8 @@ class Episode:
     boundary: Boundary
     state: dict[str, Any] = field(default_factory=dict)
     current: Step | None = None
+    current_mode: StepMode | None = None
+    restart: bool = False
 
     @classmethod
     def start(cls, identity: RolloutIdentity, task: Mapping[str, Any], program: Program) -> Episode:
@@ -205,12 +230,19 @@ class Episode:
 
     @property
     def mode(self) -> StepMode | None:
-        """The mode of the step running now; None between steps."""
-        return None if self.current is None else self.current.mode_for(self.state)
+        """The mode of the step running now (fixed when it started); None between steps."""
+        return self.current_mode
+
+    def mark_restart(self) -> None:
+        """This episode cannot be captured: it starts over after a crash (sticky)."""
+        self.restart = True
 
     def record(self) -> dict[str, Any]:
-        """``{episode_id, task_digest, boundary}``; boundary null before the first step completes."""
-        boundary = None if self.boundary.index == 0 else self.boundary.to_json()
+        """``{episode_id, task_digest, boundary}``; boundary null before the first step completes.
+
+        The boundary's state is recorded without token arrays (records never carry them).
+        """
+        boundary = None if self.boundary.index == 0 else without_token_arrays(self.boundary.to_json())
         return {"episode_id": self.identity.to_json(), "task_digest": self.task_digest, "boundary": boundary}
 
 
@@ -259,6 +291,7 @@ def step_error(step: str, error: GymError) -> GymError:
 
 async def _run_step(episode: Episode, step: Step, budget: StepBudget) -> None:
     episode.state = episode.boundary.state()
+    episode.current_mode = step.mode_for(episode.state)
     episode.current = step
     started = budget.clock()
     timer = asyncio.timeout(budget.remaining())
@@ -276,6 +309,7 @@ async def _run_step(episode: Episode, step: Step, budget: StepBudget) -> None:
     finally:
         budget.spent_s += budget.clock() - started
         episode.current = None
+        episode.current_mode = None
     episode.boundary = episode.boundary.advance(next_step, episode.state)
 
 

@@ -10,6 +10,9 @@ output path ``out.jsonl``:
   code) and ``_ng_failure_reason``;
 - ``out_aggregate_metrics.json``: ``aggregate`` over the output rows.
 
+``compare_rows`` says whether two collections of the same tasks produced the same rows (what an
+interrupted and restored run must give against an uninterrupted one).
+
 ``JsonlAppender`` appends each row with a single ``write`` on a file opened ``O_APPEND``, so a row
 is on disk whole or not at all as far as readers of this process go; a tail torn by a crash (a
 last line without its newline) is cut off when the file is opened again, so it is never kept.
@@ -20,15 +23,19 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 __all__ = [
+    "LOGPROB_TOLERANCE",
     "JsonlAppender",
     "RolloutKey",
+    "RowComparison",
     "aggregate",
+    "compare_rows",
     "failure_row",
     "failures_path",
     "metrics_path",
@@ -39,6 +46,10 @@ __all__ = [
 ]
 
 RolloutKey = tuple[int, int]
+LOGPROB_TOLERANCE = 1e-4
+_LOGPROBS = "generation_log_probs"
+_TOKEN_ARRAYS = frozenset({"prompt_token_ids", "generation_token_ids", _LOGPROBS})
+_UNCOMPARED = frozenset({"created_at", "_ng_attempt_index"}) | _TOKEN_ARRAYS
 
 
 def rollout_id(task_index: int, rollout_index: int) -> str:
@@ -168,3 +179,98 @@ def aggregate(
             counts[key] = counts.get(key, 0) + 1
     means = {key: sums[key] / counts[key] for key in sorted(sums)}
     return {"rollouts": total, "failures": failures, "mean_reward": means.get("reward"), "means": means}
+
+
+# ---- comparing two collections -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowComparison:
+    """How the rows of a run compare with a reference run's.
+
+    ``token_arrays_compared``: model outputs whose token ids both rows carry (compared exactly, with
+    their logprobs within the tolerance); ``token_arrays_absent``: outputs whose token arrays only the
+    reference carries (a rollout continued from a checkpoint has none for its earlier calls: records
+    never carry token arrays, the trainer got them when the calls were made).
+    """
+
+    compared: int
+    differing: list[RolloutKey]
+    missing: list[RolloutKey]
+    extra: list[RolloutKey]
+    max_logprob_diff: float
+    token_arrays_compared: int = 0
+    token_arrays_absent: int = 0
+
+    @property
+    def identical(self) -> bool:
+        return not (self.differing or self.missing or self.extra)
+
+
+def _comparable(value: Any) -> Any:
+    """``value`` without timestamps, attempt indices and token arrays (compared apart)."""
+    if isinstance(value, dict):
+        return {key: _comparable(item) for key, item in value.items() if key not in _UNCOMPARED}
+    if isinstance(value, list):
+        return [_comparable(item) for item in value]
+    return value
+
+
+def _token_holders(value: Any, path: str = "") -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """Every object carrying token arrays, with its path."""
+    if isinstance(value, dict):
+        if _TOKEN_ARRAYS & value.keys():
+            yield path, value
+        for key, item in value.items():
+            yield from _token_holders(item, f"{path}/{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _token_holders(item, f"{path}[{index}]")
+
+
+@dataclass
+class _TokenTally:
+    tolerance: float = LOGPROB_TOLERANCE
+    compared: int = 0
+    absent: int = 0
+    worst: float = 0.0
+
+    def same(self, ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> bool:
+        """Token arrays where both rows have them: ids equal, logprobs within the tolerance."""
+        mine, reference = dict(_token_holders(ours)), dict(_token_holders(theirs))
+        if mine.keys() - reference.keys():
+            return False
+        self.absent += len(reference.keys() - mine.keys())
+        for path in mine:
+            self.compared += 1
+            if not self._same_arrays(mine[path], reference[path]):
+                return False
+        return True
+
+    def _same_arrays(self, ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> bool:
+        exact = {key: ours.get(key) for key in _TOKEN_ARRAYS - {_LOGPROBS}}
+        if exact != {key: theirs.get(key) for key in _TOKEN_ARRAYS - {_LOGPROBS}}:
+            return False
+        first, second = ours.get(_LOGPROBS) or [], theirs.get(_LOGPROBS) or []
+        if len(first) != len(second):
+            return False
+        diff = max((abs(float(x) - float(y)) for x, y in zip(first, second, strict=True)), default=0.0)
+        self.worst = max(self.worst, diff)
+        return diff <= self.tolerance
+
+
+def compare_rows(
+    reference: Iterable[Mapping[str, Any]], rows: Iterable[Mapping[str, Any]],
+    *, logprob_tolerance: float = LOGPROB_TOLERANCE,
+) -> RowComparison:
+    """Rows equal to the reference's, key by key: every field but ``created_at`` and
+    ``_ng_attempt_index``; token ids equal and logprobs within ``logprob_tolerance`` (batching moves
+    their last bits) wherever both rows carry them."""
+    ours = {key: row for row in rows if (key := rollout_key(row)) is not None}
+    theirs = {key: row for row in reference if (key := rollout_key(row)) is not None}
+    tally = _TokenTally(tolerance=logprob_tolerance)
+    both = sorted(ours.keys() & theirs.keys())
+    differing = [key for key in both if _comparable(ours[key]) != _comparable(theirs[key])
+                 or not tally.same(ours[key], theirs[key])]
+    return RowComparison(len(both), differing, sorted(theirs.keys() - ours.keys()),
+                         sorted(ours.keys() - theirs.keys()), tally.worst, tally.compared, tally.absent)

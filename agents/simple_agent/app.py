@@ -10,30 +10,68 @@ Routes (also under ``/ng-rollout/<capture_key>/``, where the capture key names t
   incomplete response. Answers a Responses object whose ``output`` is the whole trajectory and whose
   ``usage`` is summed; the resources cookies as they stand after the last tool call come back as
   ``Set-Cookie``. The header ``x-ng-agent-activation: <n>`` (1-based) numbers the calls of one
-  episode; it is recorded in the session (deduplication comes with checkpointing).
+  episode.
 - ``POST /close``: frees the session of the request's capture key (idempotent).
+
+Checkpointing (``docs/participants.md``, "Agents"): with the mesh's ``checkpoint:`` block on, the
+agent is a participant of kind ``agent`` over ``nemo_gym_ckpt.agent_sessions.AgentSessions``: the
+activation header deduplicates (a completed activation invoked again answers the same reply;
+skipping ahead is ``activation_out_of_order``), every model and tool call is a boundary of the
+loop, and the session's ``LoopState`` is exported at commit (evaluated then, never copied per
+call). A restored session continues its loop under the next capture key without making a
+completed model or tool call again. ``checkpoint_sessions`` (a class attribute, not config) says
+whether the implementation captures its sessions; ``agents/restart_only_agent`` is the same loop
+with it off. With checkpointing off the activation header is only recorded.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents.simple_agent.loop import LoopState, response_object, run_loop
+from agents.simple_agent.loop import (
+    LoopCalls,
+    LoopState,
+    ModelReply,
+    check_loop_state,
+    response_object,
+    run_loop,
+)
+from nemo_gym_ckpt.agent_sessions import ActivationReply, AgentSessions, Turn
+from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
+from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment import ACTIVATION_HEADER, cookies_of
 from nemo_gym_ckpt.errors import InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import current_identity
+from nemo_gym_ckpt.resources import RESTART_HEADER
 from nemo_gym_ckpt.responses import normalize_input
 from nemo_gym_ckpt.server import OrjsonResponse
 from nemo_gym_ckpt.server import create_app as create_app_base
 
-__all__ = ["AgentRequest", "AgentSession", "Config", "HttpCalls", "create_app", "parse_activation"]
+__all__ = [
+    "MODEL_CALL_HEADER",
+    "AgentRequest",
+    "AgentSession",
+    "Config",
+    "GatedCalls",
+    "HttpCalls",
+    "SimpleAgent",
+    "build_app",
+    "create_app",
+    "parse_activation",
+]
+
+
+MODEL_CALL_HEADER = "x-nemo-gym-model-call-id"
+"""The policy model's id of a call in its capture ledger (checkpointing on): the agent's lineage."""
 
 
 class Config(ServerConfig):
@@ -83,9 +121,7 @@ class HttpCalls:
     model_url: str
     resources_url: str | None
 
-    async def call_model(
-        self, body: dict[str, Any], cookies: dict[str, str]
-    ) -> tuple[dict[str, Any], dict[str, str]]:
+    async def call_model(self, body: dict[str, Any], cookies: dict[str, str]) -> ModelReply:
         if self.settings.return_token_ids:
             body = {**body, "return_token_ids": True}
         reply = await self.client.request(
@@ -95,7 +131,7 @@ class HttpCalls:
         response = decode_json(reply)
         if not isinstance(response, dict):
             raise UpstreamError("the policy model answered something other than a Responses object")
-        return response, cookies_of(reply)
+        return ModelReply(response, cookies_of(reply), reply.headers.get(MODEL_CALL_HEADER))
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any], cookies: dict[str, str]
@@ -109,8 +145,29 @@ class HttpCalls:
         return reply.text, cookies_of(reply)
 
 
+@dataclass(frozen=True)
+class GatedCalls:
+    """``LoopCalls`` whose every call goes through the activation's gate (a checkpoint boundary)."""
+
+    calls: LoopCalls
+    turn: Turn
+
+    async def call_model(self, body: dict[str, Any], cookies: dict[str, str]) -> ModelReply:
+        async with self.turn.call("model"):
+            return await self.calls.call_model(body, cookies)
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], cookies: dict[str, str]
+    ) -> tuple[str, dict[str, str]]:
+        async with self.turn.call("tool"):
+            return await self.calls.call_tool(name, arguments, cookies)
+
+
 class SimpleAgent:
     """The agent of one server instance: its calls and its sessions by capture key."""
+
+    checkpoint_sessions: ClassVar[bool] = True
+    """Whether this implementation captures its sessions at a checkpoint (False: restart-only)."""
 
     def __init__(self, ctx: ServerContext[Config]) -> None:
         settings = ctx.settings
@@ -121,6 +178,7 @@ class SimpleAgent:
             ctx.url_of(resources) if resources is not None else None,
         )
         self.sessions: dict[str, AgentSession] = {}
+        self.checkpoint: AgentSessions | None = None
 
     def session(self, activation: int | None) -> AgentSession | None:
         """The request's session (created at its first call); None outside a rollout."""
@@ -132,31 +190,74 @@ class SimpleAgent:
             session.activations.append(activation)
         return session
 
+    def fresh_state(self, body: AgentRequest, cookies: Mapping[str, str]) -> LoopState:
+        params = body.model_dump(exclude={"input", "stream"}, exclude_none=True)
+        return LoopState(normalize_input(body.input), params, self.settings.max_steps, cookies=dict(cookies))
+
     async def responses(self, body: AgentRequest, request: Request) -> OrjsonResponse:
         if body.stream:
             raise InvalidRequest("the simple agent does not stream; send stream: false")
-        session = self.session(parse_activation(request.headers.get(ACTIVATION_HEADER)))
-        params = body.model_dump(exclude={"input", "stream"}, exclude_none=True)
-        state = LoopState(
-            normalize_input(body.input), params, self.settings.max_steps, cookies=dict(request.cookies)
-        )
+        activation = parse_activation(request.headers.get(ACTIVATION_HEADER))
+        cookies = dict(request.cookies)
+        if self.checkpoint is None:
+            reply = await self._plain(activation, body, cookies)
+        else:
+            request_json = body.model_dump(mode="json")
+            reply = await self.checkpoint.activate(activation, request_json,
+                                                   lambda turn: self._turn(turn, body, cookies))
+        return self._http_reply(reply)
+
+    async def _plain(
+        self, activation: int | None, body: AgentRequest, cookies: dict[str, str]
+    ) -> ActivationReply:
+        session = self.session(activation)
+        state = self.fresh_state(body, cookies)
         if session is not None:
             session.loop = state
         await run_loop(state, self.calls)
-        reply = OrjsonResponse(response_object(state))
-        for name, value in state.cookies.items():
-            reply.set_cookie(name, value, httponly=True, samesite="lax")
-        return reply
+        return ActivationReply(response_object(state), dict(state.cookies))
+
+    async def _turn(self, turn: Turn, body: AgentRequest, cookies: dict[str, str]) -> ActivationReply:
+        """One checkpointed activation: the loop from its restored state, or afresh."""
+        resume = turn.resume
+        state = LoopState.from_json(resume) if resume is not None else self.fresh_state(body, cookies)
+        turn.track(state.to_json)
+        await run_loop(state, GatedCalls(self.calls, turn))
+        return ActivationReply(response_object(state), dict(state.cookies))
+
+    def _http_reply(self, reply: ActivationReply) -> OrjsonResponse:
+        response = OrjsonResponse(reply.response)
+        for name, value in reply.cookies.items():
+            response.set_cookie(name, value, httponly=True, samesite="lax")
+        if not self.checkpoint_sessions:
+            response.headers[RESTART_HEADER] = "1"
+        return response
 
     async def close(self) -> dict[str, bool]:
+        if self.checkpoint is not None:
+            return {"closed": await self.checkpoint.close()}
         identity = current_identity()
         closed = identity is not None and self.sessions.pop(identity.capture_key, None) is not None
         return {"closed": closed}
 
 
-def create_app(ctx: ServerContext[Config]) -> FastAPI:
-    agent = SimpleAgent(ctx)
-    app = create_app_base(ctx.name)
+def build_app(agent: SimpleAgent, ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
+    """The app of ``agent``; a participant of kind ``agent`` when the mesh enables checkpointing."""
+    sessions = AgentSessions(restart_only=not agent.checkpoint_sessions, check_state=check_loop_state)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await sessions.aclose()
+
+    app = create_app_base(ctx.name, lifespan=lifespan)
+    participant = mount_checkpointing(app, ctx, sessions, kind="agent", clock=clock)
+    if participant is not None:
+        sessions.participant, agent.checkpoint = participant, sessions
     app.add_api_route("/v1/responses", agent.responses, methods=["POST"])
     app.add_api_route("/close", agent.close, methods=["POST"])
     return app
+
+
+def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
+    return build_app(SimpleAgent(ctx), ctx, clock=clock)

@@ -6,9 +6,12 @@
 
 ``LoopState`` holds everything the loop needs to go on: the original input, the request's other
 parameters, every output item so far (passed back verbatim as the next model input, so token ids
-are reused), the summed usage, the model calls made, the function calls still to run, the cookies
-of the resources and model servers, and the last model response. ``advance`` makes exactly one call
-and updates the state, so a state taken between two calls is a point the loop can continue from.
+are reused), the summed usage, the model calls made (``turns``, and ``model_calls``: the policy
+model's ids of them in order, the call lineage), the function calls still to run, the cookies of the
+resources and model servers, and the last model response. ``advance`` makes exactly one call and
+updates the state after it returns, without awaiting anything else, so a state taken between two
+calls, or while a call is in flight, is a point the loop can continue from (the agent's checkpoint
+boundary).
 
 Tool calls that cannot be made (a name that is not a tool route, arguments that are not a JSON
 object) and tools that answer an error become the tool output text the model sees; a model call
@@ -17,10 +20,13 @@ that fails, or a resources server that cannot be reached, fails the loop.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Protocol
+
+from pydantic import TypeAdapter
 
 from nemo_gym_ckpt.errors import UpstreamError
 from nemo_gym_ckpt.responses import add_usage
@@ -28,8 +34,10 @@ from nemo_gym_ckpt.responses import add_usage
 __all__ = [
     "LoopCalls",
     "LoopState",
+    "ModelReply",
     "StopReason",
     "advance",
+    "check_loop_state",
     "response_object",
     "run_loop",
     "tool_request",
@@ -39,13 +47,21 @@ StopReason = Literal["answer", "incomplete", "no_action", "max_steps"]
 _TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 
 
+@dataclass(frozen=True)
+class ModelReply:
+    """One model call's answer: the Responses object, the cookies it set, and the call's id in the
+    policy model's capture ledger (its ``x-nemo-gym-model-call-id``; None when it has none)."""
+
+    response: dict[str, Any]
+    cookies: dict[str, str]
+    call_id: str | None = None
+
+
 class LoopCalls(Protocol):
     """The two calls the loop makes (the agent implements them over HTTP)."""
 
-    async def call_model(
-        self, body: dict[str, Any], cookies: dict[str, str]
-    ) -> tuple[dict[str, Any], dict[str, str]]:
-        """One policy-model ``/v1/responses`` call: the Responses object and the cookies it set."""
+    async def call_model(self, body: dict[str, Any], cookies: dict[str, str]) -> ModelReply:
+        """One policy-model ``/v1/responses`` call."""
         ...
 
     async def call_tool(
@@ -70,13 +86,27 @@ class LoopState:
     model_cookies: dict[str, str] = field(default_factory=dict)
     last_response: dict[str, Any] | None = None
     stop_reason: StopReason | None = None
+    model_calls: list[str | None] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LoopState:
-        return cls(**data)
+        """A state read back (an independent copy); ``ValueError`` when it is not one."""
+        check_loop_state(data)
+        return cls(**copy.deepcopy(data))
+
+
+_STATE_FIELDS = frozenset(f.name for f in fields(LoopState))
+_STATE_ADAPTER = TypeAdapter(LoopState)
+
+
+def check_loop_state(data: dict[str, Any]) -> None:
+    """``ValueError`` unless ``data`` is a ``LoopState`` as ``to_json`` writes it."""
+    if set(data) != _STATE_FIELDS:
+        raise ValueError(f"a loop state has the fields {sorted(_STATE_FIELDS)}, got {sorted(data)}")
+    _STATE_ADAPTER.validate_json(json.dumps(data), strict=True)
 
 
 def tool_request(call: dict[str, Any]) -> tuple[str, dict[str, Any]] | str:
@@ -116,14 +146,16 @@ async def run_loop(state: LoopState, calls: LoopCalls) -> LoopState:
 
 async def _model_call(state: LoopState, calls: LoopCalls) -> None:
     body = {**state.params, "input": [*state.input, *state.outputs]}
-    response, cookies = await calls.call_model(body, state.model_cookies)
+    reply = await calls.call_model(body, state.model_cookies)
+    response = reply.response
     output = response.get("output")
     if not isinstance(output, list) or not all(isinstance(item, dict) for item in output):
         raise UpstreamError("the policy model answered a response without an output list")
-    state.model_cookies.update(cookies)
+    state.model_cookies.update(reply.cookies)
     state.outputs.extend(output)
     state.usage = add_usage(state.usage, response.get("usage"))
     state.turns += 1
+    state.model_calls.append(reply.call_id)
     state.last_response = {key: value for key, value in response.items() if key != "output"}
     function_calls = [item for item in output if item.get("type") == "function_call"]
     if response.get("incomplete_details"):

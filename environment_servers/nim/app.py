@@ -19,6 +19,12 @@ Steps (``nemo_gym_ckpt.episode``):
 
 The game (pile, moves, the RNG's state) is JSON in the episode state, so every boundary holds the
 whole game and a restored episode continues with the same dice.
+
+Checkpointing (``docs/participants.md``, "Environment servers"): with the mesh's ``checkpoint:``
+block on, the server is a participant of kind ``environment``. Each boundary after ``act`` holds
+the game, its RNG state, the transcript and the activation count, so a restored episode re-invokes
+the agent with the same activation index and the same conversation, and the opponent rolls the
+same dice. An episode whose agent says ``x-ng-checkpoint-restart: 1`` is a restart.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from fastapi import FastAPI
 from pydantic import Field
 
 from environment_servers.nim.game import NimGame, NimRules, parse_move
+from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.environment import AgentClient, EnvironmentConfig, EpisodeTask, mount_run
+from nemo_gym_ckpt.environment import AgentClient, EnvironmentConfig, EpisodeTask, mount_environment
 from nemo_gym_ckpt.episode import Episode, Program, Step
 from nemo_gym_ckpt.errors import GymError
 from nemo_gym_ckpt.resources import ResponseObject, final_text
@@ -73,6 +80,8 @@ class Nim:
         )
 
     async def start(self, episode: Episode) -> str:
+        if self.agent.restart_only:
+            episode.mark_restart()
         game = NimGame.new(NimRules.model_validate(episode.task["nim"]))
         transcript = normalize_input(episode.task["responses_create_params"]["input"])
         episode.state.update(
@@ -88,6 +97,8 @@ class Nim:
         reply = await self.agent.invoke(
             episode.identity, state["activation"], {**params, "input": state["transcript"]}, {}
         )
+        if reply.restart:
+            episode.mark_restart()
         output = reply.response["output"]
         state["transcript"].extend(output)
         state["usage"] = add_usage(state["usage"], reply.response.get("usage"))
@@ -127,7 +138,7 @@ class Nim:
             logger.warning("could not close the agent session: %r", error)
 
 
-def create_app(ctx: ServerContext[Config]) -> FastAPI:
+def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
     app = create_app_base(ctx.name)
-    mount_run(app, Nim(ctx).program, ctx.settings, task_model=NimTask)
+    mount_environment(app, ctx, Nim(ctx).program, task_model=NimTask, clock=clock)
     return app

@@ -15,6 +15,13 @@
 
 A failed step answers its error with the step named in the detail; the agent session and the
 resources session are closed on the way out.
+
+Checkpointing (``docs/participants.md``, "Environment servers"): with the mesh's ``checkpoint:``
+block on, the server is a participant of kind ``environment``. The boundary after ``seed`` holds
+the resources cookies and the seed reply's answers, so a restored episode never seeds again; the
+one after ``invoke_agent`` holds the agent's response. The episode is a restart when the seed
+reply says ``x-ng-checkpoint-restart: 1`` (a restart-only resources server) or the agent does (a
+restart-only agent).
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.client import decode_json
 from nemo_gym_ckpt.config import ServerRef
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.environment import AgentClient, EnvironmentConfig, cookies_of, mount_run
+from nemo_gym_ckpt.environment import AgentClient, EnvironmentConfig, cookies_of, mount_environment
 from nemo_gym_ckpt.episode import Episode, Program, Step, StepMode
 from nemo_gym_ckpt.errors import GymError, UpstreamError
 from nemo_gym_ckpt.resources import RESTART_HEADER, VERIFY_HEADER
@@ -77,17 +85,22 @@ class SingleAgentTurn:
 
     async def seed(self, episode: Episode) -> str:
         reply = await self._resources(episode, "/seed_session", episode.task)
+        restart = reply.headers.get(RESTART_HEADER) == "1"
         episode.state["resources"] = {
             "cookies": cookies_of(reply),
             "verify_mode": "replay" if reply.headers.get(VERIFY_HEADER) == "replay" else "wait",
-            "restart": reply.headers.get(RESTART_HEADER) == "1",
+            "restart": restart,
         }
+        if restart or self.agent.restart_only:
+            episode.mark_restart()
         return "invoke_agent"
 
     async def invoke_agent(self, episode: Episode) -> str:
         resources = episode.state["resources"]
         body = episode.task["responses_create_params"]
         reply = await self.agent.invoke(episode.identity, 1, body, resources["cookies"])
+        if reply.restart:
+            episode.mark_restart()
         resources["cookies"] = reply.cookies
         episode.state["response"] = reply.response
         return "close_agent"
@@ -137,7 +150,7 @@ async def _best_effort(call: Any, what: str) -> None:
         logger.warning("could not %s: %r", what, error)
 
 
-def create_app(ctx: ServerContext[Config]) -> FastAPI:
+def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
     app = create_app_base(ctx.name)
-    mount_run(app, SingleAgentTurn(ctx).program, ctx.settings)
+    mount_environment(app, ctx, SingleAgentTurn(ctx).program, clock=clock)
     return app

@@ -15,6 +15,7 @@ from nemo_gym_ckpt.episode import (
     StepBudget,
     run_episode,
     task_digest,
+    without_token_arrays,
 )
 from nemo_gym_ckpt.errors import (
     InternalError,
@@ -245,3 +246,37 @@ def test_a_boundary_naming_a_missing_step_is_refused() -> None:
     counter = Counter()
     with pytest.raises(InvalidCheckpointState, match="'gone'"):
         Episode.from_boundary(RID, TASK, Boundary(1, "gone", b"{}"), counter.program)
+
+
+async def test_the_mode_is_fixed_when_the_step_starts() -> None:
+    seen: list[Any] = []
+
+    async def flip(episode: Episode) -> None:
+        episode.state["count"] = 1  # would make tick_mode answer "wait" if read again
+        seen.append(episode.mode)
+        return None
+
+    program = Program.of([Step("flip", flip, Counter.tick_mode)])
+    episode = Episode.start(RID, TASK, program)
+    await run_episode(program, episode)
+    assert seen == ["replay"] and episode.mode is None
+
+
+def test_records_leave_token_arrays_out_and_the_boundary_keeps_them() -> None:
+    item = {"type": "message", "text": "hi", "generation_token_ids": [1, 2], "prompt_token_ids": [3],
+            "generation_log_probs": [-0.1, -0.2], "policy_version": 4}
+    state = {"response": {"output": [item, {"nested": {"token_ids": [5], "logprobs": [0.0]}}]}}
+    episode = Episode(RID, TASK, Boundary(1, "next", b"{}").advance("next", state))
+    recorded = episode.record()["boundary"]["state"]
+    assert recorded == {"response": {"output": [{"type": "message", "text": "hi", "policy_version": 4},
+                                                {"nested": {}}]}}
+    assert episode.boundary.state() == state  # the boundary in memory keeps everything
+    assert without_token_arrays([{"token_ids": [1]}, "token_ids", 3]) == [{}, "token_ids", 3]
+
+
+def test_a_restart_mark_is_sticky() -> None:
+    episode = Episode.start(RID, TASK, Counter().program)
+    assert episode.restart is False
+    episode.mark_restart()
+    episode.mark_restart()
+    assert episode.restart is True

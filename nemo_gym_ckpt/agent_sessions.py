@@ -1,0 +1,482 @@
+"""Agent sessions as checkpoint participants (kind ``agent``): activations, boundaries, snapshots.
+
+An agent keeps one session per episode (its capture key); the environment invokes it once per
+activation with ``x-ng-agent-activation: <n>`` (1-based, PROTOCOL.md section 7). With the mesh's
+``checkpoint:`` block on, ``AgentSessions`` is both the agent's session table and its
+``ParticipantAdapter``. An agent hands each activation's work to ``activate``:
+
+- **activations**: activation n runs as its own task. Invoking the activation that completed last
+  again answers its reply without running anything; invoking the one that runs now joins it; any
+  other index than the next one is ``activation_out_of_order``. The request of a repeated index
+  must be the same (``request_digest``: its canonical JSON without token arrays is compared):
+  otherwise ``activation_out_of_order``, or ``invalid_checkpoint_state`` for a session restored
+  from a checkpoint.
+- **boundaries**: the work makes every outside call inside ``turn.call("model" | "tool")``.
+  Between calls a session stands at a boundary; a session awaiting a model reply counts as one too
+  (during a checkpoint the policy model holds the reply and leaves the call out of its ledger, so
+  the call is simply made again after a restore). A tool call in flight blocks a prepare: it must
+  not run twice. A session about to make a call while a checkpoint is open parks until resume.
+- **snapshots**: the work registers ``turn.track(snapshot)``, a function answering its JSON state
+  at the last boundary. It is evaluated only when a commit exports the session: nothing is copied
+  per step.
+- **records**: ``{"episode_id", "session": {"completed", "completed_digest", "reply", "running"}}``:
+  the last completed activation (its index, request digest and reply, so that a re-invocation after
+  a restore gets the same answer) and the one running, if any (``{"index", "request_digest",
+  "state"}``, ``state`` being the snapshot, ``null`` before its first call). Records never carry
+  token arrays: the token capture fields are left out of the reply and the state, so a restored
+  session continues without the token arrays of the calls it made before the checkpoint.
+- **restore** installs every session under the next attempt, all or nothing; ``check_state``
+  vets each running state. The environment's re-invocation of the running index under the new
+  capture key continues the work from that state (``turn.resume``), so no completed model or tool
+  call is made again. Until its first activation the session exports the very record it came from.
+- **retire** and **forget** cancel the sessions' running activations (their callers get
+  ``stale_attempt``), wait for them to end and drop the sessions; so does ``close`` (``/close``).
+
+A restart-only agent (``restart_only=True``) cannot capture its sessions: they are ``restarts``
+that never park, never block and are never exported; a restore with any record of it is
+``invalid_checkpoint_state``. A new session of it waits while a checkpoint is open (membership
+never changes under one); calls of existing sessions keep running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
+from nemo_gym_ckpt.checkpoint.participant import Participant
+from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.episode import task_digest, without_token_arrays
+from nemo_gym_ckpt.errors import (
+    ActivationOutOfOrder,
+    GymError,
+    InvalidCheckpointState,
+    InvalidPhase,
+    RolloutIdRequired,
+    StaleAttempt,
+)
+from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+
+__all__ = [
+    "RECORD_KEYS",
+    "RUNNING_KEYS",
+    "SESSION_KEYS",
+    "Activation",
+    "ActivationReply",
+    "AgentSession",
+    "AgentSessions",
+    "CallKind",
+    "Turn",
+    "Work",
+    "request_digest",
+]
+
+CallKind = Literal["model", "tool"]
+RECORD_KEYS = frozenset({"episode_id", "session"})
+SESSION_KEYS = frozenset({"completed", "completed_digest", "reply", "running"})
+RUNNING_KEYS = frozenset({"index", "request_digest", "state"})
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class ActivationReply:
+    """What one activation answers: the Responses object and the cookies it sets."""
+
+    response: dict[str, Any]
+    cookies: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"response": self.response, "cookies": self.cookies}
+
+    @classmethod
+    def from_json(cls, data: Any) -> ActivationReply:
+        """A reply read from a checkpoint; ``ValueError`` when malformed."""
+        if not isinstance(data, dict) or set(data) != {"response", "cookies"}:
+            raise ValueError("a reply is {response, cookies}")
+        response, cookies = data["response"], data["cookies"]
+        if not isinstance(response, dict) or not isinstance(cookies, dict):
+            raise ValueError("a reply's response and cookies are objects")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in cookies.items()):
+            raise ValueError("a reply's cookies map names to strings")
+        return cls(response, cookies)
+
+
+@dataclass(eq=False)
+class Activation:
+    """The activation a session runs now (or was running when it was checkpointed)."""
+
+    index: int
+    request_digest: str
+    resume: dict[str, Any] | None = None
+    snapshot: Callable[[], dict[str, Any]] | None = None
+    task: asyncio.Task[ActivationReply] | None = None
+
+    def state(self) -> dict[str, Any] | None:
+        """The work's state at its last boundary (evaluated now), or the restored one."""
+        return self.snapshot() if self.snapshot is not None else self.resume
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "request_digest": self.request_digest, "state": self.state()}
+
+
+@dataclass(eq=False)
+class AgentSession:
+    """One episode's agent session."""
+
+    identity: RolloutIdentity
+    restart: bool = False
+    completed: int = 0
+    completed_digest: str | None = None
+    reply: ActivationReply | None = None
+    running: Activation | None = None
+    call: CallKind | None = None
+    parked: bool = False
+    restored: Record | None = None
+    from_checkpoint: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.identity.capture_key
+
+    def record(self) -> dict[str, Any]:
+        """The session's record (the running state evaluated now), without token arrays."""
+        session = {
+            "completed": self.completed,
+            "completed_digest": self.completed_digest,
+            "reply": None if self.reply is None else self.reply.to_json(),
+            "running": None if self.running is None else self.running.to_json(),
+        }
+        return {"episode_id": self.identity.to_json(), "session": without_token_arrays(session)}
+
+    def record_for(self, scope: Scope | None) -> ExportItem | None:
+        if self.restored is not None and (scope is None or self.restored.episode in scope):
+            return self.restored
+        if scope is None or self.identity in scope:
+            return self.record()
+        return None
+
+
+Work = Callable[["Turn"], Awaitable[ActivationReply]]
+StateCheck = Callable[[dict[str, Any]], None]
+
+
+def _any_object(state: dict[str, Any]) -> None:
+    return None
+
+
+class Turn:
+    """What an activation's work is given: where to resume from, the snapshot hook, the call gate."""
+
+    def __init__(self, sessions: AgentSessions, session: AgentSession, activation: Activation) -> None:
+        self._sessions = sessions
+        self.session = session
+        self.activation = activation
+
+    @property
+    def resume(self) -> dict[str, Any] | None:
+        """The state to continue from (a restored activation), or ``None`` to start afresh."""
+        return self.activation.resume
+
+    def track(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        """Register the function answering the work's JSON state at its last boundary."""
+        self.activation.snapshot = snapshot
+
+    @asynccontextmanager
+    async def call(self, kind: CallKind) -> AsyncIterator[None]:
+        """One outside call: parks first while a checkpoint is open, and is counted once it completed."""
+        await self._sessions.park(self.session)
+        self.session.call = kind
+        try:
+            yield
+            self._sessions.completed_calls[kind] += 1
+        finally:
+            self.session.call = None
+            self._sessions.notify()
+
+
+class AgentSessions:
+    """The sessions of one agent server, and its ``ParticipantAdapter``."""
+
+    def __init__(self, *, restart_only: bool = False, check_state: StateCheck = _any_object) -> None:
+        self.restart_only = restart_only
+        self.check_state = check_state
+        self.participant: Participant | None = None
+        self.sessions: dict[str, AgentSession] = {}
+        self.completed_calls: Counter[str] = Counter()
+
+    # ---- data plane -------------------------------------------------------------------------
+
+    async def activate(self, index: int | None, request: Mapping[str, Any], work: Work) -> ActivationReply:
+        """Run (or answer again, or join) activation ``index`` of the request's session."""
+        identity = await self._admit()
+        session = self.sessions.get(identity.capture_key)
+        if session is None:
+            session = self.sessions[identity.capture_key] = AgentSession(identity, restart=self.restart_only)
+        found = self._activation(session, index, request_digest(request))
+        if isinstance(found, ActivationReply):
+            return found
+        if found.task is None:
+            found.task = self._spawn(session, found, work)
+        return await _outcome(found, session.key)
+
+    async def close(self) -> bool:
+        """``/close``: stop the request's session (its running activation too) and drop it."""
+        identity = await self._admit()
+        session = self.sessions.get(identity.capture_key)
+        if session is None:
+            return False
+        await self._drop([session])
+        return True
+
+    async def _admit(self) -> RolloutIdentity:
+        """Wait while a checkpoint is open (a restart session's calls only check the fences)."""
+        identity = current_identity()
+        participant = self._participant()
+        known = self.sessions.get(identity.capture_key) if identity is not None else None
+        if known is not None and known.restart:
+            _check_marks(participant, known.identity)
+        else:
+            await participant.admit(identity)
+        if identity is None:  # admit refuses a request without identity; this narrows the type
+            raise RolloutIdRequired("checkpointing is on: an agent call needs /ng-rollout/<key>/")
+        return identity
+
+    def _activation(
+        self, session: AgentSession, index: int | None, digest: str
+    ) -> ActivationReply | Activation:
+        index = session.completed + 1 if index is None else index
+        running = session.running
+        if running is not None:
+            if index != running.index:
+                raise ActivationOutOfOrder(f"activation {index} of {session.key} while activation "
+                                           f"{running.index} runs")
+            _same_request(session, running.request_digest, digest, index)
+            return running
+        if index == session.completed and session.reply is not None:
+            _same_request(session, session.completed_digest, digest, index)
+            return session.reply
+        if index != session.completed + 1:
+            raise ActivationOutOfOrder(f"activation {index} of {session.key}: expected "
+                                       f"{session.completed + 1} (or {session.completed} again)")
+        session.running = Activation(index, digest)
+        return session.running
+
+    def _spawn(
+        self, session: AgentSession, activation: Activation, work: Work
+    ) -> asyncio.Task[ActivationReply]:
+        session.restored = None
+        self.notify()
+        return asyncio.create_task(self._perform(session, activation, work))
+
+    async def _perform(self, session: AgentSession, activation: Activation, work: Work) -> ActivationReply:
+        try:
+            reply = await work(Turn(self, session, activation))
+        finally:
+            if session.running is activation:
+                session.running = None
+            self.notify()
+        session.completed, session.completed_digest = activation.index, activation.request_digest
+        session.reply = reply
+        return reply
+
+    async def park(self, session: AgentSession) -> None:
+        """Wait at this boundary while a checkpoint is open (restarts never park)."""
+        participant = self._participant()
+        if session.restart or participant.checkpoint_id is None:
+            return
+        session.parked = True
+        participant.notify_changed()
+        try:
+            await participant.admit(session.identity)
+        finally:
+            session.parked = False
+
+    def notify(self) -> None:
+        if self.participant is not None:
+            self.participant.notify_changed()
+
+    async def aclose(self) -> None:
+        """Stop every running activation (at shutdown)."""
+        await self._drop(list(self.sessions.values()))
+
+    # ---- prepare ----------------------------------------------------------------------------
+
+    async def readiness(self) -> Readiness:
+        sessions = list(self.sessions.values())
+        restarts = [session.key for session in sessions if session.restart]
+        blockers = [session.key for session in sessions if not session.restart and session.call == "tool"]
+        return Readiness(blockers=blockers, counts=self._counts(), restarts=restarts)
+
+    def _counts(self) -> dict[str, int]:
+        sessions = list(self.sessions.values())
+        return {
+            "sessions": len(sessions),
+            "running": sum(1 for session in sessions if session.running is not None),
+            "awaiting_model": sum(1 for session in sessions if session.call == "model"),
+            "in_tool_call": sum(1 for session in sessions if session.call == "tool"),
+            "parked": sum(1 for session in sessions if session.parked),
+            "restored": sum(1 for session in sessions if session.restored is not None),
+            "restarts": sum(1 for session in sessions if session.restart),
+            "model_calls": self.completed_calls["model"],
+            "tool_calls": self.completed_calls["tool"],
+        }
+
+    # ---- commit -----------------------------------------------------------------------------
+
+    async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
+        for session in list(self.sessions.values()):
+            item = None if session.restart else session.record_for(scope)
+            if item is not None:
+                yield item
+
+    async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
+        """Drop the restored, untouched sessions that this commit's scope left out."""
+        if scope is not None:
+            left_out = [session for session in self.sessions.values() if session.restored is not None
+                        and session.restored.episode not in scope and session.identity not in scope]
+            await self._drop(left_out)
+        return {}
+
+    # ---- restore ----------------------------------------------------------------------------
+
+    async def install(self, records: Sequence[Record], scope: Scope) -> None:
+        if self.sessions:
+            raise InvalidPhase("restore expected an agent with no sessions, got one with some")
+        planned: dict[str, AgentSession] = {}
+        for record in records:
+            session = self._plan(record)
+            if session.key in planned:
+                raise InvalidCheckpointState(f"session {record.episode.capture_key} has more than one record")
+            planned[session.key] = session
+        self.sessions.update(planned)
+
+    def _plan(self, record: Record) -> AgentSession:
+        key = record.episode.capture_key
+        if self.restart_only:
+            raise InvalidCheckpointState(f"a restart-only agent never exports, got a record of {key}")
+        if set(record.data) != RECORD_KEYS or not isinstance(record.data["session"], dict):
+            raise InvalidCheckpointState(f"record of {key}: expected {sorted(RECORD_KEYS)} with a session "
+                                         f"object, got {sorted(record.data)}")
+        try:
+            return self._session_of(record)
+        except ValueError as error:
+            raise InvalidCheckpointState(f"record of {key}: {error}") from None
+
+    def _session_of(self, record: Record) -> AgentSession:
+        data = record.data["session"]
+        if set(data) != SESSION_KEYS:
+            raise ValueError(f"a session has the fields {sorted(SESSION_KEYS)}, got {sorted(data)}")
+        completed = _count(data["completed"], "completed", minimum=0)
+        reply = None if data["reply"] is None else ActivationReply.from_json(data["reply"])
+        digest = data["completed_digest"]
+        if (completed == 0) != (reply is None) or (completed == 0) != (digest is None):
+            raise ValueError("completed, completed_digest and reply must be all set or all empty")
+        if digest is not None:
+            _digest(digest, "completed_digest")
+        running = None if data["running"] is None else self._running_of(data["running"], completed)
+        return AgentSession(record.episode.next_attempt(), completed=completed, completed_digest=digest,
+                            reply=reply, running=running, restored=record, from_checkpoint=True)
+
+    def _running_of(self, data: Any, completed: int) -> Activation:
+        if not isinstance(data, dict) or set(data) != RUNNING_KEYS:
+            raise ValueError(f"a running activation has the fields {sorted(RUNNING_KEYS)}")
+        index = _count(data["index"], "running.index", minimum=1)
+        if index != completed + 1:
+            raise ValueError(f"the running activation is {index}, expected {completed + 1}")
+        state = data["state"]
+        if state is not None:
+            if not isinstance(state, dict):
+                raise ValueError("a running activation's state is an object or null")
+            self.check_state(state)
+        return Activation(index, _digest(data["request_digest"], "request_digest"), resume=state)
+
+    # ---- retire, forget ---------------------------------------------------------------------
+
+    async def retire(self, episodes: Sequence[RolloutIdentity]) -> None:
+        marks: dict[str, int] = {}
+        for episode in episodes:
+            marks[episode.rollout_id] = max(episode.attempt, marks.get(episode.rollout_id, -1))
+        await self._drop([s for s in self.sessions.values()
+                          if s.identity.attempt <= marks.get(s.identity.rollout_id, -1)])
+
+    async def forget(self, rollout_ids: Sequence[str]) -> None:
+        gone = set(rollout_ids)
+        await self._drop([s for s in self.sessions.values() if s.identity.rollout_id in gone])
+
+    async def _drop(self, sessions: Sequence[AgentSession]) -> None:
+        """Drop the sessions; cancel their running activations and wait for them to end."""
+        tasks = []
+        for session in sessions:
+            if self.sessions.get(session.key) is session:
+                del self.sessions[session.key]
+            if session.running is not None and session.running.task is not None:
+                session.running.task.cancel()
+                tasks.append(session.running.task)
+        if tasks:
+            await asyncio.wait(tasks)
+        self.notify()
+
+    # ---- status -----------------------------------------------------------------------------
+
+    def status_extras(self) -> Mapping[str, Any]:
+        return {"checkpoint_sessions": not self.restart_only, **self._counts()}
+
+    def _participant(self) -> Participant:
+        assert self.participant is not None, "the sessions are used only once mounted"
+        return self.participant
+
+
+def request_digest(request: Mapping[str, Any]) -> str:
+    """What identifies an activation's request: its canonical JSON without token arrays (a restored
+    caller re-sends its conversation without them, as records never carry them)."""
+    return task_digest(without_token_arrays(dict(request)))
+
+
+async def _outcome(activation: Activation, key: str) -> ActivationReply:
+    """Await the activation; a caller cancelled while waiting stops it too."""
+    task = activation.task
+    assert task is not None
+    try:
+        await asyncio.wait({task})
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if task.cancelled():
+        raise StaleAttempt(f"activation {activation.index} of {key} was stopped: its attempt was retired "
+                           f"or its session closed")
+    return task.result()
+
+
+def _same_request(session: AgentSession, expected: str | None, digest: str, index: int) -> None:
+    if expected == digest:
+        return
+    detail = f"activation {index} of {session.key} was invoked again with another request"
+    if session.from_checkpoint:
+        raise InvalidCheckpointState(f"{detail} than the one checkpointed")
+    raise ActivationOutOfOrder(detail)
+
+
+def _check_marks(participant: Participant, identity: RolloutIdentity) -> None:
+    """Admission without the wait, for a restart session that keeps running: the fences only."""
+    try:
+        participant.marks.check(identity)
+    except GymError as error:
+        participant.telemetry.event("refused", code=error.code)
+        raise
+
+
+def _count(value: Any, name: str, *, minimum: int) -> int:
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _digest(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not _DIGEST.fullmatch(value):
+        raise ValueError(f"{name} is not a SHA-256 hex digest")
+    return value

@@ -1,0 +1,311 @@
+"""The environment server's side of a checkpoint: ``EpisodesAdapter`` (PROTOCOL.md section 7).
+
+``mount_environment`` (``nemo_gym_ckpt.environment``) mounts one over the server's ``Program`` when
+checkpointing is on; with it off nothing here runs. The adapter is also the ``EpisodeHooks`` of
+every episode it runs, which is how it parks them.
+
+Each ``/run`` is one live episode (``LiveEpisode``), keyed by its capture key, running as its own
+task:
+
+- **admission**: a ``/run`` needs a rollout identity (``rollout_id_required``), waits while a
+  checkpoint is open and is refused for a retired attempt (``stale_attempt``);
+- **parking**: before each step and at each boundary (the last one too, so a finished episode's
+  reply waits as well), an episode finding a checkpoint open waits there until resume;
+- **readiness**: every live episode parked at a boundary, between steps, inside a ``replay`` step,
+  or a restart; an episode inside a ``wait`` step blocks;
+- **restarts** (``Episode.restart``, marked by a step from the seed reply's or the agent's
+  ``x-ng-checkpoint-restart: 1``) never park, never block and are never exported;
+- **export**: ``{episode_id, task_digest, boundary}`` per live, continuable episode: its last
+  boundary (``null`` before the first step completed: start over, keeping the lineage);
+- **restore**: each record is checked (fields, digest, boundary, its next step in the program) and
+  installed, all or nothing, as an ``Installed`` boundary of the next attempt. The controller's
+  ``/run`` of that attempt with the same task row continues from it (another row:
+  ``invalid_checkpoint_state``). Until then, and while the episode has not moved past it, the
+  record it came from is exported again byte for byte;
+- **retire**: cancels the attempts' tasks (their ``/run`` answers ``stale_attempt``), waits for
+  their cleanup to end and frees them; installed boundaries of those attempts are dropped.
+  **forget** does the same for whole rollouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
+from nemo_gym_ckpt.checkpoint.participant import Participant
+from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.episode import Boundary, Episode, Program, Step, StepBudget, run_episode, task_digest
+from nemo_gym_ckpt.errors import InvalidCheckpointState, InvalidPhase, InvalidRequest, StaleAttempt
+from nemo_gym_ckpt.identity import RolloutIdentity
+
+__all__ = ["RECORD_KEYS", "EpisodesAdapter", "Installed", "LiveEpisode", "RunLimits", "stopped_or_result"]
+
+RECORD_KEYS = frozenset({"episode_id", "task_digest", "boundary"})
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """The timeouts of each episode (the environment's settings) and the clock its budget runs on."""
+
+    episode_timeout_s: float | None
+    cleanup_timeout_s: float
+    clock: Callable[[], float] = time.monotonic
+
+
+@dataclass(frozen=True)
+class Installed:
+    """A restored boundary waiting for the ``/run`` of its attempt."""
+
+    identity: RolloutIdentity
+    task_digest: str
+    boundary: Boundary | None
+    record: Record
+
+    def record_for(self, scope: Scope | None) -> ExportItem | None:
+        """The record it came from (byte for byte), or a fresh one of its own attempt in scope."""
+        if scope is None or self.record.episode in scope:
+            return self.record
+        if self.identity in scope:
+            return {"episode_id": self.identity.to_json(), "task_digest": self.task_digest,
+                    "boundary": self.record.data["boundary"]}
+        return None
+
+
+@dataclass(eq=False)
+class LiveEpisode:
+    """One ``/run`` in progress: its episode, its task, whether it is parked now."""
+
+    episode: Episode
+    task: asyncio.Task[dict[str, Any]] | None = None
+    parked: bool = False
+    restored: Record | None = None
+    restored_boundary: Boundary | None = None
+
+    @property
+    def key(self) -> str:
+        return self.episode.identity.capture_key
+
+    def unchanged_record(self) -> Record | None:
+        """The record it was restored from while it still stands at that boundary."""
+        if self.restored is not None and self.episode.boundary is self.restored_boundary:
+            return self.restored
+        return None
+
+    def record_for(self, scope: Scope | None) -> ExportItem | None:
+        unchanged = self.unchanged_record()
+        if unchanged is not None and (scope is None or unchanged.episode in scope):
+            return unchanged
+        if scope is None or self.episode.identity in scope:
+            return self.episode.record()
+        return None
+
+
+def stopped_or_result(task: asyncio.Task[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The final state of a finished episode task; ``StaleAttempt`` if it was stopped (retired)."""
+    if task.cancelled():
+        raise StaleAttempt(f"episode {key} was retired while it ran")
+    return task.result()
+
+
+class EpisodesAdapter:
+    """A ``ParticipantAdapter`` (and the ``EpisodeHooks``) over the live episodes of one program."""
+
+    def __init__(self, program: Program, limits: RunLimits) -> None:
+        self.program = program
+        self.limits = limits
+        self.participant: Participant | None = None
+        self.live: dict[str, LiveEpisode] = {}
+        self.installed: dict[str, Installed] = {}
+
+    # ---- data plane -------------------------------------------------------------------------
+
+    async def run(self, identity: RolloutIdentity | None, task: dict[str, Any]) -> dict[str, Any]:
+        """One ``/run``: admitted, started (or continued from an installed boundary), awaited."""
+        participant = self._participant()
+        await participant.admit(identity)
+        assert identity is not None  # admit refuses a request without one
+        live = self._start(identity, task)
+        live.task = asyncio.create_task(self._drive(live))
+        return await self._outcome(live.task, live.key)
+
+    def _start(self, identity: RolloutIdentity, task: dict[str, Any]) -> LiveEpisode:
+        key = identity.capture_key
+        if key in self.live:
+            raise InvalidRequest(f"episode {key} is already running; retire it and dispatch the next attempt")
+        installed = self.installed.get(key)
+        if installed is None:
+            live = LiveEpisode(Episode.start(identity, task, self.program))
+        else:
+            live = self._continue(installed, task)
+            del self.installed[key]
+        self.live[key] = live
+        return live
+
+    def _continue(self, installed: Installed, task: dict[str, Any]) -> LiveEpisode:
+        digest = task_digest(task)
+        if digest != installed.task_digest:
+            raise InvalidCheckpointState(
+                f"episode {installed.identity.capture_key}: the task row's digest {digest[:12]} differs "
+                f"from the checkpointed {installed.task_digest[:12]}")
+        identity, boundary = installed.identity, installed.boundary
+        if boundary is None:
+            episode = Episode.start(identity, task, self.program)
+        else:
+            episode = Episode.from_boundary(identity, task, boundary, self.program)
+        return LiveEpisode(episode, restored=installed.record, restored_boundary=episode.boundary)
+
+    async def _drive(self, live: LiveEpisode) -> dict[str, Any]:
+        try:
+            return await run_episode(
+                self.program, live.episode, hooks=self,
+                budget=StepBudget(self.limits.episode_timeout_s, clock=self.limits.clock),
+                cleanup_timeout_s=self.limits.cleanup_timeout_s,
+            )
+        finally:
+            if self.live.get(live.key) is live:
+                del self.live[live.key]
+            self._participant().notify_changed()
+
+    @staticmethod
+    async def _outcome(task: asyncio.Task[dict[str, Any]], key: str) -> dict[str, Any]:
+        """Await the episode; a ``/run`` whose own request is cancelled stops its episode too."""
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        return stopped_or_result(task, key)
+
+    # ---- episode hooks: parking -------------------------------------------------------------
+
+    async def entering(self, episode: Episode, step: Step) -> None:
+        await self._hold(episode)
+
+    async def at_boundary(self, episode: Episode) -> None:
+        await self._hold(episode)
+
+    async def _hold(self, episode: Episode) -> None:
+        """Park at this boundary while a checkpoint is open (restarts never park)."""
+        participant = self._participant()
+        live = self.live.get(episode.identity.capture_key)
+        if live is None or episode.restart or participant.checkpoint_id is None:
+            return
+        live.parked = True
+        participant.notify_changed()
+        try:
+            await participant.admit(episode.identity)
+        finally:
+            live.parked = False
+
+    # ---- prepare ----------------------------------------------------------------------------
+
+    async def readiness(self) -> Readiness:
+        episodes = list(self.live.values())
+        restarts = [live.key for live in episodes if live.episode.restart]
+        blockers = [live.key for live in episodes if not live.episode.restart and live.episode.mode == "wait"]
+        return Readiness(blockers=blockers, counts=self._counts(), restarts=restarts)
+
+    def _counts(self) -> dict[str, int]:
+        episodes = [live.episode for live in self.live.values()]
+        return {
+            "episodes": len(episodes),
+            "parked": sum(1 for live in self.live.values() if live.parked),
+            "in_wait_step": sum(1 for episode in episodes if episode.mode == "wait"),
+            "in_replay_step": sum(1 for episode in episodes if episode.mode == "replay"),
+            "restarts": sum(1 for episode in episodes if episode.restart),
+            "installed": len(self.installed),
+        }
+
+    # ---- commit -----------------------------------------------------------------------------
+
+    async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
+        for installed in list(self.installed.values()):
+            item = installed.record_for(scope)
+            if item is not None:
+                yield item
+        for live in list(self.live.values()):
+            item = None if live.episode.restart else live.record_for(scope)
+            if item is not None:
+                yield item
+
+    async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
+        """Drop restored boundaries (and forget restored records) that this commit's scope left out."""
+        if scope is not None:
+            for key, installed in list(self.installed.items()):
+                if installed.record.episode not in scope and installed.identity not in scope:
+                    del self.installed[key]
+            for live in self.live.values():
+                unchanged = live.unchanged_record()
+                if unchanged is not None and unchanged.episode not in scope:
+                    live.restored = None
+        return {}
+
+    # ---- restore ----------------------------------------------------------------------------
+
+    async def install(self, records: Sequence[Record], scope: Scope) -> None:
+        if self.live or self.installed:
+            raise InvalidPhase("restore expected an environment with no episodes, got one with some")
+        planned: dict[str, Installed] = {}
+        for record in records:
+            installed = self._plan(record)
+            key = installed.identity.capture_key
+            if key in planned:
+                raise InvalidCheckpointState(f"episode {record.episode.capture_key} has more than one record")
+            planned[key] = installed
+        self.installed.update(planned)
+
+    def _plan(self, record: Record) -> Installed:
+        key = record.episode.capture_key
+        data = record.data
+        if set(data) != RECORD_KEYS:
+            raise InvalidCheckpointState(f"record of {key}: expected the fields {sorted(RECORD_KEYS)}, "
+                                         f"got {sorted(data)}")
+        digest = data["task_digest"]
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise InvalidCheckpointState(f"record of {key}: task_digest is not a SHA-256 hex digest")
+        boundary = None if data["boundary"] is None else Boundary.from_json(data["boundary"])
+        steps = self.program.steps
+        if boundary is not None and boundary.next_step is not None and boundary.next_step not in steps:
+            raise InvalidCheckpointState(f"record of {key}: boundary names step {boundary.next_step!r}, "
+                                         f"not one of {list(self.program.steps)}")
+        return Installed(record.episode.next_attempt(), digest, boundary, record)
+
+    # ---- retire, forget ---------------------------------------------------------------------
+
+    async def retire(self, episodes: Sequence[RolloutIdentity]) -> None:
+        marks: dict[str, int] = {}
+        for episode in episodes:
+            marks[episode.rollout_id] = max(episode.attempt, marks.get(episode.rollout_id, -1))
+        await self._stop_where(lambda identity: identity.attempt <= marks.get(identity.rollout_id, -1))
+
+    async def forget(self, rollout_ids: Sequence[str]) -> None:
+        gone = set(rollout_ids)
+        await self._stop_where(lambda identity: identity.rollout_id in gone)
+
+    async def _stop_where(self, condition: Callable[[RolloutIdentity], bool]) -> None:
+        """Drop matching installed boundaries; cancel matching episodes and wait for their cleanup."""
+        for key, installed in list(self.installed.items()):
+            if condition(installed.identity):
+                del self.installed[key]
+        tasks = [live.task for live in self.live.values()
+                 if live.task is not None and condition(live.episode.identity)]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    # ---- status -----------------------------------------------------------------------------
+
+    def status_extras(self) -> Mapping[str, Any]:
+        return self._counts()
+
+    def _participant(self) -> Participant:
+        assert self.participant is not None, "the adapter is used only once mounted"
+        return self.participant
+

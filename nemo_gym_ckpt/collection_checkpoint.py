@@ -1,0 +1,345 @@
+"""The checkpoint directory of a rollout collection: what the collector publishes and a rerun reads.
+
+Layout of ``nemo-gym-ckpt collect --checkpoint-dir DIR`` (the ``gym/`` part is PROTOCOL.md
+section 6, written by the participants)::
+
+    DIR/
+      dispatched.jsonl                       every /run the collector sent: {rollout_id, attempt}
+      LATEST                                 the id of the newest published checkpoint, one line
+      ckpt-<utc timestamp>-<8 hex>/          one checkpoint
+        gym/<kind>/<instance>/manifest.json  (and records-<sha256>.jsonl): each participant's
+        collection.json                      the collector's aggregate, written last
+
+Publishing (``publish``), after every participant's commit answered its manifest: write
+``collection.json`` into the checkpoint's directory, then replace ``LATEST``; both atomically (a
+temporary file, fsync, rename, fsync of the directory). Then ``prune`` keeps the 2 newest published
+checkpoints and deletes older checkpoint directories (published or abandoned): the new one is
+always published before anything is deleted.
+
+Reading (``find_latest``): the checkpoint ``LATEST`` names if it is published; otherwise the newest
+published one. A directory is published when its ``collection.json`` exists and every participant
+manifest it lists exists; others (an interrupted commit, a crash before ``collection.json``) are
+ignored. Nothing here ever writes into a published checkpoint's directory.
+
+``RunIdentity`` ties a checkpoint to its collection: a digest of the resolved config (ports, tokens
+and the ``checkpoint`` block left out) and one of the task rows; ``check_same_run`` refuses a
+checkpoint taken with another config or input, saying which differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from nemo_gym_ckpt.episode import canonical_json
+from nemo_gym_ckpt.rollouts import read_jsonl
+
+__all__ = [
+    "COLLECTION_FILE",
+    "DISPATCH_LOG",
+    "KEEP",
+    "LATEST_FILE",
+    "SCHEMA_VERSION",
+    "CheckpointRefused",
+    "CollectionManifest",
+    "RunIdentity",
+    "check_same_run",
+    "config_digest",
+    "find_latest",
+    "input_digest",
+    "is_checkpoint_id",
+    "load_published",
+    "new_checkpoint_id",
+    "prune",
+    "publish",
+    "read_dispatched",
+    "write_atomic",
+]
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+COLLECTION_FILE = "collection.json"
+LATEST_FILE = "LATEST"
+DISPATCH_LOG = "dispatched.jsonl"
+KEEP = 2
+_ID = re.compile(r"ckpt-\d{8}T\d{12}Z-[0-9a-f]{8}")
+_UNPORTABLE_KEYS = frozenset({"port", "control_auth_token", "api_key"})
+_RUN_KEYS = ("head_server", "checkpoint")
+
+
+class CheckpointRefused(Exception):
+    """A checkpoint of this directory cannot be used by this collection (the message says why)."""
+
+
+# ---- ids -----------------------------------------------------------------------------------------
+
+
+def new_checkpoint_id(now: datetime | None = None) -> str:
+    """``ckpt-<UTC, to the microsecond>-<8 hex>``: ids sort in the order they were made."""
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%S%fZ")
+    return f"ckpt-{stamp}-{secrets.token_hex(4)}"
+
+
+def is_checkpoint_id(name: str) -> bool:
+    return _ID.fullmatch(name) is not None
+
+
+# ---- the identity of a collection ----------------------------------------------------------------
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _portable(node: Any) -> Any:
+    """``node`` without ports and tokens (they change from one launch to the next)."""
+    if isinstance(node, Mapping):
+        return {str(k): _portable(v) for k, v in node.items() if str(k) not in _UNPORTABLE_KEYS}
+    if isinstance(node, list):
+        return [_portable(item) for item in node]
+    return node
+
+
+def config_digest(raw: Mapping[str, Any]) -> str:
+    """SHA-256 of the resolved config, without the head server, the checkpoint block, ports and tokens."""
+    servers = {key: value for key, value in raw.items() if key not in _RUN_KEYS}
+    return _sha256(canonical_json(_portable(servers)))
+
+
+def input_digest(tasks: Sequence[Mapping[str, Any]]) -> str:
+    """SHA-256 over the canonical JSON of every task row, in order."""
+    digest = hashlib.sha256()
+    for task in tasks:
+        digest.update(canonical_json(task) + b"\n")
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What makes two runs the same collection: config, task rows and repeats."""
+
+    config_digest: str
+    input_digest: str
+    num_repeats: int
+
+    @property
+    def run_id(self) -> str:
+        joined = f"{self.config_digest}:{self.input_digest}:{self.num_repeats}".encode()
+        return f"run-{_sha256(joined)[:16]}"
+
+
+# ---- collection.json -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CollectionManifest:
+    """``collection.json``: the collector's record of one published checkpoint.
+
+    ``continued`` and ``restarted`` are capture keys of the rollouts in flight at the checkpoint:
+    the ones the participants exported (a restore continues them as the next attempt) and the ones
+    that start over. ``manifests`` maps each participant (server name) to its manifest, relative to
+    the checkpoint's directory; ``stats`` holds measurements (``pause_ms``, ``bytes``, ...).
+    """
+
+    checkpoint_id: str
+    run_id: str
+    created_at: str
+    continued: list[str]
+    restarted: list[str]
+    rows_done: int
+    config_digest: str
+    input_digest: str
+    num_repeats: int
+    manifests: dict[str, str]
+    staging_keys: dict[str, list[str]] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, where: Path) -> CollectionManifest:
+        try:
+            fields = orjson.loads(data)
+            manifest = cls(**fields)
+        except (orjson.JSONDecodeError, TypeError) as error:
+            raise CheckpointRefused(f"{where} is not a collection manifest: {error}") from None
+        if manifest.schema_version != SCHEMA_VERSION:
+            raise CheckpointRefused(f"{where}: schema_version {manifest.schema_version}, "
+                                    f"expected {SCHEMA_VERSION}")
+        return manifest
+
+    @property
+    def identity(self) -> RunIdentity:
+        return RunIdentity(self.config_digest, self.input_digest, self.num_repeats)
+
+
+def created_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+# ---- atomic files --------------------------------------------------------------------------------
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a reader sees the old file or the new one, whole."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+# ---- publish, read, prune ------------------------------------------------------------------------
+
+
+def publish(directory: Path, manifest: CollectionManifest, *, keep: int = KEEP) -> None:
+    """Write ``collection.json``, then ``LATEST``; then delete checkpoints older than the ``keep`` newest."""
+    checkpoint = directory / manifest.checkpoint_id
+    missing = [name for name, path in manifest.manifests.items() if not (checkpoint / path).is_file()]
+    if missing:
+        names = ", ".join(missing)
+        raise CheckpointRefused(f"not publishing {manifest.checkpoint_id}: no manifest for {names}")
+    write_atomic(checkpoint / COLLECTION_FILE, manifest.to_json())
+    write_atomic(directory / LATEST_FILE, manifest.checkpoint_id.encode() + b"\n")
+    prune(directory, keep=keep)
+
+
+def load_published(checkpoint: Path) -> CollectionManifest | None:
+    """The manifest of a published checkpoint directory; ``None`` if it is not one (ignored)."""
+    if not is_checkpoint_id(checkpoint.name):
+        return None
+    try:
+        data = (checkpoint / COLLECTION_FILE).read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    manifest = CollectionManifest.from_json(data, checkpoint / COLLECTION_FILE)
+    if manifest.checkpoint_id != checkpoint.name:
+        raise CheckpointRefused(f"{checkpoint / COLLECTION_FILE} names checkpoint {manifest.checkpoint_id}")
+    paths = manifest.manifests.values()
+    if not paths or not all((checkpoint / path).is_file() for path in paths):
+        return None
+    return manifest
+
+
+def _published(checkpoint: Path) -> bool:
+    try:
+        return load_published(checkpoint) is not None
+    except CheckpointRefused:
+        return False
+
+
+def _checkpoint_dirs(directory: Path) -> list[Path]:
+    """The checkpoint directories under ``directory``, oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if p.is_dir() and is_checkpoint_id(p.name)),
+                  key=lambda p: p.name)
+
+
+def _latest_pointer(directory: Path) -> str | None:
+    try:
+        name = (directory / LATEST_FILE).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return name if is_checkpoint_id(name) else None
+
+
+def find_latest(directory: Path) -> CollectionManifest | None:
+    """The checkpoint to restore: the one ``LATEST`` names if published, else the newest published."""
+    pointed = _latest_pointer(directory)
+    if pointed is not None:
+        manifest = load_published(directory / pointed)
+        if manifest is not None:
+            return manifest
+        logger.warning("%s names %s, which is not a published checkpoint; looking for another",
+                       directory / LATEST_FILE, pointed)
+    for checkpoint in reversed(_checkpoint_dirs(directory)):
+        manifest = load_published(checkpoint)
+        if manifest is not None:
+            return manifest
+    return None
+
+
+def prune(directory: Path, *, keep: int = KEEP) -> list[str]:
+    """Delete every checkpoint directory older than the ``keep`` newest published ones; their names."""
+    checkpoints = _checkpoint_dirs(directory)
+    published = [p for p in checkpoints if _published(p)]
+    if len(published) < keep:
+        return []
+    kept = {p.name for p in published[-keep:]}
+    oldest_kept = min(kept)
+    doomed = [p for p in checkpoints if p.name not in kept and p.name < oldest_kept]
+    deleted = []
+    for checkpoint in doomed:
+        try:
+            shutil.rmtree(checkpoint)
+        except OSError as error:
+            logger.warning("cannot delete old checkpoint %s: %s", checkpoint, error)
+            continue
+        deleted.append(checkpoint.name)
+    return deleted
+
+
+# ---- refusing another run's checkpoint -----------------------------------------------------------
+
+
+def check_same_run(manifest: CollectionManifest, identity: RunIdentity, directory: Path) -> None:
+    """``CheckpointRefused`` naming what differs, unless ``manifest`` belongs to this collection."""
+    where = f"checkpoint {manifest.checkpoint_id} in {directory}"
+    if manifest.config_digest != identity.config_digest:
+        raise CheckpointRefused(
+            f"{where} was taken with another config (digest {manifest.config_digest[:12]}, this run's is "
+            f"{identity.config_digest[:12]}); run with the same config, or use another --checkpoint-dir")
+    if manifest.input_digest != identity.input_digest:
+        raise CheckpointRefused(
+            f"{where} was taken with other task rows (digest {manifest.input_digest[:12]}, this run's is "
+            f"{identity.input_digest[:12]}); run with the same --input and --limit, or use another "
+            f"--checkpoint-dir")
+    if manifest.num_repeats != identity.num_repeats:
+        raise CheckpointRefused(f"{where} was taken with --num-repeats {manifest.num_repeats}, this run "
+                                f"has {identity.num_repeats}")
+
+
+# ---- the dispatch log ----------------------------------------------------------------------------
+
+
+def read_dispatched(directory: Path) -> dict[str, int]:
+    """The highest attempt of each rollout the dispatch log names (a torn last line is skipped)."""
+    highest: dict[str, int] = {}
+    for row in read_jsonl(directory / DISPATCH_LOG, complete_lines_only=True):
+        rollout, attempt = row.get("rollout_id"), row.get("attempt")
+        if isinstance(rollout, str) and isinstance(attempt, int):
+            highest[rollout] = max(attempt, highest.get(rollout, -1))
+    return highest

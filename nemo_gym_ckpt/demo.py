@@ -1,0 +1,357 @@
+"""``nemo-gym-ckpt demo``: checkpoint the quickstart mesh mid-collection, kill it, restore, compare.
+
+    nemo-gym-ckpt demo [--json PATH] [--rollouts N] [--concurrency C] [--workdir DIR]
+
+On the quickstart mesh (``configs/quickstart.yaml``: the embedded model on the CPU, greedy):
+
+1. **reference**: the mesh (checkpointing on, never used) collects the first N task rows,
+   uninterrupted;
+2. **interrupted**: the same mesh collects the same rows again with the collector as controller
+   (``collection_control``); once a quarter of the rows are written and the rollouts in flight are
+   in the middle of their episodes, it takes a checkpoint, and right after publishing it (before
+   resuming anyone) every server process gets SIGKILL;
+3. **restored**: fresh processes on the same ports; the collector, run again on the same directory,
+   restores the checkpoint, continues the checkpointed rollouts as their next attempt, dispatches the
+   rest, and finishes.
+
+Then it prints the two runs side by side and, with ``--json``, writes the numbers: ``rollouts``,
+``identical_to_reference`` (every row equal to the reference's but timestamps and attempt index,
+logprobs within 1e-4), ``restored_episodes``, ``continued_model_calls_skipped`` (model calls the
+continued rollouts did not make again: the capture-ledger rows of the checkpoint),
+``cut_calls``/``tokens_kept`` (generation cuts the model server kept: its records' ``cut``, or
+the commit's ``staging_keys``), ``tokens_regenerated`` (output tokens of the calls in flight at
+the checkpoint that were generated again; see ``regenerated``), ``checkpoint_pause_ms`` (first
+prepare until published), ``restore_ms`` (restore, fencing and resume), ``checkpoint_bytes``.
+Exit status 0 only when the restored run is identical to the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import logging
+import secrets
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
+from nemo_gym_ckpt.collection import CollectionStartFailed, Plan, Summary, run_plan
+from nemo_gym_ckpt.collection_checkpoint import RunIdentity, config_digest, input_digest
+from nemo_gym_ckpt.collection_control import CollectionControl, ControlSettings, Published
+from nemo_gym_ckpt.collection_triggers import Triggers
+from nemo_gym_ckpt.config import MeshConfig, load_config
+from nemo_gym_ckpt.demo_metrics import CrashState, checkpoint_metrics
+from nemo_gym_ckpt.errors import GymError
+from nemo_gym_ckpt.launch import LaunchError, MeshLauncher
+from nemo_gym_ckpt.rollouts import RowComparison, compare_rows, read_jsonl
+
+__all__ = ["DEFAULT_CONFIG", "DemoResult", "MeshCrashed", "configure", "main", "run_demo"]
+
+logger = logging.getLogger(__name__)
+
+PROG = "nemo-gym-ckpt demo"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "quickstart.yaml"
+ENVIRONMENT = "single_agent_turn"
+HELD_WAIT_S = 10.0
+PHASE_TIMEOUT_S = 300.0
+
+
+class MeshCrashed(Exception):
+    """Raised by the crash hook after every server process got SIGKILL."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Checkpoint the quickstart mesh while rollouts run, SIGKILL it, restore, compare."
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the numbers here as JSON")
+    parser.add_argument("--rollouts", type=int, default=32, help="task rows to collect (default 32)")
+    parser.add_argument("--concurrency", type=int, default=8, help="rollouts in flight (default 8)")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the mesh (default: quickstart)")
+    parser.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary directory)")
+    parser.add_argument("--ready-timeout-s", type=float, default=180.0, help="deadline for a mesh to start")
+
+
+# ---- the runs ------------------------------------------------------------------------------------
+
+
+@dataclass
+class DemoResult:
+    """Everything the demo measured."""
+
+    rollouts: int
+    reference: Summary
+    restored: Summary
+    comparison: RowComparison
+    checkpoint: Published
+    crash: CrashState
+    control: CollectionControl
+    metrics: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@contextmanager
+def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        timings[name] = round(time.monotonic() - started, 2)
+
+
+def _quiet(name: str, line: str) -> None:
+    logger.debug("[%s] %s", name, line)
+
+
+def _tasks(mesh: MeshConfig, count: int) -> list[dict[str, Any]]:
+    dataset = mesh.instance(ENVIRONMENT).settings.datasets[0].jsonl_fpath
+    path = dataset if dataset.is_absolute() else PROJECT_ROOT / dataset
+    tasks = list(read_jsonl(path))[:count]
+    if len(tasks) < count:
+        raise ValueError(f"{path} holds {len(tasks)} task rows, fewer than {count}")
+    return tasks
+
+
+def _start(mesh: MeshConfig, ready_timeout_s: float) -> MeshLauncher:
+    launcher = MeshLauncher(mesh, on_line=_quiet)
+    launcher.start(ready_timeout_s=ready_timeout_s)
+    return launcher
+
+
+@dataclass
+class _DemoMesh:
+    """The quickstart mesh with checkpointing on, and the collector runs the demo makes on it."""
+
+    launcher: MeshLauncher
+    root: Path
+    token: str
+    identity: RunIdentity
+    tasks: list[dict[str, Any]]
+    concurrency: int
+    crash: CrashState = field(default_factory=CrashState)
+    _crashing: CollectionControl | None = None
+    _output: Path = Path()
+
+    def plan(self, output: Path) -> Plan:
+        url = self.launcher.url_of(ENVIRONMENT)
+        return Plan(ENVIRONMENT, url, self.tasks, output, 1, self.concurrency, PHASE_TIMEOUT_S)
+
+    def control(self, directory: str, *, crash: bool = False) -> CollectionControl:
+        coordinator = Coordinator(self.launcher.head_url, self.token, required_kinds=("model",))
+        settings = ControlSettings(self.root / directory, self.identity, timeout_s=60.0)
+        return CollectionControl(coordinator, settings, after_publish=self._crash if crash else None)
+
+    async def collect(self, output: Path, control: CollectionControl, triggers: Triggers | None = None
+                      ) -> Summary:
+        """One collector run as the mesh's controller (it forgets every rollout it finished)."""
+        try:
+            return await run_plan(self.plan(output), stream=io.StringIO(), control=control, triggers=triggers)
+        finally:
+            control.close()
+            await control.coordinator.aclose()
+
+    async def until_crash(self, output: Path) -> None:
+        """Collect until a checkpoint mid-collection is published, then SIGKILL every server."""
+        self._crashing, self._output = self.control("collection", crash=True), output
+        control = self._crashing
+        triggers = Triggers()
+        watcher = asyncio.create_task(_request_midway(triggers, control.coordinator, output,
+                                                      len(self.tasks) // 4, self.concurrency // 2))
+        try:
+            await self.collect(output, control, triggers)
+        except MeshCrashed:
+            return
+        finally:
+            watcher.cancel()
+        raise RuntimeError("the collection ended before the checkpoint; use more --rollouts")
+
+    async def _crash(self, published: Published) -> None:
+        """Wait until every call in flight has its full answer held, note it, then SIGKILL everyone."""
+        assert self._crashing is not None
+        self.crash.published = published
+        try:
+            self.crash.model = await _model_extras(self._crashing.coordinator, settled=True)
+        except GymError as error:
+            logger.warning("cannot read the model's status before the crash: %s", error.detail)
+        self.crash.rows_written = len(list(read_jsonl(self._output, complete_lines_only=True)))
+        self.crash.killed = self.launcher.kill_all(signal.SIGKILL)  # blocking: nothing else runs meanwhile
+        raise MeshCrashed(published.manifest.checkpoint_id)
+
+
+async def _model_extras(coordinator: Coordinator, *, settled: bool = False) -> dict[str, Any]:
+    """The model participant's status extras; ``settled``: once no admitted call still generates."""
+    deadline = time.monotonic() + HELD_WAIT_S
+    while True:
+        statuses = await coordinator.status()
+        extras = next(status for status in statuses.values() if status["kind"] == "model")["extras"]
+        finished = extras.get("held_responses", 0) + extras.get("delivering_streams", 0)
+        generating = extras.get("active_calls", 0) - finished
+        if not settled or generating <= 0 or time.monotonic() > deadline:
+            return dict(extras)
+        await asyncio.sleep(0.02)
+
+
+async def _request_midway(
+    triggers: Triggers, coordinator: Coordinator, output: Path, rows: int, calls: int
+) -> None:
+    """Ask for a checkpoint once ``rows`` rows are written and then ``calls`` more model calls were
+    delivered, so that the rollouts in flight stand in the middle of their episodes (polling; the
+    run bounds the wait)."""
+    while len(list(read_jsonl(output, complete_lines_only=True))) < rows:
+        await asyncio.sleep(0.02)
+    deadline = time.monotonic() + HELD_WAIT_S
+    try:
+        delivered = (await _model_extras(coordinator)).get("rows", 0)
+        while (await _model_extras(coordinator)).get("rows", 0) < delivered + calls:
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
+    except GymError as error:
+        logger.warning("cannot read the model's status (%s); checkpointing now", error.detail)
+    triggers.request("demo")
+
+
+def _launch(args: argparse.Namespace, workdir: Path, timings: dict[str, float]) -> _DemoMesh:
+    root = (workdir / "checkpoints").absolute()
+    token = f"demo-{secrets.token_hex(16)}"
+    overrides = ["head_server.port=0", "checkpoint.enabled=true", f"checkpoint.root={root}",
+                 f"checkpoint.control_auth_token={token}"]
+    mesh = load_config([args.config], overrides)
+    tasks = _tasks(mesh, args.rollouts)
+    identity = RunIdentity(config_digest(mesh.raw), input_digest(tasks), 1)
+    with _timed(timings, "mesh_start_s"):
+        launcher = _start(mesh, args.ready_timeout_s)
+    return _DemoMesh(launcher, root, token, identity, tasks, args.concurrency)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def run_demo(args: argparse.Namespace, workdir: Path) -> DemoResult:
+    """The reference run, the interrupted one and its restore, on one mesh (started once, killed once)."""
+    timings: dict[str, float] = {}
+    reference_rows, rows = workdir / "reference.jsonl", workdir / "rollouts.jsonl"
+    with _timed(timings, "wall_s"):
+        demo = _launch(args, workdir, timings)
+        with demo.launcher:
+            with _timed(timings, "reference_collect_s"):
+                reference = asyncio.run(demo.collect(reference_rows, demo.control("reference")))
+            with _timed(timings, "interrupted_collect_s"):
+                asyncio.run(demo.until_crash(rows))
+            with _timed(timings, "restart_s"):
+                demo.launcher.restart(*demo.launcher.names, ready_timeout_s=args.ready_timeout_s)
+            control = demo.control("collection")
+            with _timed(timings, "restored_collect_s"):
+                restored = asyncio.run(demo.collect(rows, control))
+    assert demo.crash.published is not None
+    comparison = compare_rows(read_jsonl(reference_rows), read_jsonl(rows))
+    result = DemoResult(len(demo.tasks), reference, restored, comparison, demo.crash.published, demo.crash,
+                        control, timings=timings)
+    result.metrics = _metrics(result, demo.root / "collection", rows)
+    return result
+
+
+def _metrics(result: DemoResult, directory: Path, rows: Path) -> dict[str, Any]:
+    differing = result.comparison.differing + result.comparison.missing
+    checkpoint = checkpoint_metrics(directory / result.checkpoint.manifest.checkpoint_id,
+                                    result.control.restored, result.crash, rows)
+    return {
+        "rollouts": result.rollouts,
+        "identical_to_reference": result.comparison.identical,
+        "differing_rollouts": [f"{t}-{r}" for t, r in differing],
+        "max_logprob_diff": result.comparison.max_logprob_diff,
+        "token_arrays_compared": result.comparison.token_arrays_compared,
+        "token_arrays_not_restored": result.comparison.token_arrays_absent,
+        **checkpoint,
+        "checkpoint_id": result.checkpoint.manifest.checkpoint_id,
+        "checkpoint_pause_ms": result.checkpoint.published_ms,
+        "restore_ms": result.control.restored.restore_ms,
+        "checkpoint_bytes": result.checkpoint.manifest.stats.get("bytes", 0),
+        "rows_before_crash": result.crash.rows_written,
+        "servers_killed": result.crash.killed,
+        "mean_reward_reference": result.reference.metrics.get("mean_reward"),
+        "mean_reward_restored": result.restored.metrics.get("mean_reward"),
+        "timings_s": result.timings,
+    }
+
+
+def _table(metrics: dict[str, Any]) -> str:
+    t = metrics["timings_s"]
+    rows: list[tuple[str, str, str]] = [
+        ("", "reference", "checkpoint + SIGKILL + restore"),
+        ("rollouts", str(metrics["rollouts"]), str(metrics["rollouts"])),
+        ("mean reward", _num(metrics["mean_reward_reference"]), _num(metrics["mean_reward_restored"])),
+        ("rows identical", "-", f"{'yes' if metrics['identical_to_reference'] else 'NO'} "
+                                f"({metrics['token_arrays_compared']} token arrays equal, max |logprob diff| "
+                                f"{metrics['max_logprob_diff']:.1e})"),
+        ("mesh start", f"{t['mesh_start_s']:.1f} s (one mesh for both)",
+         f"restart after the crash {t['restart_s']:.1f} s"),
+        ("collecting", f"{t['reference_collect_s']:.1f} s", f"{t['interrupted_collect_s']:.1f} s + "
+                                                            f"{t['restored_collect_s']:.1f} s"),
+        ("checkpoint", "-", f"{metrics['calls_in_flight_at_checkpoint']} model calls and "
+                            f"{metrics['rollouts_in_flight']} rollouts in flight, "
+                            f"{metrics['checkpoint_bytes'] / 1024:.1f} KiB"),
+        ("pause", "-", f"{metrics['checkpoint_pause_ms']:.0f} ms until published"),
+        ("crash", "-", f"SIGKILL to {len(metrics['servers_killed'])} servers, "
+                       f"{metrics['rows_before_crash']} rows written"),
+        ("restore", "-", f"{metrics['restored_episodes']} rollouts continued, "
+                         f"{metrics['restarted_episodes']} started over, {metrics['restore_ms']:.0f} ms"),
+        ("model calls skipped", "-", f"{metrics['continued_model_calls_skipped']} "
+                                     f"({metrics['continued_tokens_skipped']} tokens not generated again)"),
+        ("generation cuts", "-", f"{metrics['cut_calls']} calls, {metrics['tokens_kept']} tokens kept"),
+        ("tokens generated again", "-", f"{metrics['tokens_regenerated']}"
+                                        f"{'' if metrics['tokens_regenerated_exact'] else ' (estimate)'}"),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join(f"{a:<{widths[0]}}   {b:<{widths[1]}}   {c}" for a, b, c in rows)
+
+
+def _num(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _write_json(path: Path, metrics: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(metrics, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.rollouts < 4 or args.concurrency < 1:
+        print(f"{PROG}: --rollouts must be >= 4 and --concurrency >= 1", file=sys.stderr)
+        return 2
+    print(f"demo: {args.rollouts} rollouts on {args.config.name}, a reference run, then a run that is "
+          "checkpointed, killed and restored (about a minute on a laptop CPU)", file=sys.stderr)
+    with _workdir(args.workdir) as workdir:
+        try:
+            result = run_demo(args, workdir)
+        except (LaunchError, RuntimeError, ValueError, CollectionStartFailed) as error:
+            print(f"{PROG}: {error}", file=sys.stderr)
+            return 1
+        print(_table(result.metrics))
+        if args.json is not None:
+            _write_json(args.json, result.metrics)
+            print(f"wrote {args.json}")
+    if not result.metrics["identical_to_reference"]:
+        print(f"{PROG}: the restored run differs from the reference: "
+              f"{', '.join(result.metrics['differing_rollouts'][:10])}", file=sys.stderr)
+        return 1
+    return 0
+
+
+@contextmanager
+def _workdir(given: Path | None) -> Iterator[Path]:
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    with tempfile.TemporaryDirectory(prefix="nemo-gym-ckpt-demo-") as name:
+        yield Path(name)

@@ -1,0 +1,161 @@
+"""What the demo's checkpoint saved and cost, read from the checkpoint's records and the final rows.
+
+For the rollouts a restore continued (attempt N checkpointed, N+1 restored):
+
+- ``continued_model_calls_skipped``: the capture-ledger rows of the model's records for them: model
+  calls delivered before the checkpoint, never made again; ``continued_tokens_skipped`` sums their
+  output lengths;
+- ``cut_calls`` / ``tokens_kept``: the generation cuts the model's records keep for them (a
+  record's ``cut`` with its ``prefix_token_count``), or, without such records, the number of
+  ``staging_keys`` the commit answered;
+- ``tokens_regenerated``: output tokens generated before the checkpoint and again after it. The
+  calls in flight at the checkpoint (``calls_in_flight_at_checkpoint``, the model's count at the
+  crash, when every one of them had finished generating) are lost unless cut; after the restore
+  each is the first model call its rollout makes, with the same tokens (greedy decoding). A cut
+  call regenerates its output less the kept prefix. For uncut calls the rollout is known only when
+  every candidate (a continued rollout whose next action was a model call) had one in flight; when
+  not, the candidates' mean stands in and ``tokens_regenerated_exact`` is false.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from nemo_gym_ckpt.collection_checkpoint import COLLECTION_FILE, CollectionManifest
+from nemo_gym_ckpt.collection_control import Published, Restored
+from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.rollouts import read_jsonl
+
+__all__ = ["CrashState", "checkpoint_metrics", "model_calls_of"]
+
+
+@dataclass
+class CrashState:
+    """What the demo saw when it killed the mesh."""
+
+    published: Published | None = None
+    model: dict[str, Any] = field(default_factory=dict)
+    """The model participant's status extras at the crash."""
+    rows_written: int = 0
+    killed: list[str] = field(default_factory=list)
+
+
+def _records(checkpoint: Path, manifest: CollectionManifest, kind: str) -> dict[str, dict[str, Any]]:
+    """The records of the participant of ``kind``, by capture key (empty if it has none)."""
+    records: dict[str, dict[str, Any]] = {}
+    for path in manifest.manifests.values():
+        if path.split("/")[1] != kind:
+            continue
+        participant = orjson.loads((checkpoint / path).read_bytes())
+        for record in read_jsonl(checkpoint / Path(path).parent / participant["records_file"]):
+            episode = RolloutIdentity(record["episode_id"]["rollout_id"], record["episode_id"]["attempt"])
+            records[episode.capture_key] = record
+    return records
+
+
+_MODEL_ITEMS = ("function_call", "message")
+
+
+def model_calls_of(row: Mapping[str, Any]) -> tuple[list[list[int]], int]:
+    """The generated token ids of each model call of a rollout row that carries them, in order (the
+    items of one call share its prompt), and how many model outputs carry none (restored ones)."""
+    calls: list[list[int]] = []
+    last_prompt: Any = None
+    bare = 0
+    for item in row.get("response", {}).get("output", []):
+        tokens = item.get("generation_token_ids")
+        if not isinstance(tokens, list):
+            bare += item.get("type") in _MODEL_ITEMS
+        elif item.get("prompt_token_ids") != last_prompt or not calls:
+            calls.append(tokens)
+            last_prompt = item.get("prompt_token_ids")
+    return calls, bare
+
+
+def _next_is_model_call(agent_record: Mapping[str, Any] | None) -> bool:
+    """Whether the agent session, at its checkpointed boundary, was to call the model next."""
+    running = (agent_record or {}).get("session", {}).get("running")
+    if running is None:
+        return False
+    state = running.get("state")
+    return state is None or (not state.get("pending") and state.get("stop_reason") is None)
+
+
+@dataclass(frozen=True)
+class _Episode:
+    checkpointed: RolloutIdentity
+    ledger: list[dict[str, Any]]
+    cut: dict[str, Any] | None
+    calls: list[list[int]]
+    bare: int
+
+    @property
+    def first_after(self) -> list[int]:
+        """The tokens of its first model call after the restore (empty if it made none). The calls
+        restored from the checkpoint come back without token arrays, or, if they kept them, are the
+        first ones of the ledger."""
+        index = 0 if self.bare else len(self.ledger)
+        return self.calls[index] if index < len(self.calls) else []
+
+
+def _episodes(
+    checkpoint: Path, manifest: CollectionManifest, continued: Sequence[RolloutIdentity], output: Path
+) -> list[_Episode]:
+    model = _records(checkpoint, manifest, "model")
+    rows = {f"{row['_ng_task_index']}-{row['_ng_rollout_index']}": row for row in read_jsonl(output)}
+    episodes = []
+    for restored in continued:
+        checkpointed = RolloutIdentity(restored.rollout_id, restored.attempt - 1)
+        record = model.get(checkpointed.capture_key, {})
+        calls, bare = model_calls_of(rows.get(restored.rollout_id, {}))
+        ledger = list(record.get("ledger", []))
+        episodes.append(_Episode(checkpointed, ledger, record.get("cut"), calls, bare))
+    return episodes
+
+
+def _regenerated(
+    episodes: Sequence[_Episode], agent: Mapping[str, Any], in_flight: int
+) -> tuple[int, bool]:
+    cut = [e for e in episodes if e.cut is not None]
+    regenerated = sum(max(0, len(e.first_after) - int(e.cut["prefix_token_count"])) for e in cut if e.cut)
+    uncut = max(0, in_flight - len(cut))
+    candidates = [e for e in episodes if e.cut is None and e.first_after
+                  and _next_is_model_call(agent.get(e.checkpointed.capture_key))]
+    if uncut == 0:
+        return regenerated, True
+    lengths = [len(e.first_after) for e in candidates]
+    if uncut == len(candidates):
+        return regenerated + sum(lengths), True
+    mean = sum(lengths) / len(lengths) if lengths else 0.0
+    return regenerated + round(mean * uncut), False
+
+
+def checkpoint_metrics(
+    checkpoint: Path, restored: Restored, crash: CrashState, output: Path
+) -> dict[str, Any]:
+    """The demo's numbers about its checkpoint (see the module docstring)."""
+    continued = restored.continued
+    manifest = CollectionManifest.from_json((checkpoint / COLLECTION_FILE).read_bytes(), checkpoint)
+    episodes = _episodes(checkpoint, manifest, continued, output)
+    agent = _records(checkpoint, manifest, "agent")
+    in_flight = int(crash.model.get("active_calls", 0))
+    regenerated, exact = _regenerated(episodes, agent, in_flight)
+    cuts = [e.cut for e in episodes if e.cut is not None]
+    staging = sum(len(keys) for keys in manifest.staging_keys.values())
+    return {
+        "rollouts_in_flight": len(manifest.continued) + len(manifest.restarted),
+        "restored_episodes": len(continued),
+        "restarted_episodes": len(restored.restarted),
+        "continued_model_calls_skipped": sum(len(e.ledger) for e in episodes),
+        "continued_tokens_skipped": sum(int(row["output_length"]) for e in episodes for row in e.ledger),
+        "calls_in_flight_at_checkpoint": in_flight,
+        "cut_calls": len(cuts) if cuts else staging,
+        "tokens_kept": sum(int(cut["prefix_token_count"]) for cut in cuts),
+        "tokens_regenerated": regenerated,
+        "tokens_regenerated_exact": exact,
+    }

@@ -1,0 +1,291 @@
+"""Issue 5 acceptance on real processes: the quickstart mesh checkpointed while rollouts run.
+
+The mesh of ``configs/quickstart.yaml`` (inference worker on the embedded default model, policy
+model, calculator_tools, simple_agent, single_agent_turn; greedy decoding) with checkpointing on,
+each server its own process, launched once for the module. A controller here dispatches rollouts
+(``POST /ng-rollout/<key>/run``) and drives the ``Coordinator`` through the head server:
+
+1. a checkpoint while 32 rollouts are mid-episode, no crash: every row equals the uninterrupted
+   run's;
+2. the same, then SIGKILL of every server and fresh processes on the same ports: restore, resume,
+   dispatch the continued rollouts as attempt 1 (restarts afresh: there are none here). Every
+   rollout finishes exactly once, no completed model call (the policy model's capture ledger) and
+   no completed tool call (the agent's count of the calls it made on the resources server) is
+   made again, and the rows equal the uninterrupted run's, except that the turns made before the
+   checkpoint come back without token arrays (records never carry them, PROTOCOL.md section 6);
+3. retire during a run, then forget: nothing is left on any participant.
+
+Rows are compared without the response's ``created_at`` (wall-clock seconds) and with log
+probabilities equal to 1e-6: the worker batches whatever calls are in flight, and two uninterrupted
+runs already differ in the last bits of their log probabilities.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, PrepareResult
+from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.config import load_config
+from nemo_gym_ckpt.episode import without_token_arrays
+from nemo_gym_ckpt.errors import GymError
+from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.launch import MeshLauncher
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "issue-5-e2e-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+ROLLOUTS = 32
+RUN_TIMEOUT_S = 120.0
+WAIT_S = 60.0
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+ENV, AGENT, MODEL, RESOURCES = "single_agent_turn", "simple_agent", "policy_model", "calculator_tools"
+
+
+@dataclass
+class Mesh:
+    launcher: MeshLauncher
+    root: Path
+    rows: list[dict[str, Any]]
+    reference: list[dict[str, Any]]
+
+    def env_url(self) -> str:
+        return self.launcher.url_of(ENV)
+
+
+def overrides(root: Path) -> list[str]:
+    return ["head_server.port=0", "checkpoint.enabled=true", f"checkpoint.control_auth_token={TOKEN}",
+            f"checkpoint.root={root}", "policy_model.model_servers.policy_model.checkpoint_policy=true"]
+
+
+def task_rows() -> list[dict[str, Any]]:
+    lines = (ROOT / "resources_servers/calculator_tools/data/quickstart.jsonl").read_bytes().splitlines()
+    return [orjson.loads(line) for line in lines[:ROLLOUTS]]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    launcher = MeshLauncher(load_config([ROOT / "configs/quickstart.yaml"], overrides(root)))
+    launcher.start(ready_timeout_s=120)
+    try:
+        rows = task_rows()
+        reference = asyncio.run(run_all(launcher.url_of(ENV), rows, "ref"))
+        yield Mesh(launcher, root, rows, reference)
+    finally:
+        pids = list(launcher.pids.values())
+        launcher.stop()
+    assert not [pid for pid in pids if _alive(pid)], "a server process outlived the stop"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# ---- the controller's side ----------------------------------------------------------------------
+
+
+async def run_all(env: str, rows: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
+    async with MeshClient() as client:
+        replies = await asyncio.gather(*(
+            client.request("POST", f"{env}/run", json=row, identity=RolloutIdentity(f"{prefix}{i}"),
+                           timeout_s=RUN_TIMEOUT_S) for i, row in enumerate(rows)))
+    return [reply.json() for reply in replies]
+
+
+async def status(client: MeshClient, launcher: MeshLauncher, name: str) -> dict[str, Any]:
+    reply = await client.request("GET", launcher.url_of(name) + "/ng-control/v1/checkpoint/status",
+                                 headers=AUTH, rollout_prefix=False)
+    result: dict[str, Any] = reply.json()
+    return result
+
+
+async def extras(client: MeshClient, launcher: MeshLauncher, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = (await status(client, launcher, name))["extras"]
+    return found
+
+
+def dispatch(client: MeshClient, mesh: Mesh, prefix: str) -> dict[str, asyncio.Task[Any]]:
+    return {f"{prefix}{i}": asyncio.create_task(client.request(
+        "POST", f"{mesh.env_url()}/run", json=row, identity=RolloutIdentity(f"{prefix}{i}"), check=False,
+        timeout_s=RUN_TIMEOUT_S)) for i, row in enumerate(mesh.rows)}
+
+
+async def until_mid_episode(
+    client: MeshClient, mesh: Mesh, tasks: dict[str, asyncio.Task[Any]]
+) -> None:
+    """Every rollout admitted and the first model call delivered: a quick wave of first calls is
+    being delivered, none of the rollouts can have finished (each needs a second call)."""
+    base = (await extras(client, mesh.launcher, MODEL))["rows"]
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        env, model = await asyncio.gather(
+            extras(client, mesh.launcher, ENV), extras(client, mesh.launcher, MODEL))
+        live, delivered = env["episodes"], model["rows"] - base
+        if live == len(tasks) and delivered > 0:
+            return
+        assert not any(task.done() for task in tasks.values()), "a rollout ended before the checkpoint"
+        assert time.monotonic() < deadline, f"never mid-episode: {live} live, {delivered} calls delivered"
+        await asyncio.sleep(0.002)
+
+
+async def checkpoint_mid_episode(
+    client: MeshClient, coordinator: Coordinator, mesh: Mesh, tasks: dict[str, asyncio.Task[Any]],
+    cid: str,
+) -> tuple[PrepareResult, list[RolloutIdentity]]:
+    await until_mid_episode(client, mesh, tasks)
+    deadline = time.time() + 120
+    prepared = await coordinator.prepare(cid, deadline_ts=deadline)
+    assert prepared.prepared, prepared.to_json()
+    in_flight = [RolloutIdentity(key) for key, task in tasks.items() if not task.done()]
+    scope = prepared.continued(in_flight)
+    assert len(scope) == ROLLOUTS, "every rollout is mid-episode at the checkpoint"
+    committed = await coordinator.commit(cid, deadline_ts=deadline, checkpoint_dir=str(mesh.root / cid),
+                                         episode_ids=scope)
+    manifests = committed.manifests()
+    assert manifests[ENV]["record_count"] == ROLLOUTS and manifests[AGENT]["record_count"] == ROLLOUTS
+    return prepared, scope
+
+
+def index_of(episode: RolloutIdentity) -> int:
+    return int(episode.rollout_id[2:])
+
+
+def row_of(mesh: Mesh, episode: RolloutIdentity) -> dict[str, Any]:
+    return mesh.rows[index_of(episode)]
+
+
+# ---- comparing rows -----------------------------------------------------------------------------
+
+
+def assert_same(actual: Any, expected: Any, where: str = "row") -> None:
+    """Equal JSON, but log probabilities within 1e-6 and ``created_at`` not compared."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(actual) == set(expected), f"{where}: keys differ"
+        for key in expected:
+            if key != "created_at":
+                assert_same(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, list):
+        assert isinstance(actual, list) and len(actual) == len(expected), f"{where}: lengths differ"
+        for index, (a, b) in enumerate(zip(actual, expected, strict=True)):
+            assert_same(a, b, f"{where}[{index}]")
+    elif isinstance(expected, float):
+        assert isinstance(actual, float) and math.isclose(actual, expected, abs_tol=1e-6), where
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def assert_continued(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Equal but for the token arrays of turns made before the checkpoint; later turns keep theirs."""
+    assert_same(without_token_arrays(actual), without_token_arrays(expected))
+    items = zip(actual["response"]["output"], expected["response"]["output"], strict=True)
+    kept = [(a, b) for a, b in items if "generation_token_ids" in a]
+    assert kept, "the calls made after the restore carry their token arrays"
+    for a, b in kept:
+        assert_same({f: a[f] for f in TOKEN_FIELDS}, {f: b[f] for f in TOKEN_FIELDS}, "tokens")
+
+
+def model_calls(row: dict[str, Any]) -> int:
+    """The model calls of a finished row: the distinct prompts its output items were generated from."""
+    output = row["response"]["output"]
+    return len({tuple(item["prompt_token_ids"]) for item in output if "prompt_token_ids" in item})
+
+
+def tool_calls(row: dict[str, Any]) -> int:
+    return sum(1 for item in row["response"]["output"] if item["type"] == "function_call_output")
+
+
+# ---- acceptance ---------------------------------------------------------------------------------
+
+
+async def test_a_checkpoint_mid_episode_without_a_crash_changes_no_row(mesh: Mesh) -> None:
+    async with MeshClient() as client, Coordinator(mesh.launcher.head_url, TOKEN) as coordinator:
+        await coordinator.discover()
+        tasks = dispatch(client, mesh, "nc")
+        try:
+            await checkpoint_mid_episode(client, coordinator, mesh, tasks, "no-crash")
+        finally:
+            await coordinator.resume("no-crash", deadline_ts=time.time() + 60)
+        replies = [await asyncio.wait_for(task, RUN_TIMEOUT_S) for task in tasks.values()]
+    assert [reply.status_code for reply in replies] == [200] * ROLLOUTS
+    for reply, expected in zip(replies, mesh.reference, strict=True):
+        assert_same(reply.json(), expected)
+
+
+async def test_a_crash_after_the_commit_continues_every_rollout_exactly_once(mesh: Mesh) -> None:
+    launcher = mesh.launcher
+    async with MeshClient() as client:
+        async with Coordinator(launcher.head_url, TOKEN) as coordinator:
+            await coordinator.discover()
+            rows_before = (await extras(client, launcher, MODEL))["rows"]
+            tools_before = (await extras(client, launcher, AGENT))["tool_calls"]
+            tasks = dispatch(client, mesh, "ck")
+            prepared, scope = await checkpoint_mid_episode(client, coordinator, mesh, tasks, "crash")
+            delivered = (await extras(client, launcher, MODEL))["rows"] - rows_before
+            tools_made = (await extras(client, launcher, AGENT))["tool_calls"] - tools_before
+        await asyncio.to_thread(launcher.restart_all, 120)  # SIGKILL every server, fresh processes
+        lost = await asyncio.gather(*tasks.values(), return_exceptions=True)
+        assert not [r for r in lost if not isinstance(r, GymError) and r.status_code == 200], "one finished"
+        async with Coordinator(launcher.head_url, TOKEN) as coordinator:
+            deadline = time.time() + 120
+            directory = str(mesh.root / "crash")
+            restored = await coordinator.restore("back", deadline_ts=deadline, checkpoint_dir=directory,
+                                                 episode_ids=scope)
+            assert restored.continued() == [e.next_attempt() for e in scope] and restored.restarts() == []
+            inherited = (await extras(client, launcher, MODEL))["rows"]
+            await coordinator.resume("back", deadline_ts=deadline)
+        continued = restored.continued() + restored.restarts()
+        replies = await asyncio.gather(*(
+            client.request("POST", f"{mesh.env_url()}/run", json=row_of(mesh, e), identity=e,
+                           timeout_s=RUN_TIMEOUT_S) for e in continued))
+        model_after = await extras(client, launcher, MODEL)
+        tools_after = (await extras(client, launcher, AGENT))["tool_calls"]
+    expected = [mesh.reference[index_of(e)] for e in continued]
+    for reply, row in zip(replies, expected, strict=True):
+        assert_continued(reply.json(), row)
+    assert prepared.restarts() == set()
+    assert 0 < inherited == delivered  # the delivered calls' ledger rows came back (held ones did not)
+    assert model_after["rows"] == sum(model_calls(row) for row in expected)  # no model call made twice
+    assert model_after["ledgers"] == ROLLOUTS
+    assert tools_made + tools_after == sum(tool_calls(row) for row in expected)  # no tool call twice
+
+
+async def test_retire_during_a_run_then_forget_leaves_nothing(mesh: Mesh) -> None:
+    launcher = mesh.launcher
+    async with MeshClient() as client, Coordinator(launcher.head_url, TOKEN) as coordinator:
+        finished = [f"{prefix}{i}" for prefix in ("ref", "nc", "ck") for i in range(ROLLOUTS)]
+        await coordinator.forget(finished, deadline_ts=time.time() + 60)  # collected: nothing to keep
+        tasks = dispatch(client, mesh, "rt")
+        await until_mid_episode(client, mesh, tasks)
+        episodes = [RolloutIdentity(key) for key in tasks]
+        await coordinator.retire(episodes, deadline_ts=time.time() + 60)
+        replies = await asyncio.gather(*tasks.values())
+        codes = {reply.json()["error"]["code"] for reply in replies if reply.status_code != 200}
+        assert codes <= {"stale_attempt"} and any(reply.status_code == 409 for reply in replies)
+        statuses = await coordinator.status()
+        assert all(s["retired_rollouts"] == ROLLOUTS for s in statuses.values())
+        await coordinator.forget([e.rollout_id for e in episodes], deadline_ts=time.time() + 60)
+        statuses = await coordinator.status()
+    assert all(s["retired_rollouts"] == 0 and s["waiting_requests"] == 0 for s in statuses.values())
+    by_kind = {s["kind"]: s["extras"] for s in statuses.values()}
+    assert by_kind["environment"]["episodes"] == 0 and by_kind["environment"]["installed"] == 0
+    assert (by_kind["agent"]["sessions"], by_kind["agent"]["running"]) == (0, 0)
+    assert (by_kind["model"]["active_calls"], by_kind["model"]["held_responses"]) == (0, 0)
+    assert by_kind["model"]["ledgers"] == 0
+    assert (by_kind["resources"]["sessions"], by_kind["resources"]["in_flight_requests"]) == (0, 0)

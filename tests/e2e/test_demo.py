@@ -1,0 +1,47 @@
+"""``nemo-gym-ckpt demo`` end to end: the real command, the quickstart mesh, SIGKILL, restore."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from nemo_gym_ckpt.collection_checkpoint import find_latest
+
+pytestmark = pytest.mark.e2e
+
+REQUIRED = ("rollouts", "identical_to_reference", "restored_episodes", "continued_model_calls_skipped",
+            "cut_calls", "tokens_kept", "tokens_regenerated", "checkpoint_pause_ms", "restore_ms",
+            "checkpoint_bytes")
+
+
+@pytest.mark.timeout(400)
+def test_the_demo_restores_a_killed_mesh_to_the_rows_of_the_reference(tmp_path: Path) -> None:
+    report, work = tmp_path / "demo.json", tmp_path / "work"
+    done = subprocess.run(
+        [sys.executable, "-m", "nemo_gym_ckpt", "demo", "--json", str(report), "--rollouts", "24",
+         "--workdir", str(work)],
+        cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, timeout=360)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    metrics = orjson.loads(report.read_bytes())
+    assert set(REQUIRED) <= set(metrics)
+    assert metrics["rollouts"] == 24 and metrics["identical_to_reference"] is True
+    assert metrics["restored_episodes"] >= 1 and metrics["rollouts_in_flight"] >= metrics["restored_episodes"]
+    assert len(metrics["servers_killed"]) == 5 and metrics["rows_before_crash"] < 24
+    assert metrics["checkpoint_bytes"] > 0 and metrics["checkpoint_pause_ms"] > 0
+    assert metrics["restore_ms"] > 0
+    assert metrics["token_arrays_compared"] > 0 and metrics["max_logprob_diff"] <= 1e-4
+    # the skipped calls are exactly the ledger rows the rows came back without token arrays for
+    assert metrics["token_arrays_not_restored"] == metrics["continued_model_calls_skipped"]
+    assert metrics["cut_calls"] >= 0 and metrics["tokens_kept"] >= 0 and metrics["tokens_regenerated"] >= 0
+    latest = find_latest(work / "checkpoints" / "collection")
+    assert latest is not None and latest.checkpoint_id == metrics["checkpoint_id"]
+    in_flight = len(latest.continued) + len(latest.restarted)
+    assert in_flight == metrics["rollouts_in_flight"]
+    assert metrics["restored_episodes"] + metrics["restarted_episodes"] <= in_flight
+    table = done.stdout.decode()
+    assert "checkpoint + SIGKILL + restore" in table and "rows identical" in table and "yes" in table

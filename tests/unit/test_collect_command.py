@@ -1,0 +1,99 @@
+"""``nemo-gym-ckpt collect`` before it starts anything: flags, nothing left, refusals, overrides."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import orjson
+import pytest
+
+from nemo_gym_ckpt import collect
+from nemo_gym_ckpt.collection_checkpoint import CollectionManifest, publish
+from nemo_gym_ckpt.config import load_config
+from nemo_gym_ckpt.rollouts import read_jsonl
+
+pytestmark = pytest.mark.unit
+
+QUICKSTART = collect.PROJECT_ROOT / "configs" / "quickstart.yaml"
+DATASET = collect.PROJECT_ROOT / "resources_servers" / "calculator_tools" / "data" / "quickstart.jsonl"
+
+
+def args_for(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    collect.configure(parser)
+    return parser.parse_args(list(argv))
+
+
+def finished_rows(output: Path, count: int) -> None:
+    tasks = list(read_jsonl(DATASET))[:count]
+    output.write_bytes(b"".join(orjson.dumps({**task, "reward": 1.0, "_ng_task_index": index,
+                                              "_ng_rollout_index": 0, "_ng_attempt_index": 0}) + b"\n"
+                                for index, task in enumerate(tasks)))
+
+
+def test_a_run_with_nothing_left_exits_0_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "rows.jsonl"
+    finished_rows(output, 3)
+    status = collect.main(args_for("--config", str(QUICKSTART), "--output", str(output), "--limit", "3",
+                                   "--checkpoint-dir", str(tmp_path / "ckpt")))
+    assert status == 0 and f"nothing left: all 3 rollouts are in {output}" in capsys.readouterr().out
+    assert not (tmp_path / "rows_servers.log").exists()  # no mesh was launched
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_checkpoint_of_another_config_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = tmp_path / "ckpt"
+    checkpoint = "ckpt-20260101T000000000000Z-0123abcd"
+    (directory / checkpoint / "gym/model/policy_model").mkdir(parents=True)
+    (directory / checkpoint / "gym/model/policy_model/manifest.json").write_bytes(b"{}")
+    publish(directory, CollectionManifest(
+        checkpoint_id=checkpoint, run_id="run-x", created_at="2026-01-01T00:00:00.000Z", continued=["0-0"],
+        restarted=[], rows_done=0, config_digest="0" * 64, input_digest="1" * 64, num_repeats=1,
+        manifests={"policy_model": "gym/model/policy_model/manifest.json"}))
+    before = sorted(str(p) for p in directory.rglob("*"))
+    status = collect.main(args_for("--config", str(QUICKSTART), "--output", str(tmp_path / "rows.jsonl"),
+                                   "--limit", "3", "--checkpoint-dir", str(directory)))
+    err = capsys.readouterr().err
+    assert status == 2 and "was taken with another config" in err and "another --checkpoint-dir" in err
+    assert sorted(str(p) for p in directory.rglob("*")) == before
+    assert not (tmp_path / "rows_servers.log").exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--head", "http://127.0.0.1:9", "--checkpoint-every-s", "5"], "need --checkpoint-dir"),
+    (["--config", str(QUICKSTART), "--token", "t"], "need --checkpoint-dir"),
+    (["x=1"], "pass --config CONFIG"),
+])
+def test_flag_combinations_that_cannot_work_are_usage_errors(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert collect.main(args_for(*argv, "--output", str(tmp_path / "o.jsonl"))) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_head_mesh_needs_its_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(collect.TOKEN_ENV, raising=False)
+    with pytest.raises(collect.UsageError, match="GYM_CKPT_TOKEN"):
+        collect._head_token(args_for("--head", "http://h", "--output", "o", "--checkpoint-dir", "d"))
+    monkeypatch.setenv(collect.TOKEN_ENV, "from-env")
+    assert collect._head_token(args_for("--head", "http://h", "--output", "o", "--checkpoint-dir", "d")) == (
+        "from-env")
+
+
+def test_a_launched_mesh_gets_checkpointing_into_the_directory(tmp_path: Path) -> None:
+    mesh = load_config([QUICKSTART])
+    overrides = collect.checkpoint_overrides(mesh, tmp_path / "ckpt")
+    assert overrides[:2] == ["checkpoint.enabled=true", f"checkpoint.root={tmp_path / 'ckpt'}"]
+    token = overrides[2].split("=", 1)[1]
+    assert token.startswith("ng-") and len(token) == 35
+    assert collect.checkpoint_overrides(mesh, tmp_path / "ckpt")[2] != overrides[2]  # fresh each time
+    enabled = load_config([QUICKSTART], [*overrides])
+    assert enabled.checkpoint.enabled and enabled.checkpoint.root == tmp_path / "ckpt"
+    assert collect.checkpoint_overrides(enabled, tmp_path / "ckpt" / "run") == []  # the config's own
+    with pytest.raises(collect.UsageError, match=r"not inside the config's checkpoint\.root"):
+        collect.checkpoint_overrides(enabled, tmp_path / "elsewhere")
