@@ -1,0 +1,84 @@
+"""Garbage posted to every route of every server kind gets a structured 4xx, never a 500.
+
+The apps are built from the quickstart config plus every other implementation in the project, with
+checkpointing on (so the control routes are mounted too), and walked through their OpenAPI paths.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from nemo_gym_ckpt.config import load_config_dict
+from nemo_gym_ckpt.context import ServerContext
+
+pytestmark = pytest.mark.unit
+
+REF = {"type": "model_servers", "name": "policy_model"}
+MESH: dict[str, Any] = {
+    "checkpoint": {"enabled": True, "control_auth_token": "t0ken", "root": "/tmp/ngc-garbage"},
+    "inference_worker": {"model_servers": {"inference_worker": {}}},
+    "policy_model": {"model_servers": {"policy_model": {
+        "worker": {"type": "model_servers", "name": "inference_worker"}, "checkpoint_policy": True}}},
+    "calculator_tools": {"resources_servers": {"calculator_tools": {}}},
+    "string_match": {"resources_servers": {"string_match": {}}},
+    "mcqa": {"resources_servers": {"mcqa": {}}},
+    "kv_store": {"resources_servers": {"kv_store": {}}},
+    "simple_agent": {"agents": {"simple_agent": {
+        "model_server": REF, "resources_server": {"type": "resources_servers", "name": "calculator_tools"}}}},
+    "single_agent_turn": {"environment_servers": {"single_agent_turn": {
+        "agent": {"type": "agents", "name": "simple_agent"},
+        "resources_server": {"type": "resources_servers", "name": "calculator_tools"}}}},
+    "nim": {"environment_servers": {"nim": {"agent": {"type": "agents", "name": "simple_agent"}}}},
+}
+GARBAGE: list[tuple[str, dict[str, str]]] = [
+    ("{not json", {"content-type": "application/json"}),
+    ("[1, 2, 3]", {"content-type": "application/json"}),
+    ('{"unexpected": {"deeply": [null, 1e999]}}', {"content-type": "application/json"}),
+    ("\x00\xff binary", {"content-type": "application/octet-stream"}),
+]
+
+
+def _app(name: str) -> FastAPI:
+    mesh = load_config_dict(MESH)
+    instance = mesh.instance(name)
+    module = importlib.import_module(instance.module)
+    return module.create_app(ServerContext(name=name, settings=instance.settings, mesh=mesh))  # type: ignore[no-any-return]
+
+
+def _routes(app: FastAPI) -> list[tuple[str, str, bool]]:
+    """(method, path, takes a body) for every route without path parameters."""
+    paths = app.openapi()["paths"]
+    return [(method.upper(), path, "requestBody" in op)
+            for path, ops in paths.items() for method, op in ops.items() if "{" not in path]
+
+
+def _instances() -> list[str]:
+    return [name for name in MESH if name != "checkpoint"]
+
+
+@pytest.mark.parametrize("name", _instances())
+async def test_garbage_on_every_route_gets_a_structured_4xx(name: str) -> None:
+    app = _app(name)
+    routes = _routes(app)
+    assert routes, f"{name} exposes no route"
+    headers_auth = {"authorization": "Bearer t0ken"}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as http:
+        for method, path, takes_body in routes:
+            if method != "POST":
+                continue
+            for prefix in ("", "/ng-rollout/garbage-r1"):
+                for body, headers in GARBAGE:
+                    reply = await http.post(prefix + path, content=body, headers={**headers, **headers_auth})
+                    where = (name, prefix + path, body, reply.status_code, reply.text)
+                    assert reply.status_code < 500, where
+                    if takes_body:
+                        assert 400 <= reply.status_code < 500, where
+                    if reply.status_code >= 400:
+                        error = reply.json()["error"]
+                        assert isinstance(error["code"], str) and isinstance(error["detail"], str), where
