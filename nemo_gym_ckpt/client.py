@@ -229,5 +229,6 @@ def decode_json(response: httpx.Response) -> Any:
     try:
         return orjson.loads(response.content)
     except orjson.JSONDecodeError as error:
-        raise UpstreamError(f"{response.request.url} answered non-JSON ({len(response.content)} bytes)") from error
+        size = len(response.content)
+        raise UpstreamError(f"{response.request.url} answered non-JSON ({size} bytes)") from error
 
