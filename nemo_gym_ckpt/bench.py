@@ -14,6 +14,11 @@ Suites (``--only`` picks some):
   directly.
 - ``checkpoint``: the control plane (prepare/commit/resume cycles; commit throughput against the
   fsync floor), when that module is present.
+- ``rollouts``: whole quickstart rollouts at concurrency 1, 8 and 64: rollouts/s, p50/p99, CPU per
+  rollout of every server process, and each layer (engine, worker, policy model, tools, agent,
+  environment) replayed alone (``rollout_bench.py``).
+- ``checkpoint_overhead``: quickstart rollouts/s at concurrency 8 with checkpointing enabled but
+  idle, over the same mesh with it off.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,15 @@ from nemo_gym_ckpt.config import load_config_dict
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.launch import MeshLauncher
 
-__all__ = ["SUITES", "configure", "main", "percentile", "run_closed_loop"]
+__all__ = [
+    "SUITES",
+    "bench_checkpoint_overhead",
+    "bench_rollouts",
+    "configure",
+    "main",
+    "percentile",
+    "run_closed_loop",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -180,11 +193,26 @@ def bench_checkpoint(duration_s: float) -> Result:
     return dict(module.run_all(quick=duration_s < 3))
 
 
+def bench_rollouts(duration_s: float, overrides: Sequence[str] = ()) -> Result:
+    """The quickstart end to end; ``overrides`` are ``key=value`` config overrides."""
+    from nemo_gym_ckpt.rollout_bench import measure_rollouts
+
+    return measure_rollouts(duration_s, overrides)
+
+
+def bench_checkpoint_overhead(duration_s: float) -> Result:
+    from nemo_gym_ckpt.rollout_bench import checkpoint_overhead
+
+    return checkpoint_overhead(duration_s)
+
+
 SUITES: dict[str, Callable[[float], Result]] = {
     "client": bench_client,
     "worker": bench_worker,
     "policy": bench_policy,
     "checkpoint": bench_checkpoint,
+    "rollouts": bench_rollouts,
+    "checkpoint_overhead": bench_checkpoint_overhead,
 }
 
 

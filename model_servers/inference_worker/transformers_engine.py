@@ -1,14 +1,23 @@
 """The CPU engine: a local Hugging Face causal LM behind one batching scheduler.
 
 One background task runs decode steps. Each step takes every active request (up to
-``max_batch_size``; the rest wait in arrival order), computes next-token logits for all of them in a
-worker thread (``forward_steps.py``: by default one forward over the left-padded full sequences
-without a KV cache; optionally with per-sequence KV caches) and draws one token per row with the
-stateless sampler. New requests join at the next step; finished and cancelled ones leave before it.
+``max_batch_size``; the rest wait in arrival order), computes next-token logits for all of them on
+the engine's one compute thread (``forward_steps.py``: by default one batch KV cache that sequences
+join and leave row by row, with the caches of finished sequences reused by the next turn of the
+same conversation; or, with ``kv_cache=False``, one forward over the left-padded full sequences)
+and draws one token per row with the stateless sampler. New requests join at the next step;
+finished and cancelled ones leave before it.
 
-Why no KV cache by default: every step recomputes the whole sequence, so a generation continued from
-prompt + prefix ids executes exactly the operations the uninterrupted run executes (bit-equal
-logits when run alone), and joining or leaving a batch needs no cache surgery.
+Full recompute (``kv_cache=False``) makes a generation continued from prompt + prefix ids execute
+exactly the operations the uninterrupted run executes (bit-equal logits when run alone); with the
+KV cache logits agree to float noise and tokens match.
+
+Threads: torch runs on one dedicated thread, with ``torch_threads`` intra-op threads (default
+``DEFAULT_TORCH_THREADS`` = 1). The mesh runs several server processes on few cores; with more
+intra-op threads than the engine can keep scheduled, every small op waits at an OpenMP barrier for a
+descheduled thread, and the worker burned ~10x the CPU per rollout and stalled for seconds under
+load (docs/benchmarks.md, "Rollout throughput"). The embedded model's ops are too small to gain from
+intra-op parallelism; raise ``torch_threads`` for a large model on a machine of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +38,10 @@ from model_servers.inference_worker.hf_tokenizer import HFTokenizer
 from model_servers.inference_worker.sampling import LogprobsMode, RowSampling, sample_batch
 from nemo_gym_ckpt.errors import ConfigError, GymError, InternalError, Unavailable
 
-__all__ = ["TransformersEngine"]
+__all__ = ["DEFAULT_TORCH_THREADS", "TransformersEngine"]
+
+#: Intra-op threads of torch when the settings name none (see the module docstring).
+DEFAULT_TORCH_THREADS = 1
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +94,10 @@ class TransformersEngine(Engine):
         policy_version: int = 0,
     ) -> None:
         super().__init__(policy_version=policy_version)
-        stepper = CachedDecode if kv_cache else FullRecompute
-        self._stepper: Stepper = stepper(model, tokenizer.pad_token_id)
+        self._stepper: Stepper = (
+            CachedDecode(model, tokenizer.pad_token_id, pool_size=2 * max_batch_size) if kv_cache
+            else FullRecompute(model, tokenizer.pad_token_id)
+        )
         self._tokenizer = tokenizer
         self._context_length = context_length
         self._max_batch_size = max_batch_size
@@ -91,6 +106,7 @@ class TransformersEngine(Engine):
         self._active: list[_Slot] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._thread: ThreadPoolExecutor | None = None
         self.steps = 0
 
     @classmethod
@@ -111,8 +127,7 @@ class TransformersEngine(Engine):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        torch.set_num_threads(torch_threads or DEFAULT_TORCH_THREADS)
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
         model.eval()
         tokenizer = HFTokenizer.load(path, model_vocab_size=model.config.vocab_size)
@@ -141,6 +156,7 @@ class TransformersEngine(Engine):
 
     async def start(self) -> None:
         if self._task is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine")
             self._task = asyncio.create_task(self._run(), name="transformers-engine-scheduler")
             self._task.add_done_callback(self._on_scheduler_exit)
 
@@ -150,6 +166,9 @@ class TransformersEngine(Engine):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=False, cancel_futures=True)
         self._fail_all(Unavailable("the inference engine shut down"))
 
     def _on_scheduler_exit(self, task: asyncio.Task[None]) -> None:
@@ -215,7 +234,8 @@ class TransformersEngine(Engine):
         rows = [slot.row() for slot in batch]
         self.steps += 1
         try:
-            return await asyncio.to_thread(self._compute, batch, rows)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._thread, self._compute, batch, rows)
         except (RuntimeError, ValueError, IndexError) as error:
             logger.exception("engine step failed for a batch of %d", len(batch))
             for slot in batch:
