@@ -169,6 +169,9 @@ class MeshClient:
             request.headers["cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
         try:
             return await self._http.send(request)
+        except httpx.ConnectTimeout as error:
+            # Not sent: httpx-aiohttp also reports a dropped keep-alive connection this way.
+            raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
         except httpx.TimeoutException as error:
             raise UpstreamTimeout(f"{method} {url}: {type(error).__name__}") from error
         except httpx.TransportError as error:

@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("instance")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request blocks the event loop
     if PARENT_ENV in os.environ:
         watch_parent(int(os.environ[PARENT_ENV]), exit_orphaned)
     try:
