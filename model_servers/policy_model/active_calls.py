@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from model_servers.policy_model.generation import ChatCall
+from model_servers.policy_model.generation import TOKEN_FIELDS, ChatCall
 from model_servers.policy_model.ids import sha256_of
 from nemo_gym_ckpt.checkpoint.admission import Signal
 from nemo_gym_ckpt.checkpoint.records import Scope
@@ -41,8 +41,19 @@ class CallState(StrEnum):
 
 
 def conversation_digest(call: ChatCall) -> str:
-    """What a call said (messages, token fields included; tools; tool choice), to match it again."""
-    return sha256_of({"messages": call.messages, "tools": call.tools, "tool_choice": call.tool_choice})
+    """What a call said, to match it again after a restore: its messages without the token capture
+    fields (``TOKEN_FIELDS``), its tools and its tool choice.
+
+    A restored agent re-issues the call from its checkpointed conversation, and records never carry
+    token arrays: its earlier assistant turns come back with the same text and tool calls but without
+    ``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` or ``policy_version``
+    (or with arrays put back from elsewhere). The digest leaves exactly those out; anything else (a
+    role, a text, a tool call id or argument, a tool, the tool choice, the order) still changes it.
+    Whether the continued prompt is the staged one is the worker's check (by prompt digest).
+    """
+    messages = [{key: value for key, value in message.items() if key not in TOKEN_FIELDS}
+                for message in call.messages]
+    return sha256_of({"messages": messages, "tools": call.tools, "tool_choice": call.tool_choice})
 
 
 @dataclass(eq=False)

@@ -13,7 +13,7 @@ caller in the reply). Fields, in this order on the wire (``ROW_FIELDS``):
 | ``finish_reason`` | ``stop``, ``length`` or ``tool_calls`` |
 | ``policy_version`` | the engine's policy version for the call |
 | ``admitted_at`` | Unix seconds when the call was admitted |
-| ``conversation_digest`` | ``sha256_of`` the request's messages, tools and tool choice |
+| ``conversation_digest`` | ``active_calls.conversation_digest``: messages (no token fields), tools, tool choice |
 
 A rollout's ledger is one lineage across attempts: restoring attempt N installs a ledger for N+1
 that inherits N's rows, and the first call N+1 delivers has N's last row as its parent. The record

@@ -66,12 +66,12 @@ def policies(fmt: ChatFormat, tokenizer_dir: Path, root: Path) -> OpenPolicy:
 
 
 async def in_flight(
-    policy: Policy, episode: RolloutIdentity, text: str
+    policy: Policy, episode: RolloutIdentity, text: str, **extra: Any
 ) -> tuple[asyncio.Task[Any], asyncio.Event]:
     """A call of ``episode`` that reached the worker and is still generating (until the gate)."""
     started, gate = asyncio.Event(), asyncio.Event()
     policy.worker.will(Generate(text, started=started, gate=gate))
-    task = asyncio.create_task(policy.call(episode, text))
+    task = asyncio.create_task(policy.call(episode, text, **extra))
     await asyncio.wait_for(started.wait(), WAIT_S)
     return task, gate
 
@@ -230,6 +230,30 @@ async def test_the_reissued_call_continues_from_its_staged_prefix(policies: Open
     assert sent["model_call"] == {"model_call_id": reissued.headers[MODEL_CALL_HEADER],
                                   "parent_call_id": cut["parent_call_id"], "previous_length": 1}
     assert "continuation" not in again.worker.requests[1] and after.status_code == 200  # delivered: cut used
+
+
+def agent_conversation(tokens: bool) -> list[dict[str, Any]]:
+    """A question, the policy's answer (with the token fields it returned, or without them as a
+    restored agent has it), and the next question."""
+    capture = {"prompt_token_ids": [3, 4], "generation_token_ids": [5, 6], "generation_log_probs": [-0.5, -0.25],
+               "policy_version": 0} if tokens else {}
+    return [{"role": "user", "content": "one"}, {"role": "assistant", "content": "ok", **capture},
+            {"role": "user", "content": "two"}]
+
+
+async def test_a_restored_agent_without_token_arrays_continues_the_cut(policies: OpenPolicy) -> None:
+    async with policies(**CUTS) as first:
+        call, gate = await in_flight(first, R1, "two", messages=agent_conversation(tokens=True))
+        committed = await commit(first, "c1")
+        [record] = ledger_records(first.root, committed)
+        await first.control.ok("resume", checkpoint_id="c1")
+        gate.set()
+        await asyncio.wait_for(call, WAIT_S)
+    async with policies(**CUTS) as again:
+        await restored(again, first, "c1", R1)
+        reply = await again.call(R1.next_attempt(), "two", messages=agent_conversation(tokens=False))
+    assert reply.status_code == 200 and "cut" in record
+    assert again.worker.requests[0]["continuation"]["staging_keys"] == record["cut"]["staging_keys"]
 
 
 async def test_a_restored_cut_is_kept_until_the_rollout_delivers(policies: OpenPolicy) -> None:
