@@ -18,8 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any, cast
 
 import orjson
@@ -29,6 +28,7 @@ from fastapi import FastAPI
 from nemo_gym_ckpt.config import MeshConfig, load_config_dict
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import ConfigError
+from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = ["CONFIG_ENV", "ORPHAN_GRACE_S", "PARENT_ENV", "build_app", "exit_orphaned", "main", "watch_parent"]
 
@@ -46,18 +46,7 @@ def build_app(mesh: MeshConfig, name: str) -> FastAPI:
     module = importlib.import_module(instance.module)
     ctx: ServerContext[Any] = ServerContext(name=name, settings=instance.settings, mesh=mesh)
     app = cast(FastAPI, module.create_app(ctx))
-    inner = app.router.lifespan_context
-
-    @asynccontextmanager
-    async def lifespan(a: FastAPI) -> AsyncIterator[Any]:
-        async with inner(a) as state:
-            try:
-                yield state
-            finally:
-                await ctx.aclose()
-
-    app.router.lifespan_context = lifespan
-    return app
+    return close_on_shutdown(app, ctx.aclose)  # our servers close it already; a server of yours may not
 
 
 def watch_parent(parent_pid: int, on_orphaned: Callable[[], None], interval_s: float = 0.5) -> None:

@@ -5,13 +5,18 @@ handled by ``RolloutPrefixMiddleware``, orjson responses, and one set of error h
 every failure into ``{"error": {"code", "detail"}}``: domain errors by class, validation failures as
 400 ``invalid_request``, unknown routes as 404 and wrong methods as 405. Nothing a client sends can
 produce a 500; a 500 means a bug and is logged with its traceback.
+
+``close_on_shutdown(app, aclose)`` chains one more step onto an app's lifespan: ``aclose`` runs once
+the lifespan the app had so far has ended (or failed to start). Each server's ``create_app`` closes
+its context's client this way, so an app closes its client wherever it runs (uvicorn, or a test
+entering its lifespan over ``httpx.ASGITransport``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import orjson
@@ -34,6 +39,7 @@ from nemo_gym_ckpt.identity import CURRENT_IDENTITY, split_rollout_path
 __all__ = [
     "OrjsonResponse",
     "RolloutPrefixMiddleware",
+    "close_on_shutdown",
     "create_app",
     "error_response",
     "install_error_handlers",
@@ -145,3 +151,24 @@ def create_app(name: str, *, lifespan: Lifespan | None = None, version: str = "0
 
     return app
 
+
+
+def close_on_shutdown(app: FastAPI, aclose: Callable[[], Awaitable[object]]) -> FastAPI:
+    """Run ``aclose`` when ``app`` shuts down, after the lifespan it had so far; answers ``app``.
+
+    Chained calls close in order of registration: what the app's own shutdown (and each earlier
+    step) may still use, a client registered last, stays open until they ended. ``aclose`` runs also
+    when the app's startup fails.
+    """
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(instance: FastAPI) -> AsyncIterator[Any]:
+        try:
+            async with inner(instance) as state:
+                yield state
+        finally:
+            await aclose()
+
+    app.router.lifespan_context = lifespan
+    return app

@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from agents.simple_agent.app import Config, SimpleAgent, build_app
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = ["Config", "RestartOnlyAgent", "create_app"]
 
@@ -35,4 +36,4 @@ class RestartOnlyAgent(SimpleAgent):
 
 
 def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
-    return build_app(RestartOnlyAgent(ctx), ctx, clock=clock)
+    return close_on_shutdown(build_app(RestartOnlyAgent(ctx), ctx, clock=clock), ctx.aclose)

@@ -53,7 +53,7 @@ from nemo_gym_ckpt.errors import InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import current_identity
 from nemo_gym_ckpt.resources import RESTART_HEADER
 from nemo_gym_ckpt.responses import normalize_input
-from nemo_gym_ckpt.server import OrjsonResponse
+from nemo_gym_ckpt.server import OrjsonResponse, close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base
 
 __all__ = [
@@ -260,4 +260,4 @@ def build_app(agent: SimpleAgent, ctx: ServerContext[Config], *, clock: Clock = 
 
 
 def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
-    return build_app(SimpleAgent(ctx), ctx, clock=clock)
+    return close_on_shutdown(build_app(SimpleAgent(ctx), ctx, clock=clock), ctx.aclose)

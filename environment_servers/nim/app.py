@@ -43,6 +43,7 @@ from nemo_gym_ckpt.episode import Episode, Program, Step
 from nemo_gym_ckpt.errors import GymError
 from nemo_gym_ckpt.resources import ResponseObject, final_text
 from nemo_gym_ckpt.responses import add_usage, normalize_input
+from nemo_gym_ckpt.server import close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base
 
 __all__ = ["Config", "Nim", "NimTask", "create_app"]
@@ -141,4 +142,4 @@ class Nim:
 def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
     app = create_app_base(ctx.name)
     mount_environment(app, ctx, Nim(ctx).program, task_model=NimTask, clock=clock)
-    return app
+    return close_on_shutdown(app, ctx.aclose)

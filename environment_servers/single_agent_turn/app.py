@@ -40,6 +40,7 @@ from nemo_gym_ckpt.environment import AgentClient, EnvironmentConfig, cookies_of
 from nemo_gym_ckpt.episode import Episode, Program, Step, StepMode
 from nemo_gym_ckpt.errors import GymError, UpstreamError
 from nemo_gym_ckpt.resources import RESTART_HEADER, VERIFY_HEADER
+from nemo_gym_ckpt.server import close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base
 
 __all__ = ["Config", "SingleAgentTurn", "create_app", "verify_mode"]
@@ -153,4 +154,4 @@ async def _best_effort(call: Any, what: str) -> None:
 def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
     app = create_app_base(ctx.name)
     mount_environment(app, ctx, SingleAgentTurn(ctx).program, clock=clock)
-    return app
+    return close_on_shutdown(app, ctx.aclose)

@@ -47,8 +47,8 @@ from nemo_gym_ckpt.config import CheckpointConfig, ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import GymError, InvalidRequest, Unavailable
 from nemo_gym_ckpt.identity import current_identity
+from nemo_gym_ckpt.server import close_on_shutdown, sse_event
 from nemo_gym_ckpt.server import create_app as create_app_base
-from nemo_gym_ckpt.server import sse_event
 
 __all__ = ["Config", "EngineFactory", "PolicyVersionBody", "create_app", "load_engine", "staging_dir"]
 
@@ -293,4 +293,4 @@ def create_app(ctx: ServerContext[Config], *, engine_factory: EngineFactory = lo
     token = ctx.mesh.checkpoint.control_auth_token
     if worker.cuts is not None and token is not None:
         app.include_router(make_cut_router(worker.cuts, token.get_secret_value()))
-    return app
+    return close_on_shutdown(app, ctx.aclose)

@@ -28,6 +28,7 @@ from model_servers.policy_model.worker_backend import WorkerBackend
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.config import MeshConfig, ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.server import close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base
 
 __all__ = ["Config", "UpstreamConfig", "create_app", "make_backend", "tokenizer_dir"]
@@ -133,4 +134,4 @@ def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> Fa
             app, ctx, backend, worker_url=worker_url, generation_cuts=settings.generation_cuts, clock=clock
         )
     app.include_router(make_router(policy.backend if policy else backend, defaults))
-    return app
+    return close_on_shutdown(app, ctx.aclose)

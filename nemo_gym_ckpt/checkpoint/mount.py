@@ -9,8 +9,6 @@ call ``participant.admit(identity)`` on rollout-scoped routes (only when it is n
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -24,6 +22,7 @@ from nemo_gym_ckpt.checkpoint.store import CheckpointStore
 from nemo_gym_ckpt.checkpoint.telemetry import Telemetry
 from nemo_gym_ckpt.config import CheckpointConfig
 from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = ["mount_checkpointing"]
 
@@ -61,19 +60,5 @@ def mount_checkpointing(
         telemetry=telemetry.for_participant(kind, name) if telemetry else None,
     )
     app.include_router(make_router(participant, config.control_auth_token.get_secret_value()))
-    _close_with(app, participant)
+    close_on_shutdown(app, participant.aclose)
     return participant
-
-
-def _close_with(app: FastAPI, participant: Participant) -> None:
-    inner = app.router.lifespan_context
-
-    @asynccontextmanager
-    async def lifespan(instance: FastAPI) -> AsyncIterator[Any]:
-        async with inner(instance) as state:
-            try:
-                yield state
-            finally:
-                await participant.aclose()
-
-    app.router.lifespan_context = lifespan

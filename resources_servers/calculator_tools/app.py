@@ -18,6 +18,7 @@ from pydantic import Field, StrictFloat, StrictInt, StrictStr, field_validator
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.resources import ResourcesServer, ToolArgs, Verdict, VerifyRequest, final_text, tool
+from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = [
     "OPERAND_LIMIT",
@@ -106,4 +107,4 @@ class CalculatorTools(ResourcesServer[Config]):
 
 
 def create_app(ctx: ServerContext[Config]) -> FastAPI:
-    return CalculatorTools(ctx).build_app()
+    return close_on_shutdown(CalculatorTools(ctx).build_app(), ctx.aclose)

@@ -22,6 +22,7 @@ from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import InvalidRequest
 from nemo_gym_ckpt.resources import ResourcesServer, Session, TaskRow, ToolArgs, Verdict, VerifyRequest, tool
+from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = [
     "Config",
@@ -135,4 +136,4 @@ class KvStore(ResourcesServer[Config]):
 
 
 def create_app(ctx: ServerContext[Config]) -> FastAPI:
-    return KvStore(ctx).build_app()
+    return close_on_shutdown(KvStore(ctx).build_app(), ctx.aclose)

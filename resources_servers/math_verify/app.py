@@ -19,6 +19,7 @@ from pydantic import Field, StrictFloat, StrictInt
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.resources import ResourcesServer, Verdict, VerifyRequest, final_text
+from nemo_gym_ckpt.server import close_on_shutdown
 from resources_servers.math_verify.grader import GraderPool, GradeStatus
 
 __all__ = ["Config", "MathVerify", "MathVerifyTask", "MathVerifyVerdict", "create_app"]
@@ -65,4 +66,4 @@ class MathVerify(ResourcesServer[Config]):
 
 
 def create_app(ctx: ServerContext[Config]) -> FastAPI:
-    return MathVerify(ctx).build_app()
+    return close_on_shutdown(MathVerify(ctx).build_app(), ctx.aclose)

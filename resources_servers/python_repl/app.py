@@ -32,6 +32,7 @@ from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import InvalidRequest
 from nemo_gym_ckpt.resources import ResourcesServer, Session, ToolArgs, Verdict, VerifyRequest, tool
+from nemo_gym_ckpt.server import close_on_shutdown
 from resources_servers.python_repl.interpreter import Interpreter
 
 __all__ = ["CodeArgs", "Config", "PythonRepl", "ReplTask", "ReplVerdict", "create_app"]
@@ -123,4 +124,4 @@ class PythonRepl(ResourcesServer[Config]):
 
 
 def create_app(ctx: ServerContext[Config]) -> FastAPI:
-    return PythonRepl(ctx).build_app()
+    return close_on_shutdown(PythonRepl(ctx).build_app(), ctx.aclose)

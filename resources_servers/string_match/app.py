@@ -17,6 +17,7 @@ from pydantic import Field
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.resources import ResourcesServer, Verdict, VerifyRequest, final_text
+from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = [
     "Config",
@@ -66,4 +67,4 @@ class StringMatch(ResourcesServer[Config]):
 
 
 def create_app(ctx: ServerContext[Config]) -> FastAPI:
-    return StringMatch(ctx).build_app()
+    return close_on_shutdown(StringMatch(ctx).build_app(), ctx.aclose)

@@ -46,7 +46,7 @@ from nemo_gym_ckpt.config import ServerRef as Ref
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.resources import ResourcesServer
-from nemo_gym_ckpt.server import create_app
+from nemo_gym_ckpt.server import close_on_shutdown, create_app
 from resources_servers.calculator_tools import app as calculator_app
 from tests.support.inprocess import RoutingTransport
 from tests.support.resources_participants import held
@@ -146,19 +146,11 @@ class Sockets(Placement):
 
 
 def closing_ctx(app: FastAPI, ctx: ServerContext[Any]) -> FastAPI:
-    """``app`` with ``ctx`` (its client) closed when the app shuts down, in the app's own loop."""
-    inner = app.router.lifespan_context
+    """``app`` with ``ctx`` (its client) closed when the app shuts down, in the app's own loop.
 
-    @asynccontextmanager
-    async def lifespan(instance: FastAPI) -> AsyncIterator[Any]:
-        async with inner(instance) as state:
-            try:
-                yield state
-            finally:
-                await ctx.aclose()
-
-    app.router.lifespan_context = lifespan
-    return app
+    A server's ``create_app`` does it already; this is for apps built another way (``build_app``).
+    """
+    return close_on_shutdown(app, ctx.aclose)
 
 
 def instance_at(
