@@ -17,8 +17,13 @@ Suites (``--only`` picks some):
 - ``rollouts``: whole quickstart rollouts at concurrency 1, 8 and 64: rollouts/s, p50/p99, CPU per
   rollout of every server process, and each layer (engine, worker, policy model, tools, agent,
   environment) replayed alone (``rollout_bench.py``).
-- ``checkpoint_overhead``: quickstart rollouts/s at concurrency 8 with checkpointing enabled but
-  idle, over the same mesh with it off.
+- ``prepare_latency``: prepare, commit and resume on the quickstart mesh with 0, 32 and 256
+  rollouts in flight, and what prepare waited for (``checkpoint_bench.py``).
+- ``checkpoint_overhead``: quickstart rollouts/s with checkpointing enabled but idle over the same
+  mesh with it off: three meshes kept up (off, on, off), the same batch on each in rotation for
+  several rounds; the median per-round ratio, and off over off as the noise floor.
+
+``--quick`` (or ``--duration-s`` under 3) runs every suite at its smallest size: the smoke-test form.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from nemo_gym_ckpt.launch import MeshLauncher
 __all__ = [
     "SUITES",
     "bench_checkpoint_overhead",
+    "bench_prepare_latency",
     "bench_rollouts",
     "configure",
     "main",
@@ -200,10 +206,16 @@ def bench_rollouts(duration_s: float, overrides: Sequence[str] = ()) -> Result:
     return measure_rollouts(duration_s, overrides)
 
 
-def bench_checkpoint_overhead(duration_s: float) -> Result:
-    from nemo_gym_ckpt.rollout_bench import checkpoint_overhead
+def bench_prepare_latency(duration_s: float) -> Result:
+    from nemo_gym_ckpt.checkpoint_bench import prepare_latency
 
-    return checkpoint_overhead(duration_s)
+    return prepare_latency(quick=duration_s < 3)
+
+
+def bench_checkpoint_overhead(duration_s: float) -> Result:
+    from nemo_gym_ckpt.checkpoint_bench import checkpoint_overhead
+
+    return checkpoint_overhead(quick=duration_s < 3)
 
 
 SUITES: dict[str, Callable[[float], Result]] = {
@@ -212,6 +224,7 @@ SUITES: dict[str, Callable[[float], Result]] = {
     "policy": bench_policy,
     "checkpoint": bench_checkpoint,
     "rollouts": bench_rollouts,
+    "prepare_latency": bench_prepare_latency,
     "checkpoint_overhead": bench_checkpoint_overhead,
 }
 
@@ -254,10 +267,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", nargs="+", choices=sorted(SUITES), help="run only these suites")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument("--duration-s", type=float, default=5.0, help="seconds per measured point")
+    parser.add_argument("--quick", action="store_true", help="smallest sizes (--duration-s 1): a smoke test")
 
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
+    if args.quick:
+        args.duration_s = 1.0
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Result] = {}
     for name in args.only or list(SUITES):

@@ -1,4 +1,4 @@
-"""The ``rollouts`` and ``checkpoint_overhead`` suites of ``nemo-gym-ckpt bench``: whole rollouts.
+"""The ``rollouts`` suite of ``nemo-gym-ckpt bench``: whole rollouts.
 
 ``measure_rollouts(duration_s, overrides)`` launches the quickstart mesh once (``MeshLauncher``)
 and, at each concurrency (1, 8 and 64), keeps that many rollouts in flight for ``duration_s``:
@@ -23,8 +23,8 @@ where the time went:
 The replayed bodies come from the warm-up's rollouts: the quickstart captures token ids and decodes
 greedily, so a replayed call generates what the rollout generated (``replay_identical`` checks).
 
-``checkpoint_overhead(duration_s)``: rollouts/s at concurrency 8 with checkpointing enabled but
-idle, against the same mesh with it off (measured before and after), as a ratio.
+The checkpoint suites on the same mesh (prepare latency, enabled-but-idle overhead) are in
+``checkpoint_bench.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
@@ -54,9 +53,11 @@ __all__ = [
     "QUICKSTART",
     "CpuMeter",
     "Replay",
-    "checkpoint_overhead",
     "measure_rollouts",
+    "mesh_urls",
+    "quiet",
     "replay_of",
+    "task_rows",
     "window_loop",
 ]
 
@@ -275,7 +276,7 @@ class _Mesh:
     worker_settings: Any
 
 
-def _mesh_urls(mesh: MeshConfig) -> _Mesh:
+def mesh_urls(mesh: MeshConfig) -> _Mesh:
     """The quickstart's hops, found by following the environment's references."""
     (environment,) = mesh.of_type("environment_servers")
     agent = mesh.instance(environment.settings.agent.name)  # type: ignore[attr-defined]
@@ -492,14 +493,14 @@ def _split(p50: dict[str, float]) -> Result:
     return {name: round(value, 1) for name, value in parts.items()}
 
 
-def _tasks(mesh: MeshConfig) -> list[dict[str, Any]]:
+def task_rows(mesh: MeshConfig) -> list[dict[str, Any]]:
     from nemo_gym_ckpt.collect import default_input, read_tasks, resolve_input
 
     (environment,) = mesh.of_type("environment_servers")
     return read_tasks(resolve_input(default_input(mesh, environment.name)), None)
 
 
-def _quiet(_: str, __: str) -> None:
+def quiet(_: str, __: str) -> None:
     """Drop server log lines during measurements."""
 
 
@@ -513,9 +514,9 @@ def measure_rollouts(
 ) -> Result:
     """Launch the mesh of ``config`` (with ``overrides``) once and measure rollouts at each concurrency."""
     mesh = load_config([config], ["head_server.port=0", *overrides])
-    with MeshLauncher(mesh, on_line=_quiet) as launcher:
+    with MeshLauncher(mesh, on_line=quiet) as launcher:
         launcher.start(ready_timeout_s=300)
-        run = _Run(launcher, _mesh_urls(launcher.mesh), _tasks(launcher.mesh), duration_s,
+        run = _Run(launcher, mesh_urls(launcher.mesh), task_rows(launcher.mesh), duration_s,
                    ramp_s=min(1.0, duration_s / 4))
         began = os.getloadavg()
         result = asyncio.run(_points(run, concurrencies, layers))
@@ -528,18 +529,3 @@ def _relative(path: Path) -> str:
         return str(path.resolve().relative_to(PROJECT_ROOT))
     except ValueError:
         return str(path)
-
-
-def checkpoint_overhead(duration_s: float, concurrency: int = 8) -> Result:
-    """Rollouts/s with checkpointing enabled but idle over the same mesh with it off (off, on, off)."""
-    with tempfile.TemporaryDirectory(prefix="ngc-bench-") as root:
-        enabled = ["checkpoint.enabled=true", "checkpoint.control_auth_token=bench-token",
-                   f"checkpoint.root={root}"]
-        runs = {}
-        for label, overrides in (("off_before", []), ("on", enabled), ("off_after", [])):
-            point = measure_rollouts(duration_s, overrides, concurrencies=(concurrency,), layers=False)
-            runs[label] = point["rollouts"][0]
-    off = (runs["off_before"]["rollouts_per_s"] + runs["off_after"]["rollouts_per_s"]) / 2
-    return {"concurrency": concurrency, "runs": runs,
-            "on_over_off": round(runs["on"]["rollouts_per_s"] / off, 3) if off else None}
-
