@@ -2,14 +2,18 @@
 
     nemo-gym-ckpt demo [--json PATH] [--rollouts N] [--concurrency C] [--workdir DIR]
 
-On the quickstart mesh (``configs/quickstart.yaml``: the embedded model on the CPU, greedy):
+On the quickstart mesh (``configs/quickstart.yaml``: the embedded model on the CPU, greedy), with
+checkpointing on and, unless ``--no-generation-cuts``, ``generation_cuts: true`` on the policy model
+(an override the demo applies; the config file is left as it is):
 
 1. **reference**: the mesh (checkpointing on, never used) collects the first N task rows,
    uninterrupted;
 2. **interrupted**: the same mesh collects the same rows again with the collector as controller
    (``collection_control``); once a quarter of the rows are written and the rollouts in flight are
    in the middle of their episodes, it takes a checkpoint, and right after publishing it (before
-   resuming anyone) every server process gets SIGKILL;
+   resuming anyone) every server process gets SIGKILL. With cuts on, the checkpoint is asked for
+   at a moment when several model calls are generating on the worker (its cut status lists them
+   with their tokens so far), so that the commit cuts them mid-generation;
 3. **restored**: fresh processes on the same ports; the collector, run again on the same directory,
    restores the checkpoint, continues the checkpointed rollouts as their next attempt, dispatches the
    rest, and finishes.
@@ -17,11 +21,13 @@ On the quickstart mesh (``configs/quickstart.yaml``: the embedded model on the C
 Then it prints the two runs side by side and, with ``--json``, writes the numbers: ``rollouts``,
 ``identical_to_reference`` (every row equal to the reference's but timestamps and attempt index,
 logprobs within 1e-4), ``restored_episodes``, ``continued_model_calls_skipped`` (model calls the
-continued rollouts did not make again: the capture-ledger rows of the checkpoint),
-``cut_calls``/``tokens_kept`` (generation cuts the model server kept: its records' ``cut``, or
-the commit's ``staging_keys``), ``tokens_regenerated`` (output tokens of the calls in flight at
-the checkpoint that were generated again; see ``regenerated``), ``checkpoint_pause_ms`` (first
-prepare until published), ``restore_ms`` (restore, fencing and resume), ``checkpoint_bytes``.
+continued rollouts did not make again: the capture-ledger rows of the checkpoint), ``cut_calls``,
+``tokens_kept`` (tokens the restored worker served from staged prefixes instead of generating),
+``tokens_regenerated`` (tokens of cut calls produced before the checkpoint and generated again:
+0 when every cut was continued), ``tokens_regenerated_uncut`` (output tokens of the calls in flight
+at the checkpoint that were not cut and were generated again; see ``demo_metrics``),
+``checkpoint_pause_ms`` (first prepare until published), ``restore_ms`` (restore, fencing and
+resume), ``checkpoint_bytes``.
 Exit status 0 only when the restored run is identical to the reference.
 """
 
@@ -45,11 +51,12 @@ from typing import Any
 import orjson
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
+from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.collection import CollectionStartFailed, Plan, Summary, run_plan
 from nemo_gym_ckpt.collection_checkpoint import RunIdentity, config_digest, input_digest
 from nemo_gym_ckpt.collection_control import CollectionControl, ControlSettings, Published
 from nemo_gym_ckpt.collection_triggers import Triggers
-from nemo_gym_ckpt.config import MeshConfig, load_config
+from nemo_gym_ckpt.config import MeshConfig, ServerInstance, load_config
 from nemo_gym_ckpt.demo_metrics import CrashState, checkpoint_metrics
 from nemo_gym_ckpt.errors import GymError
 from nemo_gym_ckpt.launch import LaunchError, MeshLauncher
@@ -65,6 +72,9 @@ DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "quickstart.yaml"
 ENVIRONMENT = "single_agent_turn"
 HELD_WAIT_S = 10.0
 PHASE_TIMEOUT_S = 300.0
+CUT_STATUS = "/ng-control/v1/generation-cut/status"
+STATUS_TIMEOUT_S = 10.0
+CUT_MIN_TOKENS = 2  # a generation counts as "mid-generation" once it produced this many tokens
 
 
 class MeshCrashed(Exception):
@@ -79,6 +89,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the mesh (default: quickstart)")
     parser.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary directory)")
     parser.add_argument("--ready-timeout-s", type=float, default=180.0, help="deadline for a mesh to start")
+    parser.add_argument("--generation-cuts", action=argparse.BooleanOptionalAction, default=True,
+                        help="cut the generations in flight at the checkpoint (default: on)")
 
 
 # ---- the runs ------------------------------------------------------------------------------------
@@ -95,6 +107,8 @@ class DemoResult:
     checkpoint: Published
     crash: CrashState
     control: CollectionControl
+    cut_status: dict[str, Any] | None
+    """The worker's generation-cut status after the restored run (``None`` with cuts off)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -137,6 +151,8 @@ class _DemoMesh:
     identity: RunIdentity
     tasks: list[dict[str, Any]]
     concurrency: int
+    worker_url: str | None = None
+    """The policy's inference worker when generation cuts are on (its cut status is polled)."""
     crash: CrashState = field(default_factory=CrashState)
     _crashing: CollectionControl | None = None
     _output: Path = Path()
@@ -164,8 +180,7 @@ class _DemoMesh:
         self._crashing, self._output = self.control("collection", crash=True), output
         control = self._crashing
         triggers = Triggers()
-        watcher = asyncio.create_task(_request_midway(triggers, control.coordinator, output,
-                                                      len(self.tasks) // 4, self.concurrency // 2))
+        watcher = asyncio.create_task(self._request_midway(triggers, control.coordinator, output))
         try:
             await self.collect(output, control, triggers)
         except MeshCrashed:
@@ -173,6 +188,27 @@ class _DemoMesh:
         finally:
             watcher.cancel()
         raise RuntimeError("the collection ended before the checkpoint; use more --rollouts")
+
+    async def _request_midway(self, triggers: Triggers, coordinator: Coordinator, output: Path) -> None:
+        """Ask for a checkpoint once a quarter of the rows are written and then half a batch more
+        model calls were delivered (the rollouts in flight stand in the middle of their episodes);
+        with cuts on, also not before half a batch of calls are generating on the worker."""
+        rows, calls = len(self.tasks) // 4, max(1, self.concurrency // 2)
+        await _until_midway(coordinator, output, rows, calls)
+        if self.worker_url is not None:
+            await _until_generating(coordinator, self.worker_url, self.token, calls)
+        triggers.request("demo")
+
+    async def cut_status(self) -> dict[str, Any] | None:
+        """The worker's generation-cut status (``None`` with cuts off; empty if it cannot be read)."""
+        if self.worker_url is None:
+            return None
+        async with MeshClient() as client:
+            try:
+                return await _cut_status(client, self.worker_url, self.token)
+            except GymError as error:
+                logger.warning("cannot read the worker's cut status: %s", error.detail)
+                return {}
 
     async def _crash(self, published: Published) -> None:
         """Wait until every call in flight has its full answer held, note it, then SIGKILL everyone."""
@@ -200,12 +236,9 @@ async def _model_extras(coordinator: Coordinator, *, settled: bool = False) -> d
         await asyncio.sleep(0.02)
 
 
-async def _request_midway(
-    triggers: Triggers, coordinator: Coordinator, output: Path, rows: int, calls: int
-) -> None:
-    """Ask for a checkpoint once ``rows`` rows are written and then ``calls`` more model calls were
-    delivered, so that the rollouts in flight stand in the middle of their episodes (polling; the
-    run bounds the wait)."""
+async def _until_midway(coordinator: Coordinator, output: Path, rows: int, calls: int) -> None:
+    """Until ``rows`` rows are written and then ``calls`` more model calls were delivered (polling;
+    the second wait is bounded, the run bounds the first)."""
     while len(list(read_jsonl(output, complete_lines_only=True))) < rows:
         await asyncio.sleep(0.02)
     deadline = time.monotonic() + HELD_WAIT_S
@@ -217,7 +250,30 @@ async def _request_midway(
             await asyncio.sleep(0.02)
     except GymError as error:
         logger.warning("cannot read the model's status (%s); checkpointing now", error.detail)
-    triggers.request("demo")
+
+
+async def _cut_status(client: MeshClient, worker_url: str, token: str) -> dict[str, Any]:
+    status: dict[str, Any] = await client.get_json(
+        worker_url + CUT_STATUS, headers={"authorization": f"Bearer {token}"}, rollout_prefix=False,
+        timeout_s=STATUS_TIMEOUT_S)
+    return status
+
+
+async def _until_generating(coordinator: Coordinator, worker_url: str, token: str, count: int) -> None:
+    """Until ``count`` calls are generating on the worker, each past ``CUT_MIN_TOKENS`` tokens and
+    not finished (polling; bounded: at the deadline the checkpoint is asked for anyway)."""
+    deadline = time.monotonic() + HELD_WAIT_S
+    try:
+        while time.monotonic() < deadline:
+            generations = (await _cut_status(coordinator.client, worker_url, token))["live_generations"]
+            running = [g for g in generations if g["model_call_id"] and not g["finished"]
+                       and g["tokens"] >= CUT_MIN_TOKENS]
+            if len(running) >= count:
+                return
+            await asyncio.sleep(0.002)
+        logger.warning("fewer than %d calls were generating at once; checkpointing now", count)
+    except GymError as error:
+        logger.warning("cannot read the worker's cut status (%s); checkpointing now", error.detail)
 
 
 def _launch(args: argparse.Namespace, workdir: Path, timings: dict[str, float]) -> _DemoMesh:
@@ -226,11 +282,28 @@ def _launch(args: argparse.Namespace, workdir: Path, timings: dict[str, float]) 
     overrides = ["head_server.port=0", "checkpoint.enabled=true", f"checkpoint.root={root}",
                  f"checkpoint.control_auth_token={token}"]
     mesh = load_config([args.config], overrides)
+    policy = _policy_on_worker(mesh)
+    if args.generation_cuts and policy is not None:
+        mesh = load_config([args.config], [*overrides, _setting(policy, "generation_cuts", "true")])
     tasks = _tasks(mesh, args.rollouts)
     identity = RunIdentity(config_digest(mesh.raw), input_digest(tasks), 1)
     with _timed(timings, "mesh_start_s"):
         launcher = _start(mesh, args.ready_timeout_s)
-    return _DemoMesh(launcher, root, token, identity, tasks, args.concurrency)
+    worker = getattr(policy.settings, "worker", None) if policy is not None and args.generation_cuts else None
+    worker_url = launcher.url_of(worker.name) if worker is not None else None
+    return _DemoMesh(launcher, root, token, identity, tasks, args.concurrency, worker_url)
+
+
+def _policy_on_worker(mesh: MeshConfig) -> ServerInstance | None:
+    """The policy participant (``checkpoint_policy: true``) if it generates on our inference worker."""
+    return next((instance for instance in mesh.instances.values()
+                 if getattr(instance.settings, "checkpoint_policy", False)
+                 and getattr(instance.settings, "worker", None) is not None), None)
+
+
+def _setting(instance: ServerInstance, key: str, value: str) -> str:
+    """The ``key=value`` override of one setting of ``instance``."""
+    return f"{instance.name}.{instance.type}.{instance.implementation}.{key}={value}"
 
 
 # ---- the command ---------------------------------------------------------------------------------
@@ -252,10 +325,11 @@ def run_demo(args: argparse.Namespace, workdir: Path) -> DemoResult:
             control = demo.control("collection")
             with _timed(timings, "restored_collect_s"):
                 restored = asyncio.run(demo.collect(rows, control))
+            cut_status = asyncio.run(demo.cut_status())  # the restarted worker's: the restored run's counts
     assert demo.crash.published is not None
     comparison = compare_rows(read_jsonl(reference_rows), read_jsonl(rows))
     result = DemoResult(len(demo.tasks), reference, restored, comparison, demo.crash.published, demo.crash,
-                        control, timings=timings)
+                        control, cut_status, timings=timings)
     result.metrics = _metrics(result, demo.root / "collection", rows)
     return result
 
@@ -263,7 +337,7 @@ def run_demo(args: argparse.Namespace, workdir: Path) -> DemoResult:
 def _metrics(result: DemoResult, directory: Path, rows: Path) -> dict[str, Any]:
     differing = result.comparison.differing + result.comparison.missing
     checkpoint = checkpoint_metrics(directory / result.checkpoint.manifest.checkpoint_id,
-                                    result.control.restored, result.crash, rows)
+                                    result.control.restored, result.crash, rows, result.cut_status)
     return {
         "rollouts": result.rollouts,
         "identical_to_reference": result.comparison.identical,
@@ -307,12 +381,26 @@ def _table(metrics: dict[str, Any]) -> str:
                          f"{metrics['restarted_episodes']} started over, {metrics['restore_ms']:.0f} ms"),
         ("model calls skipped", "-", f"{metrics['continued_model_calls_skipped']} "
                                      f"({metrics['continued_tokens_skipped']} tokens not generated again)"),
-        ("generation cuts", "-", f"{metrics['cut_calls']} calls, {metrics['tokens_kept']} tokens kept"),
-        ("tokens generated again", "-", f"{metrics['tokens_regenerated']}"
-                                        f"{'' if metrics['tokens_regenerated_exact'] else ' (estimate)'}"),
+        *_cut_rows(metrics),
+        ("calls not cut", "-", f"{metrics['uncut_calls']} (held or not started): "
+                               f"{metrics['tokens_regenerated_uncut']} tokens generated again"
+                               f"{'' if metrics['tokens_regenerated_uncut_exact'] else ' (estimate)'}"),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     return "\n".join(f"{a:<{widths[0]}}   {b:<{widths[1]}}   {c}" for a, b, c in rows)
+
+
+def _cut_rows(metrics: dict[str, Any]) -> list[tuple[str, str, str]]:
+    if not metrics["generation_cuts"]:
+        return [("generation cuts", "-", "off (--no-generation-cuts)")]
+    return [
+        ("generation cuts", "-", f"{metrics['cut_calls']} calls cut mid-generation, "
+                                 f"{metrics['cut_tokens_staged']} tokens staged"),
+        ("tokens kept", "-", f"{metrics['tokens_kept']} served from staging, "
+                             f"{metrics['tokens_regenerated']} generated again"),
+        ("after the cut point", "-", f"{metrics['tokens_after_cut']} tokens (made between commit and crash) "
+                                     "generated again"),
+    ]
 
 
 def _num(value: Any) -> str:

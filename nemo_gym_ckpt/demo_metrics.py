@@ -5,16 +5,25 @@ For the rollouts a restore continued (attempt N checkpointed, N+1 restored):
 - ``continued_model_calls_skipped``: the capture-ledger rows of the model's records for them: model
   calls delivered before the checkpoint, never made again; ``continued_tokens_skipped`` sums their
   output lengths;
-- ``cut_calls`` / ``tokens_kept``: the generation cuts the model's records keep for them (a
-  record's ``cut`` with its ``prefix_token_count``), or, without such records, the number of
-  ``staging_keys`` the commit answered;
-- ``tokens_regenerated``: output tokens generated before the checkpoint and again after it. The
-  calls in flight at the checkpoint (``calls_in_flight_at_checkpoint``, the model's count at the
-  crash, when every one of them had finished generating) are lost unless cut; after the restore
-  each is the first model call its rollout makes, with the same tokens (greedy decoding). A cut
-  call regenerates its output less the kept prefix. For uncut calls the rollout is known only when
-  every candidate (a continued rollout whose next action was a model call) had one in flight; when
-  not, the candidates' mean stands in and ``tokens_regenerated_exact`` is false.
+- ``cut_calls``: the generation cuts the model's records keep for them (a record's ``cut``), or,
+  without such records, the number of ``staging_keys`` the commit answered; ``cut_tokens_staged``
+  sums their ``prefix_token_count``: the tokens those calls had produced when the commit cut them;
+- ``tokens_kept``: the tokens the restored worker served from staged prefixes instead of generating
+  them (its cut status ``tokens_from_staging``, read after the restored run; the worker is a fresh
+  process, so it counts the restored run only);
+- ``tokens_regenerated``: tokens of cut calls produced before the checkpoint and generated again
+  after it: ``cut_tokens_staged - tokens_kept`` (each staged prefix is continued at most once; a cut
+  call that did not continue its prefix generates all of it again). 0 when every cut was continued;
+- ``tokens_after_cut``: what the cut calls generated after their cut point (after the commit, before
+  the crash, which waits for every call in flight to finish); after the restore it is generated
+  again, as the continuation of the staged prefix;
+- ``uncut_calls`` / ``tokens_regenerated_uncut``: the calls in flight at the checkpoint that were not
+  cut (``calls_in_flight_at_checkpoint``, the model's count at the crash when every one of them had
+  finished generating, less the cut ones): held (finished before the commit) or not started on the
+  worker. Each is lost and is the first model call its rollout makes after the restore, with the
+  same tokens (greedy decoding), all generated again. Their rollouts are known only when every
+  candidate (a continued rollout without a cut whose next action was a model call) had one in
+  flight; when not, the candidates' mean stands in and ``tokens_regenerated_uncut_exact`` is false.
 """
 
 from __future__ import annotations
@@ -118,34 +127,38 @@ def _episodes(
     return episodes
 
 
-def _regenerated(
-    episodes: Sequence[_Episode], agent: Mapping[str, Any], in_flight: int
+def _uncut_regenerated(
+    episodes: Sequence[_Episode], agent: Mapping[str, Any], uncut: int
 ) -> tuple[int, bool]:
-    cut = [e for e in episodes if e.cut is not None]
-    regenerated = sum(max(0, len(e.first_after) - int(e.cut["prefix_token_count"])) for e in cut if e.cut)
-    uncut = max(0, in_flight - len(cut))
+    """Output tokens of the ``uncut`` calls in flight that were generated again, and whether exact."""
+    if uncut == 0:
+        return 0, True
     candidates = [e for e in episodes if e.cut is None and e.first_after
                   and _next_is_model_call(agent.get(e.checkpointed.capture_key))]
-    if uncut == 0:
-        return regenerated, True
     lengths = [len(e.first_after) for e in candidates]
     if uncut == len(candidates):
-        return regenerated + sum(lengths), True
+        return sum(lengths), True
     mean = sum(lengths) / len(lengths) if lengths else 0.0
-    return regenerated + round(mean * uncut), False
+    return round(mean * uncut), False
 
 
 def checkpoint_metrics(
-    checkpoint: Path, restored: Restored, crash: CrashState, output: Path
+    checkpoint: Path, restored: Restored, crash: CrashState, output: Path,
+    cut_status: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The demo's numbers about its checkpoint (see the module docstring)."""
+    """The demo's numbers about its checkpoint (see the module docstring); ``cut_status``: the
+    restored worker's generation-cut status (``None``: generation cuts were off)."""
     continued = restored.continued
     manifest = CollectionManifest.from_json((checkpoint / COLLECTION_FILE).read_bytes(), checkpoint)
     episodes = _episodes(checkpoint, manifest, continued, output)
     agent = _records(checkpoint, manifest, "agent")
     in_flight = int(crash.model.get("active_calls", 0))
-    regenerated, exact = _regenerated(episodes, agent, in_flight)
-    cuts = [e.cut for e in episodes if e.cut is not None]
+    cut = [e for e in episodes if e.cut is not None]
+    staged = sum(int(e.cut["prefix_token_count"]) for e in cut if e.cut is not None)
+    after_cut = sum(max(0, len(e.first_after) - int(e.cut["prefix_token_count"])) for e in cut if e.cut)
+    kept = int((cut_status or {}).get("tokens_from_staging", 0))
+    uncut = max(0, in_flight - len(cut))
+    regenerated_uncut, exact = _uncut_regenerated(episodes, agent, uncut)
     staging = sum(len(keys) for keys in manifest.staging_keys.values())
     return {
         "rollouts_in_flight": len(manifest.continued) + len(manifest.restarted),
@@ -154,8 +167,13 @@ def checkpoint_metrics(
         "continued_model_calls_skipped": sum(len(e.ledger) for e in episodes),
         "continued_tokens_skipped": sum(int(row["output_length"]) for e in episodes for row in e.ledger),
         "calls_in_flight_at_checkpoint": in_flight,
-        "cut_calls": len(cuts) if cuts else staging,
-        "tokens_kept": sum(int(cut["prefix_token_count"]) for cut in cuts),
-        "tokens_regenerated": regenerated,
-        "tokens_regenerated_exact": exact,
+        "generation_cuts": cut_status is not None,
+        "cut_calls": len(cut) if cut else staging,
+        "cut_tokens_staged": staged,
+        "tokens_kept": kept,
+        "tokens_regenerated": max(0, staged - kept),
+        "tokens_after_cut": after_cut,
+        "uncut_calls": uncut,
+        "tokens_regenerated_uncut": regenerated_uncut,
+        "tokens_regenerated_uncut_exact": exact,
     }

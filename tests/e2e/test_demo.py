@@ -15,8 +15,8 @@ from nemo_gym_ckpt.collection_checkpoint import find_latest
 pytestmark = pytest.mark.e2e
 
 REQUIRED = ("rollouts", "identical_to_reference", "restored_episodes", "continued_model_calls_skipped",
-            "cut_calls", "tokens_kept", "tokens_regenerated", "checkpoint_pause_ms", "restore_ms",
-            "checkpoint_bytes")
+            "generation_cuts", "cut_calls", "cut_tokens_staged", "tokens_kept", "tokens_regenerated",
+            "uncut_calls", "tokens_regenerated_uncut", "checkpoint_pause_ms", "restore_ms", "checkpoint_bytes")
 
 
 @pytest.mark.timeout(400)
@@ -35,9 +35,16 @@ def test_the_demo_restores_a_killed_mesh_to_the_rows_of_the_reference(tmp_path: 
     assert metrics["checkpoint_bytes"] > 0 and metrics["checkpoint_pause_ms"] > 0
     assert metrics["restore_ms"] > 0
     assert metrics["token_arrays_compared"] > 0 and metrics["max_logprob_diff"] <= 1e-4
-    # the skipped calls are exactly the ledger rows the rows came back without token arrays for
-    assert metrics["token_arrays_not_restored"] == metrics["continued_model_calls_skipped"]
-    assert metrics["cut_calls"] >= 0 and metrics["tokens_kept"] >= 0 and metrics["tokens_regenerated"] >= 0
+    # a skipped call comes back in its row without token arrays unless they were restored with it
+    assert 0 <= metrics["token_arrays_not_restored"] <= metrics["continued_model_calls_skipped"]
+    # generation cuts (on by default): the checkpoint caught calls mid-generation; after the crash every
+    # token they had produced was served from staging, none generated again, and the rows are the
+    # reference's token for token (identical_to_reference above compares the token arrays)
+    assert metrics["generation_cuts"] is True and metrics["cut_calls"] >= 1
+    assert metrics["tokens_kept"] > 0 and metrics["tokens_kept"] == metrics["cut_tokens_staged"]
+    assert metrics["tokens_regenerated"] == 0
+    assert metrics["cut_calls"] + metrics["uncut_calls"] == metrics["calls_in_flight_at_checkpoint"]
+    assert metrics["tokens_regenerated_uncut"] >= 0 and metrics["tokens_after_cut"] >= 0
     latest = find_latest(work / "checkpoints" / "collection")
     assert latest is not None and latest.checkpoint_id == metrics["checkpoint_id"]
     in_flight = len(latest.continued) + len(latest.restarted)
@@ -45,3 +52,4 @@ def test_the_demo_restores_a_killed_mesh_to_the_rows_of_the_reference(tmp_path: 
     assert metrics["restored_episodes"] + metrics["restarted_episodes"] <= in_flight
     table = done.stdout.decode()
     assert "checkpoint + SIGKILL + restore" in table and "rows identical" in table and "yes" in table
+    assert f"{metrics['tokens_kept']} served from staging, 0 generated again" in table
