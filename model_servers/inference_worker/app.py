@@ -71,7 +71,7 @@ class Config(ServerConfig):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     vllm_args: dict[str, Any] = Field(default_factory=dict)
     # generation cuts (checkpointing on): where staged prefixes live and how many may
-    staging_dir: Path | None = None  # null = <checkpoint root>/.generation-cuts/<instance>
+    staging_dir: Path | None = None  # null = <checkpoint root>.generation-cuts/<instance>, beside the root
     staging_max_files: int = Field(4096, ge=1)
     staging_max_bytes: int = Field(1 << 30, ge=1)
 
@@ -256,9 +256,20 @@ def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig)
 
 
 def staging_dir(ctx: ServerContext[Config]) -> Path:
-    """Where this worker stages generation cuts: ``staging_dir``, else under the checkpoint root."""
+    """Where this worker stages generation cuts: ``staging_dir``, else ``<root>.generation-cuts/<instance>``
+    beside the checkpoint root (``./checkpoints`` -> ``./checkpoints.generation-cuts/inference_worker``).
+
+    Never inside the root: the controller owns it and every ``checkpoint_dir`` in it (it creates,
+    lists and deletes them), and gym servers write only under ``<checkpoint_dir>/gym/<kind>/<instance>/``
+    (PROTOCOL.md section 6). The worker is not a participant and the cut request names no directory;
+    its staging store is its own state, kept across checkpoints and restarts, so it lives in its own
+    directory. Put it on storage that survives what a checkpoint must survive (the same host's disk
+    for a process crash; shared storage if the worker may come back elsewhere)."""
     configured = ctx.settings.staging_dir
-    return configured if configured is not None else ctx.mesh.checkpoint.root / ".generation-cuts" / ctx.name
+    if configured is not None:
+        return configured
+    root = ctx.mesh.checkpoint.root
+    return root.parent / f"{root.name}.generation-cuts" / ctx.name
 
 
 def _generation_cuts(ctx: ServerContext[Config]) -> GenerationCuts | None:

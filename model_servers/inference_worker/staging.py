@@ -18,8 +18,16 @@ Bounds (``max_files``, ``max_bytes``): a batch first makes room by deleting the 
 no commit kept, then the oldest kept ones; the files of the batch itself are never evicted, and a
 prefix that cannot fit even then is refused. ``keep(server, checkpoint, keys)`` settles one
 checkpoint's cut: its files not in ``keys`` are deleted, the keys listed are marked kept (files of
-earlier checkpoints included). A fresh process scans the directory (leftover temporary files are
-removed); what was kept before is then not known, so every file counts as not kept, oldest first.
+earlier checkpoints included).
+
+Kept marks survive a restart: each is an empty ``<key>.kept`` file next to its prefix (created
+once, then one fsync of the directory per ``keep``; deleted with the prefix). A fresh process scans
+the directory: leftover temporary files and marks without a prefix are removed, the prefixes are
+indexed by age, marked ones as kept. A file without a mark may still be needed (a commit that wrote
+its records but crashed before it settled its cut), so nothing is deleted at startup: unmarked
+files are simply the first to go when room is needed. Which checkpoint a file belongs to is not
+kept (a settle after a restart cannot come: the policy model that would send it restarted too). A
+mark that could not be written (an I/O error) only costs its prefix its place in that order.
 
 Every method is synchronous and thread-safe (the worker calls them in a thread).
 """
@@ -62,6 +70,7 @@ MAX_FILE_BYTES = 64 * 1024 * 1024
 WRITERS = 16  # threads that write and fsync the files of one batch
 _KEY = re.compile(r"^(?P<call>[A-Za-z0-9_-]{1,128})\.(?P<digest>[0-9a-f]{64})$")
 _SUFFIX = ".json"
+_KEPT_SUFFIX = ".kept"
 _TEMP_PREFIX = ".stg-"
 CutKind = Literal["active_prefix", "terminal_completion"]
 Finish = Literal["stop", "length"]
@@ -200,18 +209,24 @@ class StagingStore:
         """Create the directory if needed (durably), remove leftover temporary files, index the rest
         by age (modification time, then name)."""
         self._makedirs()
-        found = []
+        found, marks = [], set()
         for path in self.directory.iterdir():
             if path.name.startswith(_TEMP_PREFIX):
                 with suppress(OSError):
                     self.ops.unlink(path)
             elif path.name.endswith(_SUFFIX) and _KEY.match(path.name[: -len(_SUFFIX)]):
                 info = path.lstat()
-                found.append((info.st_mtime_ns, path.name, info.st_size))
+                found.append((info.st_mtime_ns, path.name[: -len(_SUFFIX)], info.st_size))
+            elif path.name.endswith(_KEPT_SUFFIX) and _KEY.match(path.name[: -len(_KEPT_SUFFIX)]):
+                marks.add(path.name[: -len(_KEPT_SUFFIX)])
+        keys = {key for _, key, _ in found}
+        for orphan in marks - keys:
+            with suppress(OSError):
+                self.ops.unlink(self._mark(orphan))
         with self._lock:
             self._index.clear()
-            for _, name, size in sorted(found):
-                self._index[name[: -len(_SUFFIX)]] = _Entry(size, None)
+            for _, key, size in sorted(found):
+                self._index[key] = _Entry(size, None, kept=key in marks)
 
     def _makedirs(self) -> None:
         missing = [path for path in (self.directory, *self.directory.parents) if not path.is_dir()]
@@ -345,12 +360,27 @@ class StagingStore:
             doomed = [k for k, e in self._index.items() if e.owner == owner and k not in wanted]
             for key in doomed:
                 del self._index[key]
-            for key in wanted:
-                if key in self._index:
-                    self._index[key].kept = True
+            newly = [key for key in wanted if key in self._index and not self._index[key].kept]
+            for key in newly:
+                self._index[key].kept = True
             missing = [key for key in wanted if key not in self._index]
         self._unlink_all(doomed)
+        self._mark_all(newly)
         return KeepResult([k for k in wanted if k not in missing], doomed, missing)
+
+    def _mark_all(self, keys: list[str]) -> None:
+        """Persist the kept marks of ``keys``: one empty file each, then one directory fsync."""
+        if not keys:
+            return
+        for key in keys:
+            try:
+                self.ops.close(self.ops.open_new(self._mark(key)))
+            except FileExistsError:
+                pass
+            except OSError:
+                continue
+        with suppress(OSError):
+            self.ops.fsync_dir(self.directory)
 
     def discard(self, keys: Iterable[str]) -> list[str]:
         """Delete these staged files (a cut that finished after its checkpoint was settled)."""
@@ -360,10 +390,16 @@ class StagingStore:
         return gone
 
     def _unlink_all(self, keys: Iterable[str]) -> None:
+        """Delete the prefixes and their kept marks (the prefix first: a mark alone is ignored)."""
         for key in keys:
             with suppress(OSError):
                 self.ops.unlink(self._path(key))
+            with suppress(OSError):
+                self.ops.unlink(self._mark(key))
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}{_SUFFIX}"
+
+    def _mark(self, key: str) -> Path:
+        return self.directory / f"{key}{_KEPT_SUFFIX}"
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
+from model_servers.inference_worker.app import Config, staging_dir
 from model_servers.inference_worker.sampling import derive_seed
 from model_servers.inference_worker.tests.conftest import TOKEN, WorkerClient, make_ctx
 from model_servers.inference_worker.tests.scripted_engine import EOS, CharTokenizer, ScriptedEngine
+from nemo_gym_ckpt.config import load_config_dict
+from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -261,8 +265,10 @@ async def test_version_is_the_one_current_at_admission(worker_client: WorkerClie
     assert out["policy_version"] == 4 and later["policy_version"] == 5
 
 
-async def test_policy_version_post_needs_the_token_when_checkpointing(worker_client: WorkerClient) -> None:
-    async with worker_client(ScriptedEngine.from_text("a"), checkpoint=True) as http:
+async def test_policy_version_post_needs_the_token_when_checkpointing(
+    worker_client: WorkerClient, tmp_path: Path
+) -> None:
+    async with worker_client(ScriptedEngine.from_text("a"), checkpoint=True, staging_dir=str(tmp_path)) as http:
         missing = await http.post("/ng-control/v1/policy-version", json={"policy_version": 2})
         wrong = await http.post("/ng-control/v1/policy-version", json={"policy_version": 2},
                                 headers={"authorization": "Bearer nope"})
@@ -295,3 +301,16 @@ async def _until(condition: Any, timeout_s: float = 5.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_staging_lives_beside_the_checkpoint_root_never_inside_it(tmp_path: Path, configured: bool) -> None:
+    root, own = tmp_path / "ckpts", tmp_path / "elsewhere"
+    settings = {"staging_dir": str(own)} if configured else {}
+    mesh = load_config_dict({"checkpoint": {"enabled": True, "control_auth_token": TOKEN, "root": str(root)},
+                             "w1": {"model_servers": {"inference_worker": settings}}})
+    instance = mesh.instance("w1")
+    assert isinstance(instance.settings, Config)
+    where = staging_dir(ServerContext(name="w1", settings=instance.settings, mesh=mesh))
+    assert where == (own if configured else tmp_path / "ckpts.generation-cuts" / "w1")
+    assert not where.is_relative_to(root)

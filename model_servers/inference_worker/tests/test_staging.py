@@ -123,7 +123,8 @@ def test_bounds_drop_the_oldest_unkept_first_then_the_oldest_kept(tmp_path: Path
     assert fourth and staging.keys() == [second, third, fourth]
     [fifth] = staging.stage([prefix("mc_5", checkpoint="c2")])  # evicts the unkept fourth first
     assert staging.keys() == [second, third, fifth]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{k}.json" for k in (second, third, fifth))
+    files = [f"{k}.json" for k in (second, third, fifth)] + [f"{k}.kept" for k in (second, third)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)  # the first one's mark went with it
 
 
 def test_a_batch_never_evicts_its_own_files_and_refuses_what_cannot_fit(tmp_path: Path) -> None:
@@ -156,6 +157,28 @@ def test_open_removes_temporaries_and_indexes_the_files_by_age(tmp_path: Path) -
     second = store(tmp_path)
     assert second.keys() == keys and not (tmp_path / ".stg-feed.tmp").exists()
     assert (tmp_path / "notes.txt").exists() and second.stats()["kept"] == 0
+
+
+def test_kept_marks_survive_a_restart_and_keep_their_place_in_the_eviction_order(tmp_path: Path) -> None:
+    ops = RecordingOps()
+    first = store(tmp_path, ops)
+    old, kept, loose = (first.stage([prefix(f"mc_{n}", checkpoint=f"c{n}")])[0] for n in (1, 2, 3))
+    assert old and kept and loose
+    ops.calls.clear()
+    first.keep(("policy_model", "c2"), [kept])
+    assert ops.calls == ["open_new", "fsync_dir"]  # one mark, made durable by one directory fsync
+    first.keep(("policy_model", "c2"), [kept])
+    assert ops.calls == ["open_new", "fsync_dir"]  # marked once
+    for age, key in enumerate((old, kept, loose)):
+        os.utime(tmp_path / f"{key}.json", ns=(10**18 + age, 10**18 + age))
+    (tmp_path / f"mc_9.{'9' * 64}.kept").write_bytes(b"")  # a mark whose prefix is gone
+    second = store(tmp_path, files=3)
+    assert second.keys() == [old, kept, loose] and second.stats()["kept"] == 1
+    assert not (tmp_path / f"mc_9.{'9' * 64}.kept").exists()
+    second.stage([prefix("mc_4"), prefix("mc_5")])  # room for two: the unmarked ones go, oldest first
+    left = second.keys()
+    assert kept in left and old not in left and loose not in left
+    assert not (tmp_path / f"{old}.json").exists() and (tmp_path / f"{kept}.kept").exists()
 
 
 @pytest.mark.parametrize("content", [b"not json", b'{"schema_version": 1}', b"{}"])
