@@ -22,6 +22,8 @@ Suites (``--only`` picks some):
 - ``checkpoint_overhead``: quickstart rollouts/s with checkpointing enabled but idle over the same
   mesh with it off: three meshes kept up (off, on, off), the same batch on each in rotation for
   several rounds; the median per-round ratio, and off over off as the noise floor.
+- ``generation_cuts``: the checkpoint pause with 8 and 64 long generations in flight, and the tokens
+  generated again after a crash mid-generation, with cuts against without (``cut_bench.py``).
 
 ``--quick`` (or ``--duration-s`` under 3) runs every suite at its smallest size: the smoke-test form.
 """
@@ -47,6 +49,7 @@ from nemo_gym_ckpt.launch import MeshLauncher
 __all__ = [
     "SUITES",
     "bench_checkpoint_overhead",
+    "bench_generation_cuts",
     "bench_prepare_latency",
     "bench_rollouts",
     "configure",
@@ -218,6 +221,12 @@ def bench_checkpoint_overhead(duration_s: float) -> Result:
     return checkpoint_overhead(quick=duration_s < 3)
 
 
+def bench_generation_cuts(duration_s: float) -> Result:
+    from model_servers.policy_model.cut_bench import run_all
+
+    return run_all(quick=duration_s < 3)
+
+
 SUITES: dict[str, Callable[[float], Result]] = {
     "client": bench_client,
     "worker": bench_worker,
@@ -226,6 +235,7 @@ SUITES: dict[str, Callable[[float], Result]] = {
     "rollouts": bench_rollouts,
     "prepare_latency": bench_prepare_latency,
     "checkpoint_overhead": bench_checkpoint_overhead,
+    "generation_cuts": bench_generation_cuts,
 }
 
 
