@@ -45,6 +45,11 @@ TransportName = Literal["aiohttp", "httpx"]
 DEFAULT_TRANSPORT: TransportName = "aiohttp"
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+# An idle pooled connection is dropped after this long: well under uvicorn's keep-alive timeout
+# (5 s), so the client never reuses a connection the server is closing. With equal timeouts, aiohttp
+# (which reuses its oldest idle connection first) wrote requests into connections the server had just
+# closed ("Can not write request body": a non-idempotent call then fails) with 256 rollouts in flight.
+KEEPALIVE_S = 2.0
 
 
 def with_rollout_prefix(url: str, identity: RolloutIdentity | None) -> str:
@@ -58,7 +63,8 @@ def with_rollout_prefix(url: str, identity: RolloutIdentity | None) -> str:
 
 
 def _make_transport(name: TransportName, max_connections: int) -> httpx.AsyncBaseTransport:
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                          keepalive_expiry=KEEPALIVE_S)
     if name == "aiohttp":
         import aiohttp
         from httpx_aiohttp import AiohttpTransport
