@@ -25,7 +25,10 @@ there: restoring an episode never needs the program to change.
 
 ``EpisodeHooks`` is where checkpointing plugs in: ``entering`` runs before each step and
 ``at_boundary`` after each (it may park the episode until a checkpoint ends). Time spent in hooks is
-not charged to the episode's timeout; only time inside steps is.
+not charged to the episode's timeout; only time inside steps is, as the budget's clock counts it.
+That clock is a ``Clock`` (``now`` and ``sleep_until``): monotonic time by default; checkpointing
+gives one that stands still while a checkpoint is open, so a step waiting on a parked peer is not
+charged for the wait either (PROTOCOL.md section 7).
 
 Records never carry token arrays (PROTOCOL.md section 6): ``Episode.record()`` leaves out the token
 capture fields (``TOKEN_ARRAY_KEYS``) wherever they appear in the boundary's state; the boundary kept
@@ -49,6 +52,7 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
+from nemo_gym_ckpt.checkpoint.clock import Clock
 from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS
 from nemo_gym_ckpt.errors import (
     GymError,
@@ -60,12 +64,14 @@ from nemo_gym_ckpt.errors import (
 from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = [
+    "MONOTONIC_CLOCK",
     "NO_HOOKS",
     "STEP_MODES",
     "Action",
     "Boundary",
     "Episode",
     "EpisodeHooks",
+    "MonotonicClock",
     "Program",
     "Step",
     "StepBudget",
@@ -268,16 +274,50 @@ class _NoHooks:
 NO_HOOKS: EpisodeHooks = _NoHooks()
 
 
+class MonotonicClock:
+    """``time.monotonic`` as a ``Clock``: a budget's default time, immune to wall-clock steps."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep_until(self, ts: float) -> None:
+        while (remaining := ts - time.monotonic()) > 0:
+            await asyncio.sleep(remaining)
+
+
+MONOTONIC_CLOCK = MonotonicClock()
+
+
 @dataclass
 class StepBudget:
-    """An episode's timeout, charged only with time spent inside steps (never parked time)."""
+    """An episode's timeout, charged only with time spent inside steps (never parked time).
+
+    Time is what ``clock`` counts: a step is charged ``clock.now()`` at its end minus at its start,
+    and fails once it would be charged more than ``remaining()`` (it wakes on ``clock.sleep_until``).
+    """
 
     timeout_s: float | None
-    clock: Callable[[], float] = time.monotonic
+    clock: Clock = MONOTONIC_CLOCK
     spent_s: float = 0.0
 
     def remaining(self) -> float | None:
         return None if self.timeout_s is None else max(self.timeout_s - self.spent_s, 0.0)
+
+    def watch(self, timer: asyncio.Timeout, started: float) -> asyncio.Task[None] | None:
+        """Expire ``timer`` once the step started at ``started`` has used up the budget (cancel it
+        when the step ends); ``None`` without a timeout."""
+        remaining = self.remaining()
+        if remaining is None:
+            return None
+        if remaining <= 0:
+            timer.reschedule(asyncio.get_running_loop().time())
+            return None
+        return asyncio.create_task(_expire(timer, self.clock, started + remaining))
+
+
+async def _expire(timer: asyncio.Timeout, clock: Clock, deadline: float) -> None:
+    await clock.sleep_until(deadline)
+    timer.reschedule(asyncio.get_running_loop().time())
 
 
 def step_error(step: str, error: GymError) -> GymError:
@@ -293,11 +333,16 @@ async def _run_step(episode: Episode, step: Step, budget: StepBudget) -> None:
     episode.state = episode.boundary.state()
     episode.current_mode = step.mode_for(episode.state)
     episode.current = step
-    started = budget.clock()
-    timer = asyncio.timeout(budget.remaining())
+    started = budget.clock.now()
+    timer = asyncio.timeout(None)
     try:
         async with timer:
-            next_step = await step.action(episode)
+            watchdog = budget.watch(timer, started)
+            try:
+                next_step = await step.action(episode)
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
     except TimeoutError:
         if not timer.expired():
             raise
@@ -307,7 +352,7 @@ async def _run_step(episode: Episode, step: Step, budget: StepBudget) -> None:
     except GymError as error:
         raise step_error(step.name, error) from error
     finally:
-        budget.spent_s += budget.clock() - started
+        budget.spent_s += budget.clock.now() - started
         episode.current = None
         episode.current_mode = None
     episode.boundary = episode.boundary.advance(next_step, episode.state)

@@ -11,6 +11,9 @@ task:
   checkpoint is open and is refused for a retired attempt (``stale_attempt``);
 - **parking**: before each step and at each boundary (the last one too, so a finished episode's
   reply waits as well), an episode finding a checkpoint open waits there until resume;
+- **budget**: an episode's timeout is charged on ``CheckpointFreeClock``, the participant's clock
+  standing still while a checkpoint is open (prepare or restore until resume or lease expiry), so
+  neither parking nor a ``replay`` step waiting on a parked agent or model uses it up;
 - **readiness**: every live episode parked at a boundary, between steps, inside a ``replay`` step,
   or a restart; an episode inside a ``wait`` step blocks;
 - **restarts** (``Episode.restart``, marked by a step from the seed reply's or the agent's
@@ -31,19 +34,27 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
+from nemo_gym_ckpt.checkpoint.clock import wait_until
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.episode import Boundary, Episode, Program, Step, StepBudget, run_episode, task_digest
 from nemo_gym_ckpt.errors import InvalidCheckpointState, InvalidPhase, InvalidRequest, StaleAttempt
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["RECORD_KEYS", "EpisodesAdapter", "Installed", "LiveEpisode", "RunLimits", "stopped_or_result"]
+__all__ = [
+    "RECORD_KEYS",
+    "CheckpointFreeClock",
+    "EpisodesAdapter",
+    "Installed",
+    "LiveEpisode",
+    "RunLimits",
+    "stopped_or_result",
+]
 
 RECORD_KEYS = frozenset({"episode_id", "task_digest", "boundary"})
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -51,11 +62,60 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 @dataclass(frozen=True)
 class RunLimits:
-    """The timeouts of each episode (the environment's settings) and the clock its budget runs on."""
+    """The timeouts of each episode (the environment's settings)."""
 
     episode_timeout_s: float | None
     cleanup_timeout_s: float
-    clock: Callable[[], float] = time.monotonic
+
+
+class CheckpointFreeClock:
+    """The participant's clock, standing still while it has a checkpoint open: an episode's budget.
+
+    ``now()`` is the participant clock's time minus every interval during which a checkpoint was
+    open, as far as it was seen: a transition is noticed when ``now`` is read or when a sleeper
+    wakes on the participant's change signal (notified at every open and close, lease expiry
+    included). Budgets only compare readings taken inside one step, and a step with a timeout always
+    has a sleeper, so no transition inside a step is missed.
+    """
+
+    def __init__(self, participant: Participant) -> None:
+        self.participant = participant
+        self._closed_s = 0.0
+        self._open_since: float | None = None
+
+    @property
+    def paused(self) -> bool:
+        return self._open_since is not None
+
+    def now(self) -> float:
+        base = self._observe()
+        frozen = self._closed_s + (base - self._open_since if self._open_since is not None else 0.0)
+        return base - frozen
+
+    def _observe(self) -> float:
+        base = self.participant.clock.now()
+        is_open = self.participant.checkpoint_id is not None
+        if is_open and self._open_since is None:
+            self._open_since = base
+        elif not is_open and self._open_since is not None:
+            self._closed_s += base - self._open_since
+            self._open_since = None
+        return base
+
+    async def sleep_until(self, ts: float) -> None:
+        """Until ``now()`` reaches ``ts``: sleep on the clock, stand still while a checkpoint is open
+        (each wait bounded by the clock's time left, or by the open checkpoint's lease)."""
+        participant = self.participant
+        while True:
+            changed = participant.signal.current
+            charged = self.now()
+            if self._open_since is None:
+                if charged >= ts:
+                    return
+                until = participant.clock.now() + (ts - charged)
+            else:
+                until = participant.status()["lease_expires_at"] or participant.clock.now()
+            await wait_until(participant.clock, changed.wait(), until)
 
 
 @dataclass(frozen=True)
@@ -122,6 +182,14 @@ class EpisodesAdapter:
         self.participant: Participant | None = None
         self.live: dict[str, LiveEpisode] = {}
         self.installed: dict[str, Installed] = {}
+        self._budget_clock: CheckpointFreeClock | None = None
+
+    @property
+    def budget_clock(self) -> CheckpointFreeClock:
+        """The clock every episode's budget runs on (built once the participant is mounted)."""
+        if self._budget_clock is None:
+            self._budget_clock = CheckpointFreeClock(self._participant())
+        return self._budget_clock
 
     # ---- data plane -------------------------------------------------------------------------
 
@@ -164,7 +232,7 @@ class EpisodesAdapter:
         try:
             return await run_episode(
                 self.program, live.episode, hooks=self,
-                budget=StepBudget(self.limits.episode_timeout_s, clock=self.limits.clock),
+                budget=StepBudget(self.limits.episode_timeout_s, clock=self.budget_clock),
                 cleanup_timeout_s=self.limits.cleanup_timeout_s,
             )
         finally:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.episode import (
     Boundary,
     Episode,
@@ -161,19 +162,19 @@ async def test_cancellation_runs_the_cleanup() -> None:
 
 
 async def test_the_timeout_counts_time_in_steps_only() -> None:
-    now = [0.0]
+    clock = FakeClock(0.0)
 
     async def step(episode: Episode) -> str | None:
-        now[0] += 1.0
+        clock.advance(1.0)
         episode.state["n"] = episode.state.get("n", 0) + 1
         return None if episode.state["n"] == 5 else "step"
 
     class SlowHooks(Recorder):
         async def at_boundary(self, episode: Episode) -> None:
-            now[0] += 100.0  # a parked episode: not charged
+            clock.advance(100.0)  # a parked episode: not charged
 
     program = Program.of([Step("step", step, "replay")])
-    budget = StepBudget(10.0, clock=lambda: now[0])
+    budget = StepBudget(10.0, clock=clock)
     await run_episode(program, Episode.start(RID, TASK, program), hooks=SlowHooks(), budget=budget)
     assert budget.spent_s == 5.0 and budget.remaining() == 5.0
 
@@ -186,6 +187,50 @@ async def test_a_step_past_the_episode_timeout_fails_with_upstream_timeout() -> 
     program = Program.of([Step("slow", slow, "replay")])
     with pytest.raises(UpstreamTimeout, match=r"step slow failed: the episode timeout of 0\.05 s ran out"):
         await run_episode(program, Episode.start(RID, TASK, program), budget=StepBudget(0.05))
+
+
+async def test_the_timeout_fires_on_the_budget_clock_while_a_step_waits() -> None:
+    clock = FakeClock(0.0)
+    waiting = asyncio.Event()
+
+    async def wait(episode: Episode) -> str:
+        clock.advance(4.0)
+        waiting.set()
+        await asyncio.Event().wait()  # a peer that never answers
+        return "wait"
+
+    program = Program.of([Step("wait", wait, "replay")])
+    budget = StepBudget(10.0, clock=clock)
+    run = asyncio.create_task(run_episode(program, Episode.start(RID, TASK, program), budget=budget))
+    async with asyncio.timeout(5):
+        await waiting.wait()
+        while clock.sleepers == 0:  # the budget's watchdog sleeps on the clock
+            await asyncio.sleep(0)
+    clock.advance(5.9)
+    await asyncio.sleep(0)
+    assert not run.done()
+    clock.advance(0.1)  # 10 s charged: the timeout
+    with pytest.raises(UpstreamTimeout, match=r"step wait failed: the episode timeout of 10 s ran out"):
+        await asyncio.wait_for(run, 5)
+    assert budget.spent_s == 10.0 and budget.remaining() == 0.0
+
+
+async def test_a_step_starting_with_nothing_left_fails_at_its_first_await() -> None:
+    clock = FakeClock(0.0)
+    ran: list[str] = []
+
+    async def step(episode: Episode) -> str:
+        ran.append(episode.boundary.next_step or "")
+        clock.advance(6.0)
+        await asyncio.sleep(0)
+        return "step"
+
+    program = Program.of([Step("step", step, "replay")])
+    with pytest.raises(UpstreamTimeout, match="episode timeout of 10 s"):
+        await run_episode(program, Episode.start(RID, TASK, program), budget=StepBudget(10.0, clock=clock))
+    # 6 s, then 6 more: the second step ended before its timeout could fire; the third starts with
+    # nothing left and fails at its first await (without the check it would complete too)
+    assert len(ran) == 3
 
 
 async def test_state_that_is_not_json_is_a_bug() -> None:

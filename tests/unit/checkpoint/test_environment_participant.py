@@ -357,52 +357,100 @@ async def test_a_second_run_of_a_live_episode_is_refused(root: Path, clock: Fake
 # ---- parked time is not charged ---------------------------------------------------------------
 
 
+def _budgeted(program: Program, root: Path, clock: FakeClock, timeout_s: float = 5.0) -> tuple[
+        EpisodesAdapter, Participant]:
+    """An environment adapter over ``program`` with an episode timeout, on the fake clock."""
+    adapter = EpisodesAdapter(program, RunLimits(timeout_s, 1.0))
+    participant = Participant(kind="environment", instance="env", adapter=adapter,
+                              store=CheckpointStore(root), lease_grace_s=600.0, clock=clock)
+    adapter.participant = participant
+    return adapter, participant
+
+
+async def _finish(episode: Episode) -> None:
+    await asyncio.sleep(0)  # a step that yields: a timeout already due fires here
+    episode.state["result"] = {"ok": True}
+    return None
+
+
 async def test_parked_time_is_not_charged_to_the_episode_timeout(root: Path, clock: FakeClock) -> None:
-    now = [0.0]
     go = asyncio.Event()
 
     async def first(episode: Episode) -> str:
         await go.wait()
-        now[0] += 1.0
+        clock.advance(1.0)
         return "second"
 
-    async def second(episode: Episode) -> None:
-        now[0] += 1.0
-        episode.state["result"] = {"ok": True}
-        return None
-
-    program = Program.of([Step("first", first, "wait"), Step("second", second, "wait")])
-    adapter = EpisodesAdapter(program, RunLimits(5.0, 1.0, clock=lambda: now[0]))
-    participant = Participant(kind="environment", instance="env", adapter=adapter,
-                              store=CheckpointStore(root), lease_grace_s=600.0, clock=clock)
-    adapter.participant = participant
+    program = Program.of([Step("first", first, "wait"), Step("second", _finish, "wait")])
+    adapter, participant = _budgeted(program, root, clock)
     run = asyncio.create_task(adapter.run(RolloutIdentity("t"), {"responses_create_params": {"input": "x"}}))
     await until(lambda: "t" in adapter.live and adapter.live["t"].episode.mode == "wait", "in the first step")
-    request = ControlRequest(checkpoint_id="c1", deadline_ts=clock.now() + 30)
+    request = ControlRequest(checkpoint_id="c1", deadline_ts=clock.now() + 3000)
     prepare = asyncio.create_task(participant.prepare(request))
     go.set()
     assert (await asyncio.wait_for(prepare, WAIT_S))["report"]["ready"] is True
     assert adapter.live["t"].parked
-    now[0] += 1000.0  # a long checkpoint, parked at the boundary after the first step
+    clock.advance(1000.0)  # a long checkpoint, parked at the boundary after the first step
     await participant.resume(request)
     assert (await asyncio.wait_for(run, WAIT_S))["result"] == {"ok": True}
     await participant.aclose()
 
 
-async def test_time_inside_steps_is_still_charged(root: Path, clock: FakeClock) -> None:
-    now = [0.0]
+async def test_a_replay_step_waiting_on_a_parked_peer_is_not_charged_while_the_checkpoint_is_open(
+    root: Path, clock: FakeClock
+) -> None:
+    answered = asyncio.Event()  # the peer (an agent, the policy model) answers after the resume
 
+    async def call_peer(episode: Episode) -> str:
+        clock.advance(2.0)
+        await answered.wait()
+        return "finish"
+
+    program = Program.of([Step("call_peer", call_peer, "replay"), Step("finish", _finish, "replay")])
+    adapter, participant = _budgeted(program, root, clock)
+    run = asyncio.create_task(adapter.run(RolloutIdentity("t"), {"responses_create_params": {"input": "x"}}))
+    await until(lambda: clock.sleepers == 1, "the step waits, its budget sleeping on the clock")
+    request = ControlRequest(checkpoint_id="c1", deadline_ts=clock.now() + 3000)
+    prepared = await asyncio.wait_for(participant.prepare(request), WAIT_S)
+    assert prepared["report"]["ready"] is True and prepared["report"]["counts"]["in_replay_step"] == 1
+    await until(lambda: adapter.budget_clock.paused, "the budget stands still")
+    clock.advance(1000.0)  # the checkpoint stays open far longer than the episode's whole timeout
+    await asyncio.sleep(0)
+    await participant.resume(request)
+    await until(lambda: not adapter.budget_clock.paused and clock.sleepers == 1, "the budget runs again")
+    clock.advance(2.5)  # 2 + 2.5 s charged: still within the 5 s
+    await asyncio.sleep(0)
+    answered.set()
+    assert (await asyncio.wait_for(run, WAIT_S))["result"] == {"ok": True}
+    await participant.aclose()
+
+
+async def test_a_replay_step_waiting_with_no_checkpoint_open_is_charged(root: Path, clock: FakeClock) -> None:
+    async def call_peer(episode: Episode) -> str:
+        await asyncio.Event().wait()  # a peer that never answers
+        return "finish"
+
+    program = Program.of([Step("call_peer", call_peer, "replay"), Step("finish", _finish, "replay")])
+    adapter, participant = _budgeted(program, root, clock)
+    run = asyncio.create_task(adapter.run(RolloutIdentity("t"), {"responses_create_params": {"input": "x"}}))
+    await until(lambda: clock.sleepers == 1, "the step waits, its budget sleeping on the clock")
+    clock.advance(5.0)
+    with pytest.raises(UpstreamTimeout, match="step call_peer failed: the episode timeout of 5 s ran out"):
+        await asyncio.wait_for(run, WAIT_S)
+    await participant.aclose()
+
+
+async def test_time_inside_steps_is_still_charged(root: Path, clock: FakeClock) -> None:
     async def slow(episode: Episode) -> str:
-        now[0] += 10.0
+        clock.advance(10.0)
         await asyncio.sleep(0)  # a step that yields: the timeout can fire here
         return "slow"
 
     program = Program.of([Step("slow", slow, "replay")])
-    adapter = EpisodesAdapter(program, RunLimits(5.0, 1.0, clock=lambda: now[0]))
-    adapter.participant = Participant(kind="environment", instance="env", adapter=adapter,
-                                      store=CheckpointStore(root), lease_grace_s=600.0, clock=clock)
+    adapter, participant = _budgeted(program, root, clock)
     with pytest.raises(UpstreamTimeout, match="episode timeout"):
         await adapter.run(RolloutIdentity("t"), {"responses_create_params": {"input": "x"}})
+    await participant.aclose()
 
 
 # ---- whole rollouts: checkpoint, crash, restore, continue -----------------------------------------
