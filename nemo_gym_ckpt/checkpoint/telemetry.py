@@ -1,13 +1,16 @@
 """Checkpoint telemetry (PROTOCOL.md section 9) on the OpenTelemetry API.
 
 Spans ``gym.checkpoint.<op>`` per participant operation, with children ``wait_ready``, ``export``,
-``write``, ``read`` and ``install``; ``gym.checkpoint.coordinate.<op>`` in the coordinator.
-Attributes ``nemo.gym.checkpoint.{id, participant_kind, instance, records, bytes, phase}``.
+``write``, ``read``, ``install`` and ``generation_cut`` (the policy model's cut request to its
+worker during a commit, generation cuts on; ``records`` = the durable cuts kept);
+``gym.checkpoint.coordinate.<op>`` in the coordinator. Attributes
+``nemo.gym.checkpoint.{id, participant_kind, instance, records, bytes, phase}``.
 Metrics: ``gym.checkpoint.operation.duration`` (ms, by operation, kind and outcome),
 ``gym.checkpoint.records``, ``gym.checkpoint.bytes``, and ``gym.checkpoint.events`` (``refused``
-with its code, ``lease_expired``, ``prepare_not_ready``). Providers are passed in (tests give SDK
-ones with in-memory exporters); by default the global API is used, which costs nothing until an
-SDK is configured.
+with its code, ``lease_expired``, ``prepare_not_ready``, and ``generation_cut_failed`` with its code:
+a cut request that failed or ran late, so that commit went on without cuts). Providers are passed
+in (tests give SDK ones with in-memory exporters); by default the global API is used, which costs
+nothing until an SDK is configured.
 """
 
 from __future__ import annotations
