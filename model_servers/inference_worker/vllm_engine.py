@@ -17,6 +17,21 @@ request (it goes on to its end unchanged); closing the iterator (a retire, a dis
 and the tokens taken are a valid prefix; a continuation is an ordinary request whose
 ``TokensPrompt`` is prompt + prefix ids (``GenerationRequest.continuation``).
 
+Why a cut does not abort (issue 7 asked for "a cut aborts the request and keeps the tokens already
+produced"; PROTOCOL.md section 8 asks only to freeze at a token boundary and make the prefix
+durable): most checkpoints end without a crash, and then the cut call must end exactly as if it had
+not been cut. After an abort it could only go on as a continuation, which on vLLM is not the same
+generation: (1) a sampled continuation restarts the request's seeded generator, so its draws are not
+the ones the uninterrupted request would have made (the per-position sampler that makes this exact
+on the transformers engine, ``sampling.py``, is not vLLM's; plugging it in as a logits processor is
+future work); (2) even greedy, the prefix is re-prefilled in one pass where it had been decoded token
+by token, and the logits differ in their last bits (and with the batch), so a near tie can flip a
+token. Aborting would also spend a re-prefill of prompt + prefix on every cut call, crash or not.
+Freezing without aborting has none of these costs; after a crash the continuation is the only way
+on, and there greedy matches up to those numerics (``tests/gpu``) and sampling is a fresh sample of
+the same policy after the kept prefix. Abort-then-continue becomes the better choice only once both
+(1) and (2) hold bit for bit on vLLM.
+
 vllm is imported only inside ``load`` and ``generate``: this module imports on machines without it.
 """
 
