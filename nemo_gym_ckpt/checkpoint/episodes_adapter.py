@@ -72,19 +72,28 @@ class CheckpointFreeClock:
     """The participant's clock, standing still while it has a checkpoint open: an episode's budget.
 
     ``now()`` is the participant clock's time minus every interval during which a checkpoint was
-    open, as far as it was seen: a transition is noticed when ``now`` is read or when a sleeper
-    wakes on the participant's change signal (notified at every open and close, lease expiry
-    included). Budgets only compare readings taken inside one step, and a step with a timeout always
-    has a sleeper, so no transition inside a step is missed.
+    open (from its prepare or restore to its resume or lease expiry). While anything sleeps on it,
+    one listener task follows the participant's change signal (notified at every open and close)
+    and notes each transition when it happens; sleepers wake on those transitions only, so an
+    episode starting or ending wakes one task, not every running step. Budgets only compare two
+    readings taken inside one step, during which the step's timeout sleeps here: no transition
+    inside a step goes unnoticed. Without sleepers a transition is noted when ``now`` is next read.
     """
+
+    RECHECK_S = 60.0
+    """Longest wait of a sleeper or the listener before it looks again (their deadline)."""
 
     def __init__(self, participant: Participant) -> None:
         self.participant = participant
         self._closed_s = 0.0
         self._open_since: float | None = None
+        self._transition = asyncio.Event()
+        self._sleepers = 0
+        self._listener: asyncio.Task[None] | None = None
 
     @property
     def paused(self) -> bool:
+        """A checkpoint was open when last looked at."""
         return self._open_since is not None
 
     def now(self) -> float:
@@ -95,26 +104,51 @@ class CheckpointFreeClock:
     def _observe(self) -> float:
         base = self.participant.clock.now()
         is_open = self.participant.checkpoint_id is not None
-        if is_open and self._open_since is None:
+        if is_open == (self._open_since is not None):
+            return base
+        if is_open:
             self._open_since = base
-        elif not is_open and self._open_since is not None:
+        else:
+            assert self._open_since is not None
             self._closed_s += base - self._open_since
             self._open_since = None
+        event, self._transition = self._transition, asyncio.Event()
+        event.set()
         return base
 
     async def sleep_until(self, ts: float) -> None:
-        """Until ``now()`` reaches ``ts``: sleep on the clock, stand still while a checkpoint is open
-        (each wait bounded by the clock's time left, or by the open checkpoint's lease)."""
+        """Until ``now()`` reaches ``ts``: sleep on the clock; stand still while a checkpoint is open."""
+        clock = self.participant.clock
+        self._sleepers += 1
+        if self._listener is None:
+            self._listener = asyncio.create_task(self._listen())
+        try:
+            while True:
+                transition = self._transition
+                charged = self.now()
+                if self.paused:
+                    until = clock.now() + self.RECHECK_S
+                elif charged >= ts:
+                    return
+                else:
+                    until = clock.now() + min(ts - charged, self.RECHECK_S)
+                await wait_until(clock, transition.wait(), until)
+        finally:
+            self._sleepers -= 1
+            if not self._sleepers and self._listener is not None:
+                self._listener.cancel()
+                self._listener = None
+
+    async def _listen(self) -> None:
+        """Note every open and close while someone sleeps (a lease running out included)."""
         participant = self.participant
         while True:
             changed = participant.signal.current
-            charged = self.now()
-            if self._open_since is None:
-                if charged >= ts:
-                    return
-                until = participant.clock.now() + (ts - charged)
-            else:
-                until = participant.status()["lease_expires_at"] or participant.clock.now()
+            self._observe()
+            until = participant.clock.now() + self.RECHECK_S
+            if self.paused:  # wake at the lease's end: status() resumes a participant whose lease ran out
+                expires = participant.status()["lease_expires_at"]
+                until = min(until, expires) if expires is not None else participant.clock.now()
             await wait_until(participant.clock, changed.wait(), until)
 
 

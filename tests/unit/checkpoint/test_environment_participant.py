@@ -409,7 +409,7 @@ async def test_a_replay_step_waiting_on_a_parked_peer_is_not_charged_while_the_c
     program = Program.of([Step("call_peer", call_peer, "replay"), Step("finish", _finish, "replay")])
     adapter, participant = _budgeted(program, root, clock)
     run = asyncio.create_task(adapter.run(RolloutIdentity("t"), {"responses_create_params": {"input": "x"}}))
-    await until(lambda: clock.sleepers == 1, "the step waits, its budget sleeping on the clock")
+    await until(lambda: "t" in adapter.live and adapter.live["t"].episode.mode == "replay", "in the step")
     request = ControlRequest(checkpoint_id="c1", deadline_ts=clock.now() + 3000)
     prepared = await asyncio.wait_for(participant.prepare(request), WAIT_S)
     assert prepared["report"]["ready"] is True and prepared["report"]["counts"]["in_replay_step"] == 1
@@ -417,11 +417,36 @@ async def test_a_replay_step_waiting_on_a_parked_peer_is_not_charged_while_the_c
     clock.advance(1000.0)  # the checkpoint stays open far longer than the episode's whole timeout
     await asyncio.sleep(0)
     await participant.resume(request)
-    await until(lambda: not adapter.budget_clock.paused and clock.sleepers == 1, "the budget runs again")
+    await until(lambda: not adapter.budget_clock.paused, "the budget runs again")
     clock.advance(2.5)  # 2 + 2.5 s charged: still within the 5 s
     await asyncio.sleep(0)
     answered.set()
     assert (await asyncio.wait_for(run, WAIT_S))["result"] == {"ok": True}
+    await participant.aclose()
+
+
+async def test_a_lease_that_runs_out_ends_the_pause(root: Path, clock: FakeClock) -> None:
+    async def call_peer(episode: Episode) -> str:
+        await asyncio.Event().wait()  # a peer that never answers
+        return "finish"
+
+    program = Program.of([Step("call_peer", call_peer, "replay"), Step("finish", _finish, "replay")])
+    adapter, participant = _budgeted(program, root, clock, timeout_s=100.0)
+    run = asyncio.create_task(adapter.run(RolloutIdentity("t"), {"responses_create_params": {"input": "x"}}))
+    await until(lambda: "t" in adapter.live and adapter.live["t"].episode.mode == "replay", "in the step")
+    request = ControlRequest(checkpoint_id="c1", deadline_ts=clock.now() + 10)
+    await asyncio.wait_for(participant.prepare(request), WAIT_S)
+    await until(lambda: adapter.budget_clock.paused, "the budget stands still")
+    clock.advance(610.0)  # deadline + grace: the controller is gone, the lease runs out
+    await until(lambda: participant.checkpoint_id is None and not adapter.budget_clock.paused,
+                "the lease ran out and the budget runs again")
+    clock.advance(99.0)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert not run.done()  # 99 s charged
+    clock.advance(1.0)
+    with pytest.raises(UpstreamTimeout, match="the episode timeout of 100 s ran out"):
+        await asyncio.wait_for(run, WAIT_S)
     await participant.aclose()
 
 
@@ -433,7 +458,7 @@ async def test_a_replay_step_waiting_with_no_checkpoint_open_is_charged(root: Pa
     program = Program.of([Step("call_peer", call_peer, "replay"), Step("finish", _finish, "replay")])
     adapter, participant = _budgeted(program, root, clock)
     run = asyncio.create_task(adapter.run(RolloutIdentity("t"), {"responses_create_params": {"input": "x"}}))
-    await until(lambda: clock.sleepers == 1, "the step waits, its budget sleeping on the clock")
+    await until(lambda: "t" in adapter.live and adapter.live["t"].episode.mode == "replay", "in the step")
     clock.advance(5.0)
     with pytest.raises(UpstreamTimeout, match="step call_peer failed: the episode timeout of 5 s ran out"):
         await asyncio.wait_for(run, WAIT_S)
