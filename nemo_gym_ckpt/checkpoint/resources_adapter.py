@@ -22,6 +22,10 @@ verify never does (after a crash it simply runs again).
 A restored session keeps the ``Record`` it came from until a call touches it, and is exported
 again byte for byte while it is untouched (as its new attempt when only that attempt is in scope).
 Restore installs every record under ``episode.next_attempt()``, bound to that attempt, or nothing.
+A ``/seed_session`` of an attempt that still holds restored, untouched sessions replaces them (they
+are dropped, ``retire_session`` included): that attempt's environment is seeding again because its
+record had no boundary past its seed (``boundary: null``, the episode starts over), so nothing
+holds their cookies (this assumes an environment seeds one session per episode on a resources server).
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ class ResourcesAdapter:
     async def admitted(self, route: Route) -> AsyncIterator[RolloutIdentity]:
         """Let one request in (waiting while a checkpoint is open) and count it while it runs."""
         identity = await self._admit(route)
+        if route == "seed":
+            await self._drop_where(lambda owner: owner == identity, restored_only=True)
         blocking = self._blocks(route)
         self._in_flight[identity] += 1
         if blocking:
@@ -226,9 +232,11 @@ class ResourcesAdapter:
         gone = set(rollout_ids)
         await self._drop_where(lambda identity: identity is not None and identity.rollout_id in gone)
 
-    async def _drop_where(self, condition: Callable[[RolloutIdentity | None], bool]) -> None:
+    async def _drop_where(
+        self, condition: Callable[[RolloutIdentity | None], bool], *, restored_only: bool = False
+    ) -> None:
         for session in self.server.sessions:
-            if condition(session.identity):
+            if condition(session.identity) and (session.restored is not None or not restored_only):
                 await self.server.drop_session(session.session_id)
 
     async def _until_quiet(self, condition: Callable[[RolloutIdentity | None], bool]) -> None:
