@@ -24,7 +24,10 @@ activation with ``x-ng-agent-activation: <n>`` (1-based, PROTOCOL.md section 7).
   a restore gets the same answer) and the one running, if any (``{"index", "request_digest",
   "state"}``, ``state`` being the snapshot, ``null`` before its first call). Records never carry
   token arrays: the token capture fields are left out of the reply and the state, so a restored
-  session continues without the token arrays of the calls it made before the checkpoint.
+  session's state lacks the token arrays of the calls it made before the checkpoint. The policy
+  model keeps them in its token sidecar and answers them at ``GET /v1/capture/tokens`` under the
+  rollout's capture key; an agent puts them back on its restored items (the simple agent does, see
+  ``agents/simple_agent/restored_tokens.py``).
 - **restore** installs every session under the next attempt, all or nothing; ``check_state``
   vets each running state. The environment's re-invocation of the running index under the new
   capture key continues the work from that state (``turn.resume``), so no completed model or tool

@@ -19,13 +19,20 @@ activation header deduplicates (a completed activation invoked again answers the
 skipping ahead is ``activation_out_of_order``), every model and tool call is a boundary of the
 loop, and the session's ``LoopState`` is exported at commit (evaluated then, never copied per
 call). A restored session continues its loop under the next capture key without making a
-completed model or tool call again. ``checkpoint_sessions`` (a class attribute, not config) says
+completed model or tool call again. With ``return_token_ids``, a restored loop first asks the
+policy model for the token arrays of the calls it made before the checkpoint (``GET
+/v1/capture/tokens`` under its capture key; the policy model keeps them in its token sidecar) and
+puts them back on its output items (``restored_tokens``), so its answer equals an uninterrupted
+run's, token arrays included. If the policy model cannot answer, the loop goes on without them
+(logged); the policy model still splices the next prompt from the ids it restored.
+``checkpoint_sessions`` (a class attribute, not config) says
 whether the implementation captures its sessions; ``agents/restart_only_agent`` is the same loop
 with it off. With checkpointing off the activation header is only recorded.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -42,6 +49,7 @@ from agents.simple_agent.loop import (
     response_object,
     run_loop,
 )
+from agents.simple_agent.restored_tokens import missing_calls, reattach
 from nemo_gym_ckpt.agent_sessions import ActivationReply, AgentSessions, Turn
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
@@ -49,7 +57,7 @@ from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment import ACTIVATION_HEADER, cookies_of
-from nemo_gym_ckpt.errors import InvalidRequest, UpstreamError
+from nemo_gym_ckpt.errors import GymError, InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import current_identity
 from nemo_gym_ckpt.resources import RESTART_HEADER
 from nemo_gym_ckpt.responses import normalize_input
@@ -69,6 +77,8 @@ __all__ = [
     "parse_activation",
 ]
 
+
+logger = logging.getLogger(__name__)
 
 MODEL_CALL_HEADER = "x-nemo-gym-model-call-id"
 """The policy model's id of a call in its capture ledger (checkpointing on): the agent's lineage."""
@@ -132,6 +142,16 @@ class HttpCalls:
         if not isinstance(response, dict):
             raise UpstreamError("the policy model answered something other than a Responses object")
         return ModelReply(response, cookies_of(reply), reply.headers.get(MODEL_CALL_HEADER))
+
+    async def capture_tokens(self) -> list[dict[str, Any]]:
+        """The policy model's calls of this rollout with their token arrays (its capture route)."""
+        reply = await self.client.request("GET", f"{self.model_url}/v1/capture/tokens",
+                                          timeout_s=self.settings.model_timeout_s)
+        answer = decode_json(reply)
+        calls = answer.get("calls") if isinstance(answer, dict) else None
+        if not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls):
+            raise UpstreamError("the policy model's capture route answered no list of calls")
+        return calls
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any], cookies: dict[str, str]
@@ -222,8 +242,21 @@ class SimpleAgent:
         resume = turn.resume
         state = LoopState.from_json(resume) if resume is not None else self.fresh_state(body, cookies)
         turn.track(state.to_json)
+        if resume is not None and self.settings.return_token_ids:
+            await self._reattach_tokens(state)
         await run_loop(state, GatedCalls(self.calls, turn))
         return ActivationReply(response_object(state), dict(state.cookies))
+
+    async def _reattach_tokens(self, state: LoopState) -> None:
+        """Put the token arrays of the calls made before the checkpoint back on their output items."""
+        if not missing_calls(state):
+            return
+        try:
+            calls = await self.calls.capture_tokens()
+        except GymError as error:
+            logger.warning("restored loop: token arrays not put back (%s: %s)", error.code, error.detail)
+            return
+        reattach(state, calls)
 
     def _http_reply(self, reply: ActivationReply) -> OrjsonResponse:
         response = OrjsonResponse(reply.response)

@@ -6,7 +6,10 @@ PROTOCOL.md section 8, first half. Every model call goes through ``CustodyBacken
    an open checkpoint a new call waits for resume; a retired attempt: 409 ``stale_attempt``), then
    a ticket is opened in ``ActiveCalls``.
 2. **Generation** by the wrapped backend, keeping on through a checkpoint; a request without a
-   seed gets one derived from its rollout id and prompt (``ChatCall.seed_scope``). A retire of the
+   seed gets one derived from its rollout id and prompt (``ChatCall.seed_scope``). A call of a
+   restored rollout whose last assistant turn comes without token fields (its caller lost them in
+   the crash) is given the ids its earlier attempts delivered (``ChatCall.ledger_prefixes``, from
+   the token sidecar), so its prompt is spliced from them rather than re-tokenized (review E10). A retire of the
    attempt cancels it (``stale_attempt``). With generation cuts on, the call is sent with its
    ``model_call`` (id and lineage at admission, so a cut can find it on the worker), and a call
    that repeats a restored cut's conversation continues from its staged prefix (``continuation``).
@@ -37,6 +40,7 @@ from model_servers.policy_model.generation import (
     StreamStarted,
 )
 from model_servers.policy_model.ledger import LedgerBook
+from model_servers.policy_model.token_splice import lost_its_tokens
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.phases import Phase
 from nemo_gym_ckpt.errors import GymError, StaleAttempt
@@ -99,6 +103,10 @@ class Custody:
         with cuts on, named for the worker, and continuing a restored cut it repeats."""
         if call.sampling.seed is None:
             call = dataclasses.replace(call, seed_scope=ticket.episode.rollout_id)
+        if lost_its_tokens(call.messages):
+            prefixes = self.ledgers.restored_prefixes(ticket.episode)
+            if prefixes:
+                call = dataclasses.replace(call, ledger_prefixes=tuple(prefixes))
         if not self.generation_cuts:
             return call
         model_call = ModelCallRef(ticket.model_call_id, ticket.parent_call_id, ticket.previous_length)

@@ -91,6 +91,10 @@ class ChatCall:
     #: Set only with generation cuts on: the call's id and lineage, and a staged prefix to continue.
     model_call: ModelCallRef | None = None
     continuation: CutContinuation | None = None
+    #: Set only while checkpointing is on, for a call of a restored rollout whose last assistant turn
+    #: came without token fields: prompt + generation ids of the calls its earlier attempts delivered
+    #: (from the token sidecar), latest first, to splice the prompt from (``token_splice``).
+    ledger_prefixes: tuple[list[int], ...] = ()
 
     @property
     def parse_tool_calls(self) -> bool:

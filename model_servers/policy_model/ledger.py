@@ -14,6 +14,14 @@ caller in the reply). Fields, in this order on the wire (``ROW_FIELDS``):
 | ``policy_version`` | the engine's policy version for the call |
 | ``admitted_at`` | Unix seconds when the call was admitted |
 | ``conversation_digest`` | ``active_calls.conversation_digest``: messages (no token fields), tools, tool choice |
+| ``token_digest`` | SHA-256 of the call's line in the token sidecar; ``null`` when its reply carried no token ids |
+
+Token arrays stay out of the rows and the records. A ledger keeps, in memory, the ``CallTokens`` of
+each of its calls that delivered token ids, and a commit writes them to the token sidecar
+(``token_sidecar``), which a row names only by ``token_digest``. A restored ledger gets them back
+from the sidecar (checked against the row's digests), so that its rollout's next attempt can have
+them: ``restored_prefixes`` (the ids a continued call's prompt is spliced from, instead of
+re-tokenizing text) and ``calls`` (what ``GET /v1/capture/tokens`` answers the caller).
 
 A rollout's ledger is one lineage across attempts: restoring attempt N installs a ledger for N+1
 that inherits N's rows, and the first call N+1 delivers has N's last row as its parent. The record
@@ -38,8 +46,9 @@ from typing import Any
 from model_servers.policy_model.active_calls import Ticket
 from model_servers.policy_model.cuts import CutRecord, Lineage
 from model_servers.policy_model.generation import ChatResult
+from model_servers.policy_model.token_sidecar import TOKEN_DIGEST, CallTokens, TokenedRecord
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem
-from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.checkpoint.records import Record, Scope, episode_of
 from nemo_gym_ckpt.errors import InvalidCheckpointState
 from nemo_gym_ckpt.identity import RolloutIdentity
 
@@ -65,9 +74,12 @@ class LedgerRow:
     policy_version: int | str | None
     admitted_at: float
     conversation_digest: str
+    token_digest: str | None = None
 
     @classmethod
-    def delivered(cls, ticket: Ticket, result: ChatResult, parent_call_id: str | None) -> LedgerRow:
+    def delivered(
+        cls, ticket: Ticket, result: ChatResult, parent_call_id: str | None, tokens: CallTokens | None = None
+    ) -> LedgerRow:
         return cls(
             call_id=ticket.model_call_id,
             parent_call_id=parent_call_id,
@@ -80,6 +92,7 @@ class LedgerRow:
             policy_version=result.policy_version,
             admitted_at=ticket.admitted_at,
             conversation_digest=ticket.conversation_digest,
+            token_digest=tokens.digest if tokens is not None else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -123,6 +136,7 @@ _VALID: dict[str, Callable[[Any], bool]] = {
     "policy_version": lambda value: value is None or type(value) in (int, str),
     "admitted_at": lambda value: type(value) in (int, float) and math.isfinite(value),
     "conversation_digest": _digest,
+    TOKEN_DIGEST: lambda value: value is None or _digest(value),
 }
 
 
@@ -135,6 +149,7 @@ class Ledger:
     rows: list[LedgerRow] = field(default_factory=list)
     source: Record | None = None  # the record it was restored from
     restored_cut: CutRecord | None = None  # a cut to continue, until the next delivered call
+    tokens: dict[str, CallTokens] = field(default_factory=dict)  # by call id: calls that delivered ids
 
     @property
     def head(self) -> str | None:
@@ -152,6 +167,23 @@ class Ledger:
     @property
     def lineage(self) -> Lineage:
         return self.head, len(self)
+
+    def token_lines(self) -> list[bytes]:
+        """The sidecar lines of this ledger's calls, in lineage order (restored ones as read)."""
+        return [self.tokens[row.call_id].line for row in (*self.inherited, *self.rows) if row.token_digest]
+
+    def restored_prefixes(self) -> list[list[int]]:
+        """Prompt + generation ids of the calls of earlier attempts that delivered ids, latest first."""
+        return [self.tokens[row.call_id].prefix for row in reversed(self.inherited) if row.token_digest]
+
+    def calls(self) -> list[dict[str, Any]]:
+        """Each call of the lineage with its token fields when it delivered ids (the capture route)."""
+        answer = []
+        for row in (*self.inherited, *self.rows):
+            tokens = self.tokens.get(row.call_id) if row.token_digest else None
+            call = {"call_id": row.call_id, "attempt": row.attempt, "policy_version": row.policy_version}
+            answer.append({**call, **(tokens.to_fields() if tokens is not None else {})})
+        return answer
 
     def covered_by(self, scope: Scope | None) -> bool:
         """In ``scope`` as itself, or (restored and unchanged) as the episode it came from."""
@@ -210,8 +242,11 @@ class LedgerBook:
         ledger = self._ledgers.get(ticket.episode.capture_key)
         if ledger is None:
             ledger = self._ledgers[ticket.episode.capture_key] = Ledger(ticket.episode)
-        row = LedgerRow.delivered(ticket, result, ledger.head)
+        tokens = CallTokens.of(ticket.model_call_id, result.capture) if result.capture is not None else None
+        row = LedgerRow.delivered(ticket, result, ledger.head, tokens)
         ledger.rows.append(row)
+        if tokens is not None:
+            ledger.tokens[row.call_id] = tokens
         ledger.restored_cut = None
         return row
 
@@ -226,6 +261,24 @@ class LedgerBook:
             if episode.capture_key not in self._ledgers and (scope is None or episode in scope):
                 exported.append(ledger_record(episode, (), cut))
         return [item for item in exported if item is not None]
+
+    def token_lines(self, items: Sequence[ExportItem]) -> list[bytes]:
+        """The sidecar lines of the ledgers exported as ``items`` (each line once)."""
+        exported = {_episode_of(item) for item in items}
+        lines: dict[bytes, None] = {}
+        for ledger in self._ledgers.values():
+            source = ledger.source.episode if ledger.source is not None else None
+            if ledger.episode in exported or source in exported:
+                lines.update(dict.fromkeys(ledger.token_lines()))
+        return list(lines)
+
+    def restored_prefixes(self, episode: RolloutIdentity) -> list[list[int]]:
+        ledger = self.get(episode)
+        return ledger.restored_prefixes() if ledger is not None else []
+
+    def calls(self, episode: RolloutIdentity) -> list[dict[str, Any]]:
+        ledger = self.get(episode)
+        return ledger.calls() if ledger is not None else []
 
     def drop_restored_outside(self, scope: Scope | None) -> None:
         """After a commit: a restored, unchanged ledger that ``scope`` left out is deleted."""
@@ -265,7 +318,7 @@ def restored_ledger(record: Record) -> Ledger:
         raise InvalidCheckpointState(f"record of {key} is not a ledger record")
     rows = tuple(LedgerRow.from_json(row) for row in record.data["ledger"])
     _check_lineage(rows, record.episode)
-    ledger = Ledger(record.episode.next_attempt(), rows, source=record)
+    ledger = Ledger(record.episode.next_attempt(), rows, source=record, tokens=_restored_tokens(record, rows))
     if CUT_KEY in keys:
         cut = CutRecord.from_json(record.data[CUT_KEY], f"record of {key}")
         if cut.lineage != ledger.lineage:
@@ -273,6 +326,26 @@ def restored_ledger(record: Record) -> Ledger:
                                          f"ledger's {ledger.lineage}")
         ledger.restored_cut = cut
     return ledger
+
+
+def _restored_tokens(record: Record, rows: Sequence[LedgerRow]) -> dict[str, CallTokens]:
+    """The sidecar's tokens of the rows that name them, each checked against its row."""
+    found = record.tokens if isinstance(record, TokenedRecord) else {}
+    tokens: dict[str, CallTokens] = {}
+    for row in rows:
+        if row.token_digest is None:
+            continue
+        where = f"ledger of {record.episode.capture_key}, call {row.call_id}"
+        line = found.get(row.call_id)
+        if line is None or line.digest != row.token_digest:
+            raise InvalidCheckpointState(f"{where}: its token arrays are not in the token sidecar")
+        line.check(row.call_id, row.prompt_digest, row.output_digest, where)
+        tokens[row.call_id] = line
+    return tokens
+
+
+def _episode_of(item: ExportItem) -> RolloutIdentity:
+    return item.episode if isinstance(item, Record) else episode_of(item)
 
 
 def _check_lineage(rows: Sequence[LedgerRow], episode: RolloutIdentity) -> None:

@@ -8,12 +8,27 @@ see ``custody``) and ``PolicyAdapter`` answers the control plane:
 - readiness: blocked by streams that started to be delivered and have not drained; counts of
   active calls, held replies, ledgers and rows;
 - export: one record per ledger in scope, ``{episode_id, ledger: [row, ...]}`` (see ``ledger``);
-  held calls have no row;
-- install: every record checked (fields, lineage), then installed under the next attempt;
+  held calls have no row; the token arrays of the exported calls that delivered them go to the
+  token sidecar, written durably before the records (``token_sidecar``: the participant's store is
+  a ``SidecarStore``), and each row names its line by ``token_digest``;
+- install: every record checked (fields, lineage, the sidecar's tokens against the rows' digests),
+  then installed under the next attempt;
 - retire: the calls of the retired attempts stopped and awaited, then their ledgers dropped,
   cumulatively (the attempt and every earlier one of its rollout); refused by the participant
   while a checkpoint is open;
 - forget: every ledger of those rollouts dropped.
+
+The route ``GET /v1/capture/tokens`` (rollout-scoped, mounted only here) answers the calls of the
+request's capture key, in lineage order, with their token fields where they delivered them
+(``{"calls": [{call_id, attempt, policy_version, prompt_token_ids?, generation_token_ids?,
+generation_log_probs?}]}``): a restored agent puts them back on the output items of the calls it
+made before the checkpoint. It changes nothing and waits for nothing (a retired attempt is refused).
+
+Why the model keeps the tokens and not the agent: the model produced them, checks them against its
+ledger (the rows' digests say which ids were delivered, and held calls have no row), needs them
+itself to splice a continued call's prompt (E10: never re-tokenize a restored conversation), and
+serves any agent, including one that cannot keep a sidecar of its own; one file per commit per
+policy model is also cheaper than one per agent instance.
 
 Generation cuts (``generation_cuts: true``, see ``cuts``): at commit, before the export
 (``before_export``, which gets the commit's deadline), the calls in flight are cut on the worker;
@@ -35,15 +50,20 @@ from model_servers.policy_model.backend import Backend
 from model_servers.policy_model.custody import Custody, CustodyBackend
 from model_servers.policy_model.cuts import CutClient, CutRecord, GenerationCutter
 from model_servers.policy_model.ledger import CUT_KEY, LedgerBook
+from model_servers.policy_model.token_sidecar import SidecarStore
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.errors import RolloutIdRequired
+from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 
-__all__ = ["PolicyAdapter", "PolicyParticipant", "kept_staging_keys", "mount_policy_participant"]
+__all__ = ["CAPTURE_TOKENS_PATH", "PolicyAdapter", "PolicyParticipant", "kept_staging_keys",
+           "mount_policy_participant"]
+
+CAPTURE_TOKENS_PATH = "/v1/capture/tokens"
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +82,7 @@ class PolicyAdapter:
         self._commit: tuple[str, float] | None = None  # (checkpoint id, deadline) of the commit running
         self._cuts: dict[RolloutIdentity, CutRecord] = {}
         self._kept: list[str] = []
+        self._token_lines: list[bytes] = []  # the sidecar lines of the commit being written
 
     def counts(self) -> dict[str, int]:
         return {
@@ -84,16 +105,21 @@ class PolicyAdapter:
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
         items = self.ledgers.records(scope, self._cuts)
         self._kept = kept_staging_keys(items)
+        self._token_lines = self.ledgers.token_lines(items)
         for item in items:
             yield item
 
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
         self.ledgers.drop_restored_outside(scope)
         kept, commit = sorted(set(self._kept)), self._commit
-        self._commit, self._cuts, self._kept = None, {}, []
+        self._commit, self._cuts, self._kept, self._token_lines = None, {}, [], []
         if self.cutter is not None and commit is not None:
             await self.cutter.settle(commit[0], kept, commit[1])
         return {"staging_keys": kept}
+
+    def sidecar_lines(self) -> list[bytes]:
+        """What the commit being written puts in its token sidecar (set by ``export``)."""
+        return self._token_lines
 
     async def install(self, records: Sequence[Record], scope: Scope) -> None:
         self.ledgers.install(records)
@@ -147,6 +173,8 @@ def mount_policy_participant(
     participant = mount_checkpointing(app, ctx, adapter, kind="model", clock=clock)
     if participant is None:
         return None
+    participant.store = SidecarStore(participant.store, adapter.sidecar_lines)
+    _mount_capture_route(app, participant, ledgers)
     if generation_cuts:
         if worker_url is None:
             raise ValueError("generation cuts need the inference worker's url")
@@ -156,3 +184,14 @@ def mount_policy_participant(
         adapter.cutter = GenerationCutter(calls, client, participant.clock, participant.telemetry)
     custody = Custody(participant, calls, ledgers, generation_cuts=generation_cuts)
     return PolicyParticipant(participant, adapter, CustodyBackend(backend, custody))
+
+
+def _mount_capture_route(app: FastAPI, participant: Participant, ledgers: LedgerBook) -> None:
+    async def capture_tokens() -> dict[str, Any]:
+        identity = current_identity()
+        if identity is None:
+            raise RolloutIdRequired("the capture route is rollout-scoped: call it under /ng-rollout/<key>/")
+        participant.marks.check(identity)
+        return {"capture_key": identity.capture_key, "calls": ledgers.calls(identity)}
+
+    app.add_api_route(CAPTURE_TOKENS_PATH, capture_tokens, methods=["GET"])

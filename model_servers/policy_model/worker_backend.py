@@ -1,7 +1,8 @@
 """Generation on our inference worker: token ids in, token ids and logprobs out.
 
 The prompt is rendered with the model's chat template and sent to the worker's
-``/v1/completions`` as token ids (reusing the exact ids of earlier turns, see ``token_splice``).
+``/v1/completions`` as token ids (reusing the exact ids of earlier turns, see ``token_splice``: those
+the caller sent back, or after a restore those the ledger restored from the token sidecar).
 The worker answers the generated ids (the eos token included) and their logprobs; this server
 decodes them itself, keeping special tokens, because the tool-call tags are added tokens that a
 text reply could drop or alter. Content ends at the eos text or a stop string.
@@ -128,8 +129,9 @@ class WorkerBackend:
 
     def _prompt(self, call: ChatCall) -> list[int]:
         text = self.format.render([_template_message(m) for m in call.messages], call.tools)
-        prompt = prompt_ids(self.format, text, known_prefix(call.messages))
-        logger.debug("prompt of %d ids (%d reused from an earlier turn)", len(prompt.ids), prompt.reused)
+        prompt = prompt_ids(self.format, text, known_prefix(call.messages), call.ledger_prefixes)
+        logger.debug("prompt of %d ids (%d reused from an earlier turn, from the %s)", len(prompt.ids),
+                     prompt.reused, prompt.source)
         return prompt.ids
 
     def _max_tokens(self, call: ChatCall, prompt: list[int]) -> int:

@@ -11,8 +11,9 @@ each server its own process, launched once for the module. A controller here dis
    dispatch the continued rollouts as attempt 1 (restarts afresh: there are none here). Every
    rollout finishes exactly once, no completed model call (the policy model's capture ledger) and
    no completed tool call (the agent's count of the calls it made on the resources server) is
-   made again, and the rows equal the uninterrupted run's, except that the turns made before the
-   checkpoint come back without token arrays (records never carry them, PROTOCOL.md section 6);
+   made again, and the rows equal the uninterrupted run's, token arrays included: records never
+   carry them (PROTOCOL.md section 6), the policy model keeps those of delivered calls in its token
+   sidecar and the agent puts them back on its restored output items;
 3. retire during a run, then forget: nothing is left on any participant.
 
 Rows are compared without the response's ``created_at`` (wall-clock seconds) and with log
@@ -37,7 +38,6 @@ import pytest
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, PrepareResult
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.config import load_config
-from nemo_gym_ckpt.episode import without_token_arrays
 from nemo_gym_ckpt.errors import GymError
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.launch import MeshLauncher
@@ -192,13 +192,14 @@ def assert_same(actual: Any, expected: Any, where: str = "row") -> None:
 
 
 def assert_continued(actual: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Equal but for the token arrays of turns made before the checkpoint; later turns keep theirs."""
-    assert_same(without_token_arrays(actual), without_token_arrays(expected))
-    items = zip(actual["response"]["output"], expected["response"]["output"], strict=True)
-    kept = [(a, b) for a, b in items if "generation_token_ids" in a]
-    assert kept, "the calls made after the restore carry their token arrays"
-    for a, b in kept:
-        assert_same({f: a[f] for f in TOKEN_FIELDS}, {f: b[f] for f in TOKEN_FIELDS}, "tokens")
+    """Equal to the uninterrupted run's row, token arrays included: the turns made before the
+    checkpoint get theirs back from the policy model's token sidecar, the later ones are spliced
+    from those exact ids (never re-tokenized)."""
+    assert_same(actual, expected)
+    output = actual["response"]["output"]
+    missing = [item["type"] for item in output if item["type"] != "function_call_output"
+               and not all(field in item for field in TOKEN_FIELDS)]
+    assert not missing, f"model output items without token arrays: {missing}"
 
 
 def model_calls(row: dict[str, Any]) -> int:

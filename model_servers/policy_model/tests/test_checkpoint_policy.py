@@ -8,6 +8,7 @@ and forget, the derived seed, and checkpointing off. Events are ordered by the s
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -198,6 +199,10 @@ async def test_a_reply_finished_during_a_checkpoint_is_held_and_left_out(
         "policy_version": 7,
         "admitted_at": policy.clock.now(),
         "conversation_digest": row["conversation_digest"],
+        "token_digest": hashlib.sha256(orjson.dumps({
+            "call_id": row["call_id"], "prompt_token_ids": first["prompt_token_ids"],
+            "generation_token_ids": first["generation_token_ids"],
+            "generation_log_probs": first["generation_log_probs"]})).hexdigest(),
     }
     assert row["call_id"] == first_reply.headers[MODEL_CALL_HEADER] and row["call_id"].startswith("mc_")
     assert len(row["conversation_digest"]) == 64

@@ -26,7 +26,7 @@ def row(call_id: str, parent: str | None, attempt: int = 0, **changes: Any) -> d
     data = {
         "call_id": call_id, "parent_call_id": parent, "attempt": attempt, "prompt_length": 12,
         "prompt_digest": DIGEST, "output_length": 3, "output_digest": DIGEST, "finish_reason": "stop",
-        "policy_version": 7, "admitted_at": 1_700_000_000.5, "conversation_digest": DIGEST,
+        "policy_version": 7, "admitted_at": 1_700_000_000.5, "conversation_digest": DIGEST, "token_digest": None,
     }
     return {**data, **changes}
 

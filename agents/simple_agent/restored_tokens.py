@@ -1,0 +1,88 @@
+"""Token arrays put back on a restored loop's output items, from the policy model's capture ledger.
+
+Records never carry token arrays (PROTOCOL.md section 6), so a loop state restored from a checkpoint
+has output items without ``prompt_token_ids``, ``generation_token_ids`` and ``generation_log_probs``
+for the model calls made before the checkpoint. The policy model kept them (its token sidecar) and
+answers them for the rollout's capture key at ``GET /v1/capture/tokens``; ``reattach`` stamps them on
+the items again, in the order the policy model writes them, so the rollout's output equals an
+uninterrupted run's, and the next model call sends them back (its prompt is spliced from them).
+
+Which items belong to which call: the loop appends each model call's items together, then one
+``function_call_output`` per function call before the next model call (a call without function calls
+ends the loop), so the runs of consecutive model items are the model calls, in the order of
+``LoopState.model_calls`` (the ledger's call ids). A state where they do not line up, or a call the
+policy model has no token ids for, is left as it is (and logged): its items then lack token arrays,
+which training data can see, rather than carrying ids of another call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from agents.simple_agent.loop import LoopState
+
+__all__ = ["TOKEN_ARRAYS", "missing_calls", "model_call_items", "reattach"]
+
+logger = logging.getLogger(__name__)
+
+TOKEN_ARRAYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+_ORDER = (*TOKEN_ARRAYS, "policy_version")
+
+
+def model_call_items(outputs: list[dict[str, Any]]) -> list[list[int]]:
+    """The indices of the output items of each model call, in order."""
+    groups: list[list[int]] = []
+    previous_was_model = False
+    for index, item in enumerate(outputs):
+        is_model = item.get("type") != "function_call_output"
+        if is_model and not previous_was_model:
+            groups.append([])
+        if is_model:
+            groups[-1].append(index)
+        previous_was_model = is_model
+    return groups
+
+
+def _lacks_tokens(item: dict[str, Any]) -> bool:
+    return not all(name in item for name in TOKEN_ARRAYS)
+
+
+def missing_calls(state: LoopState) -> list[str]:
+    """The ledger ids of the model calls whose output items lack token arrays."""
+    groups = model_call_items(state.outputs)
+    if len(groups) != len(state.model_calls):
+        return []
+    return [call_id for call_id, group in zip(state.model_calls, groups, strict=True)
+            if call_id is not None and any(_lacks_tokens(state.outputs[i]) for i in group)]
+
+
+def reattach(state: LoopState, calls: list[dict[str, Any]]) -> int:
+    """Stamp the token arrays of ``calls`` (the capture route's answer) on the items of those calls
+    that lack them; answers how many items were stamped."""
+    groups = model_call_items(state.outputs)
+    if len(groups) != len(state.model_calls):
+        logger.warning("restored loop: %d runs of model items for %d model calls; token arrays not put back",
+                       len(groups), len(state.model_calls))
+        return 0
+    known = {call["call_id"]: call for call in calls if all(name in call for name in TOKEN_ARRAYS)}
+    stamped = 0
+    for call_id, group in zip(state.model_calls, groups, strict=True):
+        call = known.get(call_id) if call_id is not None else None
+        lacking = [i for i in group if _lacks_tokens(state.outputs[i])]
+        if not lacking:
+            continue
+        if call is None:
+            logger.warning("restored loop: the policy model has no token ids of call %s", call_id)
+            continue
+        for index in lacking:
+            state.outputs[index] = _stamped(state.outputs[index], call)
+            stamped += 1
+    return stamped
+
+
+def _stamped(item: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
+    """The item with the call's token fields, last and in the policy model's order."""
+    rest = {key: value for key, value in item.items() if key not in _ORDER}
+    version = item["policy_version"] if "policy_version" in item else call.get("policy_version")
+    return {**rest, **{name: call[name] for name in TOKEN_ARRAYS}, "policy_version": version}

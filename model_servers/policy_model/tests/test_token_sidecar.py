@@ -1,0 +1,358 @@
+"""The token sidecar: written before the records, checked and installed all or nothing at restore,
+exported again byte for byte; and a restored call's prompt spliced from its ids (review E10).
+
+In process over the scripted worker, whose generations spell the tool-call tags one id per
+character: the same text as a fresh encoding (which merges each tag into one id) but other ids, so
+a prompt re-tokenized from text shows.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from model_servers.inference_worker import default_model_data as data
+from model_servers.policy_model.chat_format import ChatFormat
+from model_servers.policy_model.generation import TokenCapture
+from model_servers.policy_model.ids import sha256_of
+from model_servers.policy_model.ledger import LedgerBook
+from model_servers.policy_model.participant import CAPTURE_TOKENS_PATH
+from model_servers.policy_model.tests.policy_harness import TOKEN, serve_policy
+from model_servers.policy_model.tests.scripted_worker import Generate, ScriptedWorker
+from model_servers.policy_model.token_sidecar import SIDECAR_NAME, CallTokens, SidecarStore, TokenedRecord
+from nemo_gym_ckpt.checkpoint.clock import FakeClock
+from nemo_gym_ckpt.checkpoint.fileops import FileOps
+from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS, Record
+from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
+from nemo_gym_ckpt.checkpoint.testing import Control, ParticipantUnderTest, unique
+from nemo_gym_ckpt.errors import InvalidCheckpointState, Unavailable
+from nemo_gym_ckpt.identity import RolloutIdentity
+
+pytestmark = pytest.mark.unit
+
+CALL = '<tool_call>{"name":"add","arguments":{"a":40,"b":2}}</tool_call>'
+TOOLS = [{"type": "function", **tool["function"]} for tool in data.TOOLS]
+QUESTION = "What is 40 plus 2?"
+R1, R2 = RolloutIdentity("r1"), RolloutIdentity("r2")
+ARRAYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
+@dataclass
+class Policy:
+    http: httpx.AsyncClient
+    control: Control
+    worker: ScriptedWorker
+    root: Path
+
+    async def respond(self, episode: RolloutIdentity, input_: Any, **extra: Any) -> dict[str, Any]:
+        body = {"model": "policy", "input": input_, "tools": TOOLS, **extra}
+        reply = await self.http.post(f"/ng-rollout/{episode.capture_key}/v1/responses", json=body)
+        assert reply.status_code == 200, reply.text
+        result: dict[str, Any] = reply.json()
+        return result
+
+    async def commit(self, cid: str, **commit: Any) -> tuple[Path, dict[str, Any]]:
+        """Prepare, commit and resume: the participant's directory and the commit reply."""
+        assert (await self.control.ok("prepare", checkpoint_id=cid))["report"]["ready"]
+        directory = unique(cid)
+        committed = await self.control.ok("commit", checkpoint_id=cid, checkpoint_dir=directory, **commit)
+        await self.control.ok("resume", checkpoint_id=cid)
+        return self.root / directory.removeprefix("@") / "gym" / "model" / "policy_model", committed
+
+    async def restore(self, cid: str, where: Path, episodes: list[RolloutIdentity]) -> httpx.Response:
+        body = {"checkpoint_id": cid, "deadline_ts": self.control.deadline(),
+                "checkpoint_dir": str(where.parents[2]), "episode_ids": [e.to_json() for e in episodes]}
+        return await self.control.send("restore", body)
+
+    async def calls(self, episode: RolloutIdentity) -> list[dict[str, Any]]:
+        reply = await self.http.get(f"/ng-rollout/{episode.capture_key}{CAPTURE_TOKENS_PATH}")
+        assert reply.status_code == 200, reply.text
+        calls: list[dict[str, Any]] = reply.json()["calls"]
+        return calls
+
+    async def extras(self) -> dict[str, Any]:
+        extras: dict[str, Any] = (await self.control.status())["extras"]
+        return extras
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    path = tmp_path / "checkpoints"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def open_policy(fmt: ChatFormat, tokenizer_dir: Path, root: Path) -> Callable[..., Any]:
+    @asynccontextmanager
+    async def open_(*script: str) -> AsyncIterator[Policy]:
+        worker = ScriptedWorker(fmt).will(*script)
+        worker.default = Generate("ok")
+        clock = FakeClock(start=1_700_000_000.0)
+        async with serve_policy(worker, tokenizer_dir, root=root, clock=clock) as http:
+            pt = ParticipantUnderTest(http, TOKEN, root, now=clock.now, advance_clock=clock.advance)
+            yield Policy(http, Control(pt), worker, root)
+
+    return open_
+
+
+def sidecar_of(where: Path) -> Path:
+    [path] = [path for path in where.iterdir() if SIDECAR_NAME.fullmatch(path.name)]
+    return path
+
+
+def stripped(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items as a restored agent has them: without the token arrays (records never carry them)."""
+    return [{key: value for key, value in item.items() if key not in TOKEN_ARRAY_KEYS} for item in items]
+
+
+def second_turn(first: dict[str, Any], items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    call = first["output"][-1]
+    return [{"role": "user", "content": QUESTION}, *items,
+            {"type": "function_call_output", "call_id": call["call_id"], "output": "42"}]
+
+
+async def first_turns(policy: Policy) -> tuple[dict[str, Any], dict[str, Any]]:
+    """r1 asked for token ids (a tool call), r2 did not."""
+    first = await policy.respond(R1, QUESTION, return_token_ids=True)
+    other = await policy.respond(R2, QUESTION)
+    return first, other
+
+
+# ---- write ---------------------------------------------------------------------------------------
+
+
+async def test_a_commit_writes_the_delivered_tokens_to_the_sidecar_and_none_to_the_records(
+    open_policy: Callable[..., Any],
+) -> None:
+    async with open_policy(CALL, CALL) as policy:
+        first, _ = await first_turns(policy)
+        where, committed = await policy.commit("c1")
+    [item] = first["output"]
+    content = sidecar_of(where).read_bytes()
+    assert sidecar_of(where).name == f"tokens-{hashlib.sha256(content).hexdigest()}.jsonl"
+    [line] = content.splitlines()
+    tokens = orjson.loads(line)
+    assert tokens == {"call_id": tokens["call_id"], **{name: item[name] for name in ARRAYS}}
+    records = (where / committed["manifest"]["records_file"]).read_bytes()
+    assert not any(name.encode() in records for name in TOKEN_ARRAY_KEYS)
+    rows = {r["episode_id"]["rollout_id"]: r["ledger"] for r in map(orjson.loads, records.splitlines())}
+    assert rows["r1"][0]["token_digest"] == hashlib.sha256(line).hexdigest()
+    assert rows["r1"][0]["call_id"] == tokens["call_id"]
+    assert rows["r2"][0]["token_digest"] is None  # its caller asked for no token ids: nothing kept
+    assert sorted(p.name for p in where.iterdir()) == sorted(
+        ["manifest.json", committed["manifest"]["records_file"], sidecar_of(where).name])
+
+
+async def test_a_commit_without_token_ids_writes_no_sidecar(open_policy: Callable[..., Any]) -> None:
+    async with open_policy() as policy:
+        await policy.respond(R2, QUESTION)
+        where, committed = await policy.commit("c1")
+    assert sorted(p.name for p in where.iterdir()) == sorted(["manifest.json", committed["manifest"]["records_file"]])
+
+
+class RecordingOps(FileOps):
+    """Real file operations, logged; ``fail_fsync_of`` makes the fsync of such a file fail (ENOSPC)."""
+
+    def __init__(self, fail_fsync_of: str | None = None) -> None:
+        self.log: list[tuple[str, str]] = []
+        self.fail_fsync_of = fail_fsync_of
+        self._names: dict[int, str] = {}
+
+    def open_new(self, path: Path) -> int:
+        fd = super().open_new(path)
+        self._names[fd] = path.name
+        return fd
+
+    def fsync(self, fd: int) -> None:
+        name = self._names[fd]
+        if self.fail_fsync_of is not None and name.startswith(self.fail_fsync_of):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.log.append(("fsync", name))
+        super().fsync(fd)
+
+    def rename(self, src: Path, dst: Path) -> None:
+        self.log.append(("rename", dst.name))
+        super().rename(src, dst)
+
+    def link(self, src: Path, dst: Path) -> None:
+        self.log.append(("link", dst.name))
+        super().link(src, dst)
+
+
+def write(store: SidecarStore, directory: Path) -> None:
+    writer = store.open_writer(directory, "model", "policy_model", StopSignal())
+    try:
+        writer.write_lines([b'{"episode_id":{"rollout_id":"r1","attempt":0},"ledger":[]}'])
+        writer.finish("model", "policy_model", "c1")
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def test_the_sidecar_is_durable_before_the_records_are_renamed(root: Path) -> None:
+    ops = RecordingOps()
+    store = SidecarStore(CheckpointStore(root, ops), lambda: [b'{"call_id":"mc_1"}'])
+    write(store, root / "ck")
+    renames = [name for op, name in ops.log if op in ("rename", "link")]
+    assert [name.split("-")[0] for name in renames] == ["tokens", "records", "manifest.json"]
+    sidecar_fsync = ops.log.index(("fsync", next(n for o, n in ops.log if n.startswith(".tokens"))))
+    assert sidecar_fsync < ops.log.index(("rename", renames[0])) < ops.log.index(("rename", renames[1]))
+
+
+def test_a_failed_sidecar_write_fails_the_commit_and_leaves_no_records(root: Path) -> None:
+    store = SidecarStore(CheckpointStore(root, RecordingOps(fail_fsync_of=".tokens")), lambda: [b"{}"])
+    with pytest.raises(Unavailable, match="token sidecar write failed"):
+        write(store, root / "ck")
+    assert list((root / "ck" / "gym" / "model" / "policy_model").iterdir()) == []
+
+
+# ---- restore -------------------------------------------------------------------------------------
+
+
+async def test_a_restore_gives_the_tokens_back_and_exports_them_again_byte_for_byte(
+    open_policy: Callable[..., Any],
+) -> None:
+    async with open_policy(CALL, CALL) as policy:
+        first, _ = await first_turns(policy)
+        where, committed = await policy.commit("c1")
+    async with open_policy() as fresh:
+        restored = await fresh.restore("back", where, [R1, R2])
+        assert restored.status_code == 200, restored.text
+        await fresh.control.ok("resume", checkpoint_id="back")
+        [call] = await fresh.calls(R1.next_attempt())
+        assert {name: call[name] for name in ARRAYS} == {name: first["output"][0][name] for name in ARRAYS}
+        assert call["policy_version"] == first["output"][0]["policy_version"] and call["attempt"] == 0
+        [other] = await fresh.calls(R2.next_attempt())
+        assert set(other) == {"call_id", "attempt", "policy_version"}  # delivered without token ids
+        again, recommitted = await fresh.commit("c2", episode_ids=[R1.to_json(), R2.to_json()])
+    assert recommitted["manifest"]["records_sha256"] == committed["manifest"]["records_sha256"]
+    assert sidecar_of(again).read_bytes() == sidecar_of(where).read_bytes()
+
+
+async def test_the_capture_route_is_rollout_scoped(open_policy: Callable[..., Any]) -> None:
+    async with open_policy() as policy:
+        reply = await policy.http.get(CAPTURE_TOKENS_PATH)
+        assert (reply.status_code, reply.json()["error"]["code"]) == (400, "rollout_id_required")
+        assert await policy.calls(R1) == []
+
+
+def flip_a_digit(line: bytes) -> bytes:
+    """The line with its first token id changed (still valid JSON)."""
+    head, _, rest = line.partition(b"[")
+    return head + b"[" + (b"9" if rest[:1] != b"9" else b"8") + rest[1:]
+
+
+def change_a_byte(path: Path) -> None:
+    path.write_bytes(flip_a_digit(path.read_bytes()))
+
+
+def change_and_rename(path: Path) -> None:
+    """A sidecar that matches its name, but whose line is not the one the row's digest names."""
+    content = flip_a_digit(path.read_bytes())
+    path.unlink()
+    path.with_name(f"tokens-{hashlib.sha256(content).hexdigest()}.jsonl").write_bytes(content)
+
+
+TAMPERS: dict[str, Callable[[Path], None]] = {
+    "a changed byte": change_a_byte,
+    "a changed line renamed to its new digest": change_and_rename,
+    "a missing sidecar": Path.unlink,
+}
+
+
+@pytest.mark.parametrize("tamper", sorted(TAMPERS))
+async def test_a_tampered_or_missing_sidecar_is_refused_with_nothing_installed(
+    tamper: str, open_policy: Callable[..., Any]
+) -> None:
+    async with open_policy(CALL) as policy:
+        await first_turns(policy)
+        where, _ = await policy.commit("c1")
+    original = sidecar_of(where)
+    content = original.read_bytes()
+    TAMPERS[tamper](original)
+    async with open_policy() as fresh:
+        refused = await fresh.restore("bad", where, [R1, R2])
+        assert (refused.status_code, refused.json()["error"]["code"]) == (422, "invalid_checkpoint_state")
+        assert (await fresh.extras())["ledgers"] == 0
+        await fresh.control.ok("resume", checkpoint_id="bad")
+        for path in where.iterdir():
+            if SIDECAR_NAME.fullmatch(path.name):
+                path.unlink()
+        original.write_bytes(content)
+        restored = await fresh.restore("good", where, [R1, R2])  # the same process: nothing was installed
+        assert restored.status_code == 200, restored.text
+        assert (await fresh.extras())["ledgers"] == 2
+
+
+def test_a_sidecar_line_that_does_not_hash_to_its_row_is_refused() -> None:
+    capture = TokenCapture([1, 2, 3], [4, 5], [-0.5, -0.25])
+    tokens = CallTokens.of("mc_1", capture)
+    row = {"call_id": "mc_1", "parent_call_id": None, "attempt": 0, "prompt_length": 3,
+           "prompt_digest": sha256_of([1, 2, 3]), "output_length": 2, "output_digest": sha256_of([4, 5]),
+           "finish_reason": "stop", "policy_version": 7, "admitted_at": 1.0, "conversation_digest": "ab" * 32,
+           "token_digest": tokens.digest}
+    plain = Record.from_data({"episode_id": {"rollout_id": "r1", "attempt": 0}, "ledger": [row]})
+    good = TokenedRecord(plain.raw, plain.data, plain.episode, {"mc_1": tokens})
+    assert LedgerBook().install([good]) == [RolloutIdentity("r1", 1)]
+    with pytest.raises(InvalidCheckpointState, match="not in the token sidecar"):
+        LedgerBook().install([plain])
+    other = Record.from_data({"episode_id": {"rollout_id": "r1", "attempt": 0},
+                              "ledger": [{**row, "output_digest": sha256_of([4, 6])}]})
+    with pytest.raises(InvalidCheckpointState, match="do not match the ledger row"):
+        LedgerBook().install([TokenedRecord(other.raw, other.data, other.episode, {"mc_1": tokens})])
+
+
+# ---- splicing a restored call ----------------------------------------------------------------------
+
+
+async def test_a_restored_call_is_spliced_from_the_sidecar_ids_as_the_uninterrupted_run_was(
+    open_policy: Callable[..., Any], fmt: ChatFormat,
+) -> None:
+    async with open_policy(CALL, "The answer is 42.", "The answer is 42.") as policy:
+        first = await policy.respond(R1, QUESTION, return_token_ids=True)
+        where, _ = await policy.commit("c1", episode_ids=[R1.to_json()])
+        # the uninterrupted run: the caller sends its items back with their token fields
+        await policy.respond(R1, second_turn(first, first["output"]), return_token_ids=True)
+        reference = policy.worker.requests[-1]["prompt"]
+        # a caller without the ids, no restore: the text is all there is, the prompt is re-tokenized
+        await policy.respond(R2, second_turn(first, stripped(first["output"])), return_token_ids=True)
+        retokenized = policy.worker.requests[-1]["prompt"]
+    item = first["output"][0]
+    known = item["prompt_token_ids"] + item["generation_token_ids"]
+    assert reference[: len(known)] == known and retokenized != reference  # the test can tell them apart
+    assert fmt.decode(retokenized) == fmt.decode(reference)
+    async with open_policy("The answer is 42.") as fresh:
+        assert (await fresh.restore("back", where, [R1])).status_code == 200
+        await fresh.control.ok("resume", checkpoint_id="back")
+        second = await fresh.respond(R1.next_attempt(), second_turn(first, stripped(first["output"])),
+                                     return_token_ids=True)
+        assert fresh.worker.requests[-1]["prompt"] == reference  # spliced, never re-tokenized
+        assert second["output"][0]["prompt_token_ids"] == reference
+
+
+async def test_a_restored_call_whose_text_differs_from_the_ledger_is_encoded_afresh(
+    open_policy: Callable[..., Any], fmt: ChatFormat, caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with open_policy(CALL) as policy:
+        first = await policy.respond(R1, QUESTION, return_token_ids=True)
+        where, _ = await policy.commit("c1", episode_ids=[R1.to_json()])
+    changed = [{**item, "arguments": '{"a":41,"b":2}'} for item in stripped(first["output"])]
+    async with open_policy() as fresh:
+        assert (await fresh.restore("back", where, [R1])).status_code == 200
+        await fresh.control.ok("resume", checkpoint_id="back")
+        with caplog.at_level(logging.WARNING, logger="model_servers.policy_model.token_splice"):
+            await fresh.respond(R1.next_attempt(), second_turn(first, changed))
+        prompt = fresh.worker.requests[-1]["prompt"]
+    assert prompt == fmt.encode(fmt.decode(prompt))  # encoded afresh from the text
+    assert "from the ledger" in caplog.text and "afresh" in caplog.text

@@ -1,0 +1,286 @@
+"""The token sidecar: the token arrays of delivered calls, kept durable beside the ledger records.
+
+PROTOCOL.md section 6 keeps token arrays out of records and manifests, and section 8 has the capture
+ledger store coordinates and digests while the ids travel to the caller in the reply. A caller that
+crashed loses those ids with its memory, and its checkpointed state has them stripped; the policy
+model is the one place that still knows them (upstream calls this the token store). So at commit
+the policy model writes them out of band, in one file under its own participant directory:
+
+    <checkpoint_dir>/gym/model/<instance>/tokens-<sha256 of the file>.jsonl
+
+one line per delivered call whose reply carried token ids (``CallTokens``), compact JSON::
+
+    {"call_id":"mc_...","prompt_token_ids":[...],"generation_token_ids":[...],"generation_log_probs":[...]}
+
+The records refer to a line only by digest: each ledger row has ``token_digest``, the SHA-256 of its
+line (``null`` for a call that delivered no token ids). Records and manifests stay token-free.
+
+Write (``SidecarStore.open_writer`` gives a ``SidecarWriter``): when the records are sealed, the
+sidecar is written first, to ``.tokens-<random>.tmp``, fsync'd and renamed to its digest name; only
+then are the records fsync'd and renamed and the directory fsync'd (which makes both renames
+durable), and the manifest linked (the commit point): a manifest never names rows whose tokens are
+not durable. The sidecar costs one file and one fsync per commit. A commit whose ledgers hold no token ids
+writes no sidecar. Lines of a restored ledger are written back byte for byte (``CallTokens.line`` is
+the line as read), as is its record.
+
+Read (``SidecarStore.read``): after the records are checked against the manifest, if any record in
+scope has a row with a ``token_digest``, every ``tokens-<sha256>.jsonl`` of the directory is read and
+its content hashed against its name; each needed line is found by its digest and parsed. A sidecar
+that does not match its name, a missing sidecar or a missing line is ``invalid_checkpoint_state``,
+before anything is installed. The records come back as ``TokenedRecord`` (the same bytes, plus the
+tokens of their rows, in memory only) for the ledger's install, which checks each line against its
+row's prompt and output digests.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import re
+import secrets
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from model_servers.policy_model.generation import TokenCapture
+from model_servers.policy_model.ids import sha256_of
+from nemo_gym_ckpt.checkpoint.fileops import FileOps
+from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.checkpoint.store import CheckpointStore, Manifest, ReadResult, RecordWriter, StopSignal
+from nemo_gym_ckpt.errors import InvalidCheckpointState, InvalidRequest, Unavailable
+
+__all__ = [
+    "SIDECAR_NAME",
+    "TOKEN_DIGEST",
+    "CallTokens",
+    "SidecarStore",
+    "SidecarWriter",
+    "TokenedRecord",
+    "needed_digests",
+    "sidecar_name",
+    "write_sidecar",
+]
+
+SIDECAR_NAME = re.compile(r"tokens-([0-9a-f]{64})\.jsonl")
+TOKEN_DIGEST = "token_digest"
+_LINE_KEYS = ("call_id", "prompt_token_ids", "generation_token_ids", "generation_log_probs")
+SidecarLines = Callable[[], Sequence[bytes]]
+
+
+def sidecar_name(digest: str) -> str:
+    return f"tokens-{digest}.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class CallTokens:
+    """The token arrays of one delivered call and the exact sidecar line that holds them."""
+
+    call_id: str
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    line: bytes  # compact JSON, no newline: what ``digest`` hashes
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.line).hexdigest()
+
+    @property
+    def prefix(self) -> list[int]:
+        """The ids of the conversation up to the end of this call: prompt then generation."""
+        return [*self.prompt_token_ids, *self.generation_token_ids]
+
+    @classmethod
+    def of(cls, call_id: str, capture: TokenCapture) -> CallTokens:
+        prompt, generation = list(capture.prompt_token_ids), list(capture.generation_token_ids)
+        log_probs = list(capture.generation_log_probs)
+        line = orjson.dumps({"call_id": call_id, "prompt_token_ids": prompt, "generation_token_ids": generation,
+                             "generation_log_probs": log_probs})
+        return cls(call_id, prompt, generation, log_probs, line)
+
+    @classmethod
+    def parse(cls, line: bytes, where: str) -> CallTokens:
+        """A line read back; anything malformed is ``InvalidCheckpointState``."""
+        try:
+            data = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            raise InvalidCheckpointState(f"{where}: a line is not valid JSON") from None
+        if not isinstance(data, dict) or tuple(data) != _LINE_KEYS or not isinstance(data["call_id"], str):
+            raise InvalidCheckpointState(f"{where}: a line must be {{{', '.join(_LINE_KEYS)}}}")
+        prompt, generation, log_probs = (data[key] for key in _LINE_KEYS[1:])
+        if not (_ints(prompt) and _ints(generation) and isinstance(log_probs, list)
+                and all(type(value) in (int, float) for value in log_probs) and len(log_probs) == len(generation)):
+            raise InvalidCheckpointState(f"{where}: the token arrays of {data['call_id']} are malformed")
+        return cls(data["call_id"], prompt, generation, log_probs, line)
+
+    def check(self, call_id: str, prompt_digest: str, output_digest: str, where: str) -> None:
+        """The line belongs to the row: same call, and its ids hash to the row's digests."""
+        if self.call_id != call_id:
+            raise InvalidCheckpointState(f"{where}: the sidecar line is for {self.call_id}, expected {call_id}")
+        if sha256_of(self.prompt_token_ids) != prompt_digest or sha256_of(self.generation_token_ids) != output_digest:
+            raise InvalidCheckpointState(f"{where}: the sidecar's token ids of {call_id} do not match the "
+                                         "ledger row's prompt or output digest")
+
+    def to_fields(self) -> dict[str, Any]:
+        """The token fields of an output item (``policy_version`` is the row's)."""
+        return {"prompt_token_ids": self.prompt_token_ids, "generation_token_ids": self.generation_token_ids,
+                "generation_log_probs": self.generation_log_probs}
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, list) and all(type(item) is int and item >= 0 for item in value)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenedRecord(Record):
+    """A ledger record read back, with the tokens of its rows by call id (memory only: ``raw`` and
+    ``data`` are the record's own, token-free bytes, exported again unchanged)."""
+
+    tokens: Mapping[str, CallTokens]
+
+
+def needed_digests(record: Record) -> dict[str, str]:
+    """``token_digest`` -> call id of the rows of a ledger record that delivered token ids."""
+    rows = record.data.get("ledger")
+    found: dict[str, str] = {}
+    for row in rows if isinstance(rows, list) else ():
+        digest = row.get(TOKEN_DIGEST) if isinstance(row, dict) else None
+        if isinstance(digest, str):
+            found[digest] = str(row.get("call_id"))
+    return found
+
+
+def write_sidecar(ops: FileOps, directory: Path, lines: Sequence[bytes], stop: StopSignal) -> str:
+    """Write ``lines`` durably as ``tokens-<sha256>.jsonl`` (temp, fsync, rename, fsync dir): its name."""
+    content = b"\n".join(lines) + b"\n"
+    name = sidecar_name(hashlib.sha256(content).hexdigest())
+    temp = directory / f".tokens-{secrets.token_hex(8)}.tmp"
+    with _io_errors(directory):
+        stop.check()
+        fd = ops.open_new(temp)
+        try:
+            try:
+                ops.write(fd, content)
+                ops.fsync(fd)
+            finally:
+                ops.close(fd)
+            ops.rename(temp, directory / name)
+        except BaseException:
+            with suppress(OSError):
+                ops.unlink(temp)
+            raise
+    # No directory fsync of its own: the records' seal fsyncs this directory after their rename and
+    # before the manifest is linked, which makes this rename durable first (one fsync less per commit).
+    return name
+
+
+class SidecarWriter(RecordWriter):
+    """A records writer that makes the token sidecar durable before it seals the records."""
+
+    def __init__(self, ops: FileOps, directory: Path, stop: StopSignal, lines: SidecarLines) -> None:
+        super().__init__(ops, directory, stop)
+        self._sidecar_ops, self._sidecar_stop, self._lines = ops, stop, lines
+        self.sidecar: str | None = None
+        self.sidecar_bytes = 0
+
+    def finish(self, kind: str, instance: str, checkpoint_id: str) -> Manifest:
+        lines = self._lines()
+        if lines:
+            self.sidecar = write_sidecar(self._sidecar_ops, self.directory, lines, self._sidecar_stop)
+            self.sidecar_bytes = sum(len(line) + 1 for line in lines)
+        return super().finish(kind, instance, checkpoint_id)
+
+
+class SidecarStore(CheckpointStore):
+    """The policy model's checkpoint store: the protocol's records and manifest, plus the sidecar.
+
+    ``lines`` answers the sidecar lines of the commit being written (the adapter's export sets them).
+    """
+
+    def __init__(self, base: CheckpointStore, lines: SidecarLines) -> None:
+        super().__init__(base.root, base.ops)
+        self._lines = lines
+
+    def open_writer(self, checkpoint_dir: Path, kind: str, instance: str, stop: StopSignal) -> RecordWriter:
+        """As the base store does (the directory made durably, never outside the root), with the sidecar."""
+        directory = self.instance_dir(checkpoint_dir, kind, instance)
+        self._confined(directory)
+        with _io_errors(directory):
+            self._makedirs(directory)
+        self._confined(directory)
+        writer = SidecarWriter(self.ops, directory, stop, self._lines)
+        writer.start()
+        return writer
+
+    def _confined(self, directory: Path) -> None:
+        root, resolved = self.root.resolve(), directory.resolve()
+        if resolved == root or not resolved.is_relative_to(root):
+            raise InvalidRequest(f"checkpoint_dir must resolve inside the checkpoint root {root}")
+
+    def read(self, checkpoint_dir: Path, kind: str, instance: str, scope: Scope) -> ReadResult:
+        result = super().read(checkpoint_dir, kind, instance, scope)
+        wanted: dict[str, str] = {}
+        for record in result.records:
+            wanted.update(needed_digests(record))
+        if not wanted:
+            return result
+        directory = self.instance_dir(checkpoint_dir, kind, instance)
+        found, size = self._read_sidecars(directory, set(wanted))
+        missing = sorted(call for digest, call in wanted.items() if digest not in found)
+        if missing:
+            raise InvalidCheckpointState(f"the token sidecar in {directory} lacks the token arrays of "
+                                         f"{len(missing)} delivered calls ({', '.join(missing[:5])})")
+        records: list[Record] = []
+        for record in result.records:
+            tokens = {found[digest].call_id: found[digest] for digest in needed_digests(record)}
+            records.append(TokenedRecord(record.raw, record.data, record.episode, tokens) if tokens else record)
+        return ReadResult(result.manifest, records, result.bytes_read + size)
+
+    def _read_sidecars(self, directory: Path, wanted: set[str]) -> tuple[dict[str, CallTokens], int]:
+        try:
+            names = sorted(path.name for path in directory.iterdir() if SIDECAR_NAME.fullmatch(path.name))
+        except OSError as error:
+            raise InvalidCheckpointState(f"cannot list {directory}: {error.strerror}") from None
+        if not names:
+            raise InvalidCheckpointState(f"the ledger records name token arrays but {directory} has no token "
+                                         "sidecar (tokens-<sha256>.jsonl)")
+        found: dict[str, CallTokens] = {}
+        size = 0
+        for name in names:
+            size += self._read_sidecar(directory / name, wanted, found)
+        return found, size
+
+    def _read_sidecar(self, path: Path, wanted: set[str], found: dict[str, CallTokens]) -> int:
+        whole, kept, size = hashlib.sha256(), [], 0
+        try:
+            with self.ops.open_read(path) as file:
+                for line in file:
+                    whole.update(line)
+                    size += len(line)
+                    body = line[:-1] if line.endswith(b"\n") else line
+                    if hashlib.sha256(body).hexdigest() in wanted:
+                        kept.append(body)
+        except OSError as error:
+            raise InvalidCheckpointState(f"cannot read the token sidecar {path.name}: {error.strerror}") from None
+        match = SIDECAR_NAME.fullmatch(path.name)
+        if match is None or whole.hexdigest() != match.group(1):
+            raise InvalidCheckpointState(f"the token sidecar {path.name} does not match its digest (corrupt)")
+        for body in kept:
+            tokens = CallTokens.parse(body, path.name)
+            found[tokens.digest] = tokens
+        return size
+
+
+@contextmanager
+def _io_errors(directory: Path) -> Iterator[None]:
+    """An ``OSError`` of the sidecar write is ``Unavailable``: this commit must not be published."""
+    try:
+        yield
+    except OSError as error:
+        name = errno.errorcode.get(error.errno or 0, "OSError")
+        raise Unavailable(f"token sidecar write failed in {directory}: {name} ({error.strerror or error}); "
+                          "this commit did not succeed and must not be published") from error
