@@ -16,8 +16,9 @@ checkpoint directory (``collection_checkpoint``). The collector calls it:
   once done; a failed attempt is retired;
 - ``checkpoint(in_flight, rows_done)``: prepare (asked again with the same id until every stage is
   ready or the deadline passes; not ready: resume, that is abort, and log), commit with the
-  in-flight rollouts that are not restarts as the scope, publish (``collection.json``, ``LATEST``,
-  retention), resume. Any failure: no publish, resume, log; answers ``None``;
+  in-flight rollouts that are not restarts as the scope (with the restored next attempts not yet
+  dispatched: the servers hold their state, which a commit leaving them out would delete),
+  publish (``collection.json``, ``LATEST``, retention), resume. Any failure: no publish, resume, log; answers ``None``;
 - ``housekeeping()`` between checkpoints, and ``release(attempts)`` when the collector stops with
   rollouts in flight (they are retired, so the mesh holds nothing of them).
 
@@ -121,6 +122,8 @@ class CollectionControl:
         self._to_retire: list[RolloutIdentity] = []
         self._to_forget: list[str] = []
         self._forgot_at = time.monotonic()
+        self._restored_waiting: dict[str, RolloutIdentity] = {}
+        """Next attempts the restore installed whose ``/run`` is not sent yet: kept by every commit."""
 
     @property
     def directory(self) -> Path:
@@ -156,6 +159,7 @@ class CollectionControl:
             await self.coordinator.resume(restore_id, deadline_ts=self._deadline())
         restarted = _restarted(latest, pending, continued)
         self.restored = Restored(latest, list(continued.values()), restarted, fences, _elapsed_ms(started))
+        self._restored_waiting = {episode.capture_key: episode for episode in continued.values()}
         fresh = [RolloutIdentity(rid, dispatched.get(rid, -1) + 1) for rid in left if rid not in continued]
         return [continued[rid] for rid in left if rid in continued] + fresh
 
@@ -184,6 +188,7 @@ class CollectionControl:
     def dispatching(self, identity: RolloutIdentity) -> None:
         assert self._log is not None, "begin first"
         self._log.append(identity.to_json())
+        self._restored_waiting.pop(identity.capture_key, None)
 
     def finished(self, identity: RolloutIdentity) -> None:
         self._to_forget.append(identity.rollout_id)
@@ -230,7 +235,10 @@ class CollectionControl:
                 logger.warning("checkpoint %s: stage %s not ready by the deadline; aborted", checkpoint_id,
                                prepared.not_ready_stage)
                 return None
-            prepare_ms, episodes = _elapsed_ms(started), in_flight()
+            sent = in_flight()
+            keys = {episode.capture_key for episode in sent}
+            waiting = [e for key, e in self._restored_waiting.items() if key not in keys]
+            prepare_ms, episodes = _elapsed_ms(started), sent + waiting
             scope = prepared.continued(episodes)
             committed = await self.coordinator.commit(
                 checkpoint_id, deadline_ts=deadline, checkpoint_dir=str(self.directory / checkpoint_id),

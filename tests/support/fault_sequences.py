@@ -243,10 +243,10 @@ async def _within(awaitable: Awaitable[Any], timeout_s: float, what: str) -> Any
 class Scenario:
     """One seeded run of fault operations over ``mesh``; ``run()`` raises ``ScenarioFailed``."""
 
-    def __init__(self, mesh: FaultMesh, seed: int, workdir: Path, *, steps: int = 12, max_crashes: int = 2
-                 ) -> None:
+    def __init__(self, mesh: FaultMesh, seed: int, workdir: Path, *, steps: int = 12, max_crashes: int = 2,
+                 plan: list[Op] | None = None) -> None:
         self.mesh, self.seed = mesh, seed
-        self.plan = draw_plan(seed, mesh.launcher.names, steps=steps, max_crashes=max_crashes)
+        self.plan = plan or draw_plan(seed, mesh.launcher.names, steps=steps, max_crashes=max_crashes)
         self.ran: list[str] = []
         self.directory = mesh.root / f"faults-{seed}-{workdir.name}"
         self.output = workdir / "rows.jsonl"
