@@ -5,9 +5,9 @@ For the rollouts a restore continued (attempt N checkpointed, N+1 restored):
 - ``continued_model_calls_skipped``: the capture-ledger rows of the model's records for them: model
   calls delivered before the checkpoint, never made again; ``continued_tokens_skipped`` sums their
   output lengths;
-- ``cut_calls``: the generation cuts the model's records keep for them (a record's ``cut``), or,
-  without such records, the number of ``staging_keys`` the commit answered; ``cut_tokens_staged``
-  sums their ``prefix_token_count``: the tokens those calls had produced when the commit cut them;
+- ``cut_calls``: the generation cuts the model's records keep for them (a record's ``cut``);
+  ``cut_tokens_staged`` sums their ``prefix_token_count``: the tokens those calls had produced when
+  the commit cut them; ``staging_keys``: how many keys the commit answered (every exported cut);
 - ``tokens_kept``: the tokens the restored worker served from staged prefixes instead of generating
   them (its cut status ``tokens_from_staging``, read after the restored run; the worker is a fresh
   process, so it counts the restored run only);
@@ -168,7 +168,8 @@ def checkpoint_metrics(
         "continued_tokens_skipped": sum(int(row["output_length"]) for e in episodes for row in e.ledger),
         "calls_in_flight_at_checkpoint": in_flight,
         "generation_cuts": cut_status is not None,
-        "cut_calls": len(cut) if cut else staging,
+        "cut_calls": len(cut),
+        "staging_keys": staging,
         "cut_tokens_staged": staged,
         "tokens_kept": kept,
         "tokens_regenerated": max(0, staged - kept),

@@ -41,6 +41,7 @@ def test_the_demo_restores_a_killed_mesh_to_the_rows_of_the_reference(tmp_path: 
     # token they had produced was served from staging, none generated again, and the rows are the
     # reference's token for token (identical_to_reference above compares the token arrays)
     assert metrics["generation_cuts"] is True and metrics["cut_calls"] >= 1
+    assert metrics["staging_keys"] == metrics["cut_calls"]  # every cut the commit kept was continued
     assert metrics["tokens_kept"] > 0 and metrics["tokens_kept"] == metrics["cut_tokens_staged"]
     assert metrics["tokens_regenerated"] == 0
     assert metrics["cut_calls"] + metrics["uncut_calls"] == metrics["calls_in_flight_at_checkpoint"]
