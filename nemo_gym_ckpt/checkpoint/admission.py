@@ -18,14 +18,25 @@ __all__ = ["RetireMarks", "Signal"]
 
 
 class Signal:
-    """A broadcast: ``current`` is an event set by the next ``notify``. Take it before you look."""
+    """A broadcast: ``current`` is an event set by the next ``notify``. Take it before you look.
+
+    The event is made when someone takes it, so a ``notify`` nobody waits for (every request's end
+    while no checkpoint is open) costs an attribute swap, not an event.
+    """
 
     def __init__(self) -> None:
-        self.current = asyncio.Event()
+        self._event: asyncio.Event | None = None
+
+    @property
+    def current(self) -> asyncio.Event:
+        if self._event is None:
+            self._event = asyncio.Event()
+        return self._event
 
     def notify(self) -> None:
-        event, self.current = self.current, asyncio.Event()
-        event.set()
+        event, self._event = self._event, None
+        if event is not None:
+            event.set()
 
 
 class RetireMarks:
@@ -36,6 +47,11 @@ class RetireMarks:
 
     def __len__(self) -> int:
         return len(self._marks)
+
+    def admits(self, episode: RolloutIdentity) -> bool:
+        """Whether ``episode`` is above its rollout's mark (or the rollout has none): ``check`` passes."""
+        mark = self._marks.get(episode.rollout_id)
+        return mark is None or episode.attempt > mark
 
     def check(self, episode: RolloutIdentity) -> None:
         mark = self._marks.get(episode.rollout_id)

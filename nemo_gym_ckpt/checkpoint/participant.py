@@ -199,6 +199,9 @@ class Participant:
 
     async def admit(self, identity: RolloutIdentity | None, *, deadline_ts: float | None = None) -> None:
         """Let a rollout-scoped request in: wait while a checkpoint is open; refuse retired attempts."""
+        if self._open is None and identity is not None and self.phase is Phase.IDLE and self.marks.admits(identity):
+            self._served = True  # the hot path: idle, nothing open, not retired (the checks of _admit)
+            return
         try:
             await self._admit(identity, deadline_ts)
         except GymError as error:

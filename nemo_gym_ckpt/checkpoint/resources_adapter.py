@@ -33,7 +33,6 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -75,26 +74,29 @@ class ResourcesAdapter:
         self._parked: set[str] = set()
         self._parked_for: str | None = None
         self._served = False
+        self._installed = False
 
     # ---- data plane -------------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def admitted(self, route: Route) -> AsyncIterator[RolloutIdentity]:
+    def admitted(self, route: Route) -> _Admitted:
         """Let one request in (waiting while a checkpoint is open) and count it while it runs."""
+        return _Admitted(self, route)
+
+    async def _enter(self, route: Route) -> tuple[RolloutIdentity, bool]:
         identity = await self._admit(route)
-        if route == "seed":
+        if route == "seed" and self._installed:  # only a restored server holds restored sessions
             await self._drop_where(lambda owner: owner == identity, restored_only=True)
         blocking = self._blocks(route)
         self._in_flight[identity] += 1
         if blocking:
             self._blocking[identity] += 1
-        try:
-            yield identity
-        finally:
-            _release(self._in_flight, identity)
-            if blocking:
-                _release(self._blocking, identity)
-            self._participant().notify_changed()
+        return identity, blocking
+
+    def _exit(self, identity: RolloutIdentity, blocking: bool) -> None:
+        _release(self._in_flight, identity)
+        if blocking:
+            _release(self._blocking, identity)
+        self._participant().notify_changed()
 
     async def _admit(self, route: Route) -> RolloutIdentity:
         identity = current_identity()
@@ -189,6 +191,7 @@ class ResourcesAdapter:
             if plan.session_id in seen:
                 raise InvalidCheckpointState(f"session {plan.session_id} appears in more than one record")
             seen.add(plan.session_id)
+        self._installed = bool(planned)
         for plan in planned:
             self.server.sessions.install(plan.session_id, plan.identity, plan.state, restored=plan.record)
 
@@ -260,6 +263,25 @@ class ResourcesAdapter:
             "in_flight_requests": sum(self._in_flight.values()),
             "blocking_requests": sum(self._blocking.values()),
         }
+
+
+class _Admitted:
+    """``async with adapter.admitted(route) as identity``: a plain class, cheaper than a generator-based
+    context manager on a path every data-plane request takes."""
+
+    __slots__ = ("_adapter", "_entered", "_route")
+
+    def __init__(self, adapter: ResourcesAdapter, route: Route) -> None:
+        self._adapter, self._route = adapter, route
+        self._entered: tuple[RolloutIdentity, bool] | None = None
+
+    async def __aenter__(self) -> RolloutIdentity:
+        self._entered = await self._adapter._enter(self._route)
+        return self._entered[0]
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._entered is not None, "exited without entering"
+        self._adapter._exit(*self._entered)
 
 
 def _release(counter: Counter[RolloutIdentity], identity: RolloutIdentity) -> None:
