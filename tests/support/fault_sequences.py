@@ -96,8 +96,11 @@ ROLLOUT_S = 120.0
 TEST_FILE = "tests/e2e/test_fault_sequences.py"
 
 
-def replay_command(seed: int) -> str:
-    return f"NGC_FAULT_SEED={seed} .venv/bin/python -m pytest {TEST_FILE}"
+def replay_command(seed: int, *, rollouts: int = 16, steps: int = 12, crashes: int = 2) -> str:
+    """The command that runs ``seed`` again (sizes other than the defaults included)."""
+    sizes = {"NGC_FAULT_ROLLOUTS": (rollouts, 16), "NGC_FAULT_STEPS": (steps, 12), "NGC_FAULT_CRASHES": (crashes, 2)}
+    env = "".join(f"{name}={value} " for name, (value, default) in sizes.items() if value != default)
+    return f"{env}NGC_FAULT_SEED={seed} .venv/bin/python -m pytest {TEST_FILE}"
 
 
 # ---- the plan -------------------------------------------------------------------------------------
@@ -215,7 +218,7 @@ def model_calls(row: dict[str, Any]) -> int:
 
 
 class ScenarioFailed(AssertionError):
-    """An invariant broke (or an operation failed); the message replays it."""
+    """An invariant broke, or an operation did not end in time (``Scenario.run`` adds the report as a note)."""
 
 
 class _Crashed(Exception):
@@ -247,6 +250,7 @@ class Scenario:
                  plan: list[Op] | None = None) -> None:
         self.mesh, self.seed = mesh, seed
         self.plan = plan or draw_plan(seed, mesh.launcher.names, steps=steps, max_crashes=max_crashes)
+        self.replay = replay_command(seed, rollouts=len(mesh.tasks), steps=steps, crashes=max_crashes)
         self.ran: list[str] = []
         self.directory = mesh.root / f"faults-{seed}-{workdir.name}"
         self.output = workdir / "rows.jsonl"
@@ -266,7 +270,7 @@ class Scenario:
         lines += [f"  {index:2d}. {line}" for index, line in enumerate(self.ran, start=1)]
         reached = sum(1 for line in self.ran if not line.startswith("(check)"))
         lines += [f"      (not reached) {op}" for op in self.plan[reached:]]
-        lines.append(f"replay: {replay_command(self.seed)}")
+        lines.append(f"replay: {self.replay}")
         return "\n".join(lines)
 
     def _note(self, op: Op, seen: str) -> None:
@@ -294,7 +298,10 @@ class Scenario:
     async def _op_start(self, op: Op) -> str:
         """Fresh processes, unless the mesh holds nothing (a previous scenario checked it): a restart
         costs seconds, better spent on crashes."""
-        held = await self._held()
+        try:
+            held = await self._held()
+        except GymError as error:  # a scenario that failed may leave dead processes behind
+            held = [error.detail]
         if held:
             await asyncio.to_thread(self.mesh.launcher.restart_all, READY_S)
         await self._count_calls_now()
@@ -306,7 +313,7 @@ class Scenario:
         batch = [life.pending.popleft() for _ in range(min(op.arg("k"), len(life.pending)))]
         if not batch:
             return "nothing waits"
-        self._send(batch)
+        await self._send(batch)
         return "sent " + " ".join(e.capture_key for e in batch)
 
     async def _op_run(self, op: Op) -> str:
@@ -353,7 +360,7 @@ class Scenario:
             return f"retired {episode.capture_key}, which had finished first"
         if op.arg("then") == "afresh":
             again = RolloutIdentity(episode.rollout_id, self._highest(episode.rollout_id) + 1)
-            self._send([again])
+            await self._send([again])
             return f"retired {episode.capture_key}; sent {again.capture_key}"
         return f"retired {episode.capture_key}; left for later"
 
@@ -363,7 +370,7 @@ class Scenario:
         while True:
             batch = list(life.pending)
             life.pending.clear()
-            self._send(batch)
+            await self._send(batch)
             await self._settle(life)
             left = [rid for rid in self.rollouts if rid not in self._done()]
             if not left:
@@ -402,11 +409,13 @@ class Scenario:
         return (f"restored {source_id}: continue {[e.capture_key for e in restored.continued]}, "
                 f"start over {restored.restarted}, fenced {len(restored.fenced)}; {len(attempts)} wait")
 
-    def _send(self, batch: list[RolloutIdentity]) -> None:
+    async def _send(self, batch: list[RolloutIdentity]) -> None:
+        """Hand ``batch`` to the dispatcher and return once each ``/run`` is on its way (logged)."""
         life = self._life()
         if batch:
             work = [((int(e.rollout_id.split("-")[0]), 0), e) for e in batch]
             life.batches.append(asyncio.create_task(life.dispatcher.run(work)))
+            await self._until(lambda: set(batch) <= set(self._dispatched()), "the dispatcher sends the batch")
 
     async def _settle(self, life: _Life) -> None:
         """Every ``/run`` sent answered; a dispatcher that broke (not a failure row) fails the scenario."""
@@ -443,7 +452,7 @@ class Scenario:
                            ) -> str:
         """The survivors run ``ms`` against dead peers, then die too (a checkpoint under way ends);
         fresh processes for the whole mesh; the controller's ``begin`` on them."""
-        life, seen = self._life(), f"killed {kill}"
+        seen = f"killed {kill}"
         if kill != "all":
             await asyncio.sleep(ms / 1000)
             if AGENT not in kill.split(","):
@@ -451,23 +460,26 @@ class Scenario:
         await asyncio.to_thread(self.mesh.launcher.kill_all)
         if taking is not None:
             seen += "; checkpoint " + self._published(await self._outcome(taking))
-        await self._settle(life)
-        await self._end_life()
+        broke = await self._end_life()  # the controller of that life ends too: what it had not sent is never sent
+        if broke:
+            raise ScenarioFailed(f"the dispatcher broke: {broke[0]!r}")
         self.calls_before, self.calls_now = self.calls_before + self.calls_now, 0
         await asyncio.to_thread(self.mesh.launcher.restart, *self.mesh.launcher.names, ready_timeout_s=READY_S)
         return f"{seen}; fresh processes; " + await self._begin()
 
-    async def _end_life(self) -> None:
+    async def _end_life(self) -> list[BaseException]:
+        """Cancel what is still sending, close the controller; what broke the dispatcher (not a failure row)."""
         life, self.life = self.life, None
         if life is None:
-            return
+            return []
         for batch in life.batches:
             batch.cancel()
-        await asyncio.gather(*life.batches, return_exceptions=True)
+        ended = await asyncio.gather(*life.batches, return_exceptions=True)
         life.control.close()
         await life.control.coordinator.aclose()
         life.sinks.rows.close()
         life.sinks.failures.close()
+        return [e for e in ended if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
 
     async def _outcome(self, taking: asyncio.Task[Published | None]) -> Published | BaseException | None:
         try:
@@ -565,7 +577,10 @@ class Scenario:
             raise ScenarioFailed(f"{made} model calls > 2 x {len(attempts)} attempts")
 
     async def _check_idle(self) -> None:
-        held = await self._held()
+        try:
+            held = await self._held()
+        except GymError as error:  # a scenario that failed may leave dead processes behind
+            held = [error.detail]
         if held:
             raise ScenarioFailed("not idle at the end: " + "; ".join(held))
 
