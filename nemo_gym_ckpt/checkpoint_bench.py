@@ -16,9 +16,13 @@ the rollouts that finished meanwhile (none may fail).
 ``off_a`` and ``off_b`` (checkpointing off) and ``on`` (enabled, never checkpointed). Each round
 runs the same batch of task rows at the same concurrency on each of them, one mesh after another,
 the order rotated every round. Per round: the rate of ``on`` over the mean of the two off meshes,
-and ``off_b`` over ``off_a`` (the noise floor: two meshes that differ in nothing). Reported: the
-median of the per-round ratios with their min and max, and CPU ms per rollout of every server
-process of each mesh (where an enabled-idle cost would show).
+and ``off_b`` over ``off_a`` (the noise floor: two meshes that differ in nothing); the same two
+ratios for the mesh's CPU per rollout (every server process and the driver, from ``/proc``), which
+other work on the machine disturbs much less than it disturbs rates. Reported: the median of the
+per-round ratios with their min and max; the pooled rates (all rollouts over all batch time: with
+rounds a multiple of 6, every mesh ran in every position of the order equally often); and CPU ms
+per rollout of every server process of each mesh (where an enabled-idle cost shows). After each
+batch on ``on`` its rollouts are forgotten, as the collector does: that CPU is counted, its time is not.
 """
 
 from __future__ import annotations
@@ -309,6 +313,7 @@ async def _overhead_rounds(
     meters = {name: CpuMeter(launcher.pids) for name, launcher in launchers.items()}
     cpu: dict[str, list[Result]] = {name: [] for name in launchers}
     rates: dict[str, list[float]] = {name: [] for name in launchers}
+    pooled: dict[str, list[float]] = {name: [0.0, 0.0] for name in launchers}  # rollouts, seconds
     failed = 0
     async with MeshClient(max_connections=4 * concurrency) as client:
         coordinator = _TimedCoordinator(launchers["on"].head_url, TOKEN, client=client)
@@ -326,15 +331,24 @@ async def _overhead_rounds(
                 usage = meters[name].stop()
                 failed += point["failed"]
                 rates[name].append(point["rate"])
+                pooled[name][0] += point["rollouts"]
+                pooled[name][1] += point["elapsed_s"]
                 count = max(point["rollouts"], 1)
                 cpu[name].append({proc: 1000 * s / count for proc, s in usage["cpu_s"].items()})
     on_over_off = [on / ((a + b) / 2) for on, a, b in zip(rates["on"], rates["off_a"], rates["off_b"], strict=True)]
     off_over_off = [b / a for a, b in zip(rates["off_a"], rates["off_b"], strict=True)]
+    totals = {name: [sum(row.values()) for row in rows_] for name, rows_ in cpu.items()}
+    cpu_on_over_off = [on / ((a + b) / 2) for on, a, b in zip(totals["on"], totals["off_a"], totals["off_b"],
+                                                              strict=True)]
+    cpu_off_over_off = [b / a for a, b in zip(totals["off_a"], totals["off_b"], strict=True)]
     cpu_p50 = {name: {proc: round(statistics.median(row[proc] for row in rows_), 2) for proc in rows_[0]}
                for name, rows_ in cpu.items()}
     return {
         "on_over_off": _ratio_stats(on_over_off),
         "off_b_over_off_a": _ratio_stats(off_over_off),
+        "cpu_per_rollout_on_over_off": _ratio_stats(cpu_on_over_off),
+        "cpu_per_rollout_off_b_over_off_a": _ratio_stats(cpu_off_over_off),
+        "pooled_rollouts_per_s": {name: round(n / max(t, 1e-9), 2) for name, (n, t) in pooled.items()},
         "rollouts_per_s_p50": {name: round(statistics.median(values), 2) for name, values in rates.items()},
         "cpu_ms_per_rollout_p50": cpu_p50,
         "cpu_ms_per_rollout_total_p50": {name: round(sum(v for k, v in procs.items()), 1)
@@ -343,7 +357,7 @@ async def _overhead_rounds(
     }
 
 
-def checkpoint_overhead(*, rounds: int = 10, batch: int = 96, concurrency: int = 8, quick: bool = False) -> Result:
+def checkpoint_overhead(*, rounds: int = 18, batch: int = 48, concurrency: int = 8, quick: bool = False) -> Result:
     """Rollouts/s with checkpointing enabled but idle over the same mesh with it off, interleaved."""
     if quick:
         rounds, batch, concurrency = 2, 8, 4
