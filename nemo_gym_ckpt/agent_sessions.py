@@ -27,7 +27,10 @@ activation with ``x-ng-agent-activation: <n>`` (1-based, PROTOCOL.md section 7).
   session's state lacks the token arrays of the calls it made before the checkpoint. The policy
   model keeps them in its token sidecar and answers them at ``GET /v1/capture/tokens`` under the
   rollout's capture key; an agent puts them back on its restored items (the simple agent does, see
-  ``agents/simple_agent/restored_tokens.py``).
+  ``agents/simple_agent/restored_tokens.py``). A restored completed reply lacks them too: when the
+  environment invokes that activation again, the reply passes through the agent's ``refill`` hook
+  (given to ``AgentSessions``) before it is answered, and the refilled reply is kept for the next
+  time; nothing runs again (no model or tool call), and the record stays the restored one.
 - **restore** installs every session under the next attempt, all or nothing; ``check_state``
   vets each running state. The environment's re-invocation of the running index under the new
   capture key continues the work from that state (``turn.resume``), so no completed model or tool
@@ -74,6 +77,7 @@ __all__ = [
     "AgentSession",
     "AgentSessions",
     "CallKind",
+    "Refill",
     "Turn",
     "Work",
     "request_digest",
@@ -166,6 +170,8 @@ class AgentSession:
 
 Work = Callable[["Turn"], Awaitable[ActivationReply]]
 StateCheck = Callable[[dict[str, Any]], None]
+Refill = Callable[[ActivationReply], Awaitable[ActivationReply]]
+"""Puts back what records strip (token arrays) on a restored completed reply answered again."""
 
 
 def _any_object(state: dict[str, Any]) -> None:
@@ -205,9 +211,12 @@ class Turn:
 class AgentSessions:
     """The sessions of one agent server, and its ``ParticipantAdapter``."""
 
-    def __init__(self, *, restart_only: bool = False, check_state: StateCheck = _any_object) -> None:
+    def __init__(
+        self, *, restart_only: bool = False, check_state: StateCheck = _any_object, refill: Refill | None = None
+    ) -> None:
         self.restart_only = restart_only
         self.check_state = check_state
+        self.refill = refill
         self.participant: Participant | None = None
         self.sessions: dict[str, AgentSession] = {}
         self.completed_calls: Counter[str] = Counter()
@@ -222,10 +231,28 @@ class AgentSessions:
             session = self.sessions[identity.capture_key] = AgentSession(identity, restart=self.restart_only)
         found = self._activation(session, index, request_digest(request))
         if isinstance(found, ActivationReply):
-            return found
+            return await self._again(session, found)
         if found.task is None:
             found.task = self._spawn(session, found, work)
         return await _outcome(found, session.key)
+
+    async def _again(self, session: AgentSession, reply: ActivationReply) -> ActivationReply:
+        """A completed reply answered again; one restored from a checkpoint through ``refill`` first."""
+        if not session.from_checkpoint or self.refill is None:
+            return reply
+        refilled = await self.refill(reply)
+        if session.reply is reply:
+            session.reply = refilled
+        return refilled
+
+    def fenced(self) -> RolloutIdentity:
+        """The request's identity, checked against the retire fences only (never waits): for calls
+        that change nothing and may come from a step a checkpoint waits for."""
+        identity = current_identity()
+        if identity is None:
+            raise RolloutIdRequired("checkpointing is on: this agent call needs /ng-rollout/<key>/")
+        _check_marks(self._participant(), identity)
+        return identity
 
     async def close(self) -> bool:
         """``/close``: stop the request's session (its running activation too) and drop it."""

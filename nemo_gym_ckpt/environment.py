@@ -24,12 +24,22 @@ error, named after the step. A ``/run`` without a rollout prefix runs under a fr
 reply carrying ``x-ng-checkpoint-restart: 1`` comes from a restart-only agent: ``AgentReply.restart``
 says so, and the client remembers it (``restart_only``) so later episodes are restarts from their
 first step.
+
+Token arrays after a restore: records never carry them (PROTOCOL.md section 6), so an episode
+restored from a boundary holds the agent's output items without them. A step that keeps agent
+items notes with ``note_token_arrays`` that they came with token arrays; a later step passes them
+through ``AgentClient.refilled``, which, when the note is there and a model item now lacks them
+(the boundary came from a record), asks the agent to put them back (``POST
+/v1/responses/refill`` under the episode's capture key: the agent knows where they are kept, the
+environment only knows that records strip them). The agent's answer is taken only if it changes
+nothing but token arrays; an agent that cannot answer leaves the items as they are (logged).
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -44,25 +54,46 @@ from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.episode import NO_HOOKS, Episode, EpisodeHooks, Program, StepBudget, run_episode
-from nemo_gym_ckpt.errors import InternalError, InvalidRequest, UpstreamError
+from nemo_gym_ckpt.episode import (
+    NO_HOOKS,
+    Episode,
+    EpisodeHooks,
+    Program,
+    StepBudget,
+    run_episode,
+    without_token_arrays,
+)
+from nemo_gym_ckpt.errors import GymError, InternalError, InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.resources import RESTART_HEADER
 from nemo_gym_ckpt.server import OrjsonResponse
 
 __all__ = [
     "ACTIVATION_HEADER",
+    "REFILL_PATH",
+    "TOKEN_ARRAYS",
+    "TOKEN_ARRAYS_NOTE",
     "AgentClient",
     "AgentReply",
     "EnvironmentConfig",
     "EpisodeTask",
     "cookies_of",
+    "is_model_item",
+    "lacks_token_arrays",
     "mount_environment",
     "mount_run",
+    "note_token_arrays",
     "read_task",
 ]
 
+logger = logging.getLogger(__name__)
+
 ACTIVATION_HEADER = "x-ng-agent-activation"
+REFILL_PATH = "/v1/responses/refill"
+"""The agent route that puts token arrays back on output items (rollout-scoped)."""
+TOKEN_ARRAYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+TOKEN_ARRAYS_NOTE = "agent_token_arrays"
+"""The state key ``note_token_arrays`` sets: the agent's items came with token arrays."""
 
 
 class EnvironmentConfig(ServerConfig):
@@ -206,9 +237,51 @@ class AgentClient:
         self.restart_only = self.restart_only or restart
         return AgentReply(response, {**cookies, **cookies_of(reply)}, restart)
 
+    async def refilled(
+        self, identity: RolloutIdentity, state: Mapping[str, Any], items: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """``items`` with their token arrays back when the state's note says they had some and a model
+        item lacks them now (a restored boundary); else ``items`` unchanged, without a call."""
+        if not state.get(TOKEN_ARRAYS_NOTE) or not lacks_token_arrays(items):
+            return items
+        try:
+            reply = await self.client.request(
+                "POST", f"{self.url}{REFILL_PATH}", json={"items": items}, identity=identity, idempotent=True,
+                timeout_s=self.settings.call_timeout_s,
+            )
+            answer = decode_json(reply)
+        except GymError as error:
+            logger.warning("%s: token arrays not put back (%s: %s)", identity.capture_key, error.code, error.detail)
+            return items
+        refilled = answer.get("items") if isinstance(answer, dict) else None
+        if not isinstance(refilled, list) or without_token_arrays(refilled) != without_token_arrays(items):
+            logger.warning("%s: the agent's refill changed more than token arrays; not taken", identity.capture_key)
+            return items
+        return refilled
+
     async def close(self, identity: RolloutIdentity) -> None:
         """Free the agent's session of this episode (idempotent on the agent's side)."""
         await self.client.request(
             "POST", f"{self.url}/close", json={}, identity=identity, idempotent=True,
             timeout_s=self.settings.call_timeout_s,
         )
+
+
+# ---- token arrays of agent items ----------------------------------------------------------------
+
+
+def is_model_item(item: Mapping[str, Any]) -> bool:
+    """An output item a model call made: an assistant message, a function call or reasoning."""
+    return item.get("type") in ("function_call", "reasoning") or item.get("role") == "assistant"
+
+
+def lacks_token_arrays(items: list[dict[str, Any]]) -> bool:
+    """Whether a model item among ``items`` is without its token arrays."""
+    return any(is_model_item(item) and not all(name in item for name in TOKEN_ARRAYS) for item in items)
+
+
+def note_token_arrays(state: MutableMapping[str, Any], items: list[dict[str, Any]]) -> None:
+    """Note in the episode state that the agent's items came with token arrays (a record keeps the
+    note, not the arrays)."""
+    if any(all(name in item for name in TOKEN_ARRAYS) for item in items):
+        state[TOKEN_ARRAYS_NOTE] = True

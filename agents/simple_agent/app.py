@@ -12,6 +12,13 @@ Routes (also under ``/ng-rollout/<capture_key>/``, where the capture key names t
   ``Set-Cookie``. The header ``x-ng-agent-activation: <n>`` (1-based) numbers the calls of one
   episode.
 - ``POST /close``: frees the session of the request's capture key (idempotent).
+- ``POST /v1/responses/refill``: ``{"items": [...]}`` (output items of this rollout that an
+  environment kept, e.g. at a boundary restored from a checkpoint) answered as ``{"items",
+  "refilled"}``: the same items, with the token arrays of their model calls put back from the policy
+  model's capture route where they lack them (``restored_tokens.refill``). It needs no session (an
+  environment may have closed it before the checkpoint), changes nothing and never waits for a
+  checkpoint (only a retired attempt is refused); with checkpointing or ``return_token_ids`` off it
+  answers the items unchanged.
 
 Checkpointing (``docs/participants.md``, "Agents"): with the mesh's ``checkpoint:`` block on, the
 agent is a participant of kind ``agent`` over ``nemo_gym_ckpt.agent_sessions.AgentSessions``: the
@@ -24,7 +31,9 @@ policy model for the token arrays of the calls it made before the checkpoint (``
 /v1/capture/tokens`` under its capture key; the policy model keeps them in its token sidecar) and
 puts them back on its output items (``restored_tokens``), so its answer equals an uninterrupted
 run's, token arrays included. If the policy model cannot answer, the loop goes on without them
-(logged); the policy model still splices the next prompt from the ids it restored.
+(logged); the policy model still splices the next prompt from the ids it restored. A restored
+completed reply invoked again is refilled the same way before it is answered (``AgentSessions``'
+``refill`` hook), so a re-invoked activation answers its reply token arrays included.
 ``checkpoint_sessions`` (a class attribute, not config) says
 whether the implementation captures its sessions; ``agents/restart_only_agent`` is the same loop
 with it off. With checkpointing off the activation header is only recorded.
@@ -49,14 +58,14 @@ from agents.simple_agent.loop import (
     response_object,
     run_loop,
 )
-from agents.simple_agent.restored_tokens import missing_calls, reattach
+from agents.simple_agent.restored_tokens import missing_calls, reattach, refill
 from nemo_gym_ckpt.agent_sessions import ActivationReply, AgentSessions, Turn
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.environment import ACTIVATION_HEADER, cookies_of
+from nemo_gym_ckpt.environment import ACTIVATION_HEADER, REFILL_PATH, cookies_of, lacks_token_arrays
 from nemo_gym_ckpt.errors import GymError, InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import current_identity
 from nemo_gym_ckpt.resources import RESTART_HEADER
@@ -71,6 +80,7 @@ __all__ = [
     "Config",
     "GatedCalls",
     "HttpCalls",
+    "RefillRequest",
     "SimpleAgent",
     "build_app",
     "create_app",
@@ -103,6 +113,14 @@ class AgentRequest(BaseModel):
     input: str | list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     stream: bool | None = None
+
+
+class RefillRequest(BaseModel):
+    """``POST /v1/responses/refill``: output items of this rollout, as an environment kept them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[dict[str, Any]]
 
 
 def parse_activation(value: str | None) -> int | None:
@@ -258,6 +276,29 @@ class SimpleAgent:
             return
         reattach(state, calls)
 
+    async def refill(self, body: RefillRequest) -> dict[str, Any]:
+        """``POST /v1/responses/refill``: the items with the token arrays the policy model kept."""
+        if self.checkpoint is None or not self.settings.return_token_ids:
+            return {"items": body.items, "refilled": 0}
+        self.checkpoint.fenced()
+        if not lacks_token_arrays(body.items):
+            return {"items": body.items, "refilled": 0}
+        items, stamped = refill(body.items, await self.calls.capture_tokens())
+        return {"items": items, "refilled": stamped}
+
+    async def refill_reply(self, reply: ActivationReply) -> ActivationReply:
+        """A restored completed reply with its token arrays put back (logged when they cannot be)."""
+        output = reply.response.get("output")
+        if not self.settings.return_token_ids or not isinstance(output, list) or not lacks_token_arrays(output):
+            return reply
+        try:
+            calls = await self.calls.capture_tokens()
+        except GymError as error:
+            logger.warning("restored reply: token arrays not put back (%s: %s)", error.code, error.detail)
+            return reply
+        items, stamped = refill(output, calls)
+        return ActivationReply({**reply.response, "output": items}, reply.cookies) if stamped else reply
+
     def _http_reply(self, reply: ActivationReply) -> OrjsonResponse:
         response = OrjsonResponse(reply.response)
         for name, value in reply.cookies.items():
@@ -276,7 +317,8 @@ class SimpleAgent:
 
 def build_app(agent: SimpleAgent, ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
     """The app of ``agent``; a participant of kind ``agent`` when the mesh enables checkpointing."""
-    sessions = AgentSessions(restart_only=not agent.checkpoint_sessions, check_state=check_loop_state)
+    sessions = AgentSessions(restart_only=not agent.checkpoint_sessions, check_state=check_loop_state,
+                             refill=agent.refill_reply)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -289,6 +331,7 @@ def build_app(agent: SimpleAgent, ctx: ServerContext[Config], *, clock: Clock = 
         sessions.participant, agent.checkpoint = participant, sessions
     app.add_api_route("/v1/responses", agent.responses, methods=["POST"])
     app.add_api_route("/close", agent.close, methods=["POST"])
+    app.add_api_route(REFILL_PATH, agent.refill, methods=["POST"])
     return app
 
 

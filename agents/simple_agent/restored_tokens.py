@@ -13,6 +13,16 @@ ends the loop), so the runs of consecutive model items are the model calls, in t
 ``LoopState.model_calls`` (the ledger's call ids). A state where they do not line up, or a call the
 policy model has no token ids for, is left as it is (and logged): its items then lack token arrays,
 which training data can see, rather than carrying ids of another call.
+
+``refill`` does the same for items the agent holds no loop state of: a completed reply restored
+from a checkpoint and served again (PROTOCOL.md section 7), and the items an environment kept at a
+boundary after the agent was done (``POST /v1/responses/refill``). Without the ledger ids of the
+calls, the items are matched by order: each run of consecutive model items (``is_model_item``:
+assistant messages, function calls, reasoning; a function call output or an environment's own
+message ends a run) is one model call, and the runs are the last calls of the rollout's lineage,
+in order (a reply covers its activation's calls, the last ones made; a whole trajectory covers
+them all). A run that already carries token arrays must carry those of its call, and there may not
+be more runs than calls; otherwise nothing is stamped (and it is logged).
 """
 
 from __future__ import annotations
@@ -21,12 +31,12 @@ import logging
 from typing import Any
 
 from agents.simple_agent.loop import LoopState
+from nemo_gym_ckpt.environment import TOKEN_ARRAYS, is_model_item, lacks_token_arrays
 
-__all__ = ["TOKEN_ARRAYS", "missing_calls", "model_call_items", "reattach"]
+__all__ = ["TOKEN_ARRAYS", "missing_calls", "model_call_items", "model_runs", "reattach", "refill"]
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ARRAYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _ORDER = (*TOKEN_ARRAYS, "policy_version")
 
 
@@ -86,3 +96,49 @@ def _stamped(item: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
     rest = {key: value for key, value in item.items() if key not in _ORDER}
     version = item["policy_version"] if "policy_version" in item else call.get("policy_version")
     return {**rest, **{name: call[name] for name in TOKEN_ARRAYS}, "policy_version": version}
+
+
+def model_runs(items: list[dict[str, Any]]) -> list[list[int]]:
+    """The indices of each run of consecutive model items (one model call each), in order."""
+    runs: list[list[int]] = []
+    previous_was_model = False
+    for index, item in enumerate(items):
+        is_model = is_model_item(item)
+        if is_model and not previous_was_model:
+            runs.append([])
+        if is_model:
+            runs[-1].append(index)
+        previous_was_model = is_model
+    return runs
+
+
+def refill(items: list[dict[str, Any]], calls: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """``items`` with the token arrays of ``calls`` (the capture route's answer, the lineage in order)
+    stamped on the model items that lack them, matched by order; and how many were stamped."""
+    if not lacks_token_arrays(items):
+        return items, 0
+    runs = model_runs(items)
+    if len(runs) > len(calls):
+        logger.warning("refill: %d runs of model items but the policy model knows %d calls; token arrays "
+                       "not put back", len(runs), len(calls))
+        return items, 0
+    matched = list(zip(runs, calls[len(calls) - len(runs):], strict=True))
+    for run, call in matched:
+        if any(not _lacks_tokens(items[i]) and not _same_tokens(items[i], call) for i in run):
+            logger.warning("refill: the items do not line up with the policy model's calls (call %s); token "
+                           "arrays not put back", call.get("call_id"))
+            return items, 0
+    refilled = list(items)
+    stamped = 0
+    for run, call in matched:
+        if not all(name in call for name in TOKEN_ARRAYS):
+            continue
+        for index in run:
+            if _lacks_tokens(refilled[index]):
+                refilled[index] = _stamped(refilled[index], call)
+                stamped += 1
+    return refilled, stamped
+
+
+def _same_tokens(item: dict[str, Any], call: dict[str, Any]) -> bool:
+    return all(item.get(name) == call.get(name) for name in TOKEN_ARRAYS)

@@ -24,7 +24,10 @@ Checkpointing (``docs/participants.md``, "Environment servers"): with the mesh's
 block on, the server is a participant of kind ``environment``. Each boundary after ``act`` holds
 the game, its RNG state, the transcript and the activation count, so a restored episode re-invokes
 the agent with the same activation index and the same conversation, and the opponent rolls the
-same dice. An episode whose agent says ``x-ng-checkpoint-restart: 1`` is a restart.
+same dice. Records strip the token arrays of the agent's outputs in the transcript; ``act`` and
+``return`` take them back from the agent first (``AgentClient.refilled``, when the state notes the
+agent sent some), so the conversation sent again and the row equal an uninterrupted run's. An
+episode whose agent says ``x-ng-checkpoint-restart: 1`` is a restart.
 """
 
 from __future__ import annotations
@@ -38,7 +41,13 @@ from pydantic import Field
 from environment_servers.nim.game import NimGame, NimRules, parse_move
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.environment import AgentClient, EnvironmentConfig, EpisodeTask, mount_environment
+from nemo_gym_ckpt.environment import (
+    AgentClient,
+    EnvironmentConfig,
+    EpisodeTask,
+    mount_environment,
+    note_token_arrays,
+)
 from nemo_gym_ckpt.episode import Episode, Program, Step
 from nemo_gym_ckpt.errors import GymError
 from nemo_gym_ckpt.resources import ResponseObject, final_text
@@ -91,7 +100,14 @@ class Nim:
         )
         return "act"
 
+    async def _refill(self, episode: Episode) -> None:
+        """The agent's outputs in the transcript with their token arrays, if a restored boundary lacks them."""
+        state = episode.state
+        transcript, start = state["transcript"], state["input_items"]
+        transcript[start:] = await self.agent.refilled(episode.identity, state, transcript[start:])
+
     async def act(self, episode: Episode) -> str:
+        await self._refill(episode)
         state = episode.state
         state["activation"] += 1
         params = {k: v for k, v in episode.task["responses_create_params"].items() if k != "input"}
@@ -101,6 +117,7 @@ class Nim:
         if reply.restart:
             episode.mark_restart()
         output = reply.response["output"]
+        note_token_arrays(state, output)
         state["transcript"].extend(output)
         state["usage"] = add_usage(state["usage"], reply.response.get("usage"))
         state["last_response"] = {k: v for k, v in reply.response.items() if k != "output"}
@@ -119,6 +136,7 @@ class Nim:
         return "return"
 
     async def finish(self, episode: Episode) -> None:
+        await self._refill(episode)
         state = episode.state
         game = NimGame.from_json(state.pop("game"))
         output = state.pop("transcript")[state["input_items"]:]

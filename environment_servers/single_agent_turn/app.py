@@ -19,7 +19,11 @@ resources session are closed on the way out.
 Checkpointing (``docs/participants.md``, "Environment servers"): with the mesh's ``checkpoint:``
 block on, the server is a participant of kind ``environment``. The boundary after ``seed`` holds
 the resources cookies and the seed reply's answers, so a restored episode never seeds again; the
-one after ``invoke_agent`` holds the agent's response. The episode is a restart when the seed
+one after ``invoke_agent`` holds the agent's response (and notes whether it came with token
+arrays). Records strip those arrays, so ``verify`` and ``return`` take the response through
+``AgentClient.refilled``: after a restore from any later boundary, the agent puts them back (its
+session may be closed by then: the refill needs none), and the row equals an uninterrupted run's,
+token arrays included. The episode is a restart when the seed
 reply says ``x-ng-checkpoint-restart: 1`` (a restart-only resources server) or the agent does (a
 restart-only agent).
 """
@@ -36,7 +40,13 @@ from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.client import decode_json
 from nemo_gym_ckpt.config import ServerRef
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.environment import AgentClient, EnvironmentConfig, cookies_of, mount_environment
+from nemo_gym_ckpt.environment import (
+    AgentClient,
+    EnvironmentConfig,
+    cookies_of,
+    mount_environment,
+    note_token_arrays,
+)
 from nemo_gym_ckpt.episode import Episode, Program, Step, StepMode
 from nemo_gym_ckpt.errors import GymError, UpstreamError
 from nemo_gym_ckpt.resources import RESTART_HEADER, VERIFY_HEADER
@@ -104,6 +114,7 @@ class SingleAgentTurn:
             episode.mark_restart()
         resources["cookies"] = reply.cookies
         episode.state["response"] = reply.response
+        note_token_arrays(episode.state, reply.response["output"])
         return "close_agent"
 
     async def close_agent(self, episode: Episode) -> str:
@@ -111,8 +122,14 @@ class SingleAgentTurn:
         episode.state["agent_closed"] = True
         return "verify"
 
+    async def _response(self, episode: Episode) -> dict[str, Any]:
+        """The agent's response, its token arrays put back if a restored boundary lacks them."""
+        response: dict[str, Any] = episode.state["response"]
+        response["output"] = await self.agent.refilled(episode.identity, episode.state, response["output"])
+        return response
+
     async def verify(self, episode: Episode) -> str:
-        body = {**episode.task, "response": episode.state["response"]}
+        body = {**episode.task, "response": await self._response(episode)}
         reply = await self._resources(episode, "/verify", body)
         verdict = decode_json(reply)
         reward = verdict.get("reward") if isinstance(verdict, dict) else None
@@ -127,6 +144,7 @@ class SingleAgentTurn:
         return "return"
 
     async def finish(self, episode: Episode) -> None:
+        await self._response(episode)
         verdict = episode.state.pop("verdict")
         response = episode.state.pop("response")
         reward = float(verdict["reward"])

@@ -14,7 +14,13 @@ each server its own process, launched once for the module. A controller here dis
    made again, and the rows equal the uninterrupted run's, token arrays included: records never
    carry them (PROTOCOL.md section 6), the policy model keeps those of delivered calls in its token
    sidecar and the agent puts them back on its restored output items;
-3. retire during a run, then forget: nothing is left on any participant.
+3. retire during a run, then forget: nothing is left on any participant;
+4. a checkpoint that lands after the agent was done (each episode in or past its verify, the agent
+   sessions closed, so only the environment's boundary holds the agent's reply, and its record has
+   no token arrays), crash, restore: the rows equal the uninterrupted run's, token arrays included
+   (the environment has the agent put them back from the policy model), no call made again. Signals
+   hold the mesh still: SIGSTOP of the inference worker holds every model call admitted, SIGSTOP of
+   the resources server holds every verify in flight, SIGCONT lets them go.
 
 Rows are compared without the response's ``created_at`` (wall-clock seconds) and with log
 probabilities equal to 1e-6: the worker batches whatever calls are in flight, and two uninterrupted
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,6 +59,7 @@ RUN_TIMEOUT_S = 120.0
 WAIT_S = 60.0
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 ENV, AGENT, MODEL, RESOURCES = "single_agent_turn", "simple_agent", "policy_model", "calculator_tools"
+WORKER = "inference_worker"
 
 
 @dataclass
@@ -290,3 +298,108 @@ async def test_retire_during_a_run_then_forget_leaves_nothing(mesh: Mesh) -> Non
     assert (by_kind["model"]["active_calls"], by_kind["model"]["held_responses"]) == (0, 0)
     assert by_kind["model"]["ledgers"] == 0
     assert (by_kind["resources"]["sessions"], by_kind["resources"]["in_flight_requests"]) == (0, 0)
+
+
+# ---- a checkpoint after the agent was done ------------------------------------------------------
+
+
+LATE_ROWS = [{"responses_create_params": {"input": [{"role": "user", "content": text}]}, "expected_answer": 1}
+             for text in ("Say hello.", "Name a colour.")]
+"""Rows the default model answers in one call without tools: after it, the next resources call is the verify."""
+
+
+async def until_extras(
+    client: MeshClient, launcher: MeshLauncher, names: tuple[str, ...], ok: Any, what: str
+) -> dict[str, dict[str, Any]]:
+    """Poll the status of ``names`` until ``ok`` holds (their statuses by name), with a deadline."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        found = dict(zip(names, await asyncio.gather(*(status(client, launcher, n) for n in names)), strict=True))
+        if ok(found):
+            return found
+        assert time.monotonic() < deadline, f"never: {what}; last seen {found}"
+        await asyncio.sleep(0.01)
+
+
+async def admitted_at_the_paused_worker(
+    client: MeshClient, mesh: Mesh, rows: dict[RolloutIdentity, dict[str, Any]]
+) -> dict[RolloutIdentity, asyncio.Task[Any]]:
+    """Pause the worker, dispatch ``rows``, wait until each one's model call is admitted (it stays paused)."""
+    base = (await extras(client, mesh.launcher, MODEL))["active_calls"]
+    assert mesh.launcher.kill(WORKER, signal.SIGSTOP)
+    tasks = {identity: asyncio.create_task(client.request(
+        "POST", f"{mesh.env_url()}/run", json=row, identity=identity, check=False, timeout_s=RUN_TIMEOUT_S))
+        for identity, row in rows.items()}
+    await until_extras(client, mesh.launcher, (MODEL,),
+                       lambda s: s[MODEL]["extras"]["active_calls"] == base + len(rows),
+                       "every rollout seeded, its model call admitted at the paused worker")
+    return tasks
+
+
+async def test_a_checkpoint_after_the_agent_was_done_keeps_every_token_array_across_a_crash(mesh: Mesh) -> None:
+    launcher = mesh.launcher
+    rows = {RolloutIdentity(f"late{i}"): row for i, row in enumerate(LATE_ROWS)}
+    async with MeshClient() as client, Coordinator(launcher.head_url, TOKEN) as coordinator:
+        await coordinator.discover()  # while nothing is paused: discovery asks every server
+        tasks: dict[RolloutIdentity, asyncio.Task[Any]] = {}
+        try:
+            # the reference: the same calls batched the same way (all admitted, then the worker goes on),
+            # as the worker's batches decide the last bits of the log probabilities
+            references = await admitted_at_the_paused_worker(client, mesh, {
+                RolloutIdentity(f"late-ref{i}"): row for i, row in enumerate(LATE_ROWS)})
+            launcher.kill(WORKER, signal.SIGCONT)
+            reference = [(await asyncio.wait_for(task, RUN_TIMEOUT_S)).json() for task in references.values()]
+            tasks = await admitted_at_the_paused_worker(client, mesh, rows)
+            assert launcher.kill(RESOURCES, signal.SIGSTOP)  # the next resources call of each is its verify
+            launcher.kill(WORKER, signal.SIGCONT)
+            await until_extras(
+                client, launcher, (ENV, AGENT),
+                lambda s: (s[ENV]["extras"]["in_replay_step"], s[AGENT]["extras"]["sessions"]) == (len(rows), 0),
+                "every agent session closed and every episode in its verify (replay), the resources paused")
+            deadline = time.time() + WAIT_S
+            preparing = asyncio.create_task(coordinator.prepare("late", deadline_ts=deadline))
+            await until_extras(client, launcher, (ENV, AGENT),
+                               lambda s: s[ENV]["phase"] == s[AGENT]["phase"] == "prepared",
+                               "the environment, model and agent prepared (the resources stage is next)")
+            launcher.kill(RESOURCES, signal.SIGCONT)
+            prepared = await asyncio.wait_for(preparing, WAIT_S)
+            assert prepared.prepared, prepared.to_json()
+            scope = prepared.continued(list(tasks))
+            assert set(scope) == set(rows)
+            committed = await coordinator.commit("late", deadline_ts=deadline,
+                                                 checkpoint_dir=str(mesh.root / "late"), episode_ids=scope)
+        finally:
+            launcher.kill(WORKER, signal.SIGCONT)
+            launcher.kill(RESOURCES, signal.SIGCONT)
+    assert committed.manifests()[AGENT]["record_count"] == 0  # closed: only the environment holds the reply
+    for record in env_records(mesh.root / "late"):
+        boundary = record["boundary"]
+        assert boundary["next_step"] in ("verify", "close_session"), boundary  # verify replayed, or done
+        assert not any(field in item for item in boundary["state"]["response"]["output"] for field in TOKEN_FIELDS)
+    await asyncio.to_thread(launcher.restart_all, 120)  # SIGKILL every server, fresh processes
+    lost = await asyncio.gather(*tasks.values(), return_exceptions=True)
+    assert not [r for r in lost if not isinstance(r, GymError) and r.status_code == 200], "one finished"
+    async with MeshClient() as client, Coordinator(launcher.head_url, TOKEN) as coordinator:
+        await coordinator.discover()
+        deadline = time.time() + WAIT_S
+        restored = await coordinator.restore("late-back", deadline_ts=deadline,
+                                             checkpoint_dir=str(mesh.root / "late"), episode_ids=scope)
+        await coordinator.resume("late-back", deadline_ts=deadline)
+        continued = restored.continued()
+        assert continued == [e.next_attempt() for e in scope]
+        replies = await asyncio.gather(*(
+            client.request("POST", f"{mesh.env_url()}/run", json=rows[RolloutIdentity(e.rollout_id)], identity=e,
+                           timeout_s=RUN_TIMEOUT_S) for e in continued))
+        model_after, agent_after = await extras(client, launcher, MODEL), await extras(client, launcher, AGENT)
+        await coordinator.forget([e.rollout_id for e in continued], deadline_ts=time.time() + WAIT_S)
+    by_rollout = {f"late{i}": row for i, row in enumerate(reference)}
+    for identity, reply in zip(continued, replies, strict=True):
+        assert_continued(reply.json(), by_rollout[identity.rollout_id])  # token arrays included
+    assert model_after["rows"] == len(rows) and model_after["active_calls"] == 0  # the restored rows only
+    assert (agent_after["model_calls"], agent_after["tool_calls"]) == (0, 0)  # the agent never ran again
+
+
+def env_records(directory: Path) -> list[dict[str, Any]]:
+    where = directory / "gym" / "environment" / ENV
+    manifest = orjson.loads((where / "manifest.json").read_bytes())
+    return [orjson.loads(line) for line in (where / manifest["records_file"]).read_bytes().splitlines()]

@@ -10,8 +10,12 @@ root is the fresh set of processes a restore runs on.
 
 ``DeterministicModel`` answers the policy model's ``POST /v1/responses`` with output that depends
 only on the request (ids are digests of it, never counters), so two runs of the same rollout give
-equal rows (with token capture fields, derived too, when the request asks for them), and can hold
-the replies a predicate picks until ``release()``.
+equal rows (with token capture fields, derived too, when the request asks for them: one set per
+call, on each of its items, as the policy model stamps them), and can hold the replies a predicate
+picks until ``release()``. It also answers the policy model's ``GET /v1/capture/tokens``: the calls
+it delivered under the request's rollout id, attempts up to the request's, in order, with their
+token arrays. It is no participant: a test that reuses one ``DeterministicModel`` across a crash
+stands it in for the policy model's token sidecar, and must deliver no call after the commit.
 """
 
 from __future__ import annotations
@@ -84,9 +88,9 @@ def _function_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
             "arguments": json.dumps(arguments), "status": "completed"}
 
 
-def _token_fields(item: dict[str, Any]) -> dict[str, Any]:
-    """Token capture fields derived from the item (as the policy model stamps them)."""
-    seed = int(_digest(item)[:6], 16)
+def _token_fields(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """Token capture fields of one call, derived from its output (as the policy model stamps them)."""
+    seed = int(_digest(output[0] if len(output) == 1 else output)[:6], 16)
     return {"prompt_token_ids": [1, 2, seed % 97], "generation_token_ids": [seed % 89, 7],
             "generation_log_probs": [-0.5, -0.25], "policy_version": 0}
 
@@ -131,12 +135,22 @@ class DeterministicModel:
     hold: Hold | None = None
     calls: list[ModelCall] = field(default_factory=list)
     holding: Counter[str] = field(default_factory=Counter)
+    delivered: list[tuple[RolloutIdentity, dict[str, Any]]] = field(default_factory=list)
     _released: asyncio.Event = field(default_factory=asyncio.Event)
 
     def app(self) -> FastAPI:
         app = create_app("policy_model")
         app.add_api_route("/v1/responses", self.responses, methods=["POST"])
+        app.add_api_route("/v1/capture/tokens", self.capture_tokens, methods=["GET"])
         return app
+
+    async def capture_tokens(self) -> dict[str, Any]:
+        identity = current_identity()
+        assert identity is not None, "the capture route is rollout-scoped"
+        calls = [{"call_id": f"mc_{index}", "attempt": who.attempt, **fields}
+                 for index, (who, fields) in enumerate(self.delivered)
+                 if who.rollout_id == identity.rollout_id and who.attempt <= identity.attempt]
+        return {"capture_key": identity.capture_key, "calls": calls}
 
     def release(self) -> None:
         self._released.set()
@@ -157,7 +171,10 @@ class DeterministicModel:
                 self.holding[key or "-"] -= 1
         output = self.policy(body)
         if body.get("return_token_ids"):
-            output = [{**item, **_token_fields(item)} for item in output]
+            fields = _token_fields(output)
+            output = [{**item, **fields} for item in output]
+            if identity is not None:
+                self.delivered.append((identity, fields))
         digest = _digest(without_token_arrays(body["input"]))
         return {"id": f"resp_{digest}", "object": "response", "model": "deterministic",
                 "created_at": 0, "status": "completed", "incomplete_details": None, "output": output,
