@@ -1,6 +1,6 @@
 """``nemo-gym-ckpt demo``: checkpoint the quickstart mesh mid-collection, kill it, restore, compare.
 
-    nemo-gym-ckpt demo [--json PATH] [--rollouts N] [--concurrency C] [--workdir DIR]
+    nemo-gym-ckpt demo [--json PATH] [--rollouts N] [--concurrency C] [--workdir DIR] [--no-generation-cuts]
 
 On the quickstart mesh (``configs/quickstart.yaml``: the embedded model on the CPU, greedy), with
 checkpointing on and, unless ``--no-generation-cuts``, ``generation_cuts: true`` on the policy model
