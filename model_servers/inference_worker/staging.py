@@ -20,10 +20,12 @@ prefix that cannot fit even then is refused. ``keep(server, checkpoint, keys)`` 
 checkpoint's cut: its files not in ``keys`` are deleted, the keys listed are marked kept (files of
 earlier checkpoints included).
 
-Kept marks survive a restart: each is an empty ``<key>.kept`` file next to its prefix (created
-once, then one fsync of the directory per ``keep``; deleted with the prefix). A fresh process scans
-the directory: leftover temporary files and marks without a prefix are removed, the prefixes are
-indexed by age, marked ones as kept. A file without a mark may still be needed (a commit that wrote
+Kept marks survive a process restart: each is an empty ``<key>.kept`` file next to its prefix
+(created once, deleted with the prefix). They are not fsynced: a mark only orders eviction, so the
+settle (which runs inside the commit) pays no directory fsync for it; a machine crash may lose the
+newest marks, which costs those prefixes their place in the order, nothing else. A fresh process
+scans the directory: leftover temporary files and marks without a prefix are removed, the prefixes
+are indexed by age, marked ones as kept. A file without a mark may still be needed (a commit that wrote
 its records but crashed before it settled its cut), so nothing is deleted at startup: unmarked
 files are simply the first to go when room is needed. Which checkpoint a file belongs to is not
 kept (a settle after a restart cannot come: the policy model that would send it restarted too). A
@@ -369,18 +371,10 @@ class StagingStore:
         return KeepResult([k for k in wanted if k not in missing], doomed, missing)
 
     def _mark_all(self, keys: list[str]) -> None:
-        """Persist the kept marks of ``keys``: one empty file each, then one directory fsync."""
-        if not keys:
-            return
+        """The kept marks of ``keys``: one empty file each (not fsynced; see the module docstring)."""
         for key in keys:
-            try:
+            with suppress(OSError):  # FileExistsError included: marked already
                 self.ops.close(self.ops.open_new(self._mark(key)))
-            except FileExistsError:
-                pass
-            except OSError:
-                continue
-        with suppress(OSError):
-            self.ops.fsync_dir(self.directory)
 
     def discard(self, keys: Iterable[str]) -> list[str]:
         """Delete these staged files (a cut that finished after its checkpoint was settled)."""
