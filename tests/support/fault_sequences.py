@@ -22,9 +22,11 @@ per server, launched by ``MeshLauncher``), then checks the invariants. Operation
 Invariants, checked at the end (and the checkpoint files also after every checkpoint): every
 rollout has exactly one row; the rows (rewards included) equal the uninterrupted reference run's
 (``rollouts.compare_rows``: token arrays of calls made before a checkpoint may be missing);
-completed model calls (the agent's counter, summed over the processes a crash ended) are at most
-what the dispatched attempts could make, each at most as many as its whole rollout took in the
-reference (2 per rollout here: "model calls at most 2 x attempts"); every committed participant
+completed model calls are at most what the dispatched attempts could make, each at most as many
+as its whole rollout took in the reference (2 per rollout here: "model calls at most 2 x
+attempts"). They are counted by the agent (``model_calls`` in its status, read before each kill and
+summed over the processes): the policy model's ledger rows shrink on retire and forget and come back
+on a restore, and the worker counts tokens, not calls; every committed participant
 checkpoint verifies (manifest, records SHA-256 and count, through ``CheckpointStore.read``), every
 published one lists only manifests that exist, and a directory restored from is never modified;
 finally every participant is idle and holds nothing (no episodes, sessions, active calls, ledgers,
