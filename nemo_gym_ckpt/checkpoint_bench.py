@@ -8,9 +8,12 @@ rollouts are kept in flight (a closed loop: a rollout that ends is replaced at o
 idle mesh) and the ``Coordinator`` takes ``checkpoints`` checkpoints one after another, each
 prepare, commit (every live episode in scope) and resume, with a pause between them so that the
 rollouts move on. Per level: prepare, commit and resume p50/p99, the time of each prepare stage
-(environment, model, agent, resources), what was in flight when prepare began (the environment's
-live episodes and the steps they were in, the policy model's calls), the records committed, and
-the rollouts that finished meanwhile (none may fail).
+(environment, model, agent, resources) next to the round trip of a ``/status`` call to the same
+server just before (how long any control call waits for a busy server's event loop), what was in
+flight when prepare began (the environment's live episodes and the steps they were in, the policy
+model's calls), the records committed, and the rollouts that finished meanwhile (none may fail).
+Before each checkpoint the rollouts finished since the last one are forgotten, as the collector
+does (timed apart: ``forget_before_each``).
 
 ``checkpoint_overhead(rounds, batch, concurrency)``: three meshes launched once and kept up:
 ``off_a`` and ``off_b`` (checkpointing off) and ``on`` (enabled, never checkpointed). Each round
@@ -165,7 +168,11 @@ async def _extras(client: MeshClient, url: str) -> dict[str, Any]:
 async def _one_checkpoint(
     coordinator: _TimedCoordinator, client: MeshClient, watched: dict[str, str], root: Path, cid: str
 ) -> Result:
-    before = {name: await _extras(client, url) for name, url in watched.items()}
+    before, status_ms = {}, {}
+    for name, url in watched.items():  # a control call's round trip right now: how busy each server is
+        started = time.perf_counter()
+        before[name] = await _extras(client, url)
+        status_ms[name] = 1000 * (time.perf_counter() - started)
     coordinator.fan_outs.clear()
     deadline = time.time() + CHECKPOINT_DEADLINE_S
     began = time.perf_counter()
@@ -181,7 +188,7 @@ async def _one_checkpoint(
     stages = {kinds: round(ms, 2) for op, kinds, ms in coordinator.fan_outs if op == "prepare"}
     counts = {name: reply["report"]["counts"] for name, reply in prepared.replies().items()}
     return {"prepare": 1000 * (prepared_at - began), "commit": 1000 * (committed_at - prepared_at),
-            "resume": 1000 * (resumed_at - committed_at), "stages": stages, "before": before,
+            "resume": 1000 * (resumed_at - committed_at), "stages": stages, "before": before, "status_ms": status_ms,
             "counts_when_ready": counts,
             "records": {name: m["record_count"] for name, m in committed.manifests().items()}}
 
@@ -208,6 +215,10 @@ def _summarise_level(level: int, samples: list[Result], load: _InFlight, elapsed
                                  for stage in stage_names},
         "prepare_stage_max_ms": {stage: round(max(s["stages"].get(stage, 0.0) for s in samples), 2)
                                  for stage in stage_names},
+        "status_call_p50_ms": {name: round(statistics.median(s["status_ms"][name] for s in samples), 2)
+                               for name in (samples[0]["status_ms"] if samples else {})},
+        "status_call_max_ms": {name: round(max(s["status_ms"][name] for s in samples), 2)
+                               for name in (samples[0]["status_ms"] if samples else {})},
         "status_before_prepare_p50": p50_of([s["before"] for s in samples]),
         "counts_when_ready_p50": p50_of([s["counts_when_ready"] for s in samples]),
         "records_committed_p50": {name: statistics.median(s["records"][name] for s in samples)
@@ -227,7 +238,7 @@ async def _levels(
 ) -> list[Result]:
     urls = mesh_urls(launcher.mesh)
     tasks = task_rows(launcher.mesh)
-    watched = {"environment": urls.environment, "model": urls.policy, "agent": urls.agent}
+    watched = {"environment": urls.environment, "model": urls.policy, "agent": urls.agent, "resources": urls.resources}
     rows = []
     async with MeshClient(max_connections=2 * max(*levels, 16)) as client:
         coordinator = _TimedCoordinator(launcher.head_url, TOKEN, client=client)

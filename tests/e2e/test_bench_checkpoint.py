@@ -33,7 +33,8 @@ def test_the_quick_checkpoint_suites_report_their_shape(tmp_path: Path) -> None:
         for op in ("prepare", "commit", "resume"):
             assert 0 < level[op]["p50_ms"] <= level[op]["p99_ms"] <= level[op]["max_ms"]
         assert set(level["prepare_stage_p50_ms"]) == {"environment", "model", "agent", "resources"}
-        assert set(level["status_before_prepare_p50"]) == {"environment", "model", "agent"}
+        assert set(level["status_before_prepare_p50"]) == {"environment", "model", "agent", "resources"}
+        assert set(level["status_call_p50_ms"]) == {"environment", "model", "agent", "resources"}
     busy = prepare["levels"][-1]
     assert busy["rollouts_finished"] > 0
     assert busy["status_before_prepare_p50"]["environment"]["episodes"] > 0, "rollouts were in flight"
