@@ -11,7 +11,8 @@ rollouts move on. Per level: prepare, commit and resume p50/p99, the time of eac
 (environment, model, agent, resources) next to the round trip of a ``/status`` call to the same
 server just before (how long any control call waits for a busy server's event loop), what was in
 flight when prepare began (the environment's live episodes and the steps they were in, the policy
-model's calls), the records committed, and the rollouts that finished meanwhile (none may fail).
+model's calls), the records committed, and the rollouts that finished while the checkpoints were
+taken (their rate and latency; none may fail).
 Before each checkpoint the rollouts finished since the last one are forgotten, as the collector
 does (timed apart: ``forget_before_each``).
 
@@ -93,7 +94,7 @@ class _InFlight:
 
     def __init__(self, client: MeshClient, url: str, tasks: list[dict[str, Any]], level: int, label: str) -> None:
         self.client, self.url, self.tasks, self.level, self.label = client, url, tasks, level, label
-        self.latencies: list[float] = []
+        self.ends: list[tuple[float, float]] = []  # (when it ended, how long it took)
         self.failures: list[str] = []
         self.finished: list[str] = []
         self._stopping = False
@@ -121,7 +122,8 @@ class _InFlight:
             except GymError as error:
                 self.failures.append(f"{error.code}: {error.detail}")
             else:
-                self.latencies.append(time.perf_counter() - started)
+                ended = time.perf_counter()
+                self.ends.append((ended, ended - started))
             self.finished.append(identity.rollout_id)
             self._seen.add(worker_id)
             if len(self._seen) == self.level:
@@ -193,7 +195,7 @@ async def _one_checkpoint(
             "records": {name: m["record_count"] for name, m in committed.manifests().items()}}
 
 
-def _summarise_level(level: int, samples: list[Result], load: _InFlight, elapsed_s: float) -> Result:
+def _summarise_level(level: int, samples: list[Result], load: _InFlight, window: tuple[float, float]) -> Result:
     def p50_of(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         keys = {(name, key) for row in rows for name, values in row.items() for key in values}
         out: dict[str, dict[str, float]] = {}
@@ -204,7 +206,8 @@ def _summarise_level(level: int, samples: list[Result], load: _InFlight, elapsed
     stage_names = list(samples[0]["stages"]) if samples else []
     from nemo_gym_ckpt.bench import percentile
 
-    latencies = load.latencies
+    latencies = [latency for ended, latency in load.ends if window[0] <= ended < window[1]]
+    elapsed_s = window[1] - window[0]
     return {
         "in_flight": level,
         "checkpoints": len(samples),
@@ -257,10 +260,10 @@ async def _levels(
                     forget_ms = await coordinator.forget_finished(finished)
                     sample = await _one_checkpoint(coordinator, client, watched, root, f"l{level}-c{n}")
                     samples.append({**sample, "forget": forget_ms, "forgotten": len(finished)})
-                elapsed = time.perf_counter() - began
+                window = (began, time.perf_counter())
             finally:
                 await load.stop()
-            rows.append(_summarise_level(level, samples, load, elapsed))
+            rows.append(_summarise_level(level, samples, load, window))
     return rows
 
 
