@@ -9,6 +9,7 @@ import pkgutil
 import pytest
 
 import nemo_gym_ckpt.checkpoint as package
+from nemo_gym_ckpt.checkpoint.admission import Signal
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, FakeClock, wait_until
 from nemo_gym_ckpt.checkpoint.lease import Lease
 from nemo_gym_ckpt.checkpoint.phases import OPEN_PHASES, TRANSITIONS, Op, Phase, advance, allowed_from
@@ -80,6 +81,40 @@ async def test_wait_until_races_the_clock_and_cancels_the_loser() -> None:
 
     with pytest.raises(RuntimeError):
         await wait_until(clock, boom(), 20.0)
+
+
+async def test_wait_until_on_the_system_clock_gives_the_same_answers() -> None:
+    event = asyncio.Event()
+    work = asyncio.ensure_future(event.wait())
+    assert await wait_until(SYSTEM_CLOCK, work, SYSTEM_CLOCK.now() + 0.02) == (False, None)
+    await asyncio.sleep(0)  # a cancelled task ends at its next step
+    assert work.cancelled(), "the loser is cancelled"
+    event.set()
+    assert await wait_until(SYSTEM_CLOCK, event.wait(), SYSTEM_CLOCK.now() - 1) == (True, True), (
+        "work done at its first step wins even against a deadline already past")
+
+    job = asyncio.ensure_future(asyncio.sleep(10))
+    kept = asyncio.ensure_future(wait_until(SYSTEM_CLOCK, asyncio.shield(job), SYSTEM_CLOCK.now() + 5))
+    await asyncio.sleep(0)
+    job.cancel()  # someone else cancels the shielded work: not done, and no exception escapes
+    assert await asyncio.wait_for(kept, 5) == (False, None)
+
+    async def boom() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        await wait_until(SYSTEM_CLOCK, boom(), SYSTEM_CLOCK.now() + 5)
+
+
+async def test_a_signal_wakes_whoever_took_its_event_and_only_them() -> None:
+    signal = Signal()
+    signal.notify()  # nobody waits: nothing to wake
+    taken = signal.current
+    assert signal.current is taken, "the same event until the next notify"
+    waiter = asyncio.ensure_future(taken.wait())
+    signal.notify()
+    assert await asyncio.wait_for(waiter, 5) is True
+    assert signal.current is not taken and not signal.current.is_set()
 
 
 async def test_the_system_clock_sleeps_for_real() -> None:
