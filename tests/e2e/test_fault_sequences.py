@@ -27,7 +27,7 @@ from tests.support.fault_sequences import FaultMesh, Scenario, draw_plan
 
 pytestmark = pytest.mark.e2e
 
-CI_SEEDS = (22, 27, 13)
+CI_SEEDS = (37, 27, 36)
 ROLLOUTS = int(os.environ.get("NGC_FAULT_ROLLOUTS", "16"))
 STEPS = int(os.environ.get("NGC_FAULT_STEPS", "12"))
 CRASHES = int(os.environ.get("NGC_FAULT_CRASHES", "2"))

@@ -7,6 +7,8 @@ per server, launched by ``MeshLauncher``), then checks the invariants. Operation
 - ``start``: fresh processes for the whole mesh, then the controller's ``begin`` (nothing to restore);
 - ``dispatch k``: send the ``/run`` of the next ``k`` attempts waiting to go;
 - ``run ms``: let the mesh run (a delay drawn from the RNG; no invariant depends on it);
+- ``progress calls``: let it run until the agent completed ``calls`` more model calls (or nothing is
+  in flight), so that what follows hits rollouts mid-episode however fast the machine is;
 - ``checkpoint``: prepare, commit, publish, and resume (``then=resume``), or SIGKILL right after
   publishing, before any resume (``then=crash``), or a crash ``ms`` after the checkpoint started,
   wherever it stands then (``then=crash-during``);
@@ -134,7 +136,7 @@ def draw_plan(seed: int, servers: list[str], *, steps: int = 12, max_crashes: in
     ``max_crashes`` crashes (each costs a restart of the mesh, seconds)."""
     rng = random.Random(seed)
     ops, crashes = [Op("start"), Op("dispatch", (("k", rng.randint(2, 8)),))], 0
-    kinds, weights = ["dispatch", "run", "checkpoint", "crash", "retire"], [4, 3, 2, 1, 2]
+    kinds, weights = ["dispatch", "run", "progress", "checkpoint", "crash", "retire"], [4, 2, 2, 2, 1, 2]
     for _ in range(steps):
         kind = rng.choices(kinds, weights)[0]
         if kind == "crash" and crashes >= max_crashes:
@@ -143,6 +145,8 @@ def draw_plan(seed: int, servers: list[str], *, steps: int = 12, max_crashes: in
             ops.append(Op("dispatch", (("k", rng.randint(1, 8)),)))
         elif kind == "run":
             ops.append(Op("run", (("ms", rng.randint(0, 200)),)))
+        elif kind == "progress":
+            ops.append(Op("progress", (("calls", rng.randint(1, 6)),)))
         elif kind == "checkpoint":
             then = rng.choice(["resume", "resume", "crash", "crash-during"])
             if then != "resume" and crashes >= max_crashes:
@@ -321,6 +325,20 @@ class Scenario:
     async def _op_run(self, op: Op) -> str:
         await asyncio.sleep(op.arg("ms") / 1000)
         return f"{len(self._life().dispatcher.in_flight())} in flight"
+
+    async def _op_progress(self, op: Op) -> str:
+        """Until the agent completed ``calls`` more model calls, or nothing is in flight (a deadline:
+        rollouts in flight that make no progress fail the scenario)."""
+        life = self._life()
+        await self._count_calls_now()
+        goal = self.calls_now + op.arg("calls")
+        deadline = time.monotonic() + CALL_S
+        while self.calls_now < goal and life.dispatcher.in_flight():
+            if time.monotonic() > deadline:
+                raise ScenarioFailed(f"no model call completed for {CALL_S:g} s with rollouts in flight")
+            await asyncio.sleep(0.005)
+            await self._count_calls_now()
+        return f"{self.calls_now - goal + op.arg('calls')} calls; {len(life.dispatcher.in_flight())} in flight"
 
     async def _op_checkpoint(self, op: Op) -> str:
         life = self._life()
