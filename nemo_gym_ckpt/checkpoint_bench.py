@@ -178,13 +178,16 @@ async def _one_checkpoint(
     coordinator.fan_outs.clear()
     deadline = time.time() + CHECKPOINT_DEADLINE_S
     began = time.perf_counter()
-    prepared = await coordinator.prepare(cid, deadline_ts=deadline)
-    prepared_at = time.perf_counter()
-    if not prepared.prepared:
-        await coordinator.resume(cid, deadline_ts=deadline)
-        raise RuntimeError(f"checkpoint {cid} was not prepared by its deadline: {prepared.to_json()}")
-    committed = await coordinator.commit(cid, deadline_ts=deadline, checkpoint_dir=str(root / cid))
-    committed_at = time.perf_counter()
+    try:
+        prepared = await coordinator.prepare(cid, deadline_ts=deadline)
+        prepared_at = time.perf_counter()
+        if not prepared.prepared:
+            raise RuntimeError(f"checkpoint {cid} was not prepared by its deadline: {prepared.to_json()}")
+        committed = await coordinator.commit(cid, deadline_ts=deadline, checkpoint_dir=str(root / cid))
+        committed_at = time.perf_counter()
+    except (GymError, RuntimeError):
+        await coordinator.resume(cid, deadline_ts=time.time() + CHECKPOINT_DEADLINE_S)  # never leave it paused
+        raise
     await coordinator.resume(cid, deadline_ts=deadline)
     resumed_at = time.perf_counter()
     stages = {kinds: round(ms, 2) for op, kinds, ms in coordinator.fan_outs if op == "prepare"}
