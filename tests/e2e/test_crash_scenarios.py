@@ -119,6 +119,7 @@ async def mesh(started: Started) -> AsyncIterator[CrashMesh]:
         try:
             yield crash
         finally:
+            await crash.cancel_all()
             crash.proceed_all()
             async with crash.coordinator() as coordinator:
                 statuses = await coordinator.status()
@@ -356,7 +357,7 @@ async def test_c_a_verify_that_ends_while_the_prepare_waits_is_checkpointed_afte
     keys = sorted(identity.capture_key for identity in rows)
     async with mesh.coordinator() as coordinator:
         deadline = time.time() + WAIT_S
-        preparing = asyncio.create_task(coordinator.prepare("c", deadline_ts=deadline))
+        preparing = mesh.start(coordinator.prepare("c", deadline_ts=deadline))
         waiting = await prepare_reported(mesh, KV_ENV, "c")
         assert (waiting["phase"], waiting["report"]["ready"], sorted(waiting["report"]["blockers"])) == (
             "preparing", False, keys)  # kv_store's verify is a wait step: the prepare waits for both
@@ -530,7 +531,7 @@ async def test_f_a_replay_verify_in_flight_does_not_hold_a_checkpoint_and_a_wait
     await verifying(mesh, KV_ENV, KV_AGENT, 1)  # kv_store declares "wait"
     async with mesh.coordinator() as coordinator:
         deadline = time.time() + WAIT_S
-        preparing = asyncio.create_task(coordinator.prepare("f", deadline_ts=deadline))
+        preparing = mesh.start(coordinator.prepare("f", deadline_ts=deadline))
 
         replay, wait = await asyncio.gather(prepare_reported(mesh, ENV, "f"), prepare_reported(mesh, KV_ENV, "f"))
         # the replay verify cannot have answered (its server is paused), yet it holds nothing up

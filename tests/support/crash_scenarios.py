@@ -16,7 +16,8 @@ controller: it dispatches rollouts, reads every participant's checkpoint ``/stat
   held, is paused again, and the checkpoint is resumed (abort): each rollout gets its reply, makes
   its tool call and waits with its next model call admitted at the paused worker.
 - ``crash()``: SIGKILL every server (paused ones too) and start fresh processes on the same ports.
-- ``until(probe, ok, what)``: poll with a deadline; ``assert_idle``: nothing held anywhere.
+- ``until(probe, ok, what)``: poll with a deadline; ``assert_idle``: nothing held anywhere;
+  ``start`` / ``cancel_all``: background work (dispatches, a pending prepare) a failed test leaves.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -99,6 +100,7 @@ class CrashMesh:
     root: Path
     client: MeshClient
     _coordinator: Coordinator | None = None
+    _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
     async def discover(self) -> None:
         """Find the participants while nothing is paused (discovery asks every server, the worker too).
@@ -147,6 +149,23 @@ class CrashMesh:
         """SIGKILL every server and start fresh processes on the same ports (all healthy)."""
         await asyncio.to_thread(self.launcher.restart_all, RESTART_S)
 
+    def start(self, work: Awaitable[T]) -> asyncio.Task[T]:
+        """``work`` in the background; ``cancel_all`` stops it if the test ends before it does."""
+
+        async def run() -> T:
+            return await work
+
+        task = asyncio.create_task(run())
+        self._tasks.append(task)
+        return task
+
+    async def cancel_all(self) -> None:
+        """Cancel every background task still running (those of a failed test) and wait for them."""
+        pending = [task for task in self._tasks if not task.done()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     # ---- the data plane ----------------------------------------------------------------------
 
     def dispatch(
@@ -154,7 +173,7 @@ class CrashMesh:
     ) -> dict[RolloutIdentity, asyncio.Task[Any]]:
         """``POST /ng-rollout/<key>/run`` of each row in the background (a controller's dispatch)."""
         url = self.launcher.url_of(env) + "/run"
-        return {identity: asyncio.create_task(self.client.request(
+        return {identity: self.start(self.client.request(
             "POST", url, json=row, identity=identity, check=False, timeout_s=RUN_TIMEOUT_S))
             for identity, row in rows.items()}
 
