@@ -22,7 +22,9 @@ runs the same batch of task rows at the same concurrency on each of them, one me
 the order rotated every round. Per round: the rate of ``on`` over the mean of the two off meshes,
 and ``off_b`` over ``off_a`` (the noise floor: two meshes that differ in nothing); the same two
 ratios for the mesh's CPU per rollout (every server process and the driver, from ``/proc``), which
-other work on the machine disturbs much less than it disturbs rates. Reported: the median of the
+other work on the machine disturbs much less than it disturbs rates, and for the participants' CPU
+alone (the four servers that run checkpoint code: not the inference worker, which spends most of
+the CPU and none of it on checkpoints). Reported: the median of the
 per-round ratios with their min and max; the pooled rates (all rollouts over all batch time: with
 rounds a multiple of 6, every mesh ran in every position of the order equally often); and CPU ms
 per rollout of every server process of each mesh (where an enabled-idle cost shows). After each
@@ -60,6 +62,7 @@ MESH_READY_S = 300.0
 IN_FLIGHT_WAIT_S = 120.0
 CHECKPOINT_DEADLINE_S = 120.0
 MESHES = ("off_a", "on", "off_b")
+NOT_PARTICIPANTS = frozenset({"inference_worker", "driver"})
 
 
 def enabled_overrides(root: Path | str) -> list[str]:
@@ -358,6 +361,12 @@ async def _overhead_rounds(
     cpu_on_over_off = [on / ((a + b) / 2) for on, a, b in zip(totals["on"], totals["off_a"], totals["off_b"],
                                                               strict=True)]
     cpu_off_over_off = [b / a for a, b in zip(totals["off_a"], totals["off_b"], strict=True)]
+    # the participants alone: the worker (most of the CPU, and most of its noise) runs no checkpoint code
+    servers = {name: [sum(v for proc, v in row.items() if proc not in NOT_PARTICIPANTS) for row in rows_]
+               for name, rows_ in cpu.items()}
+    part_on_over_off = [on / ((a + b) / 2) for on, a, b in zip(servers["on"], servers["off_a"], servers["off_b"],
+                                                               strict=True)]
+    part_off_over_off = [b / a for a, b in zip(servers["off_a"], servers["off_b"], strict=True)]
     cpu_p50 = {name: {proc: round(statistics.median(row[proc] for row in rows_), 2) for proc in rows_[0]}
                for name, rows_ in cpu.items()}
     return {
@@ -366,6 +375,10 @@ async def _overhead_rounds(
         "cpu_per_rollout_on_over_off": _ratio_stats(cpu_on_over_off),
         "cpu_per_rollout_off_b_over_off_a": _ratio_stats(cpu_off_over_off),
         "pooled_rollouts_per_s": {name: round(n / max(t, 1e-9), 2) for name, (n, t) in pooled.items()},
+        "participants_cpu_per_rollout_on_over_off": _ratio_stats(part_on_over_off),
+        "participants_cpu_per_rollout_off_b_over_off_a": _ratio_stats(part_off_over_off),
+        "participants_cpu_ms_per_rollout_mean": {name: round(statistics.fmean(values), 2)
+                                                 for name, values in servers.items()},
         "rollouts_per_s_p50": {name: round(statistics.median(values), 2) for name, values in rates.items()},
         "cpu_ms_per_rollout_p50": cpu_p50,
         "cpu_ms_per_rollout_total_p50": {name: round(sum(v for k, v in procs.items()), 1)

@@ -42,7 +42,8 @@ def test_the_quick_checkpoint_suites_report_their_shape(tmp_path: Path) -> None:
 
     overhead = results["checkpoint_overhead"]
     assert overhead["failed"] == 0
-    ratios = ("on_over_off", "off_b_over_off_a", "cpu_per_rollout_on_over_off", "cpu_per_rollout_off_b_over_off_a")
+    ratios = ("on_over_off", "off_b_over_off_a", "cpu_per_rollout_on_over_off", "cpu_per_rollout_off_b_over_off_a",
+              "participants_cpu_per_rollout_on_over_off", "participants_cpu_per_rollout_off_b_over_off_a")
     for ratio in ratios:
         stats = overhead[ratio]
         assert len(stats["values"]) == overhead["rounds"]
