@@ -2,8 +2,9 @@
 
 ``cut(request)`` answers ``POST /ng-control/v1/generation-cut``. It checks the inventory digest,
 then freezes every listed generation in one synchronous pass (all at the same instant, each at a
-token boundary; none is paused or stopped), writes one staging file per frozen prefix and fsyncs
-the directory (``StagingStore.stage``), and only then answers one receipt per ticket:
+token boundary; none is paused or stopped), writes the frozen prefixes as one staging file (one
+fsync, one rename, one directory fsync: ``StagingStore.stage``, in one worker thread), and only
+then answers one receipt per ticket:
 
     {ticket_id, model_call_id, disposition: durable_prefix | durable_failure,
      cut_kind: active_prefix | terminal_completion | null, staging_keys, prefix_token_count,
@@ -13,8 +14,10 @@ the directory (``StagingStore.stage``), and only then answers one receipt per ti
 generation here, another rollout's, constrained decoding, nothing generated yet, staging full or
 failing); that call is simply generated again after a restore. One cut runs at a time; the same
 request again gets the same reply. ``keep(request)`` settles a checkpoint's cut (its other staged
-files are deleted); a cut of a settled checkpoint stages nothing, and files of a cut that was
-still being written when its checkpoint was settled are deleted as soon as it ends.
+prefixes are dropped); a cut of a settled checkpoint stages nothing, and the prefixes of a cut that
+was still being written when its checkpoint was settled are dropped as soon as it ends. The status
+route reports the milliseconds of the latest cut's steps (``last_cut_ms``: waiting for the cut
+lock, freezing, staging, in all) and of the latest keep (``last_keep_ms``).
 
 ``continuation_job`` loads and checks a staged prefix for a completion that continues it
 (``continuation``); ``fresh_job`` registers a new generation that names its ``model_call``.
@@ -66,6 +69,10 @@ def _durable(entry: ActivePrefix, prefix: StagedPrefix, key: str) -> dict[str, A
             "terminal_finish_reason": prefix.finish_reason, "detail": None}
 
 
+def _ms_since(began: float) -> float:
+    return round(1000 * (time.perf_counter() - began), 3)
+
+
 def _remember(memory: OrderedDict[K, V], key: K, value: V) -> None:
     memory[key] = value
     memory.move_to_end(key)
@@ -82,6 +89,8 @@ class GenerationCuts:
         self.registry = registry or LiveGenerations()
         self.clock = clock
         self.cuts = 0
+        self.last_cut: dict[str, float] = {}  # milliseconds per phase of the latest cut (status)
+        self.last_keep_ms: float | None = None
         self._lock = asyncio.Lock()
         self._replies: OrderedDict[tuple[str, str, str], dict[str, Any]] = OrderedDict()
         self._settled: OrderedDict[Owner, frozenset[str]] = OrderedDict()
@@ -130,21 +139,26 @@ class GenerationCuts:
             raise InvalidCheckpointState(f"inventory_digest {request.inventory_digest[:12]}.. does not match "
                                          f"the active_prefixes sent (they hash to {digest[:12]}..)")
         memo = (request.server_name, request.checkpoint_id, digest)
+        began = time.perf_counter()
         async with self._lock:
             if memo not in self._replies:
+                self.last_cut = {"lock_ms": _ms_since(began)}
                 _remember(self._replies, memo, await self._cut(request))
+                self.last_cut["total_ms"] = _ms_since(began)
         return self._replies[memo]
 
     async def _cut(self, request: CutRequest) -> dict[str, Any]:
         owner = (request.server_name, request.checkpoint_id)
-        now = self.clock()
+        now, began = self.clock(), time.perf_counter()
         if owner in self._settled:
             decisions: list[StagedPrefix | str] = ["the checkpoint was already settled"] * len(
                 request.active_prefixes)
         else:
             decisions = [self._freeze(request, entry, now) for entry in request.active_prefixes]
         prefixes = [decision for decision in decisions if isinstance(decision, StagedPrefix)]
+        self.last_cut["freeze_ms"], staging = _ms_since(began), time.perf_counter()
         staged = iter(await asyncio.to_thread(self.store.stage, prefixes) if prefixes else [])
+        self.last_cut["stage_ms"] = _ms_since(staging)
         receipts = [self._receipt(entry, decision, staged)
                     for entry, decision in zip(request.active_prefixes, decisions, strict=True)]
         await self._discard_if_settled(owner, receipts)
@@ -192,10 +206,13 @@ class GenerationCuts:
     async def keep(self, request: KeepRequest) -> dict[str, Any]:
         owner = (request.server_name, request.checkpoint_id)
         _remember(self._settled, owner, frozenset(request.staging_keys))
+        began = time.perf_counter()
         result = await asyncio.to_thread(self.store.keep, owner, request.staging_keys)
+        self.last_keep_ms = _ms_since(began)
         return {"kept": result.kept, "deleted": len(result.deleted), "missing": result.missing}
 
     def status(self) -> dict[str, Any]:
         return {"live_generations": self.registry.summary(), "staging": self.store.stats(), "cuts": self.cuts,
+                "last_cut_ms": self.last_cut, "last_keep_ms": self.last_keep_ms,
                 "tokens_generated": self.registry.tokens_generated,
                 "tokens_from_staging": self.registry.tokens_from_staging}

@@ -1,35 +1,41 @@
-"""The worker's staging store: one durable file per generation cut (PROTOCOL.md section 8).
+"""The worker's staging store: one durable file per generation-cut request (PROTOCOL.md section 8).
 
 A cut of one generation is a ``StagedPrefix``: the token ids and logprobs produced up to a token
 boundary, with everything a continuation is checked against (source call, rollout, lineage, prompt
-digest, sampling settings, policy version). It is written once, as one JSON file, never a write per
-token:
+digest, sampling settings, policy version). The prefixes of one cut request (one checkpoint of one
+policy model) are written together, as one file, once; never a write per token nor per prefix:
 
-    <staging_dir>/<key>.json        key = "<source_call_id>.<sha256 of the file's bytes>"
+    <staging_dir>/cut-<32 hex>.jsonl     line 1: {"format": "generation-cut-batch/1", "keys": [key, ...]}
+                                         line 1 + i: the i-th prefix, as compact JSON (one line)
+    key = "<source_call_id>.<sha256 of the prefix's line>"   (the line's bytes, without its newline)
 
-so a key names its content: a file whose bytes changed no longer matches its key (``load`` says
-so). ``stage`` writes a batch (one cut request): each prefix to ``.stg-<random>.tmp`` (exclusive
-create), fsync, close (the files of a batch in parallel threads, so their fsyncs share journal
-commits); then each is renamed to ``<key>.json``; then one fsync of the directory, after which
-every rename of the batch is durable; only then may the receipt go out. All file operations go through
-``FileOps`` (the seam the failure tests use).
+so a key names its content: a line whose bytes changed no longer matches its key (``load`` says
+so), whatever the header claims. ``stage`` writes a batch to ``.stg-<random>.tmp`` (exclusive
+create), one write, fsync, close, renames it to ``cut-<random>.jsonl`` and fsyncs the directory:
+one fsync, one rename and one directory fsync per cut request, however many generations it cuts;
+only then may the receipts go out. All file operations go through ``FileOps`` (the seam the
+failure tests use). A failure anywhere refuses the whole batch (every prefix ``None``).
 
-Bounds (``max_files``, ``max_bytes``): a batch first makes room by deleting the oldest files that
-no commit kept, then the oldest kept ones; the files of the batch itself are never evicted, and a
-prefix that cannot fit even then is refused. ``keep(server, checkpoint, keys)`` settles one
-checkpoint's cut: its files not in ``keys`` are deleted, the keys listed are marked kept (files of
-earlier checkpoints included).
+Bounds (``max_files`` batch files, ``max_bytes`` of them): a batch first makes room by deleting the
+oldest files none of whose keys a commit kept, then the oldest kept ones; a batch never evicts
+itself, and its prefixes that cannot fit even then (in order, the rest still tried) are refused.
+``keep(server, checkpoint, keys)`` settles one checkpoint's cut: its prefixes not in ``keys`` stop
+being served (``load`` says not found), a file of it none of whose keys is kept is deleted, and the
+files holding ``keys`` are marked kept (files of earlier checkpoints included). The bytes of an
+unkept prefix in a file that also holds a kept one stay until that file goes.
 
-Kept marks survive a process restart: each is an empty ``<key>.kept`` file next to its prefix
-(created once, deleted with the prefix). They are not fsynced: a mark only orders eviction, so the
-settle (which runs inside the commit) pays no directory fsync for it; a machine crash may lose the
-newest marks, which costs those prefixes their place in the order, nothing else. A fresh process
-scans the directory: leftover temporary files and marks without a prefix are removed, the prefixes
-are indexed by age, marked ones as kept. A file without a mark may still be needed (a commit that wrote
+Kept marks survive a process restart: each is an empty ``cut-<hex>.kept`` file next to its batch
+(created once, deleted with the batch). They are not fsynced: a mark only orders eviction, so the
+settle pays no directory fsync for it; a machine crash may lose the newest marks, which costs
+those files their place in the order, nothing else. A fresh process scans the directory: leftover
+temporary files and marks without a batch are removed, the batches are indexed by age (their
+headers read), marked ones as kept. A batch without a mark may still be needed (a commit that wrote
 its records but crashed before it settled its cut), so nothing is deleted at startup: unmarked
 files are simply the first to go when room is needed. Which checkpoint a file belongs to is not
-kept (a settle after a restart cannot come: the policy model that would send it restarted too). A
-mark that could not be written (an I/O error) only costs its prefix its place in that order.
+kept (a settle after a restart cannot come: the policy model that would send it restarted too),
+so after a restart every prefix of a file is served again. A file whose header cannot be read is
+indexed (it counts against the bounds and goes first) but serves nothing. A key that is not in the
+index makes ``load`` scan the directory for batches written since (then it is not found).
 
 Every method is synchronous and thread-safe (the worker calls them in a thread).
 """
@@ -42,11 +48,10 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -56,6 +61,7 @@ from nemo_gym_ckpt.errors import InvalidCheckpointState
 
 __all__ = [
     "CALL_ID_PATTERN",
+    "FORMAT",
     "SCHEMA_VERSION",
     "CutKind",
     "Finish",
@@ -63,17 +69,21 @@ __all__ = [
     "StagedPrefix",
     "StagedSampling",
     "StagingStore",
+    "batch_content",
     "token_digest",
 ]
 
 SCHEMA_VERSION = 1
+FORMAT = "generation-cut-batch/1"
 CALL_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
-MAX_FILE_BYTES = 64 * 1024 * 1024
-WRITERS = 16  # threads that write and fsync the files of one batch
+MAX_FILE_BYTES = 256 * 1024 * 1024
+MAX_HEADER_BYTES = 32 * 1024 * 1024
 _KEY = re.compile(r"^(?P<call>[A-Za-z0-9_-]{1,128})\.(?P<digest>[0-9a-f]{64})$")
-_SUFFIX = ".json"
+_BATCH = re.compile(r"^cut-[0-9a-f]{32}$")
+_SUFFIX = ".jsonl"
 _KEPT_SUFFIX = ".kept"
 _TEMP_PREFIX = ".stg-"
+_EMPTY_HEADER_BYTES = len(orjson.dumps({"format": FORMAT, "keys": []})) + 1
 CutKind = Literal["active_prefix", "terminal_completion"]
 Finish = Literal["stop", "length"]
 Owner = tuple[str, str]  # (server_name, checkpoint_id)
@@ -156,10 +166,33 @@ class StagedPrefix(_Strict):
         return self.sampling.max_tokens - self.prefix_token_count
 
 
+def batch_content(keys: Sequence[str], lines: Sequence[bytes]) -> bytes:
+    """The bytes of a batch file holding ``lines`` under ``keys`` (header line, then one line each)."""
+    header = orjson.dumps({"format": FORMAT, "keys": list(keys)})
+    return b"".join([header, b"\n", *(line + b"\n" for line in lines)])
+
+
+def _key_of(prefix: StagedPrefix, line: bytes) -> str:
+    return f"{prefix.source_call_id}.{hashlib.sha256(line).hexdigest()}"
+
+
+def _header_keys(header: bytes) -> dict[str, int] | None:
+    """Key -> line number of a batch header (``None`` if it is not one)."""
+    try:
+        data: Any = orjson.loads(header)
+    except orjson.JSONDecodeError:
+        return None
+    keys = data.get("keys") if isinstance(data, dict) and data.get("format") == FORMAT else None
+    if not isinstance(keys, list) or not all(isinstance(key, str) and _KEY.match(key) for key in keys):
+        return None
+    return {key: line for line, key in enumerate(keys, start=1)}
+
+
 @dataclass
-class _Entry:
+class _Batch:
     size: int
     owner: Owner | None
+    lines: dict[str, int]  # key -> line number, of the prefixes still served
     kept: bool = False
 
 
@@ -171,15 +204,16 @@ class KeepResult:
 
 
 @dataclass
-class _Room:
-    """A batch's plan: the files to evict first and, per prefix, whether it fits."""
+class _Plan:
+    """A batch's plan: which prefixes go in, its bytes, and the files to evict first."""
 
+    fits: list[bool]
+    content: bytes = b""
     evict: list[str] = field(default_factory=list)
-    fits: list[bool] = field(default_factory=list)
 
 
 class StagingStore:
-    """Staged prefixes under ``directory``, bounded by ``max_files`` and ``max_bytes``."""
+    """Staged prefixes under ``directory``, bounded by ``max_files`` batch files and ``max_bytes``."""
 
     def __init__(
         self, directory: Path, *, max_files: int, max_bytes: int, ops: FileOps | None = None
@@ -191,44 +225,77 @@ class StagingStore:
         self.max_bytes = max_bytes
         self.ops = ops or FileOps()
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
+        self._batches: OrderedDict[str, _Batch] = OrderedDict()  # oldest first
+        self._where: dict[str, str] = {}  # key -> the batch that serves it
+        self._unlinking: set[str] = set()  # batches dropped from the index whose files are not gone yet
 
     # ---- read-only view ------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            entries = list(self._index.values())
-        return {"files": len(entries), "bytes": sum(e.size for e in entries),
-                "kept": sum(1 for e in entries if e.kept)}
+            batches = list(self._batches.values())
+        return {"files": len(batches), "bytes": sum(b.size for b in batches),
+                "prefixes": sum(len(b.lines) for b in batches), "kept": sum(1 for b in batches if b.kept)}
 
     def keys(self) -> list[str]:
+        """The keys served, oldest batch first, in their order in the batch."""
         with self._lock:
-            return list(self._index)
+            return [key for name, batch in self._batches.items() for key in batch.lines
+                    if self._where.get(key) == name]
 
     # ---- startup -------------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Create the directory if needed (durably), remove leftover temporary files, index the rest
-        by age (modification time, then name)."""
+        """Create the directory if needed (durably), remove leftover temporary files and orphan marks,
+        index the batches by age (modification time, then name)."""
         self._makedirs()
-        found, marks = [], set()
+        marks = set()
         for path in self.directory.iterdir():
             if path.name.startswith(_TEMP_PREFIX):
                 with suppress(OSError):
                     self.ops.unlink(path)
-            elif path.name.endswith(_SUFFIX) and _KEY.match(path.name[: -len(_SUFFIX)]):
-                info = path.lstat()
-                found.append((info.st_mtime_ns, path.name[: -len(_SUFFIX)], info.st_size))
-            elif path.name.endswith(_KEPT_SUFFIX) and _KEY.match(path.name[: -len(_KEPT_SUFFIX)]):
+            elif path.name.endswith(_KEPT_SUFFIX) and _BATCH.match(path.name[: -len(_KEPT_SUFFIX)]):
                 marks.add(path.name[: -len(_KEPT_SUFFIX)])
-        keys = {key for _, key, _ in found}
-        for orphan in marks - keys:
+        with self._lock:
+            self._batches.clear()
+            self._where.clear()
+            self._unlinking.clear()
+        names = self._scan_new()
+        for orphan in marks - set(names):
             with suppress(OSError):
                 self.ops.unlink(self._mark(orphan))
         with self._lock:
-            self._index.clear()
-            for _, key, size in sorted(found):
-                self._index[key] = _Entry(size, None, kept=key in marks)
+            for name in marks & set(names):
+                self._batches[name].kept = True
+
+    def _scan_new(self) -> list[str]:
+        """Index the batch files not indexed yet (their headers), oldest first; their names."""
+        with self._lock:
+            known = set(self._batches) | self._unlinking
+        found = []
+        for path in self.directory.iterdir():
+            name = path.name[: -len(_SUFFIX)]
+            if path.name.endswith(_SUFFIX) and _BATCH.match(name) and name not in known:
+                with suppress(OSError):
+                    info = path.lstat()
+                    found.append((info.st_mtime_ns, name, info.st_size, self._read_header(path)))
+        found.sort(key=lambda item: item[:2])
+        with self._lock:
+            for _, name, size, lines in found:
+                if name in self._batches or name in self._unlinking:
+                    continue
+                self._batches[name] = _Batch(size, None, lines)
+                for key in lines:
+                    self._where[key] = name
+        return [name for _, name, _, _ in found]
+
+    def _read_header(self, path: Path) -> dict[str, int]:
+        try:
+            with self.ops.open_read(path) as file:
+                header = file.readline(MAX_HEADER_BYTES)
+        except OSError:
+            return {}
+        return _header_keys(header) or {}
 
     def _makedirs(self) -> None:
         missing = [path for path in (self.directory, *self.directory.parents) if not path.is_dir()]
@@ -240,58 +307,60 @@ class StagingStore:
     # ---- write ---------------------------------------------------------------------------------
 
     def stage(self, prefixes: Sequence[StagedPrefix]) -> list[str | None]:
-        """Write a batch durably; per prefix its key, or ``None`` if it was refused (no room, I/O)."""
-        contents = [prefix.encode() for prefix in prefixes]
-        with self._lock:
-            room = self._make_room([len(content) for content in contents])
-            for victim in room.evict:
-                del self._index[victim]
-        self._unlink_all(room.evict)
-        jobs = [(prefix, content) for prefix, content, fits in zip(prefixes, contents, room.fits, strict=True)
-                if fits]
-        done = iter(self._write_all(jobs))
-        written = [next(done) if fits else None for fits in room.fits]
-        if not self._sync_directory([key for key in written if key is not None]):
-            written = [None] * len(written)
-        with self._lock:
-            for prefix, content, key in zip(prefixes, contents, written, strict=True):
-                if key is not None:
-                    self._index[key] = _Entry(len(content), (prefix.server_name, prefix.checkpoint_id))
-        return written
-
-    def _write_all(self, jobs: list[tuple[StagedPrefix, bytes]]) -> list[str | None]:
-        """Each file written and fsynced (in parallel: the fsyncs share journal commits), then renamed."""
-        if not jobs:
+        """Write one cut request's prefixes durably, as one file; per prefix its key, or ``None`` if it
+        was refused (no room, an I/O error)."""
+        if not prefixes:
             return []
-        with ThreadPoolExecutor(min(len(jobs), WRITERS), thread_name_prefix="staging") as pool:
-            temps = list(pool.map(lambda job: self._write_temp(job[1]), jobs))
-        return [self._rename(prefix, content, temp)
-                for (prefix, content), temp in zip(jobs, temps, strict=True)]
+        owners = {(prefix.server_name, prefix.checkpoint_id) for prefix in prefixes}
+        if len(owners) != 1:
+            raise ValueError("a batch holds the prefixes of one cut request (one server and checkpoint)")
+        lines = [prefix.encode() for prefix in prefixes]
+        keys = [_key_of(prefix, line) for prefix, line in zip(prefixes, lines, strict=True)]
+        with self._lock:
+            plan = self._plan(keys, lines)
+            for victim in plan.evict:
+                self._drop(victim)
+        self._unlink_all(plan.evict)
+        if not any(plan.fits):
+            return [None] * len(prefixes)
+        name = f"cut-{secrets.token_hex(16)}"
+        if not self._write(name, plan.content):
+            return [None] * len(prefixes)
+        staged = {key: line for line, key in enumerate((k for k, fits in zip(keys, plan.fits, strict=True)
+                                                         if fits), start=1)}
+        with self._lock:
+            self._batches[name] = _Batch(len(plan.content), owners.pop(), staged)
+            for key in staged:
+                self._where[key] = name
+        return [key if fits else None for key, fits in zip(keys, plan.fits, strict=True)]
 
-    def _make_room(self, sizes: list[int]) -> _Room:
-        """Under the lock: which old files go (unkept first) and which new prefixes fit."""
-        room = _Room()
-        files = len(self._index)
-        total = sum(entry.size for entry in self._index.values())
-        entries = self._index.items()
-        order = [k for k, e in entries if not e.kept] + [k for k, e in entries if e.kept]
+    def _plan(self, keys: list[str], lines: list[bytes]) -> _Plan:
+        """Under the lock: the prefixes that fit the bounds (in order), then the files to evict."""
+        cap, cost, fits = min(self.max_bytes, MAX_FILE_BYTES), _EMPTY_HEADER_BYTES, []
+        for key, line in zip(keys, lines, strict=True):
+            extra = len(line) + 1 + len(key) + 3  # the line, its newline, the key quoted in the header
+            fits.append(cost + extra <= cap)
+            cost += extra if fits[-1] else 0
+        if not any(fits):
+            return _Plan(fits)
+        chosen = [(key, line) for key, line, ok in zip(keys, lines, fits, strict=True) if ok]
+        content = batch_content([key for key, _ in chosen], [line for _, line in chosen])
+        plan = _Plan(fits, content)
+        files, total = len(self._batches), sum(batch.size for batch in self._batches.values())
+        order = [n for n, b in self._batches.items() if not b.kept] + [n for n, b in self._batches.items() if b.kept]
         victims = iter(order)
-        for size in sizes:
-            while files + 1 > self.max_files or total + size > self.max_bytes:
-                victim = next(victims, None)
-                if victim is None:
-                    break
-                room.evict.append(victim)
-                files, total = files - 1, total - self._index[victim].size
-            fits = files + 1 <= self.max_files and total + size <= self.max_bytes
-            room.fits.append(fits)
-            if fits:
-                files, total = files + 1, total + size
-        return room
+        while files + 1 > self.max_files or total + len(content) > self.max_bytes:
+            victim = next(victims, None)
+            if victim is None:  # cannot happen: the batch fits max_bytes alone and max_files >= 1
+                return _Plan([False] * len(keys), b"", plan.evict)
+            plan.evict.append(victim)
+            files, total = files - 1, total - self._batches[victim].size
+        return plan
 
-    def _write_temp(self, content: bytes) -> Path | None:
-        """``content`` in a new temporary file, fsynced and closed (``None`` on any I/O error)."""
+    def _write(self, name: str, content: bytes) -> bool:
+        """``content`` durably as ``<name>.jsonl``: temporary file, fsync, rename, directory fsync."""
         temp = self.directory / f"{_TEMP_PREFIX}{secrets.token_hex(8)}.tmp"
+        final = self._path(name)
         try:
             fd = self.ops.open_new(temp)
             try:
@@ -299,101 +368,127 @@ class StagingStore:
                 self.ops.fsync(fd)
             finally:
                 self.ops.close(fd)
+            self.ops.rename(temp, final)
         except OSError:
             with suppress(OSError):
                 self.ops.unlink(temp)
-            return None
-        return temp
-
-    def _rename(self, prefix: StagedPrefix, content: bytes, temp: Path | None) -> str | None:
-        if temp is None:
-            return None
-        key = f"{prefix.source_call_id}.{hashlib.sha256(content).hexdigest()}"
-        try:
-            self.ops.rename(temp, self._path(key))
-        except OSError:
-            with suppress(OSError):
-                self.ops.unlink(temp)
-            return None
-        return key
-
-    def _sync_directory(self, keys: list[str]) -> bool:
-        """One fsync of the directory makes every rename of the batch durable."""
-        if not keys:
-            return True
+            return False
         try:
             self.ops.fsync_dir(self.directory)
         except OSError:
-            for key in keys:
-                with suppress(OSError):
-                    self.ops.unlink(self._path(key))
+            with suppress(OSError):
+                self.ops.unlink(final)
             return False
         return True
 
     # ---- read ----------------------------------------------------------------------------------
 
     def load(self, key: str) -> StagedPrefix:
-        """The prefix staged under ``key``, checked against the key's digest."""
+        """The prefix staged under ``key``, its line checked against the key's digest."""
         match = _KEY.match(key)
         if match is None:
             raise InvalidCheckpointState(f"staging key {key[:200]!r} is not a staging key")
+        where = self._locate(key)
+        if where is None and self._scan_new():
+            where = self._locate(key)
+        if where is None:
+            raise InvalidCheckpointState(f"staging key {key} not found (deleted, or never staged here)")
+        name, number = where
         try:
-            with self.ops.open_read(self._path(key)) as file:
+            with self.ops.open_read(self._path(name)) as file:
                 content = file.read(MAX_FILE_BYTES + 1)
         except FileNotFoundError:
-            detail = f"staging key {key} not found (deleted, or never staged here)"
-            raise InvalidCheckpointState(detail) from None
+            raise InvalidCheckpointState(f"staging key {key} not found (its file {name} is gone)") from None
         except OSError as error:
             raise InvalidCheckpointState(f"staged prefix {key} cannot be read: {error.strerror}") from None
-        if hashlib.sha256(content).hexdigest() != match["digest"]:
+        lines = content.split(b"\n")
+        line = lines[number] if number < len(lines) - 1 else b""  # a line must end with its newline
+        if hashlib.sha256(line).hexdigest() != match["digest"]:
             raise InvalidCheckpointState(f"staged prefix {key} does not match its key's digest (changed "
                                          "or truncated on disk)")
-        prefix = StagedPrefix.decode(content, key)
+        prefix = StagedPrefix.decode(line, key)
         if prefix.source_call_id != match["call"]:
             raise InvalidCheckpointState(f"staged prefix {key} holds call {prefix.source_call_id}")
         return prefix
 
+    def _locate(self, key: str) -> tuple[str, int] | None:
+        with self._lock:
+            name = self._where.get(key)
+            return None if name is None else (name, self._batches[name].lines[key])
+
     # ---- settle and delete ---------------------------------------------------------------------
 
     def keep(self, owner: Owner, keys: Iterable[str]) -> KeepResult:
-        """Settle ``owner``'s cut: its files not in ``keys`` are deleted, ``keys`` are marked kept."""
+        """Settle ``owner``'s cut: its prefixes not in ``keys`` go (a file of it left with none is
+        deleted); the files holding ``keys`` are marked kept."""
         wanted = list(dict.fromkeys(keys))
+        chosen = set(wanted)
         with self._lock:
-            doomed = [k for k, e in self._index.items() if e.owner == owner and k not in wanted]
-            for key in doomed:
-                del self._index[key]
-            newly = [key for key in wanted if key in self._index and not self._index[key].kept]
-            for key in newly:
-                self._index[key].kept = True
-            missing = [key for key in wanted if key not in self._index]
+            deleted: list[str] = []
+            for name, batch in self._batches.items():
+                if batch.owner == owner:
+                    deleted.extend(self._unserve(name, [key for key in batch.lines if key not in chosen]))
+            doomed = [name for name, batch in self._batches.items() if batch.owner == owner and not batch.lines]
+            for name in doomed:
+                self._drop(name)
+            missing = [key for key in wanted if key not in self._where]
+            marking = {self._where[key] for key in wanted if key in self._where}
+            marking = {name for name in marking if not self._batches[name].kept}
+            for name in marking:
+                self._batches[name].kept = True
         self._unlink_all(doomed)
-        self._mark_all(newly)
-        return KeepResult([k for k in wanted if k not in missing], doomed, missing)
+        self._mark_all(sorted(marking))
+        return KeepResult([key for key in wanted if key not in missing], deleted, missing)
 
-    def _mark_all(self, keys: list[str]) -> None:
-        """The kept marks of ``keys``: one empty file each (not fsynced; see the module docstring)."""
-        for key in keys:
+    def _mark_all(self, names: list[str]) -> None:
+        """The kept marks of these batches: one empty file each (not fsynced; see the module docstring)."""
+        for name in names:
             with suppress(OSError):  # FileExistsError included: marked already
-                self.ops.close(self.ops.open_new(self._mark(key)))
+                self.ops.close(self.ops.open_new(self._mark(name)))
 
     def discard(self, keys: Iterable[str]) -> list[str]:
-        """Delete these staged files (a cut that finished after its checkpoint was settled)."""
+        """Stop serving these prefixes (a cut that finished after its checkpoint was settled); a file
+        left serving none is deleted."""
         with self._lock:
-            gone = [key for key in keys if self._index.pop(key, None) is not None]
-        self._unlink_all(gone)
+            gone, emptied = [], set()
+            for key in dict.fromkeys(keys):
+                name = self._where.get(key)
+                if name is not None:
+                    gone.extend(self._unserve(name, [key]))
+                    emptied.add(name)
+            doomed = [name for name in emptied if not self._batches[name].lines]
+            for name in doomed:
+                self._drop(name)
+        self._unlink_all(doomed)
         return gone
 
-    def _unlink_all(self, keys: Iterable[str]) -> None:
-        """Delete the prefixes and their kept marks (the prefix first: a mark alone is ignored)."""
+    def _unserve(self, name: str, keys: list[str]) -> list[str]:
+        """Under the lock: ``keys`` of batch ``name`` are no longer served."""
+        batch = self._batches[name]
         for key in keys:
+            del batch.lines[key]
+            if self._where.get(key) == name:
+                del self._where[key]
+        return keys
+
+    def _drop(self, name: str) -> None:
+        """Under the lock: batch ``name`` leaves the index (its file is unlinked after)."""
+        self._unserve(name, list(self._batches[name].lines))
+        del self._batches[name]
+        self._unlinking.add(name)  # a scan meanwhile must not index it again
+
+    def _unlink_all(self, names: Iterable[str]) -> None:
+        """Delete the batches and their kept marks (the batch first: a mark alone is ignored)."""
+        for name in names:
             with suppress(OSError):
-                self.ops.unlink(self._path(key))
+                self.ops.unlink(self._path(name))
             with suppress(OSError):
-                self.ops.unlink(self._mark(key))
+                self.ops.unlink(self._mark(name))
+            with self._lock:
+                self._unlinking.discard(name)
 
-    def _path(self, key: str) -> Path:
-        return self.directory / f"{key}{_SUFFIX}"
+    def _path(self, name: str) -> Path:
+        return self.directory / f"{name}{_SUFFIX}"
 
-    def _mark(self, key: str) -> Path:
-        return self.directory / f"{key}{_KEPT_SUFFIX}"
-
+    def _mark(self, name: str) -> Path:
+        return self.directory / f"{name}{_KEPT_SUFFIX}"

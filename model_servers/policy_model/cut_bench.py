@@ -7,7 +7,11 @@ digits after which the default model writes up to the end of its 256-token conte
 
 - ``checkpoint_pause(generations)``: that many generations in flight (each past ``MIN_TOKENS``),
   then prepare, commit, resume: the pause (prepare to resume) and the commit alone, median of
-  ``repeats``, with cuts against without.
+  ``repeats``, with cuts against without. Both meshes run at once and their runs alternate (the
+  same load for both); with cuts, the steps of each cut are read back too: the worker's route
+  (``worker_lock_ms``, ``worker_freeze_ms``, ``worker_stage_ms``, ``worker_total_ms``, and
+  ``worker_keep_ms`` of the keep) and the policy model's commit (``policy_cut_request_ms``, the
+  round trip; ``policy_settle_ms``, the keep as the commit waits for it).
 - ``tokens_after_crash(generations)``: that many generations in flight past ``CRASH_AT_TOKENS``,
   commit, SIGKILL every server, fresh processes, restore, resume, the same calls again as the next
   attempts: the tokens the worker had produced before the checkpoint, how many of them were kept
@@ -20,6 +24,7 @@ Every figure is measured in the run, against its own baseline; each function ret
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import tempfile
 import time
@@ -56,6 +61,7 @@ CRASH_AT_TOKENS = 64
 CALL_TIMEOUT_S = 300.0
 WAIT_S = 120.0
 START_TIMEOUT_S = 180.0
+TRIES = 5
 Result = dict[str, Any]
 
 
@@ -120,14 +126,20 @@ class CutDriver:
         status: dict[str, Any] = reply.json()
         return status
 
-    async def until_generating(self, count: int, min_tokens: int) -> int:
-        """Until ``count`` generations run past ``min_tokens`` tokens (bounded); their tokens then."""
+    async def until_generating(
+        self, count: int, min_tokens: int, calls: Sequence[asyncio.Task[Any]] = ()
+    ) -> int:
+        """Until ``count`` generations run past ``min_tokens`` tokens (bounded); their tokens then.
+
+        ``Missed`` once ``calls`` (if given) have all ended without that being seen."""
         deadline = time.monotonic() + WAIT_S
         while True:
             generations = (await self.worker_status())["live_generations"]
             live = [g["tokens"] for g in generations if not g["finished"]]
             if len([tokens for tokens in live if tokens >= min_tokens]) >= count:
                 return sum(live)
+            if calls and all(call.done() for call in calls):
+                raise Missed(f"the {len(calls)} calls ended before {count} ran past {min_tokens} tokens at once")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{count} generations never ran past {min_tokens} tokens: {live}")
             await asyncio.sleep(0.005)
@@ -141,10 +153,29 @@ async def _settle(tasks: Sequence[asyncio.Task[Any]]) -> list[Any]:
         return list(await asyncio.gather(*tasks, return_exceptions=True))
 
 
+class Missed(Exception):
+    """The calls of a run all ended before they were seen generating together."""
+
+
 async def _one_pause(driver: CutDriver, generations: int, label: str) -> Result:
+    """One pause measurement (tried again, up to ``TRIES`` times, when the calls end before they are
+    seen in flight together: on a busy machine the small default model can outrun the polling)."""
+    for attempt in range(TRIES):
+        try:
+            return await _try_pause(driver, generations, f"{label}-t{attempt}")
+        except Missed:
+            continue
+    raise RuntimeError(f"{generations} calls never seen in flight together in {TRIES} tries")
+
+
+async def _try_pause(driver: CutDriver, generations: int, label: str) -> Result:
     episodes = [RolloutIdentity(f"{label}-{i}") for i in range(generations)]
     tasks = driver.start_calls(episodes)
-    await driver.until_generating(generations, MIN_TOKENS)
+    try:
+        await driver.until_generating(generations, MIN_TOKENS, tasks)
+    except Missed:
+        await _settle(tasks)
+        raise
     async with driver.coordinator() as coordinator:
         began = time.perf_counter()
         await coordinator.prepare(label, deadline_ts=time.time() + 60)
@@ -163,28 +194,52 @@ async def _one_pause(driver: CutDriver, generations: int, label: str) -> Result:
             "cuts": len(keys)}
 
 
-async def _pauses(root: Path, generation_cuts: bool, generations: Sequence[int], repeats: int) -> Result:
-    mesh = cut_mesh(root, generation_cuts=generation_cuts)
-    rows: Result = {}
-    with MeshLauncher(mesh, on_line=_quiet) as launcher:
-        await asyncio.to_thread(launcher.start, START_TIMEOUT_S)
-        driver = CutDriver(launcher, root)
+async def _phases(driver: CutDriver) -> Result:
+    """The latest cut's steps in milliseconds: the worker's (route) and the policy model's (commit)."""
+    url = f"{driver.launcher.url_of('policy_model')}/ng-control/v1/checkpoint/status"
+    reply = await driver.http.get(url, headers=driver._auth)
+    reply.raise_for_status()
+    worker = await driver.worker_status()
+    policy: Result = reply.json()["extras"].get("generation_cut_ms", {})
+    return {**{f"worker_{key}": value for key, value in worker["last_cut_ms"].items()},
+            "worker_keep_ms": worker["last_keep_ms"], **{f"policy_{key}": value for key, value in policy.items()}}
+
+
+async def _pauses(root: Path, generations: Sequence[int], repeats: int) -> dict[str, Result]:
+    """Both meshes up at once; for each count the runs alternate, off then on then on then off..."""
+    rows: dict[str, Result] = {"without_cuts": {}, "with_cuts": {}}
+    with contextlib.ExitStack() as stack:
+        launchers = {cuts: stack.enter_context(MeshLauncher(cut_mesh(root / f"cuts-{int(cuts)}",
+                                                                     generation_cuts=cuts), on_line=_quiet))
+                     for cuts in (False, True)}
+        for launcher in launchers.values():
+            await asyncio.to_thread(launcher.start, START_TIMEOUT_S)
+        drivers = {cuts: CutDriver(launcher, root / f"cuts-{int(cuts)}") for cuts, launcher in launchers.items()}
         try:
             for count in generations:
-                runs = [await _one_pause(driver, count, f"p{int(generation_cuts)}-{count}-{n}")
-                        for n in range(repeats)]
-                rows[str(count)] = {key: round(statistics.median(run[key] for run in runs), 2)
-                                    for key in ("pause_ms", "commit_ms", "cuts")}
+                runs: dict[bool, list[Result]] = {False: [], True: []}
+                for n in range(repeats):
+                    for cuts in ((False, True) if n % 2 == 0 else (True, False)):
+                        run = await _one_pause(drivers[cuts], count, f"p{int(cuts)}-{count}-{n}")
+                        if cuts:
+                            run.update(await _phases(drivers[cuts]))
+                        runs[cuts].append(run)
+                for cuts, name in ((False, "without_cuts"), (True, "with_cuts")):
+                    keys = sorted({key for run in runs[cuts] for key in run})
+                    rows[name][str(count)] = {
+                        key: round(statistics.median(run[key] for run in runs[cuts] if run.get(key) is not None), 2)
+                        for key in keys if any(run.get(key) is not None for run in runs[cuts])}
         finally:
-            await driver.aclose()
+            for driver in drivers.values():
+                await driver.aclose()
     return rows
 
 
 def checkpoint_pause(generations: Sequence[int] = (8, 64), repeats: int = 3) -> Result:
-    """The checkpoint pause with long generations in flight, with cuts against without."""
+    """The checkpoint pause with long generations in flight, with cuts against without (interleaved)."""
     with tempfile.TemporaryDirectory(prefix="cut-bench-") as tmp:
-        without = asyncio.run(_pauses(Path(tmp) / "off", False, generations, repeats))
-        with_cuts = asyncio.run(_pauses(Path(tmp) / "on", True, generations, repeats))
+        rows = asyncio.run(_pauses(Path(tmp), generations, repeats))
+    without, with_cuts = rows["without_cuts"], rows["with_cuts"]
     ratios = {count: with_cuts[count]["pause_ms"] / max(without[count]["pause_ms"], 1e-9)
               for count in without}
     return {"max_tokens": MAX_TOKENS, "in_flight_past_tokens": MIN_TOKENS, "repeats": repeats,

@@ -10,9 +10,14 @@ after a restore. A cut whose call's lineage moved since admission (another call 
 delivered in between) is dropped too: it could not be continued consistently.
 
 After the records are durable, ``settle`` posts the kept staging keys to the worker's
-``/ng-control/v1/generation-cut/keep`` (again within half of what is left of the deadline): the
-checkpoint's other staged prefixes are deleted. A settle that fails, and the cut of a checkpoint
-that never committed, are settled again before the next cut (an aborted checkpoint keeps nothing).
+``/ng-control/v1/generation-cut/keep`` (within half of what is left of the deadline): the
+checkpoint's other staged prefixes are deleted and the kept ones marked. The keep is sent in the
+background and the commit replies without waiting for it, since nothing it promises depends on it: the
+records name their staging keys, a staged prefix is only ever deleted by a keep that does not list
+it (or evicted when the store is full, kept or not), and a kept mark only orders eviction. A keep
+still running when the next cut starts is awaited first (bounded); one that fails or is cut short,
+and the cut of a checkpoint that never committed, are settled again before the next cut (an
+aborted checkpoint keeps nothing).
 
 On restore, a ledger installed with a cut carries it until the rollout's next delivered call; the
 re-issued call whose conversation digest matches the cut's continues from the staged prefix
@@ -21,8 +26,10 @@ re-issued call whose conversation digest matches the cut's continues from the st
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -45,6 +52,7 @@ __all__ = ["CUT_FIELDS", "CUT_PATH", "CutClient", "CutRecord", "GenerationCutter
 logger = logging.getLogger(__name__)
 
 CUT_PATH = "/ng-control/v1/generation-cut"
+CANCEL_WAIT_S = 5.0
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _CALL_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _KEY = re.compile(r"[A-Za-z0-9_-]{1,128}\.[0-9a-f]{64}")
@@ -196,6 +204,8 @@ class GenerationCutter:
         self.clock = clock
         self.telemetry = telemetry
         self._unsettled: dict[str, list[str]] = {}  # checkpoint id -> keys it kept (none until committed)
+        self.timings: dict[str, float] = {}  # milliseconds of the latest cut's steps (participant status)
+        self._settling: asyncio.Task[None] | None = None  # the keep sent after the latest commit
 
     def _half_left(self, deadline_ts: float) -> float:
         return (deadline_ts - self.clock.now()) / 2
@@ -204,7 +214,10 @@ class GenerationCutter:
         self, checkpoint_id: str, scope: Scope | None, deadline_ts: float, lineage_of: LineageOf
     ) -> dict[RolloutIdentity, CutRecord]:
         """The durable cuts of the episodes in scope (none if the cut fails or runs late)."""
+        began = time.perf_counter()
+        await self.settled(self._half_left(deadline_ts) / 2)
         await self._settle_earlier(checkpoint_id, deadline_ts)
+        self.timings = {"settle_earlier_ms": _ms_since(began)}
         tickets = self.calls.cut_candidates(scope)
         timeout_s = self._half_left(deadline_ts)
         if not tickets or timeout_s <= 0:
@@ -213,7 +226,9 @@ class GenerationCutter:
         with self.telemetry.span("generation_cut", **{ATTR.ID: checkpoint_id}) as span:
             try:
                 inventory = [ticket.inventory_entry() for ticket in tickets]
+                posted = time.perf_counter()
                 receipts = await self.client.cut(checkpoint_id, inventory, timeout_s)
+                self.timings["cut_request_ms"] = _ms_since(posted)
             except GymError as error:
                 logger.warning("generation cut of checkpoint %s failed; its %d calls in flight will be "
                                "generated again after a restore: %s", checkpoint_id, len(tickets), error)
@@ -221,21 +236,44 @@ class GenerationCutter:
                 return {}
             cuts = _cut_records(tickets, receipts, lineage_of)
             span.set_attribute(ATTR.RECORDS, len(cuts))
+        self.timings["cut_ms"] = _ms_since(began)
         return cuts
 
-    async def settle(self, checkpoint_id: str, kept: Sequence[str], deadline_ts: float) -> None:
-        """The commit is durable: its staged prefixes other than ``kept`` may go."""
+    def settle(self, checkpoint_id: str, kept: Sequence[str], deadline_ts: float) -> None:
+        """The commit is durable: its staged prefixes other than ``kept`` may go (the keep is sent in
+        the background; ``settled`` waits for it)."""
         if checkpoint_id not in self._unsettled and not kept:
             return
         self._unsettled[checkpoint_id] = list(kept)
-        await self._settle(checkpoint_id, self._half_left(deadline_ts))
+        self._settling = asyncio.ensure_future(self._settle_after(self._settling, checkpoint_id,
+                                                                  self._half_left(deadline_ts)))
+
+    async def settled(self, timeout_s: float) -> bool:
+        """Wait (up to ``timeout_s``) for the keep sent after the latest commit; ``True`` if none is
+        left running. One still running then is cancelled (it is sent again before the next cut)."""
+        task = self._settling
+        if task is None or task.done():
+            return True
+        await asyncio.wait({task}, timeout=max(timeout_s, 0))
+        if task.done():
+            return True
+        task.cancel()
+        await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
+        return False
+
+    async def _settle_after(self, earlier: asyncio.Task[None] | None, checkpoint_id: str, timeout_s: float) -> None:
+        began = time.perf_counter()
+        if earlier is not None and not earlier.done():
+            await asyncio.wait({earlier}, timeout=timeout_s)
+        await self._settle(checkpoint_id, timeout_s - (time.perf_counter() - began))
+        self.timings["keep_after_reply_ms"] = _ms_since(began)
 
     async def _settle_earlier(self, checkpoint_id: str, deadline_ts: float) -> None:
         for earlier in [cid for cid in self._unsettled if cid != checkpoint_id]:
             await self._settle(earlier, self._half_left(deadline_ts) / 2)
 
     async def _settle(self, checkpoint_id: str, timeout_s: float) -> None:
-        if timeout_s <= 0:
+        if timeout_s <= 0 or checkpoint_id not in self._unsettled:
             return
         try:
             await self.client.keep(checkpoint_id, self._unsettled[checkpoint_id], timeout_s)
@@ -244,6 +282,10 @@ class GenerationCutter:
                            "cut): %s", checkpoint_id, error)
             return
         del self._unsettled[checkpoint_id]
+
+
+def _ms_since(began: float) -> float:
+    return round(1000 * (time.perf_counter() - began), 3)
 
 
 def _cut_records(

@@ -32,13 +32,15 @@ policy model is also cheaper than one per agent instance.
 
 Generation cuts (``generation_cuts: true``, see ``cuts``): at commit, before the export
 (``before_export``, which gets the commit's deadline), the calls in flight are cut on the worker;
-each durable cut goes into its episode's record; ``committed`` settles the cut with the worker and
-answers the kept ``staging_keys`` (those of every exported record, restored cuts included).
+each durable cut goes into its episode's record; ``committed`` answers the kept ``staging_keys``
+(those of every exported record, restored cuts included) and starts the settling of the cut with
+the worker, which the commit's reply does not wait for.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +85,7 @@ class PolicyAdapter:
         self._cuts: dict[RolloutIdentity, CutRecord] = {}
         self._kept: list[str] = []
         self._token_lines: list[bytes] = []  # the sidecar lines of the commit being written
+        self._exported = 0.0  # when the export of the commit being written began (perf_counter)
 
     def counts(self) -> dict[str, int]:
         return {
@@ -103,18 +106,24 @@ class PolicyAdapter:
             self._cuts = await self.cutter.cut(checkpoint_id, scope, deadline_ts, self.ledgers.lineage)
 
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
+        began = time.perf_counter()
         items = self.ledgers.records(scope, self._cuts)
         self._kept = kept_staging_keys(items)
         self._token_lines = self.ledgers.token_lines(items)
+        if self.cutter is not None:
+            self.cutter.timings["records_ms"] = round(1000 * (time.perf_counter() - began), 3)
+        self._exported = began
         for item in items:
             yield item
 
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
+        if self.cutter is not None:  # from the export's start: the records built and written
+            self.cutter.timings["export_and_write_ms"] = round(1000 * (time.perf_counter() - self._exported), 3)
         self.ledgers.drop_restored_outside(scope)
         kept, commit = sorted(set(self._kept)), self._commit
         self._commit, self._cuts, self._kept, self._token_lines = None, {}, [], []
         if self.cutter is not None and commit is not None:
-            await self.cutter.settle(commit[0], kept, commit[1])
+            self.cutter.settle(commit[0], kept, commit[1])  # in the background: the reply does not wait
         return {"staging_keys": kept}
 
     def sidecar_lines(self) -> list[bytes]:
@@ -132,7 +141,8 @@ class PolicyAdapter:
         self.ledgers.forget(rollout_ids)
 
     def status_extras(self) -> Mapping[str, Any]:
-        return {"checkpoint_policy": True, "generation_cuts": self.generation_cuts, **self.counts()}
+        timings = {"generation_cut_ms": self.cutter.timings} if self.cutter and self.cutter.timings else {}
+        return {"checkpoint_policy": True, "generation_cuts": self.generation_cuts, **self.counts(), **timings}
 
 
 def kept_staging_keys(items: Sequence[ExportItem]) -> list[str]:

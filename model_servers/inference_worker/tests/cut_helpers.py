@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
 from model_servers.inference_worker.cut_models import inventory_digest
 from model_servers.inference_worker.engine import Engine, EngineTokenizer, GenerationRequest, TokenStep
@@ -22,10 +24,13 @@ from model_servers.inference_worker.tests.conftest import TOKEN
 __all__ = [
     "AUTH",
     "GatedEngine",
+    "batch_files",
+    "batch_of",
     "complete_under",
     "cut",
     "cut_body",
     "model_call",
+    "staged_line",
     "start_under",
     "status",
     "until_tokens",
@@ -33,6 +38,27 @@ __all__ = [
 
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 WAIT_S = 30.0
+
+
+def batch_files(root: Path) -> list[Path]:
+    """The staging store's batch files (one per cut request that staged something)."""
+    return sorted(root.glob("cut-*.jsonl"))
+
+
+def batch_of(root: Path, key: str) -> Path:
+    """The batch file whose header lists ``key``."""
+    for path in batch_files(root):
+        if key in orjson.loads(path.read_bytes().split(b"\n", 1)[0])["keys"]:
+            return path
+    raise AssertionError(f"no batch file lists {key}")
+
+
+def staged_line(root: Path, key: str) -> bytes:
+    """The line of ``key`` in its batch file (the prefix's JSON)."""
+    path = batch_of(root, key)
+    lines = path.read_bytes().split(b"\n")
+    number: int = orjson.loads(lines[0])["keys"].index(key) + 1
+    return lines[number]
 
 
 def model_call(call_id: str, parent: str | None = None, previous_length: int = 0,

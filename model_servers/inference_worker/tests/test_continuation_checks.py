@@ -16,12 +16,15 @@ from typing import Any
 import orjson
 import pytest
 
+from model_servers.inference_worker.staging import batch_content
 from model_servers.inference_worker.tests.conftest import WorkerClient
 from model_servers.inference_worker.tests.cut_helpers import (
     AUTH,
     GatedEngine,
+    batch_of,
     complete_under,
     model_call,
+    staged_line,
     status,
 )
 from model_servers.inference_worker.tests.scripted_engine import ScriptedEngine
@@ -50,23 +53,30 @@ class Case:
 
     @property
     def file(self) -> Path:
-        return self.root / f"{self.key}.json"
+        """The batch file that holds the prefix."""
+        return batch_of(self.root, self.key)
 
     def ref(self, **changes: Any) -> None:
         self.body["continuation"] = {**self.body["continuation"], **changes}
 
 
 def tampered(case: Case) -> None:
-    case.file.write_bytes(case.file.read_bytes().replace(b'"attempt":0', b'"attempt":7'))
+    content = case.file.read_bytes()
+    assert content.count(b'"attempt":0') == 1
+    case.file.write_bytes(content.replace(b'"attempt":0', b'"attempt":7'))
+
+
+def truncated(case: Case) -> None:
+    case.file.write_bytes(case.file.read_bytes()[:-2])
 
 
 def rekeyed_tokens(case: Case) -> None:
     """Tokens changed and the file re-keyed to its new digest: only the prefix digest can tell."""
-    data = orjson.loads(case.file.read_bytes())
+    data = orjson.loads(staged_line(case.root, case.key))
     data["token_ids"][0] += 1
     content = orjson.dumps(data)
     new_key = f"mc_a.{hashlib.sha256(content).hexdigest()}"
-    (case.root / f"{new_key}.json").write_bytes(content)
+    (case.root / f"cut-{'e' * 32}.jsonl").write_bytes(batch_content([new_key], [content]))
     case.ref(staging_keys=[new_key])
 
 
@@ -120,6 +130,7 @@ def wrong_limit(case: Case) -> None:
 
 MISMATCHES: list[tuple[Callable[[Case], None], str]] = [
     (tampered, "does not match its key's digest"),
+    (truncated, "does not match its key's digest"),
     (rekeyed_tokens, "prefix digest"),
     (missing, "not found"),
     (wrong_digest, "prefix digest"),

@@ -18,10 +18,13 @@ from model_servers.inference_worker.tests.conftest import WorkerClient
 from model_servers.inference_worker.tests.cut_helpers import (
     AUTH,
     GatedEngine,
+    batch_files,
+    batch_of,
     complete_under,
     cut,
     cut_body,
     model_call,
+    staged_line,
     start_under,
     status,
     until_tokens,
@@ -36,12 +39,8 @@ PROMPT = TOK.encode("Hello")
 BODY = {"prompt": PROMPT, "max_tokens": 10, "seed": 5, "return_token_ids": True, "logprobs": 1}
 
 
-def staged_files(root: Path) -> list[Path]:
-    return sorted(root.glob("*.json"))
-
-
 def staged(root: Path, key: str) -> StagedPrefix:
-    return StagedPrefix.decode((root / f"{key}.json").read_bytes(), key)
+    return StagedPrefix.decode(staged_line(root, key), key)
 
 
 async def test_cut_freezes_at_a_token_boundary_and_the_generation_goes_on(
@@ -53,7 +52,7 @@ async def test_cut_freezes_at_a_token_boundary_and_the_generation_goes_on(
         engine.release(4)
         await until_tokens(http, "mc_a", 4)
         reply = await cut(http, cut_body("c1", ("tk-1", "r1", 0, "mc_a")))
-        files_at_receipt = staged_files(tmp_path)
+        files_at_receipt = batch_files(tmp_path)
         engine.open_gate()
         cut_run = (await running).json()["choices"][0]
         uncut = (await complete_under(http, "r2", {**BODY, "model_call": model_call("mc_b")})).json()
@@ -63,7 +62,7 @@ async def test_cut_freezes_at_a_token_boundary_and_the_generation_goes_on(
                        "prefix_token_count": 4, "prefix_digest": token_digest(TOK.encode("abcd")),
                        "effective_output_limit": 6, "terminal_finish_reason": None, "detail": None}
     [key] = receipt["staging_keys"]
-    assert key.startswith("mc_a.") and files_at_receipt == [tmp_path / f"{key}.json"]
+    assert key.startswith("mc_a.") and files_at_receipt == [batch_of(tmp_path, key)]
     prefix = staged(tmp_path, key)
     assert prefix.token_ids == tuple(TOK.encode("abcd")) and prefix.logprobs == (-0.01, -0.02, -0.03, -0.04)
     lineage = (prefix.rollout_id, prefix.attempt, prefix.parent_call_id, prefix.previous_length)
@@ -113,7 +112,7 @@ async def test_tickets_without_a_cuttable_generation_are_durable_failures(
     assert "no generation" in receipts["t-none"]["detail"]
     assert "another rollout attempt" in receipts["t-other"]["detail"] == receipts["t-attempt"]["detail"]
     assert receipts["t-constrained"]["detail"] == "constrained decoding is never cut"
-    assert staged_files(tmp_path) == []
+    assert batch_files(tmp_path) == []
 
 
 async def test_nothing_generated_yet_is_a_durable_failure(
@@ -140,7 +139,7 @@ async def test_the_same_cut_again_gets_the_same_reply_and_a_bad_digest_is_refuse
         forged = await http.post("/ng-control/v1/generation-cut", headers=AUTH,
                                  json={**body, "inventory_digest": "0" * 64})
         cuts = (await status(http))["cuts"]
-    assert first == again and len(staged_files(tmp_path)) == 1 and cuts == 1
+    assert first == again and len(batch_files(tmp_path)) == 1 and cuts == 1
     assert forged.status_code == 422 and forged.json()["error"]["code"] == "invalid_checkpoint_state"
 
 
@@ -169,19 +168,29 @@ async def test_keep_deletes_the_unkept_and_a_settled_checkpoint_stages_nothing(
 ) -> None:
     engine = ScriptedEngine.from_text("abc<|end|>")
     async with worker_client(engine, checkpoint=True, staging_dir=str(tmp_path)) as http:
-        for call, key in (("mc_a", "r1"), ("mc_b", "r2")):
+        for call, key in (("mc_a", "r1"), ("mc_b", "r2"), ("mc_c", "r3")):
             await complete_under(http, key, {**BODY, "model_call": model_call(call)})
         reply = await cut(http, cut_body("c1", ("t1", "r1", 0, "mc_a"), ("t2", "r2", 0, "mc_b")))
+        other = await cut(http, cut_body("c2", ("t3", "r3", 0, "mc_c")))
         kept_key, dropped_key = (r["staging_keys"][0] for r in reply["receipts"])
+        [other_key] = other["receipts"][0]["staging_keys"]
+        kept_file, other_file = batch_of(tmp_path, kept_key), batch_of(tmp_path, other_key)
         keys = [kept_key, "mc_x." + "0" * 64]
         keep = {"checkpoint_id": "c1", "server_name": "policy_model", "staging_keys": keys}
         settled = await http.post("/ng-control/v1/generation-cut/keep", json=keep, headers=AUTH)
-        late = await cut(http, cut_body("c1", ("t3", "r1", 0, "mc_a")))
+        late = await cut(http, cut_body("c1", ("t4", "r1", 0, "mc_a")))
+        keep_none = {"checkpoint_id": "c2", "server_name": "policy_model", "staging_keys": []}
+        dropped = await http.post("/ng-control/v1/generation-cut/keep", json=keep_none, headers=AUTH)
         staging = (await status(http))["staging"]
+        gone = await complete_under(http, "r2-a1", {**BODY, "model_call": model_call("mc_n"), "continuation": {
+            **continuation_of(reply["receipts"][1]), "source_call_id": "mc_b"}})
     assert settled.json() == {"kept": [kept_key], "deleted": 1, "missing": ["mc_x." + "0" * 64]}
-    assert staged_files(tmp_path) == [tmp_path / f"{kept_key}.json"] and dropped_key != kept_key
+    assert dropped.json() == {"kept": [], "deleted": 1, "missing": []}
+    assert batch_files(tmp_path) == [kept_file] and kept_file != other_file and dropped_key != kept_key
     assert late["receipts"][0]["detail"] == "the checkpoint was already settled"
-    assert staging == {"files": 1, "bytes": (tmp_path / f"{kept_key}.json").stat().st_size, "kept": 1}
+    assert staging == {"files": 1, "bytes": kept_file.stat().st_size, "prefixes": 1, "kept": 1}
+    assert kept_file.with_suffix(".kept").exists()
+    assert gone.status_code == 422 and "not found" in gone.json()["error"]["detail"]  # the unkept one
 
 
 async def cut_after(http: Any, engine: GatedEngine, tokens: int, capture_key: str = "r1") -> dict[str, Any]:
@@ -272,5 +281,5 @@ async def test_a_restarted_worker_continues_what_an_earlier_process_staged(
         reply = await complete_under(http, "r1-a1", body)
     assert staging["files"] == 1 and not list(tmp_path.glob("*.tmp"))
     assert reply.json()["choices"][0]["text"] == "abcdexyzxy"
-    content = (tmp_path / f"{receipt['staging_keys'][0]}.json").read_bytes()
+    content = staged_line(tmp_path, receipt["staging_keys"][0])
     assert orjson.loads(content)["prefix_token_count"] == 5

@@ -94,6 +94,7 @@ class ScriptedWorker:
         self.cuts = CutScript()
         self.cut_requests: list[tuple[str | None, dict[str, Any]]] = []  # (authorization, body)
         self.keep_requests: list[tuple[str | None, dict[str, Any]]] = []
+        self.keep_gate: asyncio.Event | None = None  # while set to an unset event, keeps are not answered
         self._ids = itertools.count()
         self.app = self._make_app()
 
@@ -116,6 +117,8 @@ class ScriptedWorker:
         async def keep(request: Request) -> dict[str, Any]:
             body = await request.json()
             self.keep_requests.append((request.headers.get("authorization"), body))
+            if self.keep_gate is not None:
+                await self.keep_gate.wait()
             return {"kept": body["staging_keys"], "deleted": 0, "missing": []}
 
         return app

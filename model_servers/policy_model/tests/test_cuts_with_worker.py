@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from model_servers.inference_worker.app import create_app as create_worker_app
+from model_servers.inference_worker.tests.cut_helpers import staged_line
 from model_servers.policy_model.app import create_app
 from model_servers.policy_model.cut_bench import PROMPT
 from model_servers.policy_model.tests.uvicorn_server import serving
@@ -117,5 +118,5 @@ async def test_a_cut_call_goes_on_unchanged_and_continues_after_a_restore(tmp_pa
     assert cut_run["generation_token_ids"] == uninterrupted["generation_token_ids"]
     assert continued["generation_token_ids"] == uninterrupted["generation_token_ids"]
     assert continued["generation_log_probs"] == pytest.approx(uninterrupted["generation_log_probs"], abs=1e-4)
-    assert (tmp_path / "staging" / f"{key}.json").is_file() and CUT_AFTER <= kept < length
+    assert staged_line(tmp_path / "staging", key) and CUT_AFTER <= kept < length
     assert counters["tokens_generated"] == length - kept  # nothing before the cut was generated again

@@ -2,15 +2,16 @@
 
 The commit cuts the latest generating call of each episode in scope (half of the remaining
 deadline), records each durable cut in the episode's record (coordinates and digests only),
-answers the kept staging keys and settles them with the worker; a failed or late cut never fails
-the checkpoint. After a restore, the re-issued call with the same conversation continues from its
-staged prefix; nothing else does.
+answers the kept staging keys and settles them with the worker (in the background: the reply does
+not wait for it); a failed or late cut never fails the checkpoint. After a restore, the re-issued
+call with the same conversation continues from its staged prefix; nothing else does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -83,6 +84,15 @@ async def commit(policy: Policy, cid: str, seconds: float = 30.0, **extra: Any) 
                                    deadline_ts=deadline, **extra)
 
 
+async def keeps(policy: Policy, count: int) -> list[dict[str, Any]]:
+    """The keep requests the worker got, once it got ``count`` of them (a bounded wait)."""
+    deadline = time.monotonic() + WAIT_S
+    while len(policy.worker.keep_requests) < count:
+        assert time.monotonic() < deadline, f"{count} keeps never came: {policy.worker.keep_requests}"
+        await asyncio.sleep(0.002)
+    return [keep for _, keep in policy.worker.keep_requests]
+
+
 def no_token_arrays(records: list[dict[str, Any]]) -> bool:
     text = orjson.dumps(records).decode()
     return not any(f'"{key}"' in text for key in TOKEN_ARRAY_KEYS)
@@ -100,6 +110,7 @@ async def test_commit_cuts_the_calls_in_flight_and_records_them(policies: OpenPo
         for gate in (r1_gate, r2_gate, r3_gate):
             gate.set()
         replies = [await asyncio.wait_for(call, WAIT_S) for call in (r1_call, r2_call, r3_call)]
+        await keeps(policy, 1)
     [(auth, cut)] = policy.worker.cut_requests
     by_key = {r["episode_id"]["rollout_id"]: r for r in records}
     sent = {entry["rollout_id"]: entry for entry in cut["active_prefixes"]}
@@ -156,10 +167,10 @@ async def test_a_failed_or_late_cut_never_fails_the_checkpoint(
         await policy.control.ok("resume", checkpoint_id="c1")
         gate.set()
         assert (await asyncio.wait_for(call, WAIT_S)).status_code == 200
+        settled = await keeps(policy, 1)
     assert committed["staging_keys"] == [] and "cut" not in record and len(record["ledger"]) == 1
     assert len(policy.worker.cut_requests) >= 1
-    assert [keep for _, keep in policy.worker.keep_requests] == [
-        {"checkpoint_id": "c1", "server_name": "policy_model", "staging_keys": []}]
+    assert settled == [{"checkpoint_id": "c1", "server_name": "policy_model", "staging_keys": []}]
 
 
 async def test_an_unsettled_cut_is_settled_before_the_next_one(policies: OpenPolicy) -> None:
@@ -178,9 +189,49 @@ async def test_an_unsettled_cut_is_settled_before_the_next_one(policies: OpenPol
         await policy.control.ok("resume", checkpoint_id="c2")
         gate.set()
         await asyncio.wait_for(call, WAIT_S)
-    keeps = [keep for _, keep in policy.worker.keep_requests]
-    assert keeps[0] == {"checkpoint_id": "c1", "server_name": "policy_model", "staging_keys": []}
-    assert keeps[1]["checkpoint_id"] == "c2" and keeps[1]["staging_keys"] == committed["staging_keys"] != []
+        settled = await keeps(policy, 2)
+    assert settled[0] == {"checkpoint_id": "c1", "server_name": "policy_model", "staging_keys": []}
+    assert settled[1]["checkpoint_id"] == "c2" and settled[1]["staging_keys"] == committed["staging_keys"] != []
+
+
+async def test_the_commit_replies_before_the_worker_answers_its_keep(policies: OpenPolicy) -> None:
+    async with policies(**CUTS) as policy:
+        call, gate = await in_flight(policy, R1, "long")
+        policy.worker.keep_gate = hang = asyncio.Event()
+        first = await commit(policy, "c1")  # a commit that waited for its keep would wait here
+        hung = await keeps(policy, 1)
+        hang.set()  # the worker answers the keep of c1 only once the commit has replied
+        await policy.control.ok("resume", checkpoint_id="c1")
+        second = await commit(policy, "c2")  # awaits c1's keep (answered): nothing to send again
+        await policy.control.ok("resume", checkpoint_id="c2")
+        gate.set()
+        await asyncio.wait_for(call, WAIT_S)
+        settled = await keeps(policy, 2)
+    assert hung == [{"checkpoint_id": "c1", "server_name": "policy_model", "staging_keys": first["staging_keys"]}]
+    assert [keep["checkpoint_id"] for keep in settled] == ["c1", "c2"] and first["staging_keys"] != []
+    assert settled[1]["staging_keys"] == second["staging_keys"] != []
+
+
+async def test_the_commit_does_not_wait_for_the_keep_and_the_next_cut_sends_it_again(
+    policies: OpenPolicy,
+) -> None:
+    async with policies(**CUTS) as policy:
+        call, gate = await in_flight(policy, R1, "long")
+        policy.worker.keep_gate = hang = asyncio.Event()  # the worker does not answer the keep of c1
+        first = await commit(policy, "c1", seconds=2.0)  # replies although its keep hangs
+        await policy.control.ok("resume", checkpoint_id="c1")
+        hung = await keeps(policy, 1)
+        policy.worker.keep_gate = None
+        second = await commit(policy, "c2", seconds=2.0)  # waits a bounded while, then sends c1's again
+        await policy.control.ok("resume", checkpoint_id="c2")
+        gate.set()
+        await asyncio.wait_for(call, WAIT_S)
+        settled = await keeps(policy, 3)
+        hang.set()
+    assert first["staging_keys"] != [] and hung == [{"checkpoint_id": "c1", "server_name": "policy_model",
+                                                      "staging_keys": first["staging_keys"]}]
+    assert settled[1] == hung[0] and settled[2]["checkpoint_id"] == "c2"
+    assert settled[2]["staging_keys"] == second["staging_keys"] != []
 
 
 async def test_a_cut_whose_lineage_moved_since_admission_is_dropped(policies: OpenPolicy) -> None:
@@ -269,9 +320,10 @@ async def test_a_restored_cut_is_kept_until_the_rollout_delivers(policies: OpenP
         again = await commit(fresh, "c2", episode_ids=[R1.to_json()])
         [same] = ledger_records(fresh.root, again)
         await fresh.control.ok("resume", checkpoint_id="c2")
+        settled = await keeps(fresh, 1)
     assert same == record and again["staging_keys"] == record["cut"]["staging_keys"]
     assert fresh.worker.cut_requests == []  # nothing was in flight
-    assert [keep["staging_keys"] for _, keep in fresh.worker.keep_requests] == [again["staging_keys"]]
+    assert [keep["staging_keys"] for keep in settled] == [again["staging_keys"]]
 
 
 @pytest.mark.parametrize("damage", ["lineage", "field", "extra"])
