@@ -8,7 +8,11 @@ abandoned. Its ``state`` says where the call is:
   left out of the commit (after a restore the agent makes it again);
 - ``delivering``: a stream whose first event went out; it blocks a prepare until it drains.
 
-A retire stops the tickets of the retired attempts (``stop``) and waits for them to close.
+A retire stops the tickets of the retired attempts (``stop``) and waits for them to close. A ticket
+whose call is generating names the task that awaits the generation (``runner``, set by the custody
+while it awaits); ``stop`` cancels that task, and the custody turns the cancellation into
+``stale_attempt``. The generation runs in the request's own task, as with checkpointing off: no
+task and no waiter per call.
 Generation cuts (PROTOCOL.md section 8) take ``cut_inventory(scope)``: per episode in scope, the
 latest admitted call still generating, as ``{ticket_id, rollout_id, attempt, model_call_id,
 admitted_at}``; ``cut_candidates`` gives the tickets themselves (with the ``ChatCall`` and the
@@ -69,7 +73,9 @@ class Ticket:
     parent_call_id: str | None = None  # the rollout's lineage when the call was admitted
     previous_length: int = 0
     state: CallState = CallState.GENERATING
-    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    stopped: bool = False  # its attempt was retired
+    runner: asyncio.Task[Any] | None = field(default=None, repr=False)  # the task awaiting its generation
+    stop_cancels: int = 0  # cancellations of ``runner`` by ``stop`` not yet taken back by the custody
 
     def inventory_entry(self) -> dict[str, Any]:
         """The ticket as a generation-cut inventory lists it."""
@@ -134,7 +140,10 @@ class ActiveCalls:
             marks[episode.rollout_id] = max(episode.attempt, marks.get(episode.rollout_id, -1))
         stopped = [t for t in self._open.values() if t.episode.attempt <= marks.get(t.episode.rollout_id, -1)]
         for ticket in stopped:
-            ticket.stopped.set()
+            ticket.stopped = True
+            runner = ticket.runner
+            if runner is not None and runner is not asyncio.current_task() and runner.cancel():
+                ticket.stop_cancels += 1
         return stopped
 
     async def wait_closed(self, tickets: Iterable[Ticket]) -> None:

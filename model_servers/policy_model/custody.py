@@ -10,7 +10,8 @@ PROTOCOL.md section 8, first half. Every model call goes through ``CustodyBacken
    restored rollout whose last assistant turn comes without token fields (its caller lost them in
    the crash) is given the ids its earlier attempts delivered (``ChatCall.ledger_prefixes``, from
    the token sidecar), so its prompt is spliced from them rather than re-tokenized (review E10). A retire of the
-   attempt cancels it (``stale_attempt``). With generation cuts on, the call is sent with its
+   attempt cancels it (``stale_attempt``): the generation is awaited in the request's own task, which
+   ``ActiveCalls.stop`` cancels (no extra task or waiter per call). With generation cuts on, the call is sent with its
    ``model_call`` (id and lineage at admission, so a cut can find it on the worker), and a call
    that repeats a restored cut's conversation continues from its staged prefix (``continuation``).
 3. **Delivery**. A reply (or an error) that finishes while a checkpoint is open is held until
@@ -46,10 +47,9 @@ from nemo_gym_ckpt.checkpoint.phases import Phase
 from nemo_gym_ckpt.errors import GymError, StaleAttempt
 from nemo_gym_ckpt.identity import current_identity
 
-__all__ = ["CANCEL_WAIT_S", "Custody", "CustodyBackend", "StreamEvents"]
+__all__ = ["Custody", "CustodyBackend", "StreamEvents"]
 
 T = TypeVar("T")
-CANCEL_WAIT_S = 5.0
 
 
 class StreamEvents:
@@ -159,18 +159,48 @@ class Custody:
         self.participant.notify_changed()
 
     async def _unless_stopped(self, ticket: Ticket, work: Awaitable[T]) -> T:
-        task = asyncio.ensure_future(work)
-        stop = asyncio.ensure_future(ticket.stopped.wait())
+        """``work`` awaited in this task, which a retire of the attempt cancels: then ``StaleAttempt``."""
+        if ticket.stopped:
+            _discard(work)
+            raise _stale(ticket)
+        runner = asyncio.current_task()
+        assert runner is not None
+        ticket.runner = runner
         try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            result = await work
+        except asyncio.CancelledError:
+            if not _take_back_stop(ticket, runner):
+                raise  # cancelled from outside (the request went away), not (only) by a retire
+            raise _stale(ticket) from None
+        except BaseException:
+            if _take_back_stop(ticket, runner):  # the work turned the retire's cancellation into an error
+                raise _stale(ticket) from None
+            raise
         finally:
-            stop.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
-        if not task.done() or task.cancelled():
-            raise StaleAttempt(f"attempt {ticket.episode.capture_key} was retired during the call")
-        return task.result()
+            ticket.runner = None
+        if _take_back_stop(ticket, runner):  # the work swallowed the retire's cancellation
+            raise _stale(ticket)
+        return result
+
+
+def _take_back_stop(ticket: Ticket, runner: asyncio.Task[object]) -> bool:
+    """Undo the cancellations ``ActiveCalls.stop`` made of ``runner``; ``True`` if there were any and
+    no other cancellation of it is pending (a retire alone stopped the work)."""
+    cancels, ticket.stop_cancels = ticket.stop_cancels, 0
+    for _ in range(cancels):
+        runner.uncancel()
+    return cancels > 0 and runner.cancelling() == 0
+
+
+def _stale(ticket: Ticket) -> StaleAttempt:
+    return StaleAttempt(f"attempt {ticket.episode.capture_key} was retired during the call")
+
+
+def _discard(work: Awaitable[object]) -> None:
+    """Close work that will never be awaited (a coroutine not started)."""
+    close = getattr(work, "close", None)
+    if callable(close):
+        close()
 
 
 async def _read_to_end(events: AsyncIterator[StreamEvent]) -> tuple[list[StreamEvent], GymError | None]:
