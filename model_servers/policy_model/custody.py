@@ -50,6 +50,7 @@ from nemo_gym_ckpt.identity import current_identity
 __all__ = ["Custody", "CustodyBackend", "StreamEvents"]
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class StreamEvents:
@@ -102,7 +103,7 @@ class Custody:
         """The call as the backend gets it: without a seed, one derived from the rollout and prompt;
         with cuts on, named for the worker, and continuing a restored cut it repeats."""
         if call.sampling.seed is None:
-            call = dataclasses.replace(call, seed_scope=ticket.episode.rollout_id)
+            call = _replaced(call, seed_scope=ticket.episode.rollout_id)
         if lost_its_tokens(call.messages):
             prefixes = self.ledgers.restored_prefixes(ticket.episode)
             if prefixes:
@@ -151,7 +152,7 @@ class Custody:
     def named(ticket: Ticket, event: T) -> T:
         """The reply's start or result, named with the ticket's model call id (a reply header)."""
         if isinstance(event, ChatResult | StreamStarted):
-            return dataclasses.replace(event, model_call_id=ticket.model_call_id)
+            return _replaced(event, model_call_id=ticket.model_call_id)
         return event
 
     def release(self, ticket: Ticket) -> None:
@@ -190,6 +191,14 @@ def _take_back_stop(ticket: Ticket, runner: asyncio.Task[object]) -> bool:
     for _ in range(cancels):
         runner.uncancel()
     return cancels > 0 and runner.cancelling() == 0
+
+
+def _replaced(value: R, **changes: object) -> R:
+    """``dataclasses.replace`` for the plain frozen dataclasses of ``generation`` (no ``__post_init__``,
+    no slots), as a shallow copy of their fields: a sixth of its cost, on every call."""
+    copied = object.__new__(type(value))
+    copied.__dict__.update(value.__dict__, **changes)
+    return copied
 
 
 def _stale(ticket: Ticket) -> StaleAttempt:
