@@ -47,6 +47,7 @@ never changes under one); calls of existing sessions keep running.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -56,8 +57,8 @@ from typing import Any, Literal
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.participant import Participant
-from nemo_gym_ckpt.checkpoint.records import Record, Scope
-from nemo_gym_ckpt.episode import task_digest, without_token_arrays
+from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS, Record, Scope
+from nemo_gym_ckpt.episode import canonical_json, without_token_arrays
 from nemo_gym_ckpt.errors import (
     ActivationOutOfOrder,
     GymError,
@@ -88,6 +89,7 @@ RECORD_KEYS = frozenset({"episode_id", "session"})
 SESSION_KEYS = frozenset({"completed", "completed_digest", "reply", "running"})
 RUNNING_KEYS = frozenset({"index", "request_digest", "state"})
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+_TOKEN_KEYS_JSON = tuple(canonical_json(key) for key in TOKEN_ARRAY_KEYS)  # b'"prompt_token_ids"'...
 
 
 @dataclass(frozen=True)
@@ -463,8 +465,16 @@ class AgentSessions:
 
 def request_digest(request: Mapping[str, Any]) -> str:
     """What identifies an activation's request: its canonical JSON without token arrays (a restored
-    caller re-sends its conversation without them, as records never carry them)."""
-    return task_digest(without_token_arrays(dict(request)))
+    caller re-sends its conversation without them, as records never carry them).
+
+    The canonical JSON of the request is hashed as it is when no token-array key occurs in it (a
+    key is written as its quoted name, so its absence from the bytes proves there is none): the
+    same bytes as without them, without copying the request. Otherwise they are left out first.
+    """
+    data = canonical_json(dict(request))
+    if any(key in data for key in _TOKEN_KEYS_JSON):
+        data = canonical_json(without_token_arrays(dict(request)))
+    return hashlib.sha256(data).hexdigest()
 
 
 async def _outcome(activation: Activation, key: str) -> ActivationReply:
