@@ -179,7 +179,7 @@ async def test_a_full_cycle_in_protocol_order(mesh: Mesh, root: Path) -> None:
 async def test_prepare_stops_at_the_first_stage_not_ready(mesh: Mesh) -> None:
     mesh.servers["model1"].adapter.set_busy(RolloutIdentity("streaming"), True)
     async with mesh.coordinator() as coordinator:
-        result = await coordinator.prepare("c1", deadline_ts=deadline(0.3))
+        result = await coordinator.prepare("c1", deadline_ts=deadline(1.0))
         assert not result.prepared and result.not_ready_stage == "model"
         assert mesh.calls("prepare") == ["environment1", "model1"]
         assert result.to_json()["participants"]["model1"]["report"]["blockers"] == ["streaming"]
