@@ -3,15 +3,21 @@
 With checkpointing off (no ``checkpoint:`` block, or ``enabled: false``) it does nothing at all and
 returns ``None``: no route (``/status`` answers 404), no participant, no waiting. With it on, it
 builds the ``Participant`` over the server's adapter, mounts the control router and closes the
-participant's background work when the app shuts down. Servers keep the returned participant and
-call ``participant.admit(identity)`` on rollout-scoped routes (only when it is not ``None``).
+participant's background work when the app shuts down. When the app starts, the control routes are
+moved after every other route: servers add their own routes after mounting, and routes are tried in
+order, so each data request would otherwise try the control routes first (about 15 us of CPU each).
+Servers keep the returned participant and call ``participant.admit(identity)`` on rollout-scoped
+routes (only when it is not ``None``).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.routing import BaseRoute
 
 from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
@@ -59,6 +65,27 @@ def mount_checkpointing(
         clock=clock,
         telemetry=telemetry.for_participant(kind, name) if telemetry else None,
     )
+    before = {id(route) for route in app.router.routes}
     app.include_router(make_router(participant, config.control_auth_token.get_secret_value()))
+    _last_once_started(app, [route for route in app.router.routes if id(route) not in before])
     close_on_shutdown(app, participant.aclose)
     return participant
+
+
+def _last_once_started(app: FastAPI, control: list[BaseRoute]) -> None:
+    """When ``app`` starts, move the ``control`` routes after all the others (in their order).
+
+    No path of the server's own routes is under the control prefix, so the order changes what
+    matches no request: a data request simply finds its route before the control routes.
+    """
+    inner = app.router.lifespan_context
+    moved = {id(route) for route in control}
+
+    @asynccontextmanager
+    async def lifespan(instance: FastAPI) -> AsyncIterator[Any]:
+        routes = app.router.routes
+        routes[:] = [route for route in routes if id(route) not in moved] + control
+        async with inner(instance) as state:
+            yield state
+
+    app.router.lifespan_context = lifespan
