@@ -74,10 +74,16 @@ class CheckpointFreeClock:
     ``now()`` is the participant clock's time minus every interval during which a checkpoint was
     open (from its prepare or restore to its resume or lease expiry). While anything sleeps on it,
     one listener task follows the participant's change signal (notified at every open and close)
-    and notes each transition when it happens; sleepers wake on those transitions only, so an
-    episode starting or ending wakes one task, not every running step. Budgets only compare two
-    readings taken inside one step, during which the step's timeout sleeps here: no transition
-    inside a step goes unnoticed. Without sleepers a transition is noted when ``now`` is next read.
+    and notes each transition when it happens, so an episode starting or ending wakes one task, not
+    every running step. Budgets only compare two readings taken inside one step, during which the
+    step's timeout sleeps here: no transition inside a step goes unnoticed. Without sleepers a
+    transition is noted when ``now`` is next read.
+
+    A sleeper with no checkpoint open sleeps on the participant's clock to the time its deadline
+    would come if none opened, then reads ``now`` again: a checkpoint opened meanwhile (noted by the
+    listener) has moved the deadline later, never earlier, so waking then and sleeping on is exact,
+    and the step's watchdog costs one plain sleep rather than a race against the transition. Only
+    while a checkpoint is open does a sleeper wait for the transition (its close).
     """
 
     RECHECK_S = 60.0
@@ -127,12 +133,11 @@ class CheckpointFreeClock:
                 transition = self._transition
                 charged = self.now()
                 if self.paused:
-                    until = clock.now() + self.RECHECK_S
+                    await wait_until(clock, transition.wait(), clock.now() + self.RECHECK_S)
                 elif charged >= ts:
                     return
                 else:
-                    until = clock.now() + min(ts - charged, self.RECHECK_S)
-                await wait_until(clock, transition.wait(), until)
+                    await clock.sleep_until(clock.now() + min(ts - charged, self.RECHECK_S))
         finally:
             self._sleepers -= 1
             if not self._sleepers and self._listener is not None:
