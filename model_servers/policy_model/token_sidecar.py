@@ -34,12 +34,11 @@ row's prompt and output digests.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import re
 import secrets
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +49,15 @@ from model_servers.policy_model.generation import TokenCapture
 from model_servers.policy_model.ids import sha256_of
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
-from nemo_gym_ckpt.checkpoint.store import CheckpointStore, Manifest, ReadResult, RecordWriter, StopSignal
-from nemo_gym_ckpt.errors import InvalidCheckpointState, InvalidRequest, Unavailable
+from nemo_gym_ckpt.checkpoint.store import (
+    CheckpointStore,
+    Manifest,
+    ReadResult,
+    RecordWriter,
+    StopSignal,
+    write_errors,
+)
+from nemo_gym_ckpt.errors import InvalidCheckpointState, InvalidRequest
 
 __all__ = [
     "SIDECAR_NAME",
@@ -159,7 +165,7 @@ def write_sidecar(ops: FileOps, directory: Path, lines: Sequence[bytes], stop: S
     content = b"\n".join(lines) + b"\n"
     name = sidecar_name(hashlib.sha256(content).hexdigest())
     temp = directory / f".tokens-{secrets.token_hex(8)}.tmp"
-    with _io_errors(directory):
+    with write_errors(directory, "token sidecar write"):
         stop.check()
         fd = ops.open_new(temp)
         try:
@@ -209,7 +215,7 @@ class SidecarStore(CheckpointStore):
         """As the base store does (the directory made durably, never outside the root), with the sidecar."""
         directory = self.instance_dir(checkpoint_dir, kind, instance)
         self._confined(directory)
-        with _io_errors(directory):
+        with write_errors(directory, "token sidecar write"):
             self._makedirs(directory)
         self._confined(directory)
         writer = SidecarWriter(self.ops, directory, stop, self._lines)
@@ -273,14 +279,3 @@ class SidecarStore(CheckpointStore):
             tokens = CallTokens.parse(body, path.name)
             found[tokens.digest] = tokens
         return size
-
-
-@contextmanager
-def _io_errors(directory: Path) -> Iterator[None]:
-    """An ``OSError`` of the sidecar write is ``Unavailable``: this commit must not be published."""
-    try:
-        yield
-    except OSError as error:
-        name = errno.errorcode.get(error.errno or 0, "OSError")
-        raise Unavailable(f"token sidecar write failed in {directory}: {name} ({error.strerror or error}); "
-                          "this commit did not succeed and must not be published") from error

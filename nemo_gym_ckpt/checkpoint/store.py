@@ -50,6 +50,7 @@ __all__ = [
     "RecordWriter",
     "StopSignal",
     "WriteStopped",
+    "write_errors",
 ]
 
 T = TypeVar("T")
@@ -163,7 +164,7 @@ class RecordWriter:
         self._temps: list[Path] = []
 
     def start(self) -> None:
-        with self._lock, _io_errors(self.directory):
+        with self._lock, write_errors(self.directory):
             self._records_temp = self._temp_path(".records")
             self._fd = self._ops.open_new(self._records_temp)
 
@@ -176,7 +177,7 @@ class RecordWriter:
             if self._fd is None:
                 raise WriteStopped("the write was aborted")
             chunk = b"\n".join(lines) + b"\n"
-            with _io_errors(self.directory):
+            with write_errors(self.directory):
                 self._ops.write(self._fd, chunk)
             self._hash.update(chunk)
             self.bytes += len(chunk)
@@ -184,7 +185,7 @@ class RecordWriter:
 
     def finish(self, kind: str, instance: str, checkpoint_id: str) -> Manifest:
         """fsync and rename the records, then hard-link the manifest into place (the commit point)."""
-        with self._lock, _io_errors(self.directory):
+        with self._lock, write_errors(self.directory):
             self._stop.check()
             digest = self._hash.hexdigest()
             manifest = Manifest(kind, instance, checkpoint_id, f"records-{digest}.jsonl", digest, self.count)
@@ -261,7 +262,7 @@ class CheckpointStore:
         """Create the instance directory (durably) and start a writer in it."""
         directory = self.instance_dir(checkpoint_dir, kind, instance)
         _check_inside(self.root, directory)  # before creating anything: no symlink leads out
-        with _io_errors(directory):
+        with write_errors(directory):
             self._makedirs(directory)
         _check_inside(self.root, directory)
         writer = RecordWriter(self.ops, directory, stop)
@@ -349,13 +350,14 @@ def _check_inside(root: Path, path: Path) -> Path:
 
 
 @contextmanager
-def _io_errors(directory: Path) -> Iterator[None]:
-    """Turn an ``OSError`` of a write into ``Unavailable`` naming the errno and the directory."""
+def write_errors(directory: Path, what: str = "checkpoint write") -> Iterator[None]:
+    """Turn an ``OSError`` of a commit's write into ``Unavailable`` naming ``what``, the errno and the
+    directory: that commit did not succeed and must not be published."""
     try:
         yield
     except OSError as error:
         name = errno.errorcode.get(error.errno or 0, "OSError")
-        raise Unavailable(f"checkpoint write failed in {directory}: {name} ({error.strerror or error}); "
+        raise Unavailable(f"{what} failed in {directory}: {name} ({error.strerror or error}); "
                           "this commit did not succeed and must not be published") from error
 
 
