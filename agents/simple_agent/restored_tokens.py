@@ -28,6 +28,7 @@ be more runs than calls; otherwise nothing is stamped (and it is logged).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from agents.simple_agent.loop import LoopState
@@ -40,18 +41,23 @@ logger = logging.getLogger(__name__)
 _ORDER = (*TOKEN_ARRAYS, "policy_version")
 
 
+def _runs(items: list[dict[str, Any]], is_model: Callable[[dict[str, Any]], bool]) -> list[list[int]]:
+    """The indices of each run of consecutive items that ``is_model`` holds for, in order."""
+    runs: list[list[int]] = []
+    previous_was_model = False
+    for index, item in enumerate(items):
+        model = is_model(item)
+        if model and not previous_was_model:
+            runs.append([])
+        if model:
+            runs[-1].append(index)
+        previous_was_model = model
+    return runs
+
+
 def model_call_items(outputs: list[dict[str, Any]]) -> list[list[int]]:
     """The indices of the output items of each model call, in order."""
-    groups: list[list[int]] = []
-    previous_was_model = False
-    for index, item in enumerate(outputs):
-        is_model = item.get("type") != "function_call_output"
-        if is_model and not previous_was_model:
-            groups.append([])
-        if is_model:
-            groups[-1].append(index)
-        previous_was_model = is_model
-    return groups
+    return _runs(outputs, lambda item: item.get("type") != "function_call_output")
 
 
 def _lacks_tokens(item: dict[str, Any]) -> bool:
@@ -100,16 +106,7 @@ def _stamped(item: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
 
 def model_runs(items: list[dict[str, Any]]) -> list[list[int]]:
     """The indices of each run of consecutive model items (one model call each), in order."""
-    runs: list[list[int]] = []
-    previous_was_model = False
-    for index, item in enumerate(items):
-        is_model = is_model_item(item)
-        if is_model and not previous_was_model:
-            runs.append([])
-        if is_model:
-            runs[-1].append(index)
-        previous_was_model = is_model
-    return runs
+    return _runs(items, is_model_item)
 
 
 def refill(items: list[dict[str, Any]], calls: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
