@@ -42,6 +42,7 @@ from typing import Any
 
 import orjson
 
+from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.episode import canonical_json
 from nemo_gym_ckpt.rollouts import read_jsonl
 
@@ -194,12 +195,7 @@ def created_now() -> str:
 # ---- atomic files --------------------------------------------------------------------------------
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_OPS = FileOps()
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -207,10 +203,8 @@ def write_atomic(path: Path, data: bytes) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        _OPS.write(fd, data)
+        _OPS.fsync(fd)
     finally:
         os.close(fd)
     try:
@@ -218,7 +212,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     except OSError:
         temporary.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    _OPS.fsync_dir(path.parent)
 
 
 # ---- publish, read, prune ------------------------------------------------------------------------
