@@ -90,10 +90,7 @@ class CallTokens:
     generation_token_ids: list[int]
     generation_log_probs: list[float]
     line: bytes  # compact JSON, no newline: what ``digest`` hashes
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(self.line).hexdigest()
+    digest: str  # hex SHA-256 of ``line`` (the row's ``token_digest``), computed once
 
     @property
     def prefix(self) -> list[int]:
@@ -106,11 +103,12 @@ class CallTokens:
         log_probs = list(capture.generation_log_probs)
         line = orjson.dumps({"call_id": call_id, "prompt_token_ids": prompt, "generation_token_ids": generation,
                              "generation_log_probs": log_probs})
-        return cls(call_id, prompt, generation, log_probs, line)
+        return cls(call_id, prompt, generation, log_probs, line, hashlib.sha256(line).hexdigest())
 
     @classmethod
-    def parse(cls, line: bytes, where: str) -> CallTokens:
-        """A line read back; anything malformed is ``InvalidCheckpointState``."""
+    def parse(cls, line: bytes, where: str, digest: str | None = None) -> CallTokens:
+        """A line read back (``digest``: its SHA-256 if already known); anything malformed is
+        ``InvalidCheckpointState``."""
         try:
             data = orjson.loads(line)
         except orjson.JSONDecodeError:
@@ -121,7 +119,7 @@ class CallTokens:
         if not (_ints(prompt) and _ints(generation) and isinstance(log_probs, list)
                 and all(type(value) in (int, float) for value in log_probs) and len(log_probs) == len(generation)):
             raise InvalidCheckpointState(f"{where}: the token arrays of {data['call_id']} are malformed")
-        return cls(data["call_id"], prompt, generation, log_probs, line)
+        return cls(data["call_id"], prompt, generation, log_probs, line, digest or hashlib.sha256(line).hexdigest())
 
     def check(self, call_id: str, prompt_digest: str, output_digest: str, where: str) -> None:
         """The line belongs to the row: same call, and its ids hash to the row's digests."""
@@ -268,14 +266,14 @@ class SidecarStore(CheckpointStore):
                     whole.update(line)
                     size += len(line)
                     body = line[:-1] if line.endswith(b"\n") else line
-                    if hashlib.sha256(body).hexdigest() in wanted:
-                        kept.append(body)
+                    digest = hashlib.sha256(body).hexdigest()
+                    if digest in wanted:
+                        kept.append((digest, body))
         except OSError as error:
             raise InvalidCheckpointState(f"cannot read the token sidecar {path.name}: {error.strerror}") from None
         match = SIDECAR_NAME.fullmatch(path.name)
         if match is None or whole.hexdigest() != match.group(1):
             raise InvalidCheckpointState(f"the token sidecar {path.name} does not match its digest (corrupt)")
-        for body in kept:
-            tokens = CallTokens.parse(body, path.name)
-            found[tokens.digest] = tokens
+        for digest, body in kept:
+            found[digest] = CallTokens.parse(body, path.name, digest)
         return size
