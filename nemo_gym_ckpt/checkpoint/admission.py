@@ -54,10 +54,9 @@ class RetireMarks:
         return mark is None or episode.attempt > mark
 
     def check(self, episode: RolloutIdentity) -> None:
-        mark = self._marks.get(episode.rollout_id)
-        if mark is not None and episode.attempt <= mark:
+        if not self.admits(episode):
             raise StaleAttempt(f"attempt {episode.attempt} of rollout {episode.rollout_id!r} is retired "
-                               f"(retired up to attempt {mark})")
+                               f"(retired up to attempt {self._marks[episode.rollout_id]})")
 
     def retire(self, episodes: Iterable[RolloutIdentity]) -> None:
         for episode in episodes:
