@@ -19,11 +19,11 @@ from __future__ import annotations
 import hashlib
 from typing import Any, TypeVar
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from model_servers.inference_worker.staging import CALL_ID_PATTERN
 from nemo_gym_ckpt.checkpoint.models import CHECKPOINT_ID_PATTERN
+from nemo_gym_ckpt.episode import canonical_json
 from nemo_gym_ckpt.errors import InvalidRequest
 
 __all__ = [
@@ -85,7 +85,7 @@ class KeepRequest(_Body):
 
 def inventory_digest(active_prefixes: list[dict[str, Any]]) -> str:
     """SHA-256 of the ``active_prefixes`` list as compact JSON with sorted keys."""
-    return hashlib.sha256(orjson.dumps(active_prefixes, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return hashlib.sha256(canonical_json(active_prefixes)).hexdigest()
 
 
 def parse_strict(model: type[M], content: bytes) -> M:
