@@ -38,19 +38,25 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.client import MeshClient
-from nemo_gym_ckpt.config import load_config
 from nemo_gym_ckpt.errors import GymError
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.launch import MeshLauncher
-from nemo_gym_ckpt.rollout_bench import CALL_TIMEOUT_S, QUICKSTART, CpuMeter, mesh_urls, quiet, task_rows
+from nemo_gym_ckpt.rollout_bench import (
+    CALL_TIMEOUT_S,
+    CpuMeter,
+    launched_mesh,
+    loadavg,
+    mesh_urls,
+    task_rows,
+)
 
 __all__ = ["LEVELS", "TOKEN", "checkpoint_overhead", "enabled_overrides", "prepare_latency"]
 
@@ -58,7 +64,6 @@ Result = dict[str, Any]
 TOKEN = "bench-checkpoint-token"
 LEVELS = (0, 32, 256)
 QUICK_LEVELS = (0, 8)
-MESH_READY_S = 300.0
 IN_FLIGHT_WAIT_S = 120.0
 CHECKPOINT_DEADLINE_S = 120.0
 MESHES = ("off_a", "on", "off_b")
@@ -70,23 +75,11 @@ def enabled_overrides(root: Path | str) -> list[str]:
     return ["checkpoint.enabled=true", f"checkpoint.control_auth_token={TOKEN}", f"checkpoint.root={root}"]
 
 
-@contextmanager
-def _mesh(overrides: Sequence[str]) -> Iterator[MeshLauncher]:
-    mesh = load_config([QUICKSTART], ["head_server.port=0", *overrides])
-    with MeshLauncher(mesh, on_line=quiet) as launcher:
-        launcher.start(ready_timeout_s=MESH_READY_S)
-        yield launcher
-
-
 def _quantiles(samples: list[float]) -> Result:
     from nemo_gym_ckpt.bench import percentile
 
     return {"p50_ms": round(percentile(samples, 0.5), 1), "p99_ms": round(percentile(samples, 0.99), 1),
             "max_ms": round(max(samples, default=0.0), 1), "n": len(samples)}
-
-
-def _loadavg() -> list[float]:
-    return [round(value, 2) for value in os.getloadavg()]
 
 
 # ---- rollouts kept in flight ------------------------------------------------------------------------
@@ -238,7 +231,7 @@ def _summarise_level(level: int, samples: list[Result], load: _InFlight, window:
         "rollout_p99_ms": round(1000 * percentile(latencies, 0.99), 1),
         "failed": len(load.failures),
         **({"first_failure": load.failures[0]} if load.failures else {}),
-        "loadavg": _loadavg(),
+        "loadavg": loadavg(),
     }
 
 
@@ -281,11 +274,11 @@ def prepare_latency(
         levels, checkpoints, gap_s = QUICK_LEVELS, 2, 0.2
     with tempfile.TemporaryDirectory(prefix="ngc-bench-prepare-") as directory:
         root = Path(directory)
-        with _mesh(enabled_overrides(root)) as launcher:
-            loadavg = _loadavg()
+        with launched_mesh(enabled_overrides(root)) as launcher:
+            load_at_start = loadavg()
             rows = asyncio.run(_levels(launcher, root, levels, checkpoints, gap_s))
     return {"config": "configs/quickstart.yaml", "checkpoints_per_level": checkpoints, "gap_s": gap_s,
-            "cpus": os.cpu_count(), "loadavg_at_start": loadavg, "levels": rows}
+            "cpus": os.cpu_count(), "loadavg_at_start": load_at_start, "levels": rows}
 
 
 # ---- enabled but idle against off ---------------------------------------------------------------------
@@ -392,9 +385,9 @@ def checkpoint_overhead(*, rounds: int = 18, batch: int = 48, concurrency: int =
     if quick:
         rounds, batch, concurrency = 2, 8, 4
     with tempfile.TemporaryDirectory(prefix="ngc-bench-overhead-") as directory, ExitStack() as stack:
-        launchers = {name: stack.enter_context(_mesh(enabled_overrides(directory) if name == "on" else []))
+        launchers = {name: stack.enter_context(launched_mesh(enabled_overrides(directory) if name == "on" else []))
                      for name in MESHES}
-        loadavg = _loadavg()
+        load_at_start = loadavg()
         result = asyncio.run(_overhead_rounds(launchers, rounds, batch, concurrency))
     return {"config": "configs/quickstart.yaml", "rounds": rounds, "batch": batch, "concurrency": concurrency,
-            "cpus": os.cpu_count(), "loadavg_at_start": loadavg, "loadavg_at_end": _loadavg(), **result}
+            "cpus": os.cpu_count(), "loadavg_at_start": load_at_start, "loadavg_at_end": loadavg(), **result}

@@ -33,8 +33,8 @@ import asyncio
 import importlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from contextlib import aclosing
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,8 @@ __all__ = [
     "QUICKSTART",
     "CpuMeter",
     "Replay",
+    "launched_mesh",
+    "loadavg",
     "measure_rollouts",
     "mesh_urls",
     "quiet",
@@ -66,6 +68,7 @@ QUICKSTART = PROJECT_ROOT / "configs" / "quickstart.yaml"
 CONCURRENCIES = (1, 8, 64)
 LAYERS = ("engine", "worker", "policy", "tools", "session_calls", "agent", "environment")
 CALL_TIMEOUT_S = 600.0
+MESH_READY_S = 300.0
 
 Result = dict[str, Any]
 Call = Callable[[str], Awaitable[None]]
@@ -513,15 +516,27 @@ def measure_rollouts(
     config: Path = QUICKSTART,
 ) -> Result:
     """Launch the mesh of ``config`` (with ``overrides``) once and measure rollouts at each concurrency."""
-    mesh = load_config([config], ["head_server.port=0", *overrides])
-    with MeshLauncher(mesh, on_line=quiet) as launcher:
-        launcher.start(ready_timeout_s=300)
+    with launched_mesh(overrides, config) as launcher:
         run = _Run(launcher, mesh_urls(launcher.mesh), task_rows(launcher.mesh), duration_s,
                    ramp_s=min(1.0, duration_s / 4))
-        began = os.getloadavg()
+        began = loadavg()
         result = asyncio.run(_points(run, concurrencies, layers))
     return {"config": _relative(config), "overrides": list(overrides), "cpus": os.cpu_count(),
-            "loadavg_at_start": [round(value, 2) for value in began], **result}
+            "loadavg_at_start": began, **result}
+
+
+@contextmanager
+def launched_mesh(overrides: Sequence[str] = (), config: Path = QUICKSTART) -> Iterator[MeshLauncher]:
+    """The mesh of ``config`` (with ``overrides``, on a free head port) started and ready, server lines dropped."""
+    mesh = load_config([config], ["head_server.port=0", *overrides])
+    with MeshLauncher(mesh, on_line=quiet) as launcher:
+        launcher.start(ready_timeout_s=MESH_READY_S)
+        yield launcher
+
+
+def loadavg() -> list[float]:
+    """The machine's load averages (1, 5, 15 minutes), rounded."""
+    return [round(value, 2) for value in os.getloadavg()]
 
 
 def _relative(path: Path) -> str:
