@@ -57,7 +57,7 @@ from nemo_gym_ckpt.checkpoint.store import (
     StopSignal,
     write_errors,
 )
-from nemo_gym_ckpt.errors import InvalidCheckpointState, InvalidRequest
+from nemo_gym_ckpt.errors import InvalidCheckpointState
 
 __all__ = [
     "SIDECAR_NAME",
@@ -209,21 +209,9 @@ class SidecarStore(CheckpointStore):
         super().__init__(base.root, base.ops)
         self._lines = lines
 
-    def open_writer(self, checkpoint_dir: Path, kind: str, instance: str, stop: StopSignal) -> RecordWriter:
-        """As the base store does (the directory made durably, never outside the root), with the sidecar."""
-        directory = self.instance_dir(checkpoint_dir, kind, instance)
-        self._confined(directory)
-        with write_errors(directory, "token sidecar write"):
-            self._makedirs(directory)
-        self._confined(directory)
-        writer = SidecarWriter(self.ops, directory, stop, self._lines)
-        writer.start()
-        return writer
-
-    def _confined(self, directory: Path) -> None:
-        root, resolved = self.root.resolve(), directory.resolve()
-        if resolved == root or not resolved.is_relative_to(root):
-            raise InvalidRequest(f"checkpoint_dir must resolve inside the checkpoint root {root}")
+    def new_writer(self, directory: Path, stop: StopSignal) -> RecordWriter:
+        """The base store's writer, with the sidecar made durable before the records are sealed."""
+        return SidecarWriter(self.ops, directory, stop, self._lines)
 
     def read(self, checkpoint_dir: Path, kind: str, instance: str, scope: Scope) -> ReadResult:
         result = super().read(checkpoint_dir, kind, instance, scope)

@@ -265,9 +265,13 @@ class CheckpointStore:
         with write_errors(directory):
             self._makedirs(directory)
         _check_inside(self.root, directory)
-        writer = RecordWriter(self.ops, directory, stop)
+        writer = self.new_writer(directory, stop)
         writer.start()
         return writer
+
+    def new_writer(self, directory: Path, stop: StopSignal) -> RecordWriter:
+        """The writer of one commit in ``directory``; a store that writes more than records overrides this."""
+        return RecordWriter(self.ops, directory, stop)
 
     def read(self, checkpoint_dir: Path, kind: str, instance: str, scope: Scope) -> ReadResult:
         """Read and check a committed checkpoint, keeping the records of the episodes in ``scope``."""
