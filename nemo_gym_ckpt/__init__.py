@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from nemo_gym_ckpt.context import ServerContext
     from nemo_gym_ckpt.errors import ConfigError, GymError
     from nemo_gym_ckpt.identity import RolloutIdentity
-    from nemo_gym_ckpt.launch import LaunchError, MeshLauncher
+    from nemo_gym_ckpt.launch.launcher import LaunchError, MeshLauncher
     from nemo_gym_ckpt.server import create_app
 
 __version__ = "0.1.0"
@@ -40,10 +40,10 @@ __all__ = [
 _HOMES = {
     "ConfigError": "errors",
     "GymError": "errors",
-    "LaunchError": "launch",
+    "LaunchError": "launch.launcher",
     "MeshClient": "client",
     "MeshConfig": "config",
-    "MeshLauncher": "launch",
+    "MeshLauncher": "launch.launcher",
     "RolloutIdentity": "identity",
     "ServerConfig": "config",
     "ServerContext": "context",

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from nemo_gym_ckpt.errors import ConfigError
 
 __all__ = [
+    "PROJECT_ROOT",
     "SERVER_TYPES",
     "CheckpointConfig",
     "DatasetConfig",
@@ -45,6 +46,8 @@ __all__ = [
     "parse_overrides",
 ]
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+"""The folder holding ``configs/`` and the server folders: the checkout, or site-packages when installed."""
 SERVER_TYPES = ("model_servers", "environment_servers", "agents", "resources_servers")
 ServerType = Literal["model_servers", "environment_servers", "agents", "resources_servers"]
 MISSING = "???"

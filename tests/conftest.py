@@ -6,7 +6,7 @@
   ``tests/fixtures/`` by bare name), head server on a free port; stopped after the test, and the
   test fails if a server process outlives the stop.
 - ``FIXTURES``: the folder of test configs. To wait for a URL's ``/health`` with a deadline, use
-  ``nemo_gym_ckpt.launch.wait_for_health(url, timeout_s=...)``.
+  ``nemo_gym_ckpt.launch.launcher.wait_for_health(url, timeout_s=...)``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from nemo_gym_ckpt.config import load_config
-from nemo_gym_ckpt.head import ThreadedServer
-from nemo_gym_ckpt.launch import MeshLauncher
+from nemo_gym_ckpt.launch.head import ThreadedServer
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

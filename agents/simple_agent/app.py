@@ -21,7 +21,7 @@ Routes (also under ``/ng-rollout/<capture_key>/``, where the capture key names t
   answers the items unchanged.
 
 Checkpointing (``docs/participants.md``, "Agents"): with the mesh's ``checkpoint:`` block on, the
-agent is a participant of kind ``agent`` over ``nemo_gym_ckpt.agent_sessions.AgentSessions``: the
+agent is a participant of kind ``agent`` over ``nemo_gym_ckpt.agent.sessions.AgentSessions``: the
 activation header deduplicates (a completed activation invoked again answers the same reply;
 skipping ahead is ``activation_out_of_order``), every model and tool call is a boundary of the
 loop, and the session's ``LoopState`` is exported at commit (evaluated then, never copied per
@@ -59,16 +59,16 @@ from agents.simple_agent.loop import (
     run_loop,
 )
 from agents.simple_agent.restored_tokens import missing_calls, reattach, refill
-from nemo_gym_ckpt.agent_sessions import ActivationReply, AgentSessions, Turn
+from nemo_gym_ckpt.agent.sessions import ActivationReply, AgentSessions, Turn
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.environment import ACTIVATION_HEADER, REFILL_PATH, cookies_of, lacks_token_arrays
+from nemo_gym_ckpt.environment.base import ACTIVATION_HEADER, REFILL_PATH, cookies_of, lacks_token_arrays
 from nemo_gym_ckpt.errors import GymError, InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import current_identity
-from nemo_gym_ckpt.resources import RESTART_HEADER
+from nemo_gym_ckpt.resources.base import RESTART_HEADER
 from nemo_gym_ckpt.responses import normalize_input
 from nemo_gym_ckpt.server import OrjsonResponse, close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agents.simple_agent.loop import LoopState
-from nemo_gym_ckpt.environment import TOKEN_ARRAYS, is_model_item, lacks_token_arrays
+from nemo_gym_ckpt.environment.base import TOKEN_ARRAYS, is_model_item, lacks_token_arrays
 
 __all__ = ["TOKEN_ARRAYS", "missing_calls", "model_call_items", "model_runs", "reattach", "refill"]
 

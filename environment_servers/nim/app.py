@@ -6,7 +6,7 @@ the move from the agent's final message, applies it, lets the opponent reply (wi
 RNG, see ``game.py``), and appends what happened as the next observation. The reward is 1 if the
 agent took the last stone, else 0.
 
-Steps (``nemo_gym_ckpt.episode``):
+Steps (``nemo_gym_ckpt.environment.episode``):
 
 - ``start`` (replay): a new game from the row's ``nim`` rules (RNG seeded from them) and the first
   observation;
@@ -41,16 +41,16 @@ from pydantic import Field
 from environment_servers.nim.game import NimGame, NimRules, parse_move
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.environment import (
+from nemo_gym_ckpt.environment.base import (
     AgentClient,
     EnvironmentConfig,
     EpisodeTask,
     mount_environment,
     note_token_arrays,
 )
-from nemo_gym_ckpt.episode import Episode, Program, Step
+from nemo_gym_ckpt.environment.episode import Episode, Program, Step
 from nemo_gym_ckpt.errors import GymError
-from nemo_gym_ckpt.resources import ResponseObject, final_text
+from nemo_gym_ckpt.resources.base import ResponseObject, final_text
 from nemo_gym_ckpt.responses import add_usage, normalize_input
 from nemo_gym_ckpt.server import close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base

@@ -1,7 +1,7 @@
 """single_agent_turn: one agent activation per episode, verified by a resources server.
 
 ``POST /run`` (under ``/ng-rollout/<capture_key>/``) takes a task row and runs these steps
-(``nemo_gym_ckpt.episode``; the mode says what a checkpoint does with a step in flight):
+(``nemo_gym_ckpt.environment.episode``; the mode says what a checkpoint does with a step in flight):
 
 - ``seed`` (replay): resources ``POST /seed_session`` with the row; keeps its cookies and its
   ``x-ng-checkpoint-verify`` and ``x-ng-checkpoint-restart`` answers;
@@ -40,16 +40,16 @@ from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.client import decode_json
 from nemo_gym_ckpt.config import ServerRef
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.environment import (
+from nemo_gym_ckpt.environment.base import (
     AgentClient,
     EnvironmentConfig,
     cookies_of,
     mount_environment,
     note_token_arrays,
 )
-from nemo_gym_ckpt.episode import Episode, Program, Step, StepMode
+from nemo_gym_ckpt.environment.episode import Episode, Program, Step, StepMode
 from nemo_gym_ckpt.errors import GymError, UpstreamError
-from nemo_gym_ckpt.resources import RESTART_HEADER, VERIFY_HEADER
+from nemo_gym_ckpt.resources.base import RESTART_HEADER, VERIFY_HEADER
 from nemo_gym_ckpt.server import close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base
 

@@ -3,7 +3,7 @@
 PROTOCOL.md is the contract. A server kind implements ``ParticipantAdapter`` and calls
 ``mount_checkpointing(app, ctx, adapter, kind=...)``; a controller drives the mesh with
 ``Coordinator`` (or ``nemo-gym-ckpt checkpoint ...``). ``docs/protocol-guide.md`` is the guide for
-controller authors; ``nemo_gym_ckpt.checkpoint.testing`` holds the conformance suite.
+controller authors; ``nemo_gym_ckpt.testing.conformance`` holds the conformance suite.
 """
 
 from __future__ import annotations

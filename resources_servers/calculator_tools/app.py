@@ -17,7 +17,7 @@ from pydantic import Field, StrictFloat, StrictInt, StrictStr, field_validator
 
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.resources import ResourcesServer, ToolArgs, Verdict, VerifyRequest, final_text, tool
+from nemo_gym_ckpt.resources.base import ResourcesServer, ToolArgs, Verdict, VerifyRequest, final_text, tool
 from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = [

@@ -18,7 +18,7 @@ from pydantic import Field, StrictFloat, StrictInt
 
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.resources import ResourcesServer, Verdict, VerifyRequest, final_text
+from nemo_gym_ckpt.resources.base import ResourcesServer, Verdict, VerifyRequest, final_text
 from nemo_gym_ckpt.server import close_on_shutdown
 from resources_servers.math_verify.grader import GraderPool, GradeStatus
 

@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.resources import ResourcesServer, Verdict, VerifyRequest, final_text
+from nemo_gym_ckpt.resources.base import ResourcesServer, Verdict, VerifyRequest, final_text
 from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = ["Config", "Mcqa", "McqaTask", "McqaVerdict", "create_app", "extract_choice"]

@@ -31,7 +31,7 @@ from pydantic import Field
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import InvalidRequest
-from nemo_gym_ckpt.resources import ResourcesServer, Session, ToolArgs, Verdict, VerifyRequest, tool
+from nemo_gym_ckpt.resources.base import ResourcesServer, Session, ToolArgs, Verdict, VerifyRequest, tool
 from nemo_gym_ckpt.server import close_on_shutdown
 from resources_servers.python_repl.interpreter import Interpreter
 

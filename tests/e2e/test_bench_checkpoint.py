@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_ckpt import bench
-from nemo_gym_ckpt.checkpoint_bench import QUICK_LEVELS
+from nemo_gym_ckpt.bench import suites as bench
+from nemo_gym_ckpt.bench.checkpoints import QUICK_LEVELS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

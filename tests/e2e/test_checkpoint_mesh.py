@@ -45,11 +45,11 @@ import pytest
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, PrepareResult
 from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.collect.rows import LOGPROB_TOLERANCE
 from nemo_gym_ckpt.config import load_config
 from nemo_gym_ckpt.errors import GymError
 from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.launch import MeshLauncher
-from nemo_gym_ckpt.rollouts import LOGPROB_TOLERANCE
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 pytestmark = pytest.mark.e2e
 

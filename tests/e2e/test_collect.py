@@ -20,7 +20,7 @@ import httpx
 import orjson
 import pytest
 
-from nemo_gym_ckpt.rollouts import failures_path, metrics_path, read_jsonl
+from nemo_gym_ckpt.collect.rows import failures_path, metrics_path, read_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -66,7 +66,7 @@ def collect_command(config: Path, output: Path, *extra: str) -> list[str]:
 
 
 def server_processes(parent: int) -> list[int]:
-    """Live ``nemo_gym_ckpt.serve`` processes started by ``parent`` (from /proc)."""
+    """Live ``nemo_gym_ckpt.cli.serve`` processes started by ``parent`` (from /proc)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -76,7 +76,7 @@ def server_processes(parent: int) -> list[int]:
             environ = (entry / "environ").read_bytes()
         except OSError:
             continue
-        if b"nemo_gym_ckpt.serve" in cmdline and f"NEMO_GYM_CKPT_PARENT_PID={parent}".encode() in environ:
+        if b"nemo_gym_ckpt.cli.serve" in cmdline and f"NEMO_GYM_CKPT_PARENT_PID={parent}".encode() in environ:
             found.append(int(entry.name))
     return found
 

@@ -20,8 +20,8 @@ from typing import Any
 import orjson
 import pytest
 
-from nemo_gym_ckpt.collection_checkpoint import find_latest, is_checkpoint_id
-from nemo_gym_ckpt.rollouts import compare_rows, read_jsonl
+from nemo_gym_ckpt.collect.published import find_latest, is_checkpoint_id
+from nemo_gym_ckpt.collect.rows import compare_rows, read_jsonl
 from tests.e2e.test_collect import server_processes
 
 pytestmark = pytest.mark.e2e

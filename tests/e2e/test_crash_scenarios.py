@@ -43,7 +43,7 @@ from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.config import load_config
 from nemo_gym_ckpt.errors import InvalidRequest
 from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.launch import MeshLauncher
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 from tests.conftest import FIXTURES
 from tests.e2e.test_checkpoint_mesh import assert_continued, model_calls, tool_calls
 from tests.support.crash_scenarios import (

@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from nemo_gym_ckpt.collection_checkpoint import find_latest
+from nemo_gym_ckpt.collect.published import find_latest
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_ckpt.launch import MeshLauncher
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 from tests.support.fault_sequences import FaultMesh, Scenario, draw_plan
 
 pytestmark = pytest.mark.e2e

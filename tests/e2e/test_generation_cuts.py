@@ -27,9 +27,9 @@ import orjson
 import pytest
 import yaml
 
-from model_servers.policy_model.cut_bench import MAX_TOKENS, CutDriver, cut_mesh_config
+from nemo_gym_ckpt.bench.cuts import MAX_TOKENS, CutDriver, cut_mesh_config
 from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.launch import MeshLauncher
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 pytestmark = [
     pytest.mark.e2e,

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from nemo_gym_ckpt.config import load_config
-from nemo_gym_ckpt.launch import (
+from nemo_gym_ckpt.launch.launcher import (
     LaunchError,
     MeshLauncher,
     StopRequested,
@@ -223,7 +223,7 @@ def test_a_server_that_dies_while_starting_fails_the_start_fast_with_its_log() -
     assert any(name == "sm" and "address already in use" in line for name, line in lines)
     assert elapsed < 15.0, "must not wait for the whole deadline"
     assert launcher.pids == {}
-    servers = [pid for pid in child_pids(os.getpid()) if "nemo_gym_ckpt.serve" in _cmdline(pid)]
+    servers = [pid for pid in child_pids(os.getpid()) if "nemo_gym_ckpt.cli.serve" in _cmdline(pid)]
     assert servers == [], "the other server must be stopped too"
 
 
@@ -234,7 +234,7 @@ def test_a_stop_requested_before_the_servers_are_up_ends_the_start() -> None:
     with pytest.raises(StopRequested, match="before the mesh was ready"):
         launcher.start(ready_timeout_s=30.0)
     assert launcher.pids == {} and not launcher.stop_requested
-    assert not [pid for pid in child_pids(os.getpid()) if "nemo_gym_ckpt.serve" in _cmdline(pid)]
+    assert not [pid for pid in child_pids(os.getpid()) if "nemo_gym_ckpt.cli.serve" in _cmdline(pid)]
 
 
 def test_stop_kills_a_server_that_does_not_exit_on_sigterm(launch_mesh: Launch) -> None:
@@ -286,7 +286,7 @@ def _cmdline(pid: int) -> list[str]:
 
 
 def _instance_of(pid: int) -> str:
-    """The instance a server process runs (the last argument of ``python -m nemo_gym_ckpt.serve``)."""
+    """The instance a server process runs (the last argument of ``python -m nemo_gym_ckpt.cli.serve``)."""
     return _cmdline(pid)[-1]
 
 
@@ -310,7 +310,7 @@ def test_what_a_server_started_is_swept_when_it_exits() -> None:
 
 def test_an_orphan_that_ignores_sigterm_kills_itself() -> None:
     code = ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "from nemo_gym_ckpt.serve import exit_orphaned; exit_orphaned(grace_s=0.2)")
+            "from nemo_gym_ckpt.cli.serve import exit_orphaned; exit_orphaned(grace_s=0.2)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert "parent process is gone" in done.stderr and "killing myself" in done.stderr
@@ -318,7 +318,7 @@ def test_an_orphan_that_ignores_sigterm_kills_itself() -> None:
 
 def test_a_server_process_without_a_config_exits_2_with_one_line() -> None:
     env = {key: value for key, value in os.environ.items() if not key.startswith("NEMO_GYM_CKPT_")}
-    done = subprocess.run([sys.executable, "-m", "nemo_gym_ckpt.serve", "sm"], env=env,
+    done = subprocess.run([sys.executable, "-m", "nemo_gym_ckpt.cli.serve", "sm"], env=env,
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "NEMO_GYM_CKPT_CONFIG is not set" in done.stderr

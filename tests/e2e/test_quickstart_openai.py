@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from nemo_gym_ckpt.launch import MeshLauncher
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 pytestmark = pytest.mark.e2e
 

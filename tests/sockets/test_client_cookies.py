@@ -9,7 +9,7 @@ from fastapi import Request
 from starlette.responses import JSONResponse
 
 from nemo_gym_ckpt.client import MeshClient, TransportName
-from nemo_gym_ckpt.head import ThreadedServer
+from nemo_gym_ckpt.launch.head import ThreadedServer
 from nemo_gym_ckpt.server import create_app
 
 pytestmark = pytest.mark.sockets

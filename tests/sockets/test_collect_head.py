@@ -19,7 +19,8 @@ import pytest
 from agents.simple_agent import app as agent_app
 from environment_servers.single_agent_turn import app as env_app
 from model_servers.inference_worker.default_model_data import make_problem
-from nemo_gym_ckpt import collect
+from nemo_gym_ckpt.cli import collect
+from nemo_gym_ckpt.collect.rows import metrics_path, read_jsonl
 from nemo_gym_ckpt.config import (
     CheckpointConfig,
     HeadServerConfig,
@@ -29,11 +30,10 @@ from nemo_gym_ckpt.config import (
     ServerRef,
 )
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.head import ThreadedServer, create_head_app
-from nemo_gym_ckpt.launch import find_free_port
-from nemo_gym_ckpt.rollouts import metrics_path, read_jsonl
+from nemo_gym_ckpt.launch.head import ThreadedServer, create_head_app
+from nemo_gym_ckpt.launch.launcher import find_free_port
+from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, calculator_policy
 from resources_servers.calculator_tools import app as calculator_app
-from tests.support.scripted_model import ScriptedModel, calculator_policy
 
 pytestmark = pytest.mark.sockets
 

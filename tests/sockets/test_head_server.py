@@ -13,8 +13,8 @@ import pytest
 
 from nemo_gym_ckpt import cli
 from nemo_gym_ckpt.config import MeshConfig, load_config
-from nemo_gym_ckpt.head import ThreadedServer, create_head_app, server_entries
-from nemo_gym_ckpt.launch import (
+from nemo_gym_ckpt.launch.head import ThreadedServer, create_head_app, server_entries
+from nemo_gym_ckpt.launch.launcher import (
     PORT_RANGE,
     LaunchError,
     MeshLauncher,

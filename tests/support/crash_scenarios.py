@@ -36,7 +36,7 @@ from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
 from nemo_gym_ckpt.checkpoint.records import episode_of
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.launch import MeshLauncher
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 __all__ = [
     "AUTH",

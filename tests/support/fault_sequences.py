@@ -67,21 +67,21 @@ from typing import Any
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
 from nemo_gym_ckpt.checkpoint.store import MANIFEST_NAME, CheckpointStore
 from nemo_gym_ckpt.client import MeshClient
-from nemo_gym_ckpt.collection import Dispatcher, Plan, Summary, _Sinks, run_plan
-from nemo_gym_ckpt.collection_checkpoint import (
+from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings, Published
+from nemo_gym_ckpt.collect.dispatch import Dispatcher, Plan, Summary, _Sinks, run_plan
+from nemo_gym_ckpt.collect.progress import Progress
+from nemo_gym_ckpt.collect.published import (
     DISPATCH_LOG,
     RunIdentity,
     config_digest,
     input_digest,
     load_published,
 )
-from nemo_gym_ckpt.collection_control import CollectionControl, ControlSettings, Published
+from nemo_gym_ckpt.collect.rows import JsonlAppender, compare_rows, failures_path, read_jsonl, rollout_id
 from nemo_gym_ckpt.config import MeshConfig, load_config
 from nemo_gym_ckpt.errors import GymError
 from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.launch import MeshLauncher
-from nemo_gym_ckpt.progress import Progress
-from nemo_gym_ckpt.rollouts import JsonlAppender, compare_rows, failures_path, read_jsonl, rollout_id
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 __all__ = ["FaultMesh", "Op", "Scenario", "ScenarioFailed", "draw_plan", "model_calls", "replay_command"]
 

@@ -21,10 +21,10 @@ import httpx
 from fastapi import FastAPI
 
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
-from nemo_gym_ckpt.checkpoint.testing import NotApplicable
 from nemo_gym_ckpt.config import MeshConfig, load_config_dict
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
-from nemo_gym_ckpt.resources import ResourcesServer, ToolArgs, tool
+from nemo_gym_ckpt.resources.base import ResourcesServer, ToolArgs, tool
+from nemo_gym_ckpt.testing.conformance import NotApplicable
 from resources_servers.calculator_tools.app import CalculatorTools
 from resources_servers.kv_store.app import KvStore
 from resources_servers.math_verify.app import MathVerify

@@ -40,13 +40,14 @@ from agents.simple_agent import app as agent_app
 from environment_servers.nim import app as nim_app
 from environment_servers.single_agent_turn import app as sat_app
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
-from nemo_gym_ckpt.checkpoint.minimal import create_head_stub
 from nemo_gym_ckpt.config import CheckpointConfig, ServerConfig
 from nemo_gym_ckpt.config import ServerRef as Ref
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.episode import without_token_arrays
+from nemo_gym_ckpt.environment.episode import without_token_arrays
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.server import create_app
+from nemo_gym_ckpt.testing.minimal import create_head_stub
+from nemo_gym_ckpt.testing.scripted_model import ModelCall, last_user_text
 from resources_servers.calculator_tools import app as calculator_app
 from tests.support.episode_participants import (
     TOKEN,
@@ -56,7 +57,6 @@ from tests.support.episode_participants import (
     instance_at,
     mesh_of,
 )
-from tests.support.scripted_model import ModelCall, last_user_text
 
 __all__ = [
     "DeterministicModel",

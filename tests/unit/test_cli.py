@@ -13,7 +13,7 @@ import pytest
 import nemo_gym_ckpt
 from nemo_gym_ckpt import cli
 from nemo_gym_ckpt.errors import ConfigError
-from nemo_gym_ckpt.launch import print_line, split_items
+from nemo_gym_ckpt.launch.launcher import print_line, split_items
 
 pytestmark = pytest.mark.unit
 
@@ -59,8 +59,8 @@ def test_every_fixed_command_is_listed(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     for name in ("run", "collect", "checkpoint", "bench", "demo"):
         assert f"  {name} " in out
-    assert cli.COMMANDS["run"].module == "nemo_gym_ckpt.launch"
-    assert cli.COMMANDS["checkpoint"].module == "nemo_gym_ckpt.checkpoint.cli"
+    assert cli.COMMANDS["run"].module == "nemo_gym_ckpt.launch.launcher"
+    assert cli.COMMANDS["checkpoint"].module == "nemo_gym_ckpt.cli.checkpoint"
 
 
 @pytest.mark.parametrize("argv", [[], ["no-such-command"], ["run"], ["run", "--bogus", "x.yaml"]])
@@ -127,7 +127,7 @@ def test_the_public_api_is_exactly_all() -> None:
     assert set(nemo_gym_ckpt.__all__) <= set(dir(nemo_gym_ckpt))
     with pytest.raises(AttributeError):
         _ = nemo_gym_ckpt.not_a_public_name  # type: ignore[attr-defined]
-    from nemo_gym_ckpt.launch import MeshLauncher
+    from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
     assert nemo_gym_ckpt.MeshLauncher is MeshLauncher
 

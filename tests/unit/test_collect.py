@@ -18,15 +18,15 @@ from fastapi import Request
 from agents.simple_agent import app as agent_app
 from environment_servers.single_agent_turn import app as env_app
 from model_servers.inference_worker.default_model_data import make_problem
-from nemo_gym_ckpt import collect
+from nemo_gym_ckpt.cli import collect
+from nemo_gym_ckpt.collect.progress import Progress, format_duration
+from nemo_gym_ckpt.collect.rows import JsonlAppender, aggregate, failures_path, metrics_path, read_jsonl
 from nemo_gym_ckpt.config import DatasetConfig, ServerConfig, ServerRef
 from nemo_gym_ckpt.identity import current_identity
-from nemo_gym_ckpt.progress import Progress, format_duration
-from nemo_gym_ckpt.rollouts import JsonlAppender, aggregate, failures_path, metrics_path, read_jsonl
 from nemo_gym_ckpt.server import create_app
+from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, calculator_policy
+from nemo_gym_ckpt.testing.transports import InProcessMesh
 from resources_servers.calculator_tools import app as calculator_app
-from tests.support.inprocess import InProcessMesh
-from tests.support.scripted_model import ScriptedModel, calculator_policy
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,8 @@ from typing import Any
 import orjson
 import pytest
 
-from nemo_gym_ckpt import collection_checkpoint as files
-from nemo_gym_ckpt.collection_checkpoint import (
+from nemo_gym_ckpt.collect import published as files
+from nemo_gym_ckpt.collect.published import (
     CheckpointRefused,
     CollectionManifest,
     RunIdentity,

@@ -8,10 +8,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from nemo_gym_ckpt import collect
-from nemo_gym_ckpt.collection_checkpoint import CollectionManifest, publish
+from nemo_gym_ckpt.cli import collect
+from nemo_gym_ckpt.collect.published import CollectionManifest, publish
+from nemo_gym_ckpt.collect.rows import read_jsonl
 from nemo_gym_ckpt.config import load_config
-from nemo_gym_ckpt.rollouts import read_jsonl
 
 pytestmark = pytest.mark.unit
 

@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 
 from model_servers.inference_worker.default_model_data import make_problem
-from nemo_gym_ckpt.collection import Plan, Summary, run_plan
-from nemo_gym_ckpt.collection_checkpoint import (
+from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings
+from nemo_gym_ckpt.collect.dispatch import Plan, Summary, run_plan
+from nemo_gym_ckpt.collect.published import (
     DISPATCH_LOG,
     RunIdentity,
     find_latest,
@@ -30,10 +31,9 @@ from nemo_gym_ckpt.collection_checkpoint import (
     is_checkpoint_id,
     read_dispatched,
 )
-from nemo_gym_ckpt.collection_control import CollectionControl, ControlSettings
-from nemo_gym_ckpt.collection_triggers import SIGTERM, SIGUSR1, Triggers
-from nemo_gym_ckpt.episode import without_token_arrays
-from nemo_gym_ckpt.rollouts import JsonlAppender, read_jsonl
+from nemo_gym_ckpt.collect.rows import JsonlAppender, read_jsonl
+from nemo_gym_ckpt.collect.triggers import SIGTERM, SIGUSR1, Triggers
+from nemo_gym_ckpt.environment.episode import without_token_arrays
 from tests.support.rollout_mesh import (
     DeterministicModel,
     RolloutMesh,

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from nemo_gym_ckpt.checkpoint.clock import FakeClock
-from nemo_gym_ckpt.episode import (
+from nemo_gym_ckpt.environment.episode import (
     Boundary,
     Episode,
     Program,

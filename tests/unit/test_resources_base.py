@@ -9,12 +9,12 @@ import httpx
 import pytest
 from pydantic import Field
 
-import nemo_gym_ckpt.resources as resources
+import nemo_gym_ckpt.resources.base as resources
 from nemo_gym_ckpt.config import ServerConfig, load_config_dict
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import InvalidRequest, StaleCheckpoint
 from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.resources import (
+from nemo_gym_ckpt.resources.base import (
     ResourcesServer,
     ResponseObject,
     Session,

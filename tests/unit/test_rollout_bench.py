@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from nemo_gym_ckpt.bench.rollouts import CpuMeter, replay_of, window_loop
 from nemo_gym_ckpt.errors import Unavailable
-from nemo_gym_ckpt.rollout_bench import CpuMeter, replay_of, window_loop
 
 pytestmark = pytest.mark.unit
 

@@ -15,10 +15,10 @@ from agents.simple_agent.loop import LoopState, tool_request
 from model_servers.inference_worker.default_model_data import make_problem
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, calculator_policy, function_call, message
+from nemo_gym_ckpt.testing.tally import Tally
+from nemo_gym_ckpt.testing.transports import InProcessMesh
 from resources_servers.calculator_tools import app as calculator_app
-from tests.support.inprocess import InProcessMesh
-from tests.support.scripted_model import ScriptedModel, calculator_policy, function_call, message
-from tests.support.tally_resources import Tally
 
 pytestmark = pytest.mark.unit
 

@@ -12,12 +12,12 @@ from fastapi import FastAPI, Request
 from agents.simple_agent import app as agent_app
 from environment_servers.nim import app as nim_app
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
-from nemo_gym_ckpt.environment import mount_run
-from nemo_gym_ckpt.episode import Episode, Step
+from nemo_gym_ckpt.environment.base import mount_run
+from nemo_gym_ckpt.environment.episode import Episode, Step
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.server import create_app
-from tests.support.inprocess import InProcessMesh
-from tests.support.scripted_model import ScriptedModel, message, nim_policy
+from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, message, nim_policy
+from nemo_gym_ckpt.testing.transports import InProcessMesh
 
 pytestmark = pytest.mark.unit
 

@@ -16,15 +16,15 @@ from environment_servers.single_agent_turn import app as env_app
 from model_servers.inference_worker.default_model_data import make_problem
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.environment import mount_run
-from nemo_gym_ckpt.episode import Episode, Step
+from nemo_gym_ckpt.environment.base import mount_run
+from nemo_gym_ckpt.environment.episode import Episode, Step
 from nemo_gym_ckpt.errors import InternalError
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.server import create_app
+from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, calculator_policy, function_call, message
+from nemo_gym_ckpt.testing.tally import Tally
+from nemo_gym_ckpt.testing.transports import InProcessMesh
 from resources_servers.calculator_tools import app as calculator_app
-from tests.support.inprocess import InProcessMesh
-from tests.support.scripted_model import ScriptedModel, calculator_policy, function_call, message
-from tests.support.tally_resources import Tally
 
 pytestmark = pytest.mark.unit
 

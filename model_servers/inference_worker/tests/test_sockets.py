@@ -14,7 +14,7 @@ from model_servers.inference_worker.app import Config, create_app
 from model_servers.inference_worker.engine import Engine
 from model_servers.inference_worker.tests.conftest import make_ctx
 from model_servers.inference_worker.tests.scripted_engine import ScriptedEngine
-from nemo_gym_ckpt.head import ThreadedServer
+from nemo_gym_ckpt.launch.head import ThreadedServer
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.sockets

@@ -34,8 +34,8 @@ from model_servers.policy_model.tests.policy_harness import (
 from model_servers.policy_model.tests.scripted_worker import Generate, ScriptedWorker
 from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
-from nemo_gym_ckpt.checkpoint.testing import Control, ParticipantUnderTest, expect_error, unique
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.conformance import Control, ParticipantUnderTest, expect_error, unique
 
 pytestmark = pytest.mark.unit
 

@@ -21,8 +21,8 @@ import pytest
 from model_servers.inference_worker.app import create_app as create_worker_app
 from model_servers.inference_worker.tests.cut_helpers import staged_line
 from model_servers.policy_model.app import create_app
-from model_servers.policy_model.cut_bench import PROMPT
 from model_servers.policy_model.tests.uvicorn_server import serving
+from nemo_gym_ckpt.bench.cuts import PROMPT
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.config import load_config_dict

@@ -34,9 +34,9 @@ from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS, Record
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
-from nemo_gym_ckpt.checkpoint.testing import Control, ParticipantUnderTest, unique
 from nemo_gym_ckpt.errors import InvalidCheckpointState, Unavailable
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.conformance import Control, ParticipantUnderTest, unique
 
 pytestmark = pytest.mark.unit
 

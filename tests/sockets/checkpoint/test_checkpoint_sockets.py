@@ -14,17 +14,17 @@ import httpx
 import orjson
 import pytest
 
-from nemo_gym_ckpt.checkpoint import cli
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
-from nemo_gym_ckpt.checkpoint.minimal import (
+from nemo_gym_ckpt.cli import checkpoint as cli
+from nemo_gym_ckpt.config import CheckpointConfig
+from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.conformance import CHECKS, ParticipantUnderTest
+from nemo_gym_ckpt.testing.minimal import (
     MinimalHooks,
     MinimalServer,
     create_head_stub,
     create_minimal_server,
 )
-from nemo_gym_ckpt.checkpoint.testing import CHECKS, ParticipantUnderTest
-from nemo_gym_ckpt.config import CheckpointConfig
-from nemo_gym_ckpt.identity import RolloutIdentity
 
 pytestmark = pytest.mark.sockets
 

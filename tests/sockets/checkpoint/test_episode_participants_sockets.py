@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK
-from nemo_gym_ckpt.checkpoint.testing import CHECKS, NotApplicable, ParticipantUnderTest
-from nemo_gym_ckpt.head import ThreadedServer
+from nemo_gym_ckpt.launch.head import ThreadedServer
+from nemo_gym_ckpt.testing.conformance import CHECKS, NotApplicable, ParticipantUnderTest
 from tests.support.episode_participants import (
     ENVIRONMENTS,
     Sockets,

@@ -20,10 +20,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
-from nemo_gym_ckpt.checkpoint.minimal import MinimalHooks, MinimalServer, create_minimal_server
 from nemo_gym_ckpt.checkpoint.telemetry import Telemetry
-from nemo_gym_ckpt.checkpoint.testing import ParticipantUnderTest
 from nemo_gym_ckpt.config import CheckpointConfig
+from nemo_gym_ckpt.testing.conformance import ParticipantUnderTest
+from nemo_gym_ckpt.testing.minimal import MinimalHooks, MinimalServer, create_minimal_server
 
 TOKEN = "test-token-1234"
 GRACE_S = 600.0

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_ckpt.checkpoint import bench
+from nemo_gym_ckpt.bench import protocol as bench
 
 pytestmark = pytest.mark.unit
 

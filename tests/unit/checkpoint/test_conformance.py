@@ -7,7 +7,7 @@ from contextlib import AbstractAsyncContextManager
 
 import pytest
 
-from nemo_gym_ckpt.checkpoint.testing import CHECKS, ParticipantUnderTest, check_participant
+from nemo_gym_ckpt.testing.conformance import CHECKS, ParticipantUnderTest, check_participant
 
 pytestmark = pytest.mark.unit
 

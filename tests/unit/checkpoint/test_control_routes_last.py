@@ -11,11 +11,11 @@ import pytest
 from fastapi import FastAPI
 from starlette.routing import BaseRoute
 
-from nemo_gym_ckpt.checkpoint.episodes_adapter import EpisodesAdapter, RunLimits
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.config import CheckpointConfig
-from nemo_gym_ckpt.episode import Episode, Program, Step
+from nemo_gym_ckpt.environment.adapter import EpisodesAdapter, RunLimits
+from nemo_gym_ckpt.environment.episode import Episode, Program, Step
 from nemo_gym_ckpt.server import create_app
 
 pytestmark = pytest.mark.unit

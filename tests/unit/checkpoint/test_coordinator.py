@@ -14,10 +14,8 @@ import pytest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, ParticipantRef
-from nemo_gym_ckpt.checkpoint.minimal import MinimalServer, create_head_stub, create_minimal_server
 from nemo_gym_ckpt.checkpoint.models import ControlRequest
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
-from nemo_gym_ckpt.checkpoint.testing import MeshTransport
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.config import CheckpointConfig
 from nemo_gym_ckpt.errors import (
@@ -30,6 +28,8 @@ from nemo_gym_ckpt.errors import (
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.server import create_app, error_response
+from nemo_gym_ckpt.testing.conformance import MeshTransport
+from nemo_gym_ckpt.testing.minimal import MinimalServer, create_head_stub, create_minimal_server
 
 from .conftest import TOKEN, Otel
 

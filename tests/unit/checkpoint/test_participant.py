@@ -16,14 +16,12 @@ import pytest
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem
 from nemo_gym_ckpt.checkpoint.clock import FakeClock
-from nemo_gym_ckpt.checkpoint.minimal import SessionsAdapter, create_minimal_server
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest, RestoreRequest, RetireRequest
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.participant import REMEMBERED_IDS, Participant
 from nemo_gym_ckpt.checkpoint.records import Scope
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
-from nemo_gym_ckpt.checkpoint.testing import expect_error
 from nemo_gym_ckpt.config import CheckpointConfig, MeshConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import (
@@ -37,6 +35,8 @@ from nemo_gym_ckpt.errors import (
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.server import create_app
+from nemo_gym_ckpt.testing.conformance import expect_error
+from nemo_gym_ckpt.testing.minimal import SessionsAdapter, create_minimal_server
 
 from .conftest import GRACE_S, TOKEN, ServerFactory, client_of, until
 from .crashfs import CrashFS

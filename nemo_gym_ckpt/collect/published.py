@@ -43,8 +43,8 @@ from typing import Any
 import orjson
 
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
-from nemo_gym_ckpt.episode import canonical_json
-from nemo_gym_ckpt.rollouts import read_jsonl
+from nemo_gym_ckpt.collect.rows import read_jsonl
+from nemo_gym_ckpt.environment.episode import canonical_json
 
 __all__ = [
     "COLLECTION_FILE",

@@ -42,11 +42,11 @@ from typing import Any
 import orjson
 
 from nemo_gym_ckpt.client import MeshClient
-from nemo_gym_ckpt.config import MeshConfig, load_config
-from nemo_gym_ckpt.environment import ACTIVATION_HEADER
+from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig, load_config
+from nemo_gym_ckpt.environment.base import ACTIVATION_HEADER
 from nemo_gym_ckpt.errors import GymError
 from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.launch import MeshLauncher
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 __all__ = [
     "CONCURRENCIES",
@@ -63,7 +63,6 @@ __all__ = [
     "window_loop",
 ]
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = PROJECT_ROOT / "configs" / "quickstart.yaml"
 CONCURRENCIES = (1, 8, 64)
 LAYERS = ("engine", "worker", "policy", "tools", "session_calls", "agent", "environment")
@@ -148,7 +147,7 @@ async def window_loop(
 
 
 def _rates(latencies: list[float], duration_s: float) -> Result:
-    from nemo_gym_ckpt.bench import percentile
+    from nemo_gym_ckpt.bench.suites import percentile
 
     return {
         "rollouts_per_s": round(len(latencies) / duration_s, 2),
@@ -477,7 +476,7 @@ async def _latency_split(layers: _Layers, calls: dict[str, Call], duration_s: fl
 
 
 def _median(samples: dict[str, list[float]]) -> dict[str, float]:
-    from nemo_gym_ckpt.bench import percentile
+    from nemo_gym_ckpt.bench.suites import percentile
 
     return {name: percentile(values, 0.5) for name, values in samples.items()}
 
@@ -497,7 +496,7 @@ def _split(p50: dict[str, float]) -> Result:
 
 
 def task_rows(mesh: MeshConfig) -> list[dict[str, Any]]:
-    from nemo_gym_ckpt.collect import default_input, read_tasks, resolve_input
+    from nemo_gym_ckpt.cli.collect import default_input, read_tasks, resolve_input
 
     (environment,) = mesh.of_type("environment_servers")
     return read_tasks(resolve_input(default_input(mesh, environment.name)), None)

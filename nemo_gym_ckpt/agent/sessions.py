@@ -58,7 +58,7 @@ from typing import Any, Literal
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS, Record, Scope
-from nemo_gym_ckpt.episode import canonical_json, without_token_arrays
+from nemo_gym_ckpt.environment.episode import canonical_json, without_token_arrays
 from nemo_gym_ckpt.errors import (
     ActivationOutOfOrder,
     GymError,

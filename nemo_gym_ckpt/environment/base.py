@@ -1,7 +1,7 @@
 """The environment-server side of a rollout: ``POST /run`` serving a ``Program``, and the agent calls.
 
 An environment server declares its settings as a subclass of ``EnvironmentConfig``, its task rows as
-a subclass of ``EpisodeTask``, and its episode as a ``Program`` (``nemo_gym_ckpt.episode``)::
+a subclass of ``EpisodeTask``, and its episode as a ``Program`` (``nemo_gym_ckpt.environment.episode``)::
 
     def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
         app = create_app_base(ctx.name)
@@ -9,7 +9,7 @@ a subclass of ``EpisodeTask``, and its episode as a ``Program`` (``nemo_gym_ckpt
         return app
 
 ``mount_environment`` mounts ``POST /run`` and, when the mesh enables checkpointing, makes the
-server a participant of kind ``environment`` (``nemo_gym_ckpt.checkpoint.episodes_adapter``): every
+server a participant of kind ``environment`` (``nemo_gym_ckpt.environment.adapter``): every
 ``/run`` then needs a rollout identity, parks at boundaries during a checkpoint and continues from
 a restored boundary when it is the next attempt of a checkpointed episode. With checkpointing off
 it is ``mount_run``: no control route, no waiting.
@@ -49,12 +49,12 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
-from nemo_gym_ckpt.checkpoint.episodes_adapter import EpisodesAdapter, RunLimits
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.episode import (
+from nemo_gym_ckpt.environment.adapter import EpisodesAdapter, RunLimits
+from nemo_gym_ckpt.environment.episode import (
     NO_HOOKS,
     Episode,
     EpisodeHooks,
@@ -65,7 +65,7 @@ from nemo_gym_ckpt.episode import (
 )
 from nemo_gym_ckpt.errors import GymError, InternalError, InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
-from nemo_gym_ckpt.resources import RESTART_HEADER
+from nemo_gym_ckpt.resources.base import RESTART_HEADER
 from nemo_gym_ckpt.server import OrjsonResponse
 
 __all__ = [

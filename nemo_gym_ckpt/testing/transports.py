@@ -54,7 +54,8 @@ class InProcessMesh:
         for name, (server_type, implementation, settings) in instances.items():
             placed = settings.model_copy(update={"host": "127.0.0.1", "port": next(_PORTS)})
             resolved[name] = ServerInstance(name, server_type, implementation, placed)  # type: ignore[arg-type]
-        self.mesh = MeshConfig(HeadServerConfig(), CheckpointConfig(), resolved, raw={})
+        head, checkpoint = HeadServerConfig.model_validate({}), CheckpointConfig.model_validate({})
+        self.mesh = MeshConfig(head, checkpoint, resolved, raw={})
         self.transport = RoutingTransport()
         self._clients: list[MeshClient] = []
 

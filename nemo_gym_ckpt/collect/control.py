@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from nemo_gym_ckpt.checkpoint.coordinator import CommitResult, Coordinator, PrepareResult
-from nemo_gym_ckpt.collection_checkpoint import (
+from nemo_gym_ckpt.collect.published import (
     DISPATCH_LOG,
     CheckpointRefused,
     CollectionManifest,
@@ -48,9 +48,9 @@ from nemo_gym_ckpt.collection_checkpoint import (
     publish,
     read_dispatched,
 )
+from nemo_gym_ckpt.collect.rows import JsonlAppender
 from nemo_gym_ckpt.errors import GymError, InvalidPhase
 from nemo_gym_ckpt.identity import RolloutIdentity, parse_capture_key
-from nemo_gym_ckpt.rollouts import JsonlAppender
 
 __all__ = ["AfterPublish", "CollectionControl", "ControlSettings", "Published", "Restored"]
 

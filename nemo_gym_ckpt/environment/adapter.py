@@ -1,6 +1,6 @@
 """The environment server's side of a checkpoint: ``EpisodesAdapter`` (PROTOCOL.md section 7).
 
-``mount_environment`` (``nemo_gym_ckpt.environment``) mounts one over the server's ``Program`` when
+``mount_environment`` (``nemo_gym_ckpt.environment.base``) mounts one over the server's ``Program`` when
 checkpointing is on; with it off nothing here runs. The adapter is also the ``EpisodeHooks`` of
 every episode it runs, which is how it parks them.
 
@@ -42,7 +42,7 @@ from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.clock import wait_until
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
-from nemo_gym_ckpt.episode import Boundary, Episode, Program, Step, StepBudget, run_episode, task_digest
+from nemo_gym_ckpt.environment.episode import Boundary, Episode, Program, Step, StepBudget, run_episode, task_digest
 from nemo_gym_ckpt.errors import InvalidCheckpointState, InvalidPhase, InvalidRequest, StaleAttempt
 from nemo_gym_ckpt.identity import RolloutIdentity
 

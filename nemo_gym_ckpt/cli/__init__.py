@@ -32,11 +32,11 @@ class Command:
 
 
 COMMANDS = {
-    "run": Command("nemo_gym_ckpt.launch", "launch a mesh from YAML and block"),
-    "collect": Command("nemo_gym_ckpt.collect", "collect rollouts with checkpointing"),
-    "checkpoint": Command("nemo_gym_ckpt.checkpoint.cli", "drive the checkpoint coordinator by hand"),
-    "bench": Command("nemo_gym_ckpt.bench", "run the benchmark suite"),
-    "demo": Command("nemo_gym_ckpt.demo", "checkpoint, kill and restore the quickstart mesh on CPU"),
+    "run": Command("nemo_gym_ckpt.launch.launcher", "launch a mesh from YAML and block"),
+    "collect": Command("nemo_gym_ckpt.cli.collect", "collect rollouts with checkpointing"),
+    "checkpoint": Command("nemo_gym_ckpt.cli.checkpoint", "drive the checkpoint coordinator by hand"),
+    "bench": Command("nemo_gym_ckpt.bench.suites", "run the benchmark suite"),
+    "demo": Command("nemo_gym_ckpt.demo.run", "checkpoint, kill and restore the quickstart mesh on CPU"),
 }
 
 

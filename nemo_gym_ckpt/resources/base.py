@@ -75,11 +75,11 @@ from starlette.responses import Response
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.records import Record
-from nemo_gym_ckpt.checkpoint.resources_adapter import ResourcesAdapter, Route
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import InvalidRequest, StaleAttempt
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+from nemo_gym_ckpt.resources.adapter import ResourcesAdapter, Route
 from nemo_gym_ckpt.server import OrjsonResponse, create_app
 
 __all__ = [

@@ -43,7 +43,7 @@ from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidPhase,
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 
 if TYPE_CHECKING:
-    from nemo_gym_ckpt.resources import ResourcesServer, Session
+    from nemo_gym_ckpt.resources.base import ResourcesServer, Session
 
 __all__ = ["SESSION_ID", "ResourcesAdapter", "Route"]
 

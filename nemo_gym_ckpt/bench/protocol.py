@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
-from nemo_gym_ckpt.checkpoint.minimal import SessionsAdapter, create_head_stub
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
-from nemo_gym_ckpt.head import ThreadedServer
 from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.launch import find_free_port, wait_for_health
+from nemo_gym_ckpt.launch.head import ThreadedServer
+from nemo_gym_ckpt.launch.launcher import find_free_port, wait_for_health
+from nemo_gym_ckpt.testing.minimal import SessionsAdapter, create_head_stub
 
 __all__ = ["admission_overhead", "commit_throughput", "cycle_latency", "run_all"]
 
@@ -121,7 +121,7 @@ def _participants(count: int, root: Path, token: str) -> Iterator[list[str]]:
             command = [
                 sys.executable,
                 "-m",
-                "nemo_gym_ckpt.checkpoint.minimal",
+                "nemo_gym_ckpt.testing.minimal",
                 "--name",
                 f"p{n}",
                 "--kind",

@@ -43,13 +43,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
-from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
-from nemo_gym_ckpt.client import MeshClient
-from nemo_gym_ckpt.errors import GymError
-from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.launch import MeshLauncher
-from nemo_gym_ckpt.rollout_bench import (
+from nemo_gym_ckpt.bench.rollouts import (
     CALL_TIMEOUT_S,
     CpuMeter,
     launched_mesh,
@@ -57,6 +51,12 @@ from nemo_gym_ckpt.rollout_bench import (
     mesh_urls,
     task_rows,
 )
+from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
+from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
+from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.errors import GymError
+from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 __all__ = ["LEVELS", "TOKEN", "checkpoint_overhead", "enabled_overrides", "prepare_latency"]
 
@@ -76,7 +76,7 @@ def enabled_overrides(root: Path | str) -> list[str]:
 
 
 def _quantiles(samples: list[float]) -> Result:
-    from nemo_gym_ckpt.bench import percentile
+    from nemo_gym_ckpt.bench.suites import percentile
 
     return {"p50_ms": round(percentile(samples, 0.5), 1), "p99_ms": round(percentile(samples, 0.99), 1),
             "max_ms": round(max(samples, default=0.0), 1), "n": len(samples)}
@@ -203,7 +203,7 @@ def _summarise_level(level: int, samples: list[Result], load: _InFlight, window:
         return out
 
     stage_names = list(samples[0]["stages"]) if samples else []
-    from nemo_gym_ckpt.bench import percentile
+    from nemo_gym_ckpt.bench.suites import percentile
 
     latencies = [latency for ended, latency in load.ends if window[0] <= ended < window[1]]
     elapsed_s = window[1] - window[0]

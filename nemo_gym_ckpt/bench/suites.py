@@ -44,7 +44,7 @@ from typing import Any
 from nemo_gym_ckpt.client import MeshClient, TransportName
 from nemo_gym_ckpt.config import load_config_dict
 from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.launch import MeshLauncher
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 __all__ = [
     "SUITES",
@@ -198,31 +198,31 @@ def bench_policy(duration_s: float) -> Result:
 
 
 def bench_checkpoint(duration_s: float) -> Result:
-    module = importlib.import_module("nemo_gym_ckpt.checkpoint.bench")
+    module = importlib.import_module("nemo_gym_ckpt.bench.protocol")
     return dict(module.run_all(quick=duration_s < 3))
 
 
 def bench_rollouts(duration_s: float, overrides: Sequence[str] = ()) -> Result:
     """The quickstart end to end; ``overrides`` are ``key=value`` config overrides."""
-    from nemo_gym_ckpt.rollout_bench import measure_rollouts
+    from nemo_gym_ckpt.bench.rollouts import measure_rollouts
 
     return measure_rollouts(duration_s, overrides)
 
 
 def bench_prepare_latency(duration_s: float) -> Result:
-    from nemo_gym_ckpt.checkpoint_bench import prepare_latency
+    from nemo_gym_ckpt.bench.checkpoints import prepare_latency
 
     return prepare_latency(quick=duration_s < 3)
 
 
 def bench_checkpoint_overhead(duration_s: float) -> Result:
-    from nemo_gym_ckpt.checkpoint_bench import checkpoint_overhead
+    from nemo_gym_ckpt.bench.checkpoints import checkpoint_overhead
 
     return checkpoint_overhead(quick=duration_s < 3)
 
 
 def bench_generation_cuts(duration_s: float) -> Result:
-    from model_servers.policy_model.cut_bench import run_all
+    from nemo_gym_ckpt.bench.cuts import run_all
 
     return run_all(quick=duration_s < 3)
 

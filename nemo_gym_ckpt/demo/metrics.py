@@ -35,10 +35,10 @@ from typing import Any
 
 import orjson
 
-from nemo_gym_ckpt.collection_checkpoint import COLLECTION_FILE, CollectionManifest
-from nemo_gym_ckpt.collection_control import Published, Restored
+from nemo_gym_ckpt.collect.control import Published, Restored
+from nemo_gym_ckpt.collect.published import COLLECTION_FILE, CollectionManifest
+from nemo_gym_ckpt.collect.rows import read_jsonl
 from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.rollouts import read_jsonl
 
 __all__ = ["CrashState", "checkpoint_metrics", "model_calls_of"]
 

@@ -9,7 +9,7 @@
     # leaving the block stops everything: SIGTERM, bounded wait, SIGKILL, reap
 
 Ports: instances without a port get a free one on their host (probe-bind in 10001-20000, never the
-head port or another instance's). Each child is ``python -m nemo_gym_ckpt.serve <instance>`` with the
+head port or another instance's). Each child is ``python -m nemo_gym_ckpt.cli.serve <instance>`` with the
 resolved config (ports filled in) as JSON in ``NEMO_GYM_CKPT_CONFIG`` and the launcher's pid in
 ``NEMO_GYM_CKPT_PARENT_PID``; it runs in its own process group (a terminal's Ctrl-C reaches only
 the launcher, which stops the children in order) and exits by itself when the launcher dies.
@@ -43,9 +43,9 @@ from typing import IO
 import httpx
 import orjson
 
+from nemo_gym_ckpt.cli.serve import CONFIG_ENV, PARENT_ENV
 from nemo_gym_ckpt.config import MeshConfig, load_config
-from nemo_gym_ckpt.head import HEAD_NAME, ThreadedServer, create_head_app
-from nemo_gym_ckpt.serve import CONFIG_ENV, PARENT_ENV
+from nemo_gym_ckpt.launch.head import HEAD_NAME, ThreadedServer, create_head_app
 
 __all__ = [
     "PORT_RANGE",
@@ -323,7 +323,7 @@ class MeshLauncher:
         for name in names:
             proc = self._spawner.submit(
                 subprocess.Popen,
-                [self.python, "-m", "nemo_gym_ckpt.serve", name],
+                [self.python, "-m", "nemo_gym_ckpt.cli.serve", name],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 env=env, process_group=0,
             ).result()

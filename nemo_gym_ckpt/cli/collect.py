@@ -51,8 +51,9 @@ from typing import Any, Literal
 import httpx
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
-from nemo_gym_ckpt.collection import CollectionStartFailed, Plan, Summary, done_keys, run_plan
-from nemo_gym_ckpt.collection_checkpoint import (
+from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings
+from nemo_gym_ckpt.collect.dispatch import CollectionStartFailed, Plan, Summary, done_keys, run_plan
+from nemo_gym_ckpt.collect.published import (
     CheckpointRefused,
     RunIdentity,
     check_same_run,
@@ -60,11 +61,10 @@ from nemo_gym_ckpt.collection_checkpoint import (
     find_latest,
     input_digest,
 )
-from nemo_gym_ckpt.collection_control import CollectionControl, ControlSettings
-from nemo_gym_ckpt.collection_triggers import Triggers, hold_signals
-from nemo_gym_ckpt.config import MeshConfig, load_config
-from nemo_gym_ckpt.launch import LaunchError, MeshLauncher, StopRequested
-from nemo_gym_ckpt.rollouts import failures_path, metrics_path, read_jsonl
+from nemo_gym_ckpt.collect.rows import failures_path, metrics_path, read_jsonl
+from nemo_gym_ckpt.collect.triggers import Triggers, hold_signals
+from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig, load_config
+from nemo_gym_ckpt.launch.launcher import LaunchError, MeshLauncher, StopRequested
 
 __all__ = [
     "EXIT_CHECKPOINTED",
@@ -83,7 +83,6 @@ __all__ = [
 ]
 
 PROG = "nemo-gym-ckpt collect"
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 ENVIRONMENT_TYPE: Literal["environment_servers"] = "environment_servers"
 TOKEN_ENV = "GYM_CKPT_TOKEN"
 EXIT_CHECKPOINTED = 75

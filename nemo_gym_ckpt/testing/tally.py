@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.resources import ResourcesServer, Session, TaskRow, ToolArgs, Verdict, VerifyRequest, tool
+from nemo_gym_ckpt.resources.base import ResourcesServer, Session, TaskRow, ToolArgs, Verdict, VerifyRequest, tool
 
 __all__ = ["Tally", "create_app"]
 

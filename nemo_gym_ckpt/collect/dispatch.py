@@ -28,12 +28,9 @@ from typing import Any, TextIO
 import orjson
 
 from nemo_gym_ckpt.client import MeshClient
-from nemo_gym_ckpt.collection_control import CollectionControl, Published
-from nemo_gym_ckpt.collection_triggers import SIGTERM, STOP, Triggers, install_signals
-from nemo_gym_ckpt.errors import GymError, UpstreamError
-from nemo_gym_ckpt.identity import RolloutIdentity
-from nemo_gym_ckpt.progress import Progress
-from nemo_gym_ckpt.rollouts import (
+from nemo_gym_ckpt.collect.control import CollectionControl, Published
+from nemo_gym_ckpt.collect.progress import Progress
+from nemo_gym_ckpt.collect.rows import (
     JsonlAppender,
     RolloutKey,
     aggregate,
@@ -45,6 +42,9 @@ from nemo_gym_ckpt.rollouts import (
     rollout_id,
     rollout_key,
 )
+from nemo_gym_ckpt.collect.triggers import SIGTERM, STOP, Triggers, install_signals
+from nemo_gym_ckpt.errors import GymError, UpstreamError
+from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = ["HOUSEKEEPING_TICK_S", "CollectionStartFailed", "Dispatcher", "Plan", "Summary", "done_keys",
            "run_plan"]

@@ -52,22 +52,21 @@ import orjson
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
 from nemo_gym_ckpt.client import MeshClient
-from nemo_gym_ckpt.collection import CollectionStartFailed, Plan, Summary, run_plan
-from nemo_gym_ckpt.collection_checkpoint import RunIdentity, config_digest, input_digest
-from nemo_gym_ckpt.collection_control import CollectionControl, ControlSettings, Published
-from nemo_gym_ckpt.collection_triggers import Triggers
-from nemo_gym_ckpt.config import MeshConfig, ServerInstance, load_config
-from nemo_gym_ckpt.demo_metrics import CrashState, checkpoint_metrics
+from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings, Published
+from nemo_gym_ckpt.collect.dispatch import CollectionStartFailed, Plan, Summary, run_plan
+from nemo_gym_ckpt.collect.published import RunIdentity, config_digest, input_digest
+from nemo_gym_ckpt.collect.rows import RowComparison, compare_rows, read_jsonl
+from nemo_gym_ckpt.collect.triggers import Triggers
+from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig, ServerInstance, load_config
+from nemo_gym_ckpt.demo.metrics import CrashState, checkpoint_metrics
 from nemo_gym_ckpt.errors import GymError
-from nemo_gym_ckpt.launch import LaunchError, MeshLauncher
-from nemo_gym_ckpt.rollouts import RowComparison, compare_rows, read_jsonl
+from nemo_gym_ckpt.launch.launcher import LaunchError, MeshLauncher
 
 __all__ = ["DEFAULT_CONFIG", "DemoResult", "MeshCrashed", "configure", "main", "run_demo"]
 
 logger = logging.getLogger(__name__)
 
 PROG = "nemo-gym-ckpt demo"
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "quickstart.yaml"
 ENVIRONMENT = "single_agent_turn"
 HELD_WAIT_S = 10.0

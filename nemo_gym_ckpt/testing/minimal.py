@@ -6,7 +6,7 @@ blocks a prepare) or restart (never exported). A restored session keeps the reco
 and exports it again byte for byte until it changes.
 
 Run one as a process (the benchmarks do): ``GYM_CKPT_TOKEN=... python -m
-nemo_gym_ckpt.checkpoint.minimal --name s1 --kind agent --root ./checkpoints --port 8123``.
+nemo_gym_ckpt.testing.minimal --name s1 --kind agent --root ./checkpoints --port 8123``.
 
 Data plane of the app (rollout-scoped, under ``/ng-rollout/<capture_key>/``):
 ``POST /session {"state": {...}}`` sets the session's state, ``GET /session`` reads it, and
@@ -237,7 +237,7 @@ class MinimalHooks:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Serve one minimal participant (token from ``GYM_CKPT_TOKEN``) until terminated."""
-    parser = argparse.ArgumentParser(prog="python -m nemo_gym_ckpt.checkpoint.minimal")
+    parser = argparse.ArgumentParser(prog="python -m nemo_gym_ckpt.testing.minimal")
     parser.add_argument("--name", required=True)
     parser.add_argument("--kind", default="resources")
     parser.add_argument("--root", required=True)

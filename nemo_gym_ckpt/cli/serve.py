@@ -1,4 +1,4 @@
-"""Entry point of one server process: ``python -m nemo_gym_ckpt.serve <instance>``.
+"""Entry point of one server process: ``python -m nemo_gym_ckpt.cli.serve <instance>``.
 
 The launcher passes the resolved mesh config (ports assigned) as JSON in ``NEMO_GYM_CKPT_CONFIG``.
 This module builds the instance's ``ServerContext``, asks its ``app`` module for the FastAPI app and
@@ -84,7 +84,7 @@ def _load_mesh() -> MeshConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m nemo_gym_ckpt.serve")
+    parser = argparse.ArgumentParser(prog="python -m nemo_gym_ckpt.cli.serve")
     parser.add_argument("instance")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
