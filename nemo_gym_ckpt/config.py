@@ -34,6 +34,7 @@ from nemo_gym_ckpt.errors import ConfigError
 __all__ = [
     "PROJECT_ROOT",
     "SERVER_TYPES",
+    "TOKEN_ENV",
     "CheckpointConfig",
     "DatasetConfig",
     "HeadServerConfig",
@@ -48,6 +49,8 @@ __all__ = [
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 """The folder holding ``configs/`` and the server folders: the checkout, or site-packages when installed."""
+TOKEN_ENV = "GYM_CKPT_TOKEN"
+"""Where the commands read a running mesh's control token (the configs interpolate it too)."""
 SERVER_TYPES = ("model_servers", "environment_servers", "agents", "resources_servers")
 ServerType = Literal["model_servers", "environment_servers", "agents", "resources_servers"]
 MISSING = "???"

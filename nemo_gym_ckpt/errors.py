@@ -1,34 +1,49 @@
 """The one error tree of the mesh.
 
-Every failure a server answers, and every failure the client maps back from a peer, is one of
-these classes. Each carries a wire ``code`` and an HTTP ``status``; the table ``ERROR_CODES``
-below is the single source of both, so a code never drifts from its status.
+Two trees. ``GymError`` is every failure a server answers over HTTP, and every failure the client
+maps back from a peer's reply: each class carries a wire ``code`` and an HTTP ``status``; the table
+``ERROR_CODES`` is the single source of both, so a code never drifts from its status. Classes are
+grouped in families a caller can catch as a whole. ``CommandError`` is what a command reports in
+one line (never sent over HTTP); ``nemo_gym_ckpt.cli.exit_codes`` maps both trees to exit codes.
 
     GymError                          (base: code, status, detail)
-    ├── InvalidRequest                400 invalid_request
-    ├── RolloutIdRequired             400 rollout_id_required
-    ├── Unauthorized                  401 unauthorized
-    ├── NotFound                      404 not_found
-    ├── MethodNotAllowed              405 method_not_allowed
-    ├── CheckpointConflict            409 checkpoint_conflict
-    ├── StaleCheckpoint               409 stale_checkpoint
-    ├── InvalidPhase                  409 invalid_phase
-    ├── DeadlineExceeded              409 deadline_exceeded
-    ├── StaleAttempt                  409 stale_attempt
-    ├── ActivationOutOfOrder          409 activation_out_of_order
-    ├── PayloadTooLarge               413 payload_too_large
-    ├── InvalidCheckpointState        422 invalid_checkpoint_state
-    ├── InternalError                 500 internal_error        (a bug; never for bad input)
-    ├── UpstreamError                 502 upstream_error        (a peer answered something unusable)
-    ├── CoordinatorUnavailable        503 checkpoint_coordinator_unavailable
-    ├── Unavailable                   503 unavailable           (a peer could not be reached)
-    └── UpstreamTimeout               504 upstream_timeout      (a deadline ran out while waiting on a peer)
+    ├── BadInput                      the request itself is wrong: fix it, do not retry it
+    │   ├── InvalidRequest            400 invalid_request
+    │   ├── RolloutIdRequired         400 rollout_id_required
+    │   ├── Unauthorized              401 unauthorized
+    │   ├── NotFound                  404 not_found
+    │   ├── MethodNotAllowed          405 method_not_allowed
+    │   └── PayloadTooLarge           413 payload_too_large
+    ├── StateConflict                 the participant's checkpoint state does not allow it now
+    │   ├── CheckpointConflict        409 checkpoint_conflict
+    │   ├── StaleCheckpoint           409 stale_checkpoint
+    │   ├── InvalidPhase              409 invalid_phase
+    │   ├── DeadlineExceeded          409 deadline_exceeded
+    │   ├── StaleAttempt              409 stale_attempt
+    │   └── ActivationOutOfOrder      409 activation_out_of_order
+    ├── StorageError                  checkpoint files: what was read is unusable
+    │   └── InvalidCheckpointState    422 invalid_checkpoint_state
+    ├── PeerError                     a peer or the transport failed: the call may succeed later
+    │   ├── UpstreamError             502 upstream_error        (a peer answered something unusable)
+    │   ├── CoordinatorUnavailable    503 checkpoint_coordinator_unavailable
+    │   ├── Unavailable               503 unavailable           (a peer, or the disk, could not be reached)
+    │   └── UpstreamTimeout           504 upstream_timeout      (a deadline ran out while waiting on a peer)
+    └── InternalError                 500 internal_error        (a bug; never for bad input)
 
-    ConfigError                       (not an HTTP error: a config problem, exit status 2)
+    CommandError                      (a command's one-line failure; not an HTTP error)
+    ├── ConfigError                   a config problem, naming the file and the key   -> exit 2
+    ├── UsageError                    flags or inputs that cannot work                -> exit 2
+    │   └── CheckpointRefused         the directory's checkpoint is not this run's     -> exit 2
+    ├── LaunchError                   the mesh could not be started or kept running   -> exit 1
+    │   ├── StopRequested             a signal arrived while the servers were starting
+    │   └── MeshCrashed               every server was killed on purpose (the demo's crash)
+    └── CollectFailed                 the collection cannot go on                     -> exit 1
+        └── CollectionStartFailed     restoring and fencing before the first dispatch failed
 
-Route handlers raise these; ``server.install_error_handlers`` turns them into
+Route handlers raise ``GymError`` classes; ``server.install_error_handlers`` turns them into
 ``{"error": {"code", "detail"}}``. The client turns such bodies back into the same classes with
-``error_from_body``, so callers branch on classes, never on status codes.
+``error_from_body`` (and transport failures into ``PeerError`` classes, in one place), so callers
+branch on classes, never on status codes.
 """
 
 from __future__ import annotations
@@ -38,7 +53,12 @@ from typing import Any, ClassVar
 __all__ = [
     "ERROR_CODES",
     "ActivationOutOfOrder",
+    "BadInput",
     "CheckpointConflict",
+    "CheckpointRefused",
+    "CollectFailed",
+    "CollectionStartFailed",
+    "CommandError",
     "ConfigError",
     "CoordinatorUnavailable",
     "DeadlineExceeded",
@@ -47,16 +67,23 @@ __all__ = [
     "InvalidCheckpointState",
     "InvalidPhase",
     "InvalidRequest",
+    "LaunchError",
+    "MeshCrashed",
     "MethodNotAllowed",
     "NotFound",
     "PayloadTooLarge",
+    "PeerError",
     "RolloutIdRequired",
     "StaleAttempt",
     "StaleCheckpoint",
+    "StateConflict",
+    "StopRequested",
+    "StorageError",
     "Unauthorized",
     "Unavailable",
     "UpstreamError",
     "UpstreamTimeout",
+    "UsageError",
     "error_from_body",
 ]
 
@@ -79,55 +106,79 @@ class GymError(Exception):
         return f"{type(self).__name__}({self.detail!r})"
 
 
-class InvalidRequest(GymError):
+class BadInput(GymError):
+    """The request is wrong (body, identity, auth, route, size): retrying it unchanged fails again."""
+
     code, status = "invalid_request", 400
 
 
-class RolloutIdRequired(GymError):
-    code, status = "rollout_id_required", 400
+class StateConflict(GymError):
+    """The participant's checkpoint state (phase, id, fences, marks) does not allow this call now."""
 
-
-class Unauthorized(GymError):
-    code, status = "unauthorized", 401
-
-
-class NotFound(GymError):
-    code, status = "not_found", 404
-
-
-class MethodNotAllowed(GymError):
-    code, status = "method_not_allowed", 405
-
-
-class CheckpointConflict(GymError):
     code, status = "checkpoint_conflict", 409
 
 
-class StaleCheckpoint(GymError):
+class StorageError(GymError):
+    """Checkpoint files that cannot be used as they are."""
+
+    code, status = "invalid_checkpoint_state", 422
+
+
+class PeerError(GymError):
+    """A peer, the transport or the disk failed; the same call may succeed later."""
+
+    code, status = "unavailable", 503
+
+
+class InvalidRequest(BadInput):
+    code, status = "invalid_request", 400
+
+
+class RolloutIdRequired(BadInput):
+    code, status = "rollout_id_required", 400
+
+
+class Unauthorized(BadInput):
+    code, status = "unauthorized", 401
+
+
+class NotFound(BadInput):
+    code, status = "not_found", 404
+
+
+class MethodNotAllowed(BadInput):
+    code, status = "method_not_allowed", 405
+
+
+class CheckpointConflict(StateConflict):
+    code, status = "checkpoint_conflict", 409
+
+
+class StaleCheckpoint(StateConflict):
     code, status = "stale_checkpoint", 409
 
 
-class InvalidPhase(GymError):
+class InvalidPhase(StateConflict):
     code, status = "invalid_phase", 409
 
 
-class DeadlineExceeded(GymError):
+class DeadlineExceeded(StateConflict):
     code, status = "deadline_exceeded", 409
 
 
-class StaleAttempt(GymError):
+class StaleAttempt(StateConflict):
     code, status = "stale_attempt", 409
 
 
-class ActivationOutOfOrder(GymError):
+class ActivationOutOfOrder(StateConflict):
     code, status = "activation_out_of_order", 409
 
 
-class PayloadTooLarge(GymError):
+class PayloadTooLarge(BadInput):
     code, status = "payload_too_large", 413
 
 
-class InvalidCheckpointState(GymError):
+class InvalidCheckpointState(StorageError):
     code, status = "invalid_checkpoint_state", 422
 
 
@@ -135,23 +186,27 @@ class InternalError(GymError):
     code, status = "internal_error", 500
 
 
-class UpstreamError(GymError):
+class UpstreamError(PeerError):
     code, status = "upstream_error", 502
 
 
-class CoordinatorUnavailable(GymError):
+class CoordinatorUnavailable(PeerError):
     code, status = "checkpoint_coordinator_unavailable", 503
 
 
-class Unavailable(GymError):
+class Unavailable(PeerError):
     code, status = "unavailable", 503
 
 
-class UpstreamTimeout(GymError):
+class UpstreamTimeout(PeerError):
     code, status = "upstream_timeout", 504
 
 
-class ConfigError(Exception):
+class CommandError(Exception):
+    """Base of what a command reports in one line; the message is that line."""
+
+
+class ConfigError(CommandError):
     """A config problem: names the file and the key; the CLI exits with status 2."""
 
     def __init__(self, message: str, *, file: str | None = None, key: str | None = None) -> None:
@@ -159,6 +214,34 @@ class ConfigError(Exception):
         super().__init__(f"{where}: {message}" if where else message)
         self.file = file
         self.key = key
+
+
+class UsageError(CommandError):
+    """A flag combination or an input that cannot work; exit status 2."""
+
+
+class CheckpointRefused(UsageError):
+    """A checkpoint of this directory cannot be used by this collection (the message says why)."""
+
+
+class LaunchError(CommandError):
+    """The mesh could not be started or kept running; the message is one line (notes hold logs)."""
+
+
+class StopRequested(LaunchError):
+    """``request_stop`` (a signal) arrived while ``start`` was waiting for the servers."""
+
+
+class MeshCrashed(LaunchError):
+    """Raised by the demo's crash hook after every server process got SIGKILL."""
+
+
+class CollectFailed(CommandError):
+    """The collection cannot go on (e.g. the head server does not answer); exit status 1."""
+
+
+class CollectionStartFailed(CollectFailed):
+    """The restore and fencing before the first dispatch failed (the message says why)."""
 
 
 ERROR_CODES: dict[str, type[GymError]] = {

@@ -61,14 +61,14 @@ from agents.simple_agent.loop import (
 from agents.simple_agent.restored_tokens import missing_calls, reattach, refill
 from nemo_gym_ckpt.agent.sessions import ActivationReply, AgentSessions, Turn
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
+from nemo_gym_ckpt.checkpoint.headers import ACTIVATION_HEADER, RESTART_HEADER
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.environment.base import ACTIVATION_HEADER, REFILL_PATH, cookies_of, lacks_token_arrays
+from nemo_gym_ckpt.environment.base import REFILL_PATH, cookies_of, lacks_token_arrays
 from nemo_gym_ckpt.errors import GymError, InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import current_identity
-from nemo_gym_ckpt.resources.base import RESTART_HEADER
 from nemo_gym_ckpt.responses import normalize_input
 from nemo_gym_ckpt.server import OrjsonResponse, close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base

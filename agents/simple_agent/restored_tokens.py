@@ -32,13 +32,14 @@ from collections.abc import Callable
 from typing import Any
 
 from agents.simple_agent.loop import LoopState
-from nemo_gym_ckpt.environment.base import TOKEN_ARRAYS, is_model_item, lacks_token_arrays
+from nemo_gym_ckpt.capture import POLICY_VERSION, TOKEN_ARRAYS
+from nemo_gym_ckpt.environment.base import is_model_item, lacks_token_arrays
 
 __all__ = ["TOKEN_ARRAYS", "missing_calls", "model_call_items", "model_runs", "reattach", "refill"]
 
 logger = logging.getLogger(__name__)
 
-_ORDER = (*TOKEN_ARRAYS, "policy_version")
+_ORDER = (*TOKEN_ARRAYS, POLICY_VERSION)
 
 
 def _runs(items: list[dict[str, Any]], is_model: Callable[[dict[str, Any]], bool]) -> list[list[int]]:

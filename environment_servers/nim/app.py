@@ -50,8 +50,7 @@ from nemo_gym_ckpt.environment.base import (
 )
 from nemo_gym_ckpt.environment.episode import Episode, Program, Step
 from nemo_gym_ckpt.errors import GymError
-from nemo_gym_ckpt.resources.base import ResponseObject, final_text
-from nemo_gym_ckpt.responses import add_usage, normalize_input
+from nemo_gym_ckpt.responses import add_usage, last_message_text, normalize_input
 from nemo_gym_ckpt.server import close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base
 
@@ -122,7 +121,7 @@ class Nim:
         state["usage"] = add_usage(state["usage"], reply.response.get("usage"))
         state["last_response"] = {k: v for k, v in reply.response.items() if k != "output"}
         game = NimGame.from_json(state["game"])
-        happened = game.play(parse_move(final_text(ResponseObject(output=output))))
+        happened = game.play(parse_move(last_message_text(output)))
         state["game"] = game.to_json()
         if game.over or state["activation"] >= self.settings.max_turns:
             state["transcript"].append(_observation(happened))

@@ -37,6 +37,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
+from nemo_gym_ckpt.checkpoint.headers import RESTART_HEADER, VERIFY_HEADER
 from nemo_gym_ckpt.client import decode_json
 from nemo_gym_ckpt.config import ServerRef
 from nemo_gym_ckpt.context import ServerContext
@@ -49,7 +50,6 @@ from nemo_gym_ckpt.environment.base import (
 )
 from nemo_gym_ckpt.environment.episode import Episode, Program, Step, StepMode
 from nemo_gym_ckpt.errors import GymError, UpstreamError
-from nemo_gym_ckpt.resources.base import RESTART_HEADER, VERIFY_HEADER
 from nemo_gym_ckpt.server import close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base
 

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from model_servers.inference_worker.staging import CALL_ID_PATTERN
+from nemo_gym_ckpt.canonical import canonical_json
 from nemo_gym_ckpt.checkpoint.models import CHECKPOINT_ID_PATTERN
-from nemo_gym_ckpt.environment.episode import canonical_json
 from nemo_gym_ckpt.errors import InvalidRequest
 
 __all__ = [

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from nemo_gym_ckpt.capture import CAPTURE_FIELDS
+
 __all__ = [
     "MODEL_CALL_HEADER",
     "TOKEN_FIELDS",
@@ -33,7 +35,7 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 MODEL_CALL_HEADER = "x-nemo-gym-model-call-id"
 
 #: The token capture fields, in the order they are written on a chat message or output item.
-TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "policy_version")
+TOKEN_FIELDS = CAPTURE_FIELDS
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import orjson
+from nemo_gym_ckpt.canonical import canonical_json, sha256_of
 
 __all__ = ["SEED_BITS", "call_seed", "digest_of", "object_id", "sha256_of"]
 
@@ -26,8 +26,7 @@ SEED_BITS = 63
 
 def digest_of(*parts: Any) -> str:
     """A hex digest of JSON-serialisable parts (order matters)."""
-    data = orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    return hashlib.blake2b(canonical_json(parts), digest_size=16).hexdigest()
 
 
 def object_id(prefix: str, digest: str, index: int | None = None) -> str:
@@ -35,11 +34,6 @@ def object_id(prefix: str, digest: str, index: int | None = None) -> str:
     if index is None:
         return f"{prefix}{digest[:_ID_HEX]}"
     return f"{prefix}{digest_of(digest, index)[:_ID_HEX]}"
-
-
-def sha256_of(value: Any) -> str:
-    """Hex SHA-256 of ``value`` as compact JSON with sorted keys (token ids: ``[1,2,3]``)."""
-    return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 def call_seed(rollout_id: str, prompt_digest: str) -> int:

@@ -47,6 +47,7 @@ import orjson
 
 from model_servers.policy_model.generation import TokenCapture
 from model_servers.policy_model.ids import sha256_of
+from nemo_gym_ckpt.capture import TOKEN_ARRAYS
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import (
@@ -73,7 +74,7 @@ __all__ = [
 
 SIDECAR_NAME = re.compile(r"tokens-([0-9a-f]{64})\.jsonl")
 TOKEN_DIGEST = "token_digest"
-_LINE_KEYS = ("call_id", "prompt_token_ids", "generation_token_ids", "generation_log_probs")
+_LINE_KEYS = ("call_id", *TOKEN_ARRAYS)
 SidecarLines = Callable[[], Sequence[bytes]]
 
 

@@ -55,10 +55,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from nemo_gym_ckpt.canonical import canonical_json
+from nemo_gym_ckpt.capture import without_token_arrays
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS, Record, Scope
-from nemo_gym_ckpt.environment.episode import canonical_json, without_token_arrays
 from nemo_gym_ckpt.errors import (
     ActivationOutOfOrder,
     GymError,

@@ -43,14 +43,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_ckpt.bench.rollouts import (
-    CALL_TIMEOUT_S,
-    CpuMeter,
-    launched_mesh,
-    loadavg,
-    mesh_urls,
-    task_rows,
-)
+from nemo_gym_ckpt.bench.mesh import CALL_TIMEOUT_S, CpuMeter, launched_mesh, loadavg, mesh_urls, task_rows
+from nemo_gym_ckpt.bench.stats import percentile, quantiles_ms
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.client import MeshClient
@@ -73,13 +67,6 @@ NOT_PARTICIPANTS = frozenset({"inference_worker", "driver"})
 def enabled_overrides(root: Path | str) -> list[str]:
     """Config overrides that turn checkpointing on, with checkpoints under ``root``."""
     return ["checkpoint.enabled=true", f"checkpoint.control_auth_token={TOKEN}", f"checkpoint.root={root}"]
-
-
-def _quantiles(samples: list[float]) -> Result:
-    from nemo_gym_ckpt.bench.suites import percentile
-
-    return {"p50_ms": round(percentile(samples, 0.5), 1), "p99_ms": round(percentile(samples, 0.99), 1),
-            "max_ms": round(max(samples, default=0.0), 1), "n": len(samples)}
 
 
 # ---- rollouts kept in flight ------------------------------------------------------------------------
@@ -203,15 +190,13 @@ def _summarise_level(level: int, samples: list[Result], load: _InFlight, window:
         return out
 
     stage_names = list(samples[0]["stages"]) if samples else []
-    from nemo_gym_ckpt.bench.suites import percentile
-
     latencies = [latency for ended, latency in load.ends if window[0] <= ended < window[1]]
     elapsed_s = window[1] - window[0]
     return {
         "in_flight": level,
         "checkpoints": len(samples),
-        **{op: _quantiles([s[op] for s in samples]) for op in ("prepare", "commit", "resume")},
-        "forget_before_each": {**_quantiles([s["forget"] for s in samples]),
+        **{op: quantiles_ms([s[op] for s in samples]) for op in ("prepare", "commit", "resume")},
+        "forget_before_each": {**quantiles_ms([s["forget"] for s in samples]),
                                "rollouts_p50": statistics.median(s["forgotten"] for s in samples)},
         "prepare_stage_p50_ms": {stage: round(statistics.median(s["stages"].get(stage, 0.0) for s in samples), 2)
                                  for stage in stage_names},

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_ckpt.bench.stats import quantiles_ms
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest
 from nemo_gym_ckpt.checkpoint.participant import Participant
@@ -54,9 +55,8 @@ def run_all(quick: bool = False) -> Result:
 
 
 def percentiles(samples_ms: list[float]) -> Result:
-    ordered = sorted(samples_ms)
-    rank = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
-    return {"p50_ms": round(rank(0.50), 3), "p99_ms": round(rank(0.99), 3), "max_ms": round(ordered[-1], 3)}
+    """p50, p99 and max of the samples, to the microsecond."""
+    return {key: value for key, value in quantiles_ms(samples_ms, 3).items() if key != "n"}
 
 
 # ---- prepare / commit / resume cycles ------------------------------------------------------------

@@ -33,41 +33,42 @@ import asyncio
 import importlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import aclosing, contextmanager
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from nemo_gym_ckpt.bench.mesh import (
+    CALL_TIMEOUT_S,
+    QUICKSTART,
+    CpuMeter,
+    MeshUrls,
+    launched_mesh,
+    loadavg,
+    mesh_urls,
+    task_rows,
+)
+from nemo_gym_ckpt.bench.stats import percentile
+from nemo_gym_ckpt.checkpoint.headers import ACTIVATION_HEADER
 from nemo_gym_ckpt.client import MeshClient
-from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig, load_config
-from nemo_gym_ckpt.environment.base import ACTIVATION_HEADER
+from nemo_gym_ckpt.config import PROJECT_ROOT
 from nemo_gym_ckpt.errors import GymError
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 __all__ = [
     "CONCURRENCIES",
-    "QUICKSTART",
-    "CpuMeter",
     "Replay",
-    "launched_mesh",
-    "loadavg",
     "measure_rollouts",
-    "mesh_urls",
-    "quiet",
     "replay_of",
-    "task_rows",
     "window_loop",
 ]
 
-QUICKSTART = PROJECT_ROOT / "configs" / "quickstart.yaml"
 CONCURRENCIES = (1, 8, 64)
 LAYERS = ("engine", "worker", "policy", "tools", "session_calls", "agent", "environment")
-CALL_TIMEOUT_S = 600.0
-MESH_READY_S = 300.0
 
 Result = dict[str, Any]
 Call = Callable[[str], Awaitable[None]]
@@ -147,8 +148,6 @@ async def window_loop(
 
 
 def _rates(latencies: list[float], duration_s: float) -> Result:
-    from nemo_gym_ckpt.bench.suites import percentile
-
     return {
         "rollouts_per_s": round(len(latencies) / duration_s, 2),
         "p50_ms": round(1000 * percentile(latencies, 0.5), 1),
@@ -157,56 +156,6 @@ def _rates(latencies: list[float], duration_s: float) -> Result:
 
 
 # ---- CPU accounting ----------------------------------------------------------------------------------
-
-
-def _process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of ``pid`` (all its threads), or None without ``/proc``."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _machine_cpu_s() -> tuple[float, float] | None:
-    """(busy, total) CPU seconds of the whole machine since boot, or None without ``/proc``."""
-    try:
-        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except OSError:
-        return None
-    idle = values[3] + values[4]
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (sum(values) - idle) / ticks, sum(values) / ticks
-
-
-class CpuMeter:
-    """CPU seconds spent by each server process, this process and the machine over a window."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self._pids = pids
-        self._began: tuple[float, dict[str, float | None], float, tuple[float, float] | None] | None = None
-
-    def _snapshot(self) -> tuple[float, dict[str, float | None], float, tuple[float, float] | None]:
-        servers = {name: _process_cpu_s(pid) for name, pid in self._pids.items()}
-        return time.perf_counter(), servers, time.process_time(), _machine_cpu_s()
-
-    def start(self) -> None:
-        self._began = self._snapshot()
-
-    def stop(self) -> Result:
-        """``cpu_s`` per process (``driver``: this one), busy cores of the mesh and of the machine."""
-        assert self._began is not None, "stop() before start()"
-        (t0, servers0, own0, machine0), (t1, servers1, own1, machine1) = self._began, self._snapshot()
-        cpu = {name: round(end - start, 3) for name, start in servers0.items()
-               if start is not None and (end := servers1[name]) is not None}
-        cpu["driver"] = round(own1 - own0, 3)
-        wall = t1 - t0
-        usage: Result = {"cpu_s": cpu, "mesh_busy_cores": round(sum(cpu.values()) / wall, 2),
-                         "loadavg_1m": round(os.getloadavg()[0], 2)}
-        if machine0 is not None and machine1 is not None:
-            usage["machine_busy_cores"] = round((machine1[0] - machine0[0]) / wall, 2)
-            usage["machine_cores"] = round((machine1[1] - machine0[1]) / wall, 2)
-        return usage
 
 
 def _per_rollout(point: Result) -> Result:
@@ -267,32 +216,10 @@ def replay_of(task: dict[str, Any], row: dict[str, Any], served_model: str) -> R
 # ---- the layers ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Mesh:
-    environment: str
-    agent: str
-    policy: str
-    worker: str
-    resources: str
-    served_model: str
-    worker_settings: Any
-
-
-def mesh_urls(mesh: MeshConfig) -> _Mesh:
-    """The quickstart's hops, found by following the environment's references."""
-    (environment,) = mesh.of_type("environment_servers")
-    agent = mesh.instance(environment.settings.agent.name)  # type: ignore[attr-defined]
-    policy = mesh.instance(agent.settings.model_server.name)  # type: ignore[attr-defined]
-    worker = mesh.instance(policy.settings.worker.name)  # type: ignore[attr-defined]
-    resources = mesh.url_of(environment.settings.resources_server)  # type: ignore[attr-defined]
-    return _Mesh(environment.url, agent.url, policy.url, worker.url, resources,
-                 worker.settings.served_model_name, worker.settings)  # type: ignore[attr-defined]
-
-
 class _Layers:
     """One rollout's worth of calls at each layer; ``key`` makes rollout ids unique."""
 
-    def __init__(self, client: MeshClient, urls: _Mesh, tasks: list[dict[str, Any]], replays: list[Replay],
+    def __init__(self, client: MeshClient, urls: MeshUrls, tasks: list[dict[str, Any]], replays: list[Replay],
                  label: str) -> None:
         self.client, self.urls, self.tasks, self.replays, self.label = client, urls, tasks, replays, label
         self.engine: Any = None
@@ -378,7 +305,7 @@ async def _load_engine(settings: Any) -> Any:
 @dataclass
 class _Run:
     launcher: MeshLauncher
-    urls: _Mesh
+    urls: MeshUrls
     tasks: list[dict[str, Any]]
     duration_s: float
     ramp_s: float
@@ -476,8 +403,6 @@ async def _latency_split(layers: _Layers, calls: dict[str, Call], duration_s: fl
 
 
 def _median(samples: dict[str, list[float]]) -> dict[str, float]:
-    from nemo_gym_ckpt.bench.suites import percentile
-
     return {name: percentile(values, 0.5) for name, values in samples.items()}
 
 
@@ -493,17 +418,6 @@ def _split(p50: dict[str, float]) -> Result:
         "rollout": p50["environment"],
     }
     return {name: round(value, 1) for name, value in parts.items()}
-
-
-def task_rows(mesh: MeshConfig) -> list[dict[str, Any]]:
-    from nemo_gym_ckpt.cli.collect import default_input, read_tasks, resolve_input
-
-    (environment,) = mesh.of_type("environment_servers")
-    return read_tasks(resolve_input(default_input(mesh, environment.name)), None)
-
-
-def quiet(_: str, __: str) -> None:
-    """Drop server log lines during measurements."""
 
 
 def measure_rollouts(
@@ -522,20 +436,6 @@ def measure_rollouts(
         result = asyncio.run(_points(run, concurrencies, layers))
     return {"config": _relative(config), "overrides": list(overrides), "cpus": os.cpu_count(),
             "loadavg_at_start": began, **result}
-
-
-@contextmanager
-def launched_mesh(overrides: Sequence[str] = (), config: Path = QUICKSTART) -> Iterator[MeshLauncher]:
-    """The mesh of ``config`` (with ``overrides``, on a free head port) started and ready, server lines dropped."""
-    mesh = load_config([config], ["head_server.port=0", *overrides])
-    with MeshLauncher(mesh, on_line=quiet) as launcher:
-        launcher.start(ready_timeout_s=MESH_READY_S)
-        yield launcher
-
-
-def loadavg() -> list[float]:
-    """The machine's load averages (1, 5, 15 minutes), rounded."""
-    return [round(value, 2) for value in os.getloadavg()]
 
 
 def _relative(path: Path) -> str:

@@ -1,4 +1,4 @@
-"""``nemo-gym-ckpt bench``: the benchmark suite.
+"""The suites of ``nemo-gym-ckpt bench`` (``nemo_gym_ckpt.cli.bench`` is the command).
 
 Every figure is measured as a rate or a ratio inside one run (ours against a baseline measured
 seconds apart on the same machine), never compared with a stored number: these machines are shared
@@ -13,26 +13,24 @@ Suites (``--only`` picks some):
 - ``policy``: a chat completion through the policy model against the same call made on the worker
   directly.
 - ``checkpoint``: the control plane (prepare/commit/resume cycles; commit throughput against the
-  fsync floor), when that module is present.
+  fsync floor; ``protocol.py``).
 - ``rollouts``: whole quickstart rollouts at concurrency 1, 8 and 64: rollouts/s, p50/p99, CPU per
   rollout of every server process, and each layer (engine, worker, policy model, tools, agent,
-  environment) replayed alone (``rollout_bench.py``).
+  environment) replayed alone (``rollouts.py``).
 - ``prepare_latency``: prepare, commit and resume on the quickstart mesh with 0, 32 and 256
-  rollouts in flight, and what prepare waited for (``checkpoint_bench.py``).
+  rollouts in flight, and what prepare waited for (``checkpoints.py``).
 - ``checkpoint_overhead``: quickstart rollouts/s with checkpointing enabled but idle over the same
   mesh with it off: three meshes kept up (off, on, off), the same batch on each in rotation for
   several rounds; the median per-round ratio, and off over off as the noise floor.
 - ``generation_cuts``: the checkpoint pause with 8 and 64 long generations in flight, and the tokens
-  generated again after a crash mid-generation, with cuts against without (``cut_bench.py``).
+  generated again after a crash mid-generation, with cuts against without (``cuts.py``).
 
 ``--quick`` (or ``--duration-s`` under 3) runs every suite at its smallest size: the smoke-test form.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import importlib
 import json
 import logging
 import sys
@@ -41,6 +39,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_ckpt.bench import checkpoints, cuts, protocol, rollouts
+from nemo_gym_ckpt.bench.stats import percentile
 from nemo_gym_ckpt.client import MeshClient, TransportName
 from nemo_gym_ckpt.config import load_config_dict
 from nemo_gym_ckpt.identity import RolloutIdentity
@@ -52,23 +52,13 @@ __all__ = [
     "bench_generation_cuts",
     "bench_prepare_latency",
     "bench_rollouts",
-    "configure",
-    "main",
-    "percentile",
     "run_closed_loop",
+    "run_suites",
 ]
 
 logger = logging.getLogger(__name__)
 
 Result = dict[str, Any]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) by nearest rank; 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 async def run_closed_loop(call: Callable[[int], Awaitable[None]], concurrency: int, duration_s: float) -> Result:
@@ -198,33 +188,24 @@ def bench_policy(duration_s: float) -> Result:
 
 
 def bench_checkpoint(duration_s: float) -> Result:
-    module = importlib.import_module("nemo_gym_ckpt.bench.protocol")
-    return dict(module.run_all(quick=duration_s < 3))
+    return protocol.run_all(quick=duration_s < 3)
 
 
 def bench_rollouts(duration_s: float, overrides: Sequence[str] = ()) -> Result:
     """The quickstart end to end; ``overrides`` are ``key=value`` config overrides."""
-    from nemo_gym_ckpt.bench.rollouts import measure_rollouts
-
-    return measure_rollouts(duration_s, overrides)
+    return rollouts.measure_rollouts(duration_s, overrides)
 
 
 def bench_prepare_latency(duration_s: float) -> Result:
-    from nemo_gym_ckpt.bench.checkpoints import prepare_latency
-
-    return prepare_latency(quick=duration_s < 3)
+    return checkpoints.prepare_latency(quick=duration_s < 3)
 
 
 def bench_checkpoint_overhead(duration_s: float) -> Result:
-    from nemo_gym_ckpt.bench.checkpoints import checkpoint_overhead
-
-    return checkpoint_overhead(quick=duration_s < 3)
+    return checkpoints.checkpoint_overhead(quick=duration_s < 3)
 
 
 def bench_generation_cuts(duration_s: float) -> Result:
-    from nemo_gym_ckpt.bench.cuts import run_all
-
-    return run_all(quick=duration_s < 3)
+    return cuts.run_all(quick=duration_s < 3)
 
 
 SUITES: dict[str, Callable[[float], Result]] = {
@@ -272,29 +253,19 @@ def _plot_client(result: Result, out: Path) -> None:
     plt.close(figure)
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.description = "Run the benchmark suite; writes results.json, results.md and PNG plots."
-    parser.add_argument("--only", nargs="+", choices=sorted(SUITES), help="run only these suites")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
-    parser.add_argument("--duration-s", type=float, default=5.0, help="seconds per measured point")
-    parser.add_argument("--quick", action="store_true", help="smallest sizes (--duration-s 1): a smoke test")
-
-
-def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.WARNING)
-    if args.quick:
-        args.duration_s = 1.0
-    args.out.mkdir(parents=True, exist_ok=True)
+def run_suites(names: Sequence[str], duration_s: float, out: Path) -> str:
+    """Run the named suites one after another, write ``results.json``, ``results.md`` and plots to
+    ``out``; answer the Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Result] = {}
-    for name in args.only or list(SUITES):
+    for name in names:
         print(f"bench {name} ...", file=sys.stderr, flush=True)
         began = time.perf_counter()
-        results[name] = SUITES[name](args.duration_s)
+        results[name] = SUITES[name](duration_s)
         results[name]["elapsed_s"] = round(time.perf_counter() - began, 1)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (args.out / "results.md").write_text(_markdown(results))
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    markdown = _markdown(results)
+    (out / "results.md").write_text(markdown)
     if "client" in results:
-        _plot_client(results["client"], args.out)
-    print(_markdown(results))
-    return 0
-
+        _plot_client(results["client"], out)
+    return markdown

@@ -9,7 +9,7 @@ controller authors; ``nemo_gym_ckpt.testing.conformance`` holds the conformance 
 from __future__ import annotations
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, ParticipantAdapter, Readiness
-from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock, FakeClock, SystemClock
+from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock, SystemClock
 from nemo_gym_ckpt.checkpoint.coordinator import (
     CommitResult,
     Coordinator,
@@ -37,7 +37,6 @@ __all__ = [
     "CommitResult",
     "Coordinator",
     "ExportItem",
-    "FakeClock",
     "FileOps",
     "Manifest",
     "Outcome",

@@ -1,4 +1,4 @@
-"""Time for leases and deadlines, injectable: the wall clock, or a fake one tests move by hand.
+"""Time for leases and deadlines, injectable: the wall clock here, a fake one in ``nemo_gym_ckpt.testing.clock``.
 
 Deadlines on the wire are absolute Unix seconds, so a clock is ``now() -> float`` (Unix seconds)
 plus ``sleep_until(ts)``. ``wait_until(clock, awaitable, ts)`` races an awaitable against the clock
@@ -8,13 +8,11 @@ and is how every bounded wait in the checkpoint code is written.
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import time
 from collections.abc import Awaitable
 from typing import Protocol, TypeVar
 
-__all__ = ["SYSTEM_CLOCK", "Clock", "FakeClock", "SystemClock", "wait_until"]
+__all__ = ["SYSTEM_CLOCK", "Clock", "SystemClock", "wait_until"]
 
 T = TypeVar("T")
 
@@ -37,38 +35,6 @@ class SystemClock:
 
 
 SYSTEM_CLOCK = SystemClock()
-
-
-class FakeClock:
-    """A clock that moves only when told: ``advance`` wakes every sleeper whose time has come."""
-
-    def __init__(self, start: float | None = None) -> None:
-        self._now = time.time() if start is None else start
-        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._order = itertools.count()
-
-    def now(self) -> float:
-        return self._now
-
-    async def sleep_until(self, ts: float) -> None:
-        if ts <= self._now:
-            return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._sleepers, (ts, next(self._order), future))
-        await future
-
-    def advance(self, seconds: float) -> None:
-        """Move time forward and wake the sleepers that are due (they run at the next loop turn)."""
-        self._now += seconds
-        while self._sleepers and self._sleepers[0][0] <= self._now:
-            _, _, future = heapq.heappop(self._sleepers)
-            if not future.done():
-                future.set_result(None)
-
-    @property
-    def sleepers(self) -> int:
-        """How many sleepers wait for a later time (cancelled ones included until they are due)."""
-        return sum(1 for _, _, future in self._sleepers if not future.done())
 
 
 async def wait_until(clock: Clock, awaitable: Awaitable[T], ts: float) -> tuple[bool, T | None]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from nemo_gym_ckpt.capture import RECORD_FORBIDDEN_KEYS
 from nemo_gym_ckpt.errors import GymError, InternalError, InvalidCheckpointState
 from nemo_gym_ckpt.identity import RolloutIdentity
 
@@ -22,13 +23,7 @@ __all__ = ["TOKEN_ARRAY_KEYS", "Record", "Scope", "episode_of", "scope_of"]
 
 Scope = frozenset[RolloutIdentity]
 
-TOKEN_ARRAY_KEYS = (
-    "prompt_token_ids",
-    "generation_token_ids",
-    "generation_log_probs",
-    "token_ids",
-    "logprobs",
-)
+TOKEN_ARRAY_KEYS = RECORD_FORBIDDEN_KEYS
 _TOKEN_KEYS = frozenset(TOKEN_ARRAY_KEYS)
 
 

@@ -1,9 +1,9 @@
-"""The ``nemo-gym-ckpt`` command (ARCHITECTURE.md section 6).
+"""The ``nemo-gym-ckpt`` command (docs/architecture.md, "Commands").
 
-Each subcommand lives in its own module, imported only when that subcommand runs; the module
-declares ``configure(parser)`` (its arguments) and ``main(args) -> int`` (its exit status). Exit
-statuses: 0 done, 1 failure with a one-line reason, 2 usage or config error, 75 checkpointed and
-stopped on request.
+Each subcommand is a module of this package, imported only when that subcommand runs; the module
+declares ``configure(parser)`` (its arguments) and ``main(args) -> ExitCode``. ``exit_codes`` holds
+the codes and the one map from exceptions to them. ``serve`` is the entry point of one server
+process (the launcher starts it; it is not a subcommand).
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
+from nemo_gym_ckpt.cli.exit_codes import exit_code_for
 from nemo_gym_ckpt.errors import ConfigError
 
-__all__ = ["COMMANDS", "EXIT_CONFIG", "EXIT_FAILURE", "Command", "build_parser", "main"]
+__all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
 PROG = "nemo-gym-ckpt"
-EXIT_FAILURE = 1
-EXIT_CONFIG = 2
 
 
 @dataclass(frozen=True)
@@ -32,11 +31,11 @@ class Command:
 
 
 COMMANDS = {
-    "run": Command("nemo_gym_ckpt.launch.launcher", "launch a mesh from YAML and block"),
+    "run": Command("nemo_gym_ckpt.cli.run", "launch a mesh from YAML and block"),
     "collect": Command("nemo_gym_ckpt.cli.collect", "collect rollouts with checkpointing"),
     "checkpoint": Command("nemo_gym_ckpt.cli.checkpoint", "drive the checkpoint coordinator by hand"),
-    "bench": Command("nemo_gym_ckpt.bench.suites", "run the benchmark suite"),
-    "demo": Command("nemo_gym_ckpt.demo.run", "checkpoint, kill and restore the quickstart mesh on CPU"),
+    "bench": Command("nemo_gym_ckpt.cli.bench", "run the benchmark suite"),
+    "demo": Command("nemo_gym_ckpt.cli.demo", "checkpoint, kill and restore the quickstart mesh on CPU"),
 }
 
 
@@ -55,15 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(name: str) -> ModuleType | None:
-    """The command's module, or None if nobody has written it yet."""
-    module_name = COMMANDS[name].module
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name and (module_name == error.name or module_name.startswith(error.name + ".")):
-            return None
-        raise
+def _load(name: str) -> ModuleType:
+    return importlib.import_module(COMMANDS[name].module)
 
 
 def _configure_logging(level: str) -> None:
@@ -87,14 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     top = top_parser.parse_args(argv)
     _configure_logging(top.log_level)
     module = _load(top.command)
-    if module is None:
-        return _fail(f"'{top.command}' is not available yet", EXIT_FAILURE)
-    if not (callable(getattr(module, "configure", None)) and callable(getattr(module, "main", None))):
-        return _fail(f"{module.__name__} does not declare configure(parser) and main(args)", EXIT_FAILURE)
     parser = argparse.ArgumentParser(prog=f"{PROG} {top.command}")
     module.configure(parser)
     args = parser.parse_args(top.args)
     try:
         return int(module.main(args))
     except ConfigError as error:
-        return _fail(f"config error: {error}", EXIT_CONFIG)
+        return _fail(f"config error: {error}", exit_code_for(error))

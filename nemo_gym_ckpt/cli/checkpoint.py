@@ -23,14 +23,14 @@ import orjson
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, StagedResult
 from nemo_gym_ckpt.checkpoint.models import CHECKPOINT_ID_PATTERN
+from nemo_gym_ckpt.cli.exit_codes import ExitCode, exit_code_for
+from nemo_gym_ckpt.config import TOKEN_ENV
 from nemo_gym_ckpt.errors import GymError
 from nemo_gym_ckpt.identity import RolloutIdentity, parse_capture_key
 
 __all__ = ["TOKEN_ENV", "configure", "main"]
 
-TOKEN_ENV = "GYM_CKPT_TOKEN"
 PROG = "nemo-gym-ckpt checkpoint"
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 def _checkpoint_id(text: str) -> str:
@@ -102,15 +102,15 @@ def _common_arguments() -> argparse.ArgumentParser:
     return common
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> ExitCode:
     token = os.environ.get(args.token_env, "")
     if not token:
         print(f"{PROG}: set {args.token_env} to the mesh's control_auth_token", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     return asyncio.run(_run(args, token))
 
 
-async def _run(args: argparse.Namespace, token: str) -> int:
+async def _run(args: argparse.Namespace, token: str) -> ExitCode:
     deadline_ts = time.time() + args.timeout_s
     async with Coordinator(args.head, token, required_kinds=args.require_kind) as coordinator:
         try:
@@ -120,12 +120,12 @@ async def _run(args: argparse.Namespace, token: str) -> int:
             if isinstance(result, StagedResult):
                 _print(result.to_json())
             print(f"{PROG} {args.verb}: {error.code}: {error.detail}", file=sys.stderr)
-            return EXIT_FAILURE
+            return exit_code_for(error)
     _print(output)
     if args.verb == "prepare" and not output["prepared"]:
         print(f"{PROG} prepare: not ready at stage {output['not_ready_stage']}", file=sys.stderr)
-        return EXIT_FAILURE
-    return EXIT_OK
+        return ExitCode.FAILURE
+    return ExitCode.OK
 
 
 def _print(output: Any) -> None:

@@ -51,50 +51,35 @@ from typing import Any, Literal
 import httpx
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
+from nemo_gym_ckpt.cli.exit_codes import ExitCode, exit_code_for
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings
 from nemo_gym_ckpt.collect.dispatch import CollectionStartFailed, Plan, Summary, done_keys, run_plan
 from nemo_gym_ckpt.collect.published import (
-    CheckpointRefused,
     RunIdentity,
     check_same_run,
     config_digest,
     find_latest,
     input_digest,
 )
-from nemo_gym_ckpt.collect.rows import failures_path, metrics_path, read_jsonl
+from nemo_gym_ckpt.collect.rows import failures_path, metrics_path
+from nemo_gym_ckpt.collect.tasks import default_input, read_tasks, resolve_input
 from nemo_gym_ckpt.collect.triggers import Triggers, hold_signals
-from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig, load_config
+from nemo_gym_ckpt.config import TOKEN_ENV, MeshConfig, load_config
+from nemo_gym_ckpt.errors import CollectFailed, UsageError
 from nemo_gym_ckpt.launch.launcher import LaunchError, MeshLauncher, StopRequested
 
 __all__ = [
-    "EXIT_CHECKPOINTED",
-    "EXIT_INTERRUPTED",
-    "PROJECT_ROOT",
     "TOKEN_ENV",
     "CheckpointSetup",
-    "CollectFailed",
     "Plan",
     "Summary",
-    "UsageError",
     "configure",
     "main",
-    "resolve_input",
     "run_plan",
 ]
 
 PROG = "nemo-gym-ckpt collect"
 ENVIRONMENT_TYPE: Literal["environment_servers"] = "environment_servers"
-TOKEN_ENV = "GYM_CKPT_TOKEN"
-EXIT_CHECKPOINTED = 75
-EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """A flag combination or an input that cannot work; exit status 2."""
-
-
-class CollectFailed(Exception):
-    """The collection cannot go on (e.g. the head server does not answer); exit status 1."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -139,26 +124,6 @@ def _positive_float(text: str) -> float:
 # ---- the plan ------------------------------------------------------------------------------------
 
 
-def resolve_input(path: Path) -> Path:
-    """``path`` as given if absolute; else against the working directory, then the project root."""
-    candidates = [path] if path.is_absolute() else [Path.cwd() / path, PROJECT_ROOT / path]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise UsageError(f"input file {path} not found (tried {', '.join(str(c) for c in candidates)})")
-
-
-def read_tasks(path: Path, limit: int | None) -> list[dict[str, Any]]:
-    try:
-        tasks = list(read_jsonl(path))
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    tasks = tasks[:limit] if limit else tasks
-    if not tasks:
-        raise UsageError(f"{path} holds no task rows")
-    return tasks
-
-
 def pick_environment(available: list[str], wanted: str | None) -> str:
     if wanted is not None:
         if wanted not in available:
@@ -169,15 +134,6 @@ def pick_environment(available: list[str], wanted: str | None) -> str:
         count = len(available)
         raise UsageError(f"pass --environment NAME: the mesh has {count} environment servers ({choices})")
     return available[0]
-
-
-def default_input(mesh: MeshConfig | None, environment: str) -> Path:
-    if mesh is None:
-        raise UsageError("pass --input, or --config so that the environment's dataset can be found")
-    datasets = mesh.instance(environment).settings.datasets
-    if not datasets:
-        raise UsageError(f"environment {environment} declares no datasets; pass --input")
-    return datasets[0].jsonl_fpath
 
 
 def head_servers(head: str) -> list[dict[str, str]]:
@@ -296,19 +252,19 @@ def _report(plan: Plan, summary: Summary) -> None:
     print("wrote " + ", ".join(str(path) for path in wrote))
 
 
-def _exit_status(summary: Summary) -> int:
+def _exit_status(summary: Summary) -> ExitCode:
     if summary.stopped_by is not None:
         left = summary.planned - summary.skipped - summary.finished - summary.failed
         if summary.stopped_by == "SIGTERM" and summary.stop_checkpointed:
             print(f"{PROG}: checkpointed and stopped by SIGTERM; {left} rollouts left: run again with the "
                   "same arguments to continue", file=sys.stderr)
-            return EXIT_CHECKPOINTED
+            return ExitCode.CHECKPOINTED
         print(f"{PROG}: stopped by {summary.stopped_by}; {left} rollouts not run", file=sys.stderr)
-        return EXIT_INTERRUPTED if summary.stopped_by == "SIGINT" else 1
+        return ExitCode.INTERRUPTED if summary.stopped_by == "SIGINT" else ExitCode.FAILURE
     if summary.failed and not summary.finished:
         print(f"{PROG}: every rollout failed; reasons in the failures file", file=sys.stderr)
-        return 1
-    return 0
+        return ExitCode.FAILURE
+    return ExitCode.OK
 
 
 async def _collect(
@@ -327,7 +283,7 @@ async def _collect(
 def _collect_and_report(
     plan: Plan, head_url: str | None = None, checkpoint: CheckpointSetup | None = None,
     triggers: Triggers | None = None,
-) -> int:
+) -> ExitCode:
     print(f"collecting {len(plan.rollouts())} rollouts of {len(plan.tasks)} tasks on {plan.environment} "
           f"({plan.environment_url}), concurrency {plan.concurrency}", file=sys.stderr)
     try:
@@ -351,9 +307,9 @@ class _LogFile:
             self.file.write(f"[{name}] {line}\n")
 
 
-def _nothing_left(plan: Plan) -> int:
+def _nothing_left(plan: Plan) -> ExitCode:
     print(f"nothing left: all {len(plan.rollouts())} rollouts are in {plan.output}")
-    return 0
+    return ExitCode.OK
 
 
 def _launch_setup(args: argparse.Namespace, mesh: MeshConfig) -> tuple[MeshConfig, CheckpointSetup | None]:
@@ -368,7 +324,7 @@ def _launch_setup(args: argparse.Namespace, mesh: MeshConfig) -> tuple[MeshConfi
     return mesh, setup
 
 
-def _with_launched_mesh(args: argparse.Namespace, mesh: MeshConfig) -> int:
+def _with_launched_mesh(args: argparse.Namespace, mesh: MeshConfig) -> ExitCode:
     plan = build_plan(args, mesh, environment_urls(mesh))  # fail on usage before starting anything
     mesh, checkpoint = _launch_setup(args, mesh)
     if checkpoint is not None:
@@ -389,7 +345,7 @@ def _with_launched_mesh(args: argparse.Namespace, mesh: MeshConfig) -> int:
 
 def _start(
     launcher: MeshLauncher, ready_timeout_s: float, log: Path, triggers: Triggers | None
-) -> int | None:
+) -> ExitCode | None:
     """Start the mesh; None when it is up, else the exit status (SIGUSR1 meanwhile is kept for later)."""
     stopped_by: list[str] = []
     with _stop_on_signals(launcher, stopped_by), hold_signals(triggers) if triggers else nullcontext():
@@ -398,10 +354,10 @@ def _start(
         except StopRequested:
             print(f"{PROG}: stopped by {stopped_by[0]} before the mesh was ready", file=sys.stderr)
             checkpointing = triggers is not None and stopped_by[0] == "SIGTERM"
-            return EXIT_CHECKPOINTED if checkpointing else EXIT_INTERRUPTED
+            return ExitCode.CHECKPOINTED if checkpointing else ExitCode.INTERRUPTED
         except LaunchError as error:
             print(f"{PROG}: {error} (server logs: {log})", file=sys.stderr)
-            return 1
+            return exit_code_for(error)
     return None
 
 
@@ -421,7 +377,7 @@ def _stop_on_signals(launcher: MeshLauncher, stopped_by: list[str]) -> Iterator[
             signal.signal(sig, old)
 
 
-def _with_head(args: argparse.Namespace, mesh: MeshConfig | None) -> int:
+def _with_head(args: argparse.Namespace, mesh: MeshConfig | None) -> ExitCode:
     servers = head_servers(args.head)
     urls = {entry["name"]: entry["url"] for entry in servers if entry.get("type") == ENVIRONMENT_TYPE}
     plan = build_plan(args, mesh, urls)
@@ -447,23 +403,16 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError("--checkpoint-every-s and --token need --checkpoint-dir")
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> ExitCode:
     try:
         _check_flags(args)
         mesh = load_config(args.config, args.overrides) if args.config else None
         if args.head or mesh is None:
             return _with_head(args, mesh)
         return _with_launched_mesh(args, mesh)
-    except (UsageError, CheckpointRefused) as error:
-        return _usage(str(error))
-    except CollectFailed as error:
+    except (UsageError, CollectFailed) as error:
         print(f"{PROG}: {error}", file=sys.stderr)
-        return 1
+        return exit_code_for(error)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
-def _usage(message: str) -> int:
-    print(f"{PROG}: {message}", file=sys.stderr)
-    return 2
+        return ExitCode.INTERRUPTED

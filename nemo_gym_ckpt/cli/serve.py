@@ -1,90 +1,29 @@
 """Entry point of one server process: ``python -m nemo_gym_ckpt.cli.serve <instance>``.
 
-The launcher passes the resolved mesh config (ports assigned) as JSON in ``NEMO_GYM_CKPT_CONFIG``.
-This module builds the instance's ``ServerContext``, asks its ``app`` module for the FastAPI app and
-serves it with uvicorn (uvloop and httptools). It exits by itself when its parent dies: a
-``PR_SET_PDEATHSIG`` on Linux and a watchdog on the parent pid everywhere; if a graceful shutdown
-does not end the process within ``ORPHAN_GRACE_S``, the watchdog kills it.
+The launcher starts it (``nemo_gym_ckpt.launch.child`` says with what); it serves the instance's app
+with uvicorn (uvloop and httptools) and exits with ``ExitCode.USAGE`` on a config error.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import importlib
 import logging
 import os
-import signal
-import sys
-import threading
-import time
-from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
-import orjson
 import uvicorn
-from fastapi import FastAPI
 
-from nemo_gym_ckpt.config import MeshConfig, load_config_dict
-from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.errors import ConfigError
-from nemo_gym_ckpt.server import close_on_shutdown
+from nemo_gym_ckpt.launch.child import PARENT_ENV, SERVE_MODULE, build_app, exit_orphaned, load_mesh, watch_parent
 
-__all__ = ["CONFIG_ENV", "ORPHAN_GRACE_S", "PARENT_ENV", "build_app", "exit_orphaned", "main", "watch_parent"]
+__all__ = ["main"]
 
-CONFIG_ENV = "NEMO_GYM_CKPT_CONFIG"
-PARENT_ENV = "NEMO_GYM_CKPT_PARENT_PID"
-ORPHAN_GRACE_S = 5.0
-EXIT_CONFIG = 2
-_PR_SET_PDEATHSIG = 1
 logger = logging.getLogger(__name__)
 
 
-def build_app(mesh: MeshConfig, name: str) -> FastAPI:
-    """The app of instance ``name``, with the context's client closed at shutdown."""
-    instance = mesh.instance(name)
-    module = importlib.import_module(instance.module)
-    ctx: ServerContext[Any] = ServerContext(name=name, settings=instance.settings, mesh=mesh)
-    app = cast(FastAPI, module.create_app(ctx))
-    return close_on_shutdown(app, ctx.aclose)  # our servers close it already; a server of yours may not
-
-
-def watch_parent(parent_pid: int, on_orphaned: Callable[[], None], interval_s: float = 0.5) -> None:
-    """Call ``on_orphaned`` once the parent process is gone (a daemon thread polls)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    def poll() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval_s)
-        on_orphaned()
-
-    threading.Thread(target=poll, name="parent-watch", daemon=True).start()
-
-
-def exit_orphaned(grace_s: float = ORPHAN_GRACE_S) -> None:
-    """Shut down gracefully (SIGTERM to ourselves); SIGKILL ourselves if still alive after ``grace_s``."""
-    logger.warning("parent process is gone; shutting down")
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(grace_s)
-    logger.error("still running %g s after the parent died; killing myself", grace_s)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _load_mesh() -> MeshConfig:
-    text = os.environ.get(CONFIG_ENV)
-    if text is None:
-        raise ConfigError(f"{CONFIG_ENV} is not set: start servers with 'nemo-gym-ckpt run CONFIG'")
-    try:
-        raw = orjson.loads(text)
-    except orjson.JSONDecodeError as error:
-        raise ConfigError(f"{CONFIG_ENV} is not valid JSON: {error}") from None
-    return load_config_dict(raw)
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m nemo_gym_ckpt.cli.serve")
+    parser = argparse.ArgumentParser(prog=f"python -m {SERVE_MODULE}")
     parser.add_argument("instance")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -92,11 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     if PARENT_ENV in os.environ:
         watch_parent(int(os.environ[PARENT_ENV]), exit_orphaned)
     try:
-        mesh = _load_mesh()
+        mesh = load_mesh()
         instance = mesh.instance(args.instance)
     except ConfigError as error:
         logger.error("config error: %s", error)
-        raise SystemExit(EXIT_CONFIG) from None
+        raise SystemExit(ExitCode.USAGE) from None
     app = build_app(mesh, args.instance)
     uvicorn.run(
         app,

@@ -43,7 +43,7 @@ from nemo_gym_ckpt.collect.rows import (
     rollout_key,
 )
 from nemo_gym_ckpt.collect.triggers import SIGTERM, STOP, Triggers, install_signals
-from nemo_gym_ckpt.errors import GymError, UpstreamError
+from nemo_gym_ckpt.errors import CollectionStartFailed, GymError, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = ["HOUSEKEEPING_TICK_S", "CollectionStartFailed", "Dispatcher", "Plan", "Summary", "done_keys",
@@ -51,10 +51,6 @@ __all__ = ["HOUSEKEEPING_TICK_S", "CollectionStartFailed", "Dispatcher", "Plan",
 
 HOUSEKEEPING_TICK_S = 1.0
 Work = list[tuple[RolloutKey, RolloutIdentity]]
-
-
-class CollectionStartFailed(Exception):
-    """The restore and fencing before the first dispatch failed (the message says why)."""
 
 
 @dataclass(frozen=True)

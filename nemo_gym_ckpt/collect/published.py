@@ -42,9 +42,10 @@ from typing import Any
 
 import orjson
 
+from nemo_gym_ckpt.canonical import canonical_json
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.collect.rows import read_jsonl
-from nemo_gym_ckpt.environment.episode import canonical_json
+from nemo_gym_ckpt.errors import CheckpointRefused
 
 __all__ = [
     "COLLECTION_FILE",
@@ -78,10 +79,6 @@ KEEP = 2
 _ID = re.compile(r"ckpt-\d{8}T\d{12}Z-[0-9a-f]{8}")
 _UNPORTABLE_KEYS = frozenset({"port", "control_auth_token", "api_key"})
 _RUN_KEYS = ("head_server", "checkpoint")
-
-
-class CheckpointRefused(Exception):
-    """A checkpoint of this directory cannot be used by this collection (the message says why)."""
 
 
 # ---- ids -----------------------------------------------------------------------------------------

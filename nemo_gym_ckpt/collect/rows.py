@@ -29,6 +29,8 @@ from typing import Any
 
 import orjson
 
+from nemo_gym_ckpt.capture import GENERATION_LOG_PROBS, TOKEN_ARRAYS
+
 __all__ = [
     "LOGPROB_TOLERANCE",
     "JsonlAppender",
@@ -47,8 +49,8 @@ __all__ = [
 
 RolloutKey = tuple[int, int]
 LOGPROB_TOLERANCE = 1e-4
-_LOGPROBS = "generation_log_probs"
-_TOKEN_ARRAYS = frozenset({"prompt_token_ids", "generation_token_ids", _LOGPROBS})
+_LOGPROBS = GENERATION_LOG_PROBS
+_TOKEN_ARRAYS = frozenset(TOKEN_ARRAYS)
 _UNCOMPARED = frozenset({"created_at", "_ng_attempt_index"}) | _TOKEN_ARRAYS
 
 

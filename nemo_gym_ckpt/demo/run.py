@@ -1,4 +1,4 @@
-"""``nemo-gym-ckpt demo``: checkpoint the quickstart mesh mid-collection, kill it, restore, compare.
+"""The demo: checkpoint the quickstart mesh mid-collection, kill it, restore, compare.
 
     nemo-gym-ckpt demo [--json PATH] [--rollouts N] [--concurrency C] [--workdir DIR] [--no-generation-cuts]
 
@@ -39,8 +39,6 @@ import io
 import logging
 import secrets
 import signal
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,25 +46,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings, Published
-from nemo_gym_ckpt.collect.dispatch import CollectionStartFailed, Plan, Summary, run_plan
+from nemo_gym_ckpt.collect.dispatch import Plan, Summary, run_plan
 from nemo_gym_ckpt.collect.published import RunIdentity, config_digest, input_digest
 from nemo_gym_ckpt.collect.rows import RowComparison, compare_rows, read_jsonl
 from nemo_gym_ckpt.collect.triggers import Triggers
 from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig, ServerInstance, load_config
 from nemo_gym_ckpt.demo.metrics import CrashState, checkpoint_metrics
-from nemo_gym_ckpt.errors import GymError
-from nemo_gym_ckpt.launch.launcher import LaunchError, MeshLauncher
+from nemo_gym_ckpt.errors import GymError, MeshCrashed
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
-__all__ = ["DEFAULT_CONFIG", "DemoResult", "MeshCrashed", "configure", "main", "run_demo"]
+__all__ = ["DEFAULT_CONFIG", "DemoResult", "proof_table", "run_demo"]
 
 logger = logging.getLogger(__name__)
 
-PROG = "nemo-gym-ckpt demo"
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "quickstart.yaml"
 ENVIRONMENT = "single_agent_turn"
 HELD_WAIT_S = 10.0
@@ -74,22 +69,6 @@ PHASE_TIMEOUT_S = 300.0
 CUT_STATUS = "/ng-control/v1/generation-cut/status"
 STATUS_TIMEOUT_S = 10.0
 CUT_MIN_TOKENS = 2  # a generation counts as "mid-generation" once it produced this many tokens
-
-
-class MeshCrashed(Exception):
-    """Raised by the crash hook after every server process got SIGKILL."""
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.description = "Checkpoint the quickstart mesh while rollouts run, SIGKILL it, restore, compare."
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the numbers here as JSON")
-    parser.add_argument("--rollouts", type=int, default=32, help="task rows to collect (default 32)")
-    parser.add_argument("--concurrency", type=int, default=8, help="rollouts in flight (default 8)")
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the mesh (default: quickstart)")
-    parser.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary directory)")
-    parser.add_argument("--ready-timeout-s", type=float, default=180.0, help="deadline for a mesh to start")
-    parser.add_argument("--generation-cuts", action=argparse.BooleanOptionalAction, default=True,
-                        help="cut the generations in flight at the checkpoint (default: on)")
 
 
 # ---- the runs ------------------------------------------------------------------------------------
@@ -357,7 +336,7 @@ def _metrics(result: DemoResult, directory: Path, rows: Path) -> dict[str, Any]:
     }
 
 
-def _table(metrics: dict[str, Any]) -> str:
+def proof_table(metrics: dict[str, Any]) -> str:
     t = metrics["timings_s"]
     rows: list[tuple[str, str, str]] = [
         ("", "reference", "checkpoint + SIGKILL + restore"),
@@ -406,39 +385,3 @@ def _num(value: Any) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _write_json(path: Path, metrics: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(orjson.dumps(metrics, option=orjson.OPT_INDENT_2) + b"\n")
-
-
-def main(args: argparse.Namespace) -> int:
-    if args.rollouts < 4 or args.concurrency < 1:
-        print(f"{PROG}: --rollouts must be >= 4 and --concurrency >= 1", file=sys.stderr)
-        return 2
-    print(f"demo: {args.rollouts} rollouts on {args.config.name}, a reference run, then a run that is "
-          "checkpointed, killed and restored (about a minute on a laptop CPU)", file=sys.stderr)
-    with _workdir(args.workdir) as workdir:
-        try:
-            result = run_demo(args, workdir)
-        except (LaunchError, RuntimeError, ValueError, CollectionStartFailed) as error:
-            print(f"{PROG}: {error}", file=sys.stderr)
-            return 1
-        print(_table(result.metrics))
-        if args.json is not None:
-            _write_json(args.json, result.metrics)
-            print(f"wrote {args.json}")
-    if not result.metrics["identical_to_reference"]:
-        print(f"{PROG}: the restored run differs from the reference: "
-              f"{', '.join(result.metrics['differing_rollouts'][:10])}", file=sys.stderr)
-        return 1
-    return 0
-
-
-@contextmanager
-def _workdir(given: Path | None) -> Iterator[Path]:
-    if given is not None:
-        given.mkdir(parents=True, exist_ok=True)
-        yield given
-        return
-    with tempfile.TemporaryDirectory(prefix="nemo-gym-ckpt-demo-") as name:
-        yield Path(name)

@@ -48,7 +48,9 @@ import orjson
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from nemo_gym_ckpt.capture import TOKEN_ARRAYS, without_token_arrays
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
+from nemo_gym_ckpt.checkpoint.headers import ACTIVATION_HEADER, RESTART_HEADER
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
@@ -61,17 +63,13 @@ from nemo_gym_ckpt.environment.episode import (
     Program,
     StepBudget,
     run_episode,
-    without_token_arrays,
 )
 from nemo_gym_ckpt.errors import GymError, InternalError, InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
-from nemo_gym_ckpt.resources.base import RESTART_HEADER
 from nemo_gym_ckpt.server import OrjsonResponse
 
 __all__ = [
-    "ACTIVATION_HEADER",
     "REFILL_PATH",
-    "TOKEN_ARRAYS",
     "TOKEN_ARRAYS_NOTE",
     "AgentClient",
     "AgentReply",
@@ -88,10 +86,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ACTIVATION_HEADER = "x-ng-agent-activation"
 REFILL_PATH = "/v1/responses/refill"
 """The agent route that puts token arrays back on output items (rollout-scoped)."""
-TOKEN_ARRAYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 TOKEN_ARRAYS_NOTE = "agent_token_arrays"
 """The state key ``note_token_arrays`` sets: the agent's items came with token arrays."""
 

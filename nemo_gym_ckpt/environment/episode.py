@@ -31,7 +31,7 @@ gives one that stands still while a checkpoint is open, so a step waiting on a p
 charged for the wait either (PROTOCOL.md section 7).
 
 Records never carry token arrays (PROTOCOL.md section 6): ``Episode.record()`` leaves out the token
-capture fields (``TOKEN_ARRAY_KEYS``) wherever they appear in the boundary's state; the boundary kept
+capture fields (``nemo_gym_ckpt.capture``) wherever they appear in the boundary's state; the boundary kept
 in memory keeps them, so an episode that goes on in the same process loses nothing, while one
 restored from a record continues without the token arrays of its earlier turns.
 
@@ -52,8 +52,9 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
+from nemo_gym_ckpt.canonical import canonical_json
+from nemo_gym_ckpt.capture import without_token_arrays
 from nemo_gym_ckpt.checkpoint.clock import Clock
-from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS
 from nemo_gym_ckpt.errors import (
     GymError,
     InternalError,
@@ -76,11 +77,9 @@ __all__ = [
     "Step",
     "StepBudget",
     "StepMode",
-    "canonical_json",
     "run_episode",
     "step_error",
     "task_digest",
-    "without_token_arrays",
 ]
 
 logger = logging.getLogger(__name__)
@@ -92,26 +91,9 @@ Action = Callable[["Episode"], Awaitable[str | None]]
 """A step's work: reads ``episode.task``, changes ``episode.state``, answers the next step's name."""
 
 
-def canonical_json(value: Any) -> bytes:
-    """Sorted keys, no whitespace, UTF-8: the same data always gives the same bytes."""
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-
-
 def task_digest(task: Mapping[str, Any]) -> str:
     """SHA-256 of the canonical JSON of a task row (PROTOCOL.md section 7)."""
     return hashlib.sha256(canonical_json(task)).hexdigest()
-
-
-_TOKEN_KEYS = frozenset(TOKEN_ARRAY_KEYS)
-
-
-def without_token_arrays(value: Any) -> Any:
-    """A copy of JSON data without the token-array keys at any depth (what a record may carry)."""
-    if isinstance(value, dict):
-        return {key: without_token_arrays(item) for key, item in value.items() if key not in _TOKEN_KEYS}
-    if isinstance(value, list):
-        return [without_token_arrays(item) for item in value]
-    return value
 
 
 # ---- steps and programs --------------------------------------------------------------------------

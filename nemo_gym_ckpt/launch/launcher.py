@@ -1,4 +1,4 @@
-"""Processes from config: ``nemo-gym-ckpt run CONFIG... [key=value...]`` (ARCHITECTURE.md section 4).
+"""Processes from config: the mesh behind ``nemo-gym-ckpt run CONFIG... [key=value...]`` (docs/architecture.md).
 
 ``MeshLauncher`` is the library API (used by the CLI, the collector and the tests)::
 
@@ -21,7 +21,6 @@ any thread (``asyncio.to_thread`` included).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import logging
@@ -33,18 +32,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import IO
 
 import httpx
 import orjson
 
-from nemo_gym_ckpt.cli.serve import CONFIG_ENV, PARENT_ENV
-from nemo_gym_ckpt.config import MeshConfig, load_config
+from nemo_gym_ckpt.config import MeshConfig
+from nemo_gym_ckpt.errors import LaunchError, StopRequested
+from nemo_gym_ckpt.launch.child import CONFIG_ENV, PARENT_ENV, SERVE_MODULE
 from nemo_gym_ckpt.launch.head import HEAD_NAME, ThreadedServer, create_head_app
 
 __all__ = [
@@ -54,13 +53,8 @@ __all__ = [
     "MeshLauncher",
     "StopRequested",
     "assign_ports",
-    "configure",
     "find_free_port",
-    "main",
-    "print_line",
     "probe_health",
-    "split_items",
-    "stop_on_signals",
     "wait_for_health",
 ]
 
@@ -73,14 +67,6 @@ REAP_TIMEOUT_S = 5.0
 
 LineSink = Callable[[str, str], None]
 """Receives ``(instance, line)`` for every line a child writes to stdout or stderr."""
-
-
-class LaunchError(RuntimeError):
-    """The mesh could not be started or kept running; the message is one line (notes hold logs)."""
-
-
-class StopRequested(LaunchError):
-    """``request_stop`` (a signal) arrived while ``start`` was waiting for the servers."""
 
 
 # ---- ports ---------------------------------------------------------------------------------------
@@ -323,7 +309,7 @@ class MeshLauncher:
         for name in names:
             proc = self._spawner.submit(
                 subprocess.Popen,
-                [self.python, "-m", "nemo_gym_ckpt.cli.serve", name],
+                [self.python, "-m", SERVE_MODULE, name],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 env=env, process_group=0,
             ).result()
@@ -436,83 +422,3 @@ class MeshLauncher:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-# ---- the `run` command ---------------------------------------------------------------------------
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.description = "Launch a mesh from YAML and block until Ctrl-C, SIGTERM or a server's exit."
-    parser.add_argument("items", nargs="+", metavar="CONFIG|key=value",
-                        help="config files (merged in order, later wins), then key=value overrides")
-    parser.add_argument("--ready-timeout-s", type=float, default=300.0,
-                        help="one deadline for every server to answer /health (default: 300)")
-
-
-def split_items(items: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Config paths and ``key=value`` overrides, told apart by the ``=``."""
-    overrides = [item for item in items if "=" in item]
-    return [item for item in items if "=" not in item], overrides
-
-
-_OUTPUT_LOCK = threading.Lock()
-
-
-def print_line(name: str, line: str) -> None:
-    """The CLI's sink: every child line on stdout, prefixed with its instance name."""
-    with _OUTPUT_LOCK:
-        sys.stdout.write(f"[{name}] {line}\n")
-        sys.stdout.flush()
-
-
-@contextmanager
-def stop_on_signals(launcher: MeshLauncher) -> Iterator[None]:
-    """While inside, SIGINT and SIGTERM ask the launcher to stop instead of raising."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        launcher.request_stop()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def main(args: argparse.Namespace) -> int:
-    paths, overrides = split_items(args.items)
-    launcher = MeshLauncher(load_config(paths, overrides), on_line=print_line)
-    with stop_on_signals(launcher):
-        try:
-            launcher.start(ready_timeout_s=args.ready_timeout_s)
-        except StopRequested as interrupted:
-            print(interrupted, flush=True)
-            return 0
-        except LaunchError as error:
-            print(f"nemo-gym-ckpt run: {error}", file=sys.stderr)
-            return 1
-        _print_ready(launcher)
-        try:
-            exited = launcher.wait()
-            status = None if exited is None else launcher.returncode(exited)
-        finally:
-            stopped = launcher.stop()
-    return _report_end(launcher, exited, status, stopped)
-
-
-def _print_ready(launcher: MeshLauncher) -> None:
-    print(f"head server: {launcher.head_url}", flush=True)
-    for name in launcher.names:
-        print(f"  {name}: {launcher.url_of(name)}", flush=True)
-
-
-def _report_end(launcher: MeshLauncher, exited: str | None, status: int | None, stopped: list[str]) -> int:
-    names = ", ".join(stopped) or "none"
-    killed = f" (killed: {', '.join(launcher.killed)})" if launcher.killed else ""
-    if exited is None:
-        print(f"stopped on request; stopped: {names}{killed}", flush=True)
-        return 0
-    reason = f"{exited} exited with status {status}"
-    print(f"nemo-gym-ckpt run: {reason}; stopped: {names}{killed}", file=sys.stderr)
-    return 1

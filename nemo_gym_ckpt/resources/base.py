@@ -73,6 +73,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.responses import Response
 
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
+from nemo_gym_ckpt.checkpoint.headers import RESTART_HEADER, VERIFY_HEADER
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.config import ServerConfig
@@ -80,6 +81,7 @@ from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import InvalidRequest, StaleAttempt
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.resources.adapter import ResourcesAdapter, Route
+from nemo_gym_ckpt.responses import last_message_text
 from nemo_gym_ckpt.server import OrjsonResponse, create_app
 
 __all__ = [
@@ -108,8 +110,6 @@ CheckpointMode = Literal["stateless", "exported", "restart_only"]
 CheckpointVerify = Literal["wait", "replay"]
 CHECKPOINT_MODES: tuple[str, ...] = ("stateless", "exported", "restart_only")
 CHECKPOINT_VERIFY_MODES: tuple[str, ...] = ("wait", "replay")
-VERIFY_HEADER = "x-ng-checkpoint-verify"
-RESTART_HEADER = "x-ng-checkpoint-restart"
 RESERVED_ROUTES = frozenset({"seed_session", "verify", "tools", "close_session", "health", "ng-control"})
 _TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 _TOOL_MARK = "__ng_tool__"
@@ -157,25 +157,7 @@ class ToolArgs(BaseModel):
 
 def final_text(response: ResponseObject) -> str | None:
     """The text of the last ``message`` output item (its ``output_text`` parts), or None."""
-    for item in reversed(response.output):
-        if item.get("type") == "message":
-            return _message_text(item.get("content"))
-    return None
-
-
-def _message_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        return ""
-    return "".join(_part_text(part) for part in content)
-
-
-def _part_text(part: Any) -> str:
-    if isinstance(part, dict) and part.get("type") in ("output_text", "text"):
-        text = part.get("text")
-        return text if isinstance(text, str) else ""
-    return ""
+    return last_message_text(response.output)
 
 
 # ---- sessions ------------------------------------------------------------------------------------

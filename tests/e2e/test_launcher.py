@@ -310,7 +310,7 @@ def test_what_a_server_started_is_swept_when_it_exits() -> None:
 
 def test_an_orphan_that_ignores_sigterm_kills_itself() -> None:
     code = ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "from nemo_gym_ckpt.cli.serve import exit_orphaned; exit_orphaned(grace_s=0.2)")
+            "from nemo_gym_ckpt.launch.child import exit_orphaned; exit_orphaned(grace_s=0.2)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert "parent process is gone" in done.stderr and "killing myself" in done.stderr

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_ckpt.cli.serve import build_app
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.config import load_config_dict
 from nemo_gym_ckpt.errors import InvalidRequest
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.launch.child import build_app
 
 pytestmark = pytest.mark.sockets
 

@@ -38,7 +38,7 @@ from agents.restart_only_agent import app as restart_only_app
 from agents.simple_agent import app as agent_app
 from environment_servers.nim import app as nim_app
 from environment_servers.single_agent_turn import app as sat_app
-from nemo_gym_ckpt.checkpoint.clock import Clock, FakeClock
+from nemo_gym_ckpt.checkpoint.clock import Clock
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.config import CheckpointConfig, HeadServerConfig, MeshConfig, ServerConfig, ServerInstance
 from nemo_gym_ckpt.config import ServerRef as Ref
@@ -46,6 +46,7 @@ from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.resources.base import ResourcesServer
 from nemo_gym_ckpt.server import close_on_shutdown, create_app
+from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import NotApplicable, ParticipantUnderTest
 from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, function_call, last_user_text, message
 from nemo_gym_ckpt.testing.transports import RoutingTransport

@@ -39,11 +39,11 @@ from agents.restart_only_agent import app as restart_only_app
 from agents.simple_agent import app as agent_app
 from environment_servers.nim import app as nim_app
 from environment_servers.single_agent_turn import app as sat_app
+from nemo_gym_ckpt.capture import without_token_arrays
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
 from nemo_gym_ckpt.config import CheckpointConfig, ServerConfig
 from nemo_gym_ckpt.config import ServerRef as Ref
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.environment.episode import without_token_arrays
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.server import create_app
 from nemo_gym_ckpt.testing.minimal import create_head_stub

@@ -19,9 +19,11 @@ from agents.simple_agent import app as agent_app
 from environment_servers.single_agent_turn import app as env_app
 from model_servers.inference_worker.default_model_data import make_problem
 from nemo_gym_ckpt.cli import collect
+from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.collect.progress import Progress, format_duration
 from nemo_gym_ckpt.collect.rows import JsonlAppender, aggregate, failures_path, metrics_path, read_jsonl
-from nemo_gym_ckpt.config import DatasetConfig, ServerConfig, ServerRef
+from nemo_gym_ckpt.collect.tasks import read_tasks, resolve_input
+from nemo_gym_ckpt.config import PROJECT_ROOT, DatasetConfig, ServerConfig, ServerRef
 from nemo_gym_ckpt.identity import current_identity
 from nemo_gym_ckpt.server import create_app
 from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, calculator_policy
@@ -149,7 +151,7 @@ async def test_sigint_stops_dispatch_cancels_in_flight_and_keeps_rows(tmp_path: 
     assert summary.stopped_by == "SIGINT" and sorted(cancelled) == ["0-0", "2-0"]
     assert arrived == ["0-0", "1-0", "2-0"]  # dispatch stopped
     assert summary.finished == 1 and [r["_ng_task_index"] for r in read_jsonl(output)] == [1]
-    assert collect._exit_status(summary) == collect.EXIT_INTERRUPTED
+    assert collect._exit_status(summary) == ExitCode.INTERRUPTED
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
@@ -209,14 +211,14 @@ def test_environment_and_input_resolution(tmp_path: Path, monkeypatch: pytest.Mo
         collect.pick_environment(["a"], "c")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "local.jsonl").write_text("{}\n")
-    assert collect.resolve_input(Path("local.jsonl")) == tmp_path / "local.jsonl"
+    assert resolve_input(Path("local.jsonl")) == tmp_path / "local.jsonl"
     quickstart = Path("resources_servers/calculator_tools/data/quickstart.jsonl")
-    assert collect.resolve_input(quickstart) == collect.PROJECT_ROOT / quickstart  # the project root next
+    assert resolve_input(quickstart) == PROJECT_ROOT / quickstart  # the project root next
     with pytest.raises(collect.UsageError, match="not found"):
-        collect.resolve_input(Path("missing.jsonl"))
+        resolve_input(Path("missing.jsonl"))
     with pytest.raises(collect.UsageError, match="no task rows"):
-        collect.read_tasks(_empty(tmp_path), None)
-    assert len(collect.read_tasks(collect.PROJECT_ROOT / quickstart, 7)) == 7
+        read_tasks(_empty(tmp_path), None)
+    assert len(read_tasks(PROJECT_ROOT / quickstart, 7)) == 7
 
 
 def _empty(tmp_path: Path) -> Path:

@@ -11,12 +11,12 @@ import pytest
 from nemo_gym_ckpt.cli import collect
 from nemo_gym_ckpt.collect.published import CollectionManifest, publish
 from nemo_gym_ckpt.collect.rows import read_jsonl
-from nemo_gym_ckpt.config import load_config
+from nemo_gym_ckpt.config import PROJECT_ROOT, load_config
 
 pytestmark = pytest.mark.unit
 
-QUICKSTART = collect.PROJECT_ROOT / "configs" / "quickstart.yaml"
-DATASET = collect.PROJECT_ROOT / "resources_servers" / "calculator_tools" / "data" / "quickstart.jsonl"
+QUICKSTART = PROJECT_ROOT / "configs" / "quickstart.yaml"
+DATASET = PROJECT_ROOT / "resources_servers" / "calculator_tools" / "data" / "quickstart.jsonl"
 
 
 def args_for(*argv: str) -> argparse.Namespace:

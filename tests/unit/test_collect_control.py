@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from model_servers.inference_worker.default_model_data import make_problem
+from nemo_gym_ckpt.capture import without_token_arrays
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings
 from nemo_gym_ckpt.collect.dispatch import Plan, Summary, run_plan
 from nemo_gym_ckpt.collect.published import (
@@ -33,7 +34,6 @@ from nemo_gym_ckpt.collect.published import (
 )
 from nemo_gym_ckpt.collect.rows import JsonlAppender, read_jsonl
 from nemo_gym_ckpt.collect.triggers import SIGTERM, SIGUSR1, Triggers
-from nemo_gym_ckpt.environment.episode import without_token_arrays
 from tests.support.rollout_mesh import (
     DeterministicModel,
     RolloutMesh,

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from model_servers.inference_worker.default_model_data import make_problem
+from nemo_gym_ckpt.capture import without_token_arrays
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings
 from nemo_gym_ckpt.collect.published import RunIdentity, input_digest
-from nemo_gym_ckpt.environment.episode import without_token_arrays
 from nemo_gym_ckpt.identity import RolloutIdentity
 from tests.support.rollout_mesh import (
     DeterministicModel,

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.environment.episode import (
     Boundary,
     Episode,
@@ -26,6 +25,7 @@ from nemo_gym_ckpt.errors import (
     UpstreamTimeout,
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.clock import FakeClock
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from nemo_gym_ckpt.agent.sessions import request_digest
+from nemo_gym_ckpt.capture import without_token_arrays
 from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS
-from nemo_gym_ckpt.environment.episode import task_digest, without_token_arrays
+from nemo_gym_ckpt.environment.episode import task_digest
 
 pytestmark = pytest.mark.unit
 

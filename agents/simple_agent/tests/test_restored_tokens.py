@@ -8,7 +8,7 @@ import pytest
 
 from agents.simple_agent.loop import LoopState
 from agents.simple_agent.restored_tokens import missing_calls, model_call_items, reattach
-from nemo_gym_ckpt.environment.episode import without_token_arrays
+from nemo_gym_ckpt.capture import without_token_arrays
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ import pytest
 from model_servers.policy_model.chat_format import ChatFormat
 from model_servers.policy_model.tests.policy_harness import TOKEN, PolicyHooks, serve_policy
 from model_servers.policy_model.tests.scripted_worker import Generate, ScriptedWorker
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
+from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import CHECKS, MakeParticipant, ParticipantUnderTest, check_participant
 
 

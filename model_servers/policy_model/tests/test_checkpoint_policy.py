@@ -32,9 +32,9 @@ from model_servers.policy_model.tests.policy_harness import (
     serve_policy,
 )
 from model_servers.policy_model.tests.scripted_worker import Generate, ScriptedWorker
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import Control, ParticipantUnderTest, expect_error, unique
 
 pytestmark = pytest.mark.unit

@@ -31,9 +31,9 @@ from model_servers.policy_model.tests.scripted_worker import (
     staging_key,
 )
 from model_servers.policy_model.tests.test_checkpoint_policy import WAIT_S, Policy, ledger_dir
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import Control, ParticipantUnderTest, unique
 
 pytestmark = pytest.mark.unit

@@ -30,12 +30,12 @@ from model_servers.policy_model.participant import CAPTURE_TOKENS_PATH
 from model_servers.policy_model.tests.policy_harness import TOKEN, serve_policy
 from model_servers.policy_model.tests.scripted_worker import Generate, ScriptedWorker
 from model_servers.policy_model.token_sidecar import SIDECAR_NAME, CallTokens, SidecarStore, TokenedRecord
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS, Record
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
 from nemo_gym_ckpt.errors import InvalidCheckpointState, Unavailable
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import Control, ParticipantUnderTest, unique
 
 pytestmark = pytest.mark.unit

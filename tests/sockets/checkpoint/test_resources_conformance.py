@@ -16,12 +16,12 @@ from typing import Any
 import httpx
 import pytest
 
-from nemo_gym_ckpt.cli.serve import build_app
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.config import MeshConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import InvalidRequest
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.launch.child import build_app
 from nemo_gym_ckpt.testing.conformance import CHECKS, Control, ParticipantUnderTest, check_participant
 from tests.support.resources_participants import SERVERS, ResourcesHooks, held, mesh_with
 

@@ -18,10 +18,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.telemetry import Telemetry
 from nemo_gym_ckpt.config import CheckpointConfig
+from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import ParticipantUnderTest
 from nemo_gym_ckpt.testing.minimal import MinimalHooks, MinimalServer, create_minimal_server
 

@@ -21,12 +21,12 @@ import orjson
 import pytest
 
 from nemo_gym_ckpt.agent.sessions import ActivationReply, AgentSessions, Turn
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
 from nemo_gym_ckpt.config import CheckpointConfig
 from nemo_gym_ckpt.identity import CURRENT_IDENTITY, RolloutIdentity
+from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import CHECKS, Control, ParticipantUnderTest, check_participant
 from tests.support.episode_participants import (
     TOKEN,

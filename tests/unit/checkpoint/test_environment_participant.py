@@ -23,16 +23,17 @@ import pytest
 from fastapi import FastAPI, Request, Response
 
 from model_servers.inference_worker.default_model_data import make_problem
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
+from nemo_gym_ckpt.capture import without_token_arrays
 from nemo_gym_ckpt.checkpoint.models import ControlRequest
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
 from nemo_gym_ckpt.config import CheckpointConfig
 from nemo_gym_ckpt.environment.adapter import EpisodesAdapter, RunLimits
-from nemo_gym_ckpt.environment.episode import Episode, Program, Step, task_digest, without_token_arrays
+from nemo_gym_ckpt.environment.episode import Episode, Program, Step, task_digest
 from nemo_gym_ckpt.errors import UpstreamTimeout
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.server import create_app
+from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import CHECKS, Control, ParticipantUnderTest
 from tests.support.episode_participants import (
     ENVIRONMENTS,

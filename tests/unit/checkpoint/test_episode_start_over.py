@@ -20,12 +20,12 @@ import httpx
 import orjson
 import pytest
 
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment.episode import task_digest
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.clock import FakeClock
 from resources_servers.calculator_tools import app as calculator_app
 from tests.support.episode_participants import (
     TOKEN,

@@ -15,7 +15,6 @@ import orjson
 import pytest
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest, RestoreRequest, RetireRequest
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.participant import REMEMBERED_IDS, Participant
@@ -35,6 +34,7 @@ from nemo_gym_ckpt.errors import (
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.server import create_app
+from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import expect_error
 from nemo_gym_ckpt.testing.minimal import SessionsAdapter, create_minimal_server
 

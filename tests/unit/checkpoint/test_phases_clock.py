@@ -10,10 +10,11 @@ import pytest
 
 import nemo_gym_ckpt.checkpoint as package
 from nemo_gym_ckpt.checkpoint.admission import Signal
-from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, FakeClock, wait_until
+from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, wait_until
 from nemo_gym_ckpt.checkpoint.lease import Lease
 from nemo_gym_ckpt.checkpoint.phases import OPEN_PHASES, TRANSITIONS, Op, Phase, advance, allowed_from
 from nemo_gym_ckpt.errors import InvalidPhase
+from nemo_gym_ckpt.testing.clock import FakeClock
 
 pytestmark = pytest.mark.unit
 

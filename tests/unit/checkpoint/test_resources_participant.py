@@ -24,7 +24,6 @@ import orjson
 import pytest
 from fastapi import FastAPI
 
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
 from nemo_gym_ckpt.config import load_config_dict
@@ -32,6 +31,7 @@ from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.resources.base import ResourcesServer, Session, ToolArgs, tool
+from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import CHECKS, Control, ParticipantUnderTest, check_participant
 from resources_servers.calculator_tools.app import CalculatorTask, CalculatorTools, CalculatorVerdict
 from resources_servers.kv_store.app import KvStore, KvVerdict, KvVerifyTask

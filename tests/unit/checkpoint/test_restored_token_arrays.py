@@ -23,10 +23,10 @@ import orjson
 import pytest
 
 from model_servers.inference_worker.default_model_data import make_problem
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
+from nemo_gym_ckpt.capture import without_token_arrays
 from nemo_gym_ckpt.environment.base import TOKEN_ARRAYS
-from nemo_gym_ckpt.environment.episode import without_token_arrays
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import Control
 from tests.support.episode_participants import WAIT_S, InProcess, agent_stack, checkpoint_config, under_test
 from tests.support.rollout_mesh import (

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest, RestoreRequest, RetireRequest
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
@@ -38,6 +37,7 @@ from nemo_gym_ckpt.errors import (
     StaleCheckpoint,
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.minimal import SessionsAdapter
 
 pytestmark = pytest.mark.unit

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_ckpt.checkpoint.clock import FakeClock
 from nemo_gym_ckpt.checkpoint.models import ControlRequest
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.checkpoint.telemetry import ATTR, METRIC, Telemetry
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.clock import FakeClock
 
 from .conftest import GRACE_S, Otel, ServerFactory, client_of, until
 

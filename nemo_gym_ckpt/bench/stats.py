@@ -1,0 +1,25 @@
+"""The statistics every bench reports: nearest-rank percentiles, and the p50/p99/max of samples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["percentile", "quantiles_ms"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def quantiles_ms(samples_ms: list[float], digits: int = 1) -> dict[str, Any]:
+    """``p50_ms``, ``p99_ms``, ``max_ms`` (rounded to ``digits``) and ``n`` of millisecond samples."""
+    return {
+        "p50_ms": round(percentile(samples_ms, 0.5), digits),
+        "p99_ms": round(percentile(samples_ms, 0.99), digits),
+        "max_ms": round(max(samples_ms, default=0.0), digits),
+        "n": len(samples_ms),
+    }

@@ -1,0 +1,44 @@
+"""Task rows for a collection: where the input file is, and reading it.
+
+``--input`` paths are tried against the working directory, then the project root (so
+``resources_servers/<name>/data/...`` works from anywhere); without ``--input`` the environment's
+first declared dataset is used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nemo_gym_ckpt.collect.rows import read_jsonl
+from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig
+from nemo_gym_ckpt.errors import UsageError
+
+__all__ = ["default_input", "read_tasks", "resolve_input"]
+
+
+def resolve_input(path: Path) -> Path:
+    """``path`` as given if absolute; else against the working directory, then the project root."""
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, PROJECT_ROOT / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise UsageError(f"input file {path} not found (tried {', '.join(str(c) for c in candidates)})")
+
+def read_tasks(path: Path, limit: int | None) -> list[dict[str, Any]]:
+    try:
+        tasks = list(read_jsonl(path))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    tasks = tasks[:limit] if limit else tasks
+    if not tasks:
+        raise UsageError(f"{path} holds no task rows")
+    return tasks
+
+def default_input(mesh: MeshConfig | None, environment: str) -> Path:
+    if mesh is None:
+        raise UsageError("pass --input, or --config so that the environment's dataset can be found")
+    datasets = mesh.instance(environment).settings.datasets
+    if not datasets:
+        raise UsageError(f"environment {environment} declares no datasets; pass --input")
+    return datasets[0].jsonl_fpath
