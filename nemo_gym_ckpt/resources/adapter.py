@@ -34,21 +34,53 @@ import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidPhase, RolloutIdRequired
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+from nemo_gym_ckpt.resources.sessions import Session, SessionTable
 
-if TYPE_CHECKING:
-    from nemo_gym_ckpt.resources.base import ResourcesServer, Session
-
-__all__ = ["SESSION_ID", "ResourcesAdapter", "Route"]
+__all__ = [
+    "CHECKPOINT_MODES",
+    "CHECKPOINT_VERIFY_MODES",
+    "SESSION_ID",
+    "CheckpointMode",
+    "CheckpointVerify",
+    "ResourcesAdapter",
+    "Route",
+    "SessionHost",
+]
 
 Route = Literal["seed", "tool", "verify", "close"]
+CheckpointMode = Literal["stateless", "exported", "restart_only"]
+CheckpointVerify = Literal["wait", "replay"]
+CHECKPOINT_MODES: tuple[str, ...] = ("stateless", "exported", "restart_only")
+CHECKPOINT_VERIFY_MODES: tuple[str, ...] = ("wait", "replay")
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+class SessionHost(Protocol):
+    """What the adapter needs of a resources server: its declaration, its sessions and their hooks."""
+
+    @property
+    def checkpoint_mode(self) -> CheckpointMode: ...
+
+    @property
+    def checkpoint_verify(self) -> CheckpointVerify: ...
+
+    @property
+    def sessions(self) -> SessionTable: ...
+
+    async def export_session(self, session: Session) -> dict[str, Any]: ...
+
+    async def restore_session(self, state: Any) -> dict[str, Any]: ...
+
+    async def park_session(self, session: Session) -> None: ...
+
+    async def drop_session(self, session_id: str | None) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -62,9 +94,9 @@ class _Planned:
 
 
 class ResourcesAdapter:
-    """A ``ParticipantAdapter`` over one ``ResourcesServer`` and its session table."""
+    """A ``ParticipantAdapter`` over one resources server (a ``SessionHost``) and its session table."""
 
-    def __init__(self, server: ResourcesServer[Any]) -> None:
+    def __init__(self, server: SessionHost) -> None:
         self.server = server
         self.mode = server.checkpoint_mode
         self.verify_mode = server.checkpoint_verify

@@ -62,9 +62,9 @@ import inspect
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Literal, TypeVar, cast, get_type_hints
 
 import orjson
@@ -75,12 +75,19 @@ from starlette.responses import Response
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.headers import RESTART_HEADER, VERIFY_HEADER
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
-from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import InvalidRequest, StaleAttempt
-from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
-from nemo_gym_ckpt.resources.adapter import ResourcesAdapter, Route
+from nemo_gym_ckpt.identity import current_identity
+from nemo_gym_ckpt.resources.adapter import (
+    CHECKPOINT_MODES,
+    CHECKPOINT_VERIFY_MODES,
+    CheckpointMode,
+    CheckpointVerify,
+    ResourcesAdapter,
+    Route,
+)
+from nemo_gym_ckpt.resources.sessions import Session, SessionTable, session_cookie_name
 from nemo_gym_ckpt.responses import last_message_text
 from nemo_gym_ckpt.server import OrjsonResponse, create_app
 
@@ -106,10 +113,6 @@ __all__ = [
     "tool",
 ]
 
-CheckpointMode = Literal["stateless", "exported", "restart_only"]
-CheckpointVerify = Literal["wait", "replay"]
-CHECKPOINT_MODES: tuple[str, ...] = ("stateless", "exported", "restart_only")
-CHECKPOINT_VERIFY_MODES: tuple[str, ...] = ("wait", "replay")
 RESERVED_ROUTES = frozenset({"seed_session", "verify", "tools", "close_session", "health", "ng-control"})
 _TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 _TOOL_MARK = "__ng_tool__"
@@ -161,83 +164,6 @@ def final_text(response: ResponseObject) -> str | None:
 
 
 # ---- sessions ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Session:
-    """One seeded session: its id, the rollout identity it was opened under, its JSON state.
-
-    ``restored`` is the checkpoint record a restored session came from, kept until a call touches
-    the session (it is then exported afresh); it takes no part in equality.
-    """
-
-    session_id: str
-    identity: RolloutIdentity | None
-    state: dict[str, Any] = field(default_factory=dict)
-    restored: Record | None = field(default=None, compare=False, repr=False)
-
-    def to_json(self) -> dict[str, Any]:
-        identity = self.identity.to_json() if self.identity else None
-        return {"session_id": self.session_id, "identity": identity, "state": self.state}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Session:
-        identity = data.get("identity")
-        restored = RolloutIdentity(identity["rollout_id"], identity["attempt"]) if identity else None
-        return cls(data["session_id"], restored, data.get("state") or {})
-
-
-class SessionTable:
-    """The live sessions of one server, by session id."""
-
-    def __init__(self) -> None:
-        self._sessions: dict[str, Session] = {}
-
-    def open(self, identity: RolloutIdentity | None, state: dict[str, Any]) -> Session:
-        session = Session(uuid.uuid4().hex, identity, state)
-        self._sessions[session.session_id] = session
-        return session
-
-    def get(self, session_id: str | None) -> Session:
-        """The session with this id; ``InvalidRequest`` when there is none."""
-        if not session_id:
-            raise InvalidRequest("no session: call /seed_session first and pass its session cookie")
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise InvalidRequest(f"unknown session {session_id!r}: not seeded here, or already closed")
-        return session
-
-    def close(self, session_id: str | None) -> bool:
-        return self.pop(session_id) is not None
-
-    def pop(self, session_id: str | None) -> Session | None:
-        """Remove and return the session with this id (``None`` when there is none)."""
-        return self._sessions.pop(session_id or "", None)
-
-    def add(self, session: Session) -> None:
-        self._sessions[session.session_id] = session
-
-    def install(
-        self, session_id: str, identity: RolloutIdentity, state: dict[str, Any], *, restored: Record
-    ) -> Session:
-        """Put back a session read from a checkpoint: same id (its cookie still works), new attempt."""
-        session = Session(session_id, identity, state, restored=restored)
-        self.add(session)
-        return session
-
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-    def __contains__(self, session_id: object) -> bool:
-        return session_id in self._sessions
-
-    def __iter__(self) -> Iterator[Session]:
-        return iter(list(self._sessions.values()))
-
-
-def session_cookie_name(instance: str) -> str:
-    """The session cookie of one server instance (distinct per instance, cookie-safe)."""
-    return "ng_session_" + re.sub(r"[^A-Za-z0-9_-]", "_", instance)
 
 
 # ---- tools ---------------------------------------------------------------------------------------

@@ -47,16 +47,10 @@ from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.server import create_app
 from nemo_gym_ckpt.testing.minimal import create_head_stub
+from nemo_gym_ckpt.testing.placement import InProcess, closing_ctx, instance_at, mesh_of
 from nemo_gym_ckpt.testing.scripted_model import ModelCall, last_user_text
 from resources_servers.calculator_tools import app as calculator_app
-from tests.support.episode_participants import (
-    TOKEN,
-    InProcess,
-    checkpoint_config,
-    closing_ctx,
-    instance_at,
-    mesh_of,
-)
+from tests.support.episode_participants import TOKEN, checkpoint_config
 
 __all__ = [
     "DeterministicModel",

@@ -19,14 +19,8 @@ import pytest
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK
 from nemo_gym_ckpt.launch.head import ThreadedServer
 from nemo_gym_ckpt.testing.conformance import CHECKS, NotApplicable, ParticipantUnderTest
-from tests.support.episode_participants import (
-    ENVIRONMENTS,
-    Sockets,
-    agent_stack,
-    checkpoint_config,
-    env_stack,
-    under_test,
-)
+from nemo_gym_ckpt.testing.placement import Sockets, under_test
+from tests.support.episode_participants import ENVIRONMENTS, TOKEN, agent_stack, checkpoint_config, env_stack
 
 pytestmark = pytest.mark.sockets
 
@@ -75,7 +69,7 @@ async def test_conformance_over_sockets(
         config = checkpoint_config(root, grace_s=0.5)
         async with (
             stack_of(server, placement, config, SYSTEM_CLOCK) as stack,
-            under_test(stack, placement, root, SYSTEM_CLOCK) as pt,
+            under_test(stack, placement, root, SYSTEM_CLOCK, TOKEN) as pt,
         ):
             yield pt
 

@@ -23,7 +23,8 @@ from nemo_gym_ckpt.errors import InvalidRequest
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.launch.child import build_app
 from nemo_gym_ckpt.testing.conformance import CHECKS, Control, ParticipantUnderTest, check_participant
-from tests.support.resources_participants import SERVERS, ResourcesHooks, held, mesh_with
+from nemo_gym_ckpt.testing.resources import held, mesh_with
+from tests.support.resources_participants import SERVERS, hooks_for
 
 pytestmark = pytest.mark.sockets
 
@@ -57,7 +58,7 @@ async def test_conformance_over_sockets(
         url = serve_app(server_class(ctx).build_app())
         try:
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-                yield ParticipantUnderTest(client, TOKEN, root, data=ResourcesHooks(implementation))
+                yield ParticipantUnderTest(client, TOKEN, root, data=hooks_for(implementation))
         finally:
             await ctx.aclose()
 

@@ -28,15 +28,8 @@ from nemo_gym_ckpt.config import CheckpointConfig
 from nemo_gym_ckpt.identity import CURRENT_IDENTITY, RolloutIdentity
 from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import CHECKS, Control, ParticipantUnderTest, check_participant
-from tests.support.episode_participants import (
-    TOKEN,
-    WAIT_S,
-    InProcess,
-    Stack,
-    agent_stack,
-    checkpoint_config,
-    under_test,
-)
+from nemo_gym_ckpt.testing.placement import InProcess, Stack, under_test
+from tests.support.episode_participants import TOKEN, WAIT_S, agent_stack, checkpoint_config
 from tests.support.rollout_mesh import DeterministicModel, calculator_answers
 
 pytestmark = pytest.mark.unit
@@ -64,7 +57,7 @@ async def started(
     config = checkpoint_config(root) if enabled else CheckpointConfig()
     async with (
         agent_stack(implementation, placement, config, clock, model=model) as stack,
-        under_test(stack, placement, root, clock) as pt,
+        under_test(stack, placement, root, clock, TOKEN) as pt,
     ):
         yield stack, pt
 
@@ -428,7 +421,7 @@ async def test_records_carry_no_token_arrays_and_restored_turns_continue_without
     config = checkpoint_config(root)
     async with (
         agent_stack("simple_agent", placement, config, clock, model=model, return_token_ids=True) as stack,
-        under_test(stack, placement, root, clock) as pt,
+        under_test(stack, placement, root, clock, TOKEN) as pt,
     ):
         control = Control(pt)
         run = asyncio.create_task(invoke(pt, "tok", 1))
@@ -445,7 +438,7 @@ async def test_records_carry_no_token_arrays_and_restored_turns_continue_without
     fresh = calculator_model()
     async with (
         agent_stack("simple_agent", placement, config, clock, model=fresh, return_token_ids=True) as stack,
-        under_test(stack, placement, root, clock) as pt,
+        under_test(stack, placement, root, clock, TOKEN) as pt,
     ):
         await restored(pt, root / "ck", "tok")
         output = (await invoke(pt, "tok-a1", 1)).json()["output"]

@@ -35,18 +35,9 @@ from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.server import create_app
 from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import CHECKS, Control, ParticipantUnderTest
-from tests.support.episode_participants import (
-    ENVIRONMENTS,
-    TOKEN,
-    WAIT_S,
-    GateAgent,
-    InProcess,
-    Stack,
-    checkpoint_config,
-    env_row,
-    env_stack,
-    under_test,
-)
+from nemo_gym_ckpt.testing.environments import GateAgent
+from nemo_gym_ckpt.testing.placement import InProcess, Stack, under_test
+from tests.support.episode_participants import ENVIRONMENTS, TOKEN, WAIT_S, checkpoint_config, env_row, env_stack
 from tests.support.rollout_mesh import (
     DeterministicModel,
     RolloutMesh,
@@ -74,7 +65,7 @@ async def started(
     config = checkpoint_config(root) if enabled else CheckpointConfig()
     async with (
         env_stack(implementation, placement, config, clock, **kwargs) as stack,
-        under_test(stack, placement, root, clock) as pt,
+        under_test(stack, placement, root, clock, TOKEN) as pt,
     ):
         yield stack, pt
 
@@ -258,7 +249,7 @@ async def resources_env(
     async with (
         placement.run(resources.app()) as url,
         env_stack("single_agent_turn", placement, config, clock, gate=gate, resources_url=url) as stack,
-        under_test(stack, placement, root, clock) as pt,
+        under_test(stack, placement, root, clock, TOKEN) as pt,
     ):
         yield pt
 

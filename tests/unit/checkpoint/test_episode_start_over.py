@@ -26,18 +26,9 @@ from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment.episode import task_digest
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.testing.clock import FakeClock
+from nemo_gym_ckpt.testing.placement import InProcess, closing_ctx, instance_at, mesh_of
 from resources_servers.calculator_tools import app as calculator_app
-from tests.support.episode_participants import (
-    TOKEN,
-    WAIT_S,
-    InProcess,
-    checkpoint_config,
-    closing_ctx,
-    env_row,
-    env_stack,
-    instance_at,
-    mesh_of,
-)
+from tests.support.episode_participants import TOKEN, WAIT_S, checkpoint_config, env_row, env_stack
 
 pytestmark = pytest.mark.unit
 

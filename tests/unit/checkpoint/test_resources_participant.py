@@ -33,17 +33,11 @@ from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.resources.base import ResourcesServer, Session, ToolArgs, tool
 from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import CHECKS, Control, ParticipantUnderTest, check_participant
+from nemo_gym_ckpt.testing.resources import held, mesh_with, until_held
 from resources_servers.calculator_tools.app import CalculatorTask, CalculatorTools, CalculatorVerdict
 from resources_servers.kv_store.app import KvStore, KvVerdict, KvVerifyTask
 from resources_servers.python_repl.app import PythonRepl
-from tests.support.resources_participants import (
-    SERVERS,
-    WAIT_S,
-    ResourcesHooks,
-    held,
-    mesh_with,
-    until_held,
-)
+from tests.support.resources_participants import SERVERS, WAIT_S, hooks_for
 from tests.unit.checkpoint.conftest import GRACE_S, TOKEN, until
 
 pytestmark = pytest.mark.unit
@@ -178,7 +172,7 @@ async def test_every_resources_server_passes_the_conformance_suite(
                 root,
                 now=clock.now,
                 advance_clock=clock.advance,
-                data=ResourcesHooks(implementation),
+                data=hooks_for(implementation),
             )
 
     restart_only = SERVERS[implementation].checkpoint_mode == "restart_only"

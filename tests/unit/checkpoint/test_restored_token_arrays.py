@@ -28,7 +28,8 @@ from nemo_gym_ckpt.environment.base import TOKEN_ARRAYS
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import Control
-from tests.support.episode_participants import WAIT_S, InProcess, agent_stack, checkpoint_config, under_test
+from nemo_gym_ckpt.testing.placement import InProcess, under_test
+from tests.support.episode_participants import TOKEN, WAIT_S, agent_stack, checkpoint_config
 from tests.support.rollout_mesh import (
     DeterministicModel,
     calculator_answers,
@@ -158,7 +159,7 @@ async def test_a_restored_completed_activation_answers_its_reply_with_its_token_
     placement, config = InProcess(), checkpoint_config(root)
     async with (
         agent_stack("simple_agent", placement, config, clock, model=model, return_token_ids=True) as stack,
-        under_test(stack, placement, root, clock) as pt,
+        under_test(stack, placement, root, clock, TOKEN) as pt,
     ):
         first = (await invoke(pt.client, "done", 1)).json()
         assert all(name in first["output"][0] for name in TOKEN_ARRAYS)
@@ -168,7 +169,7 @@ async def test_a_restored_completed_activation_answers_its_reply_with_its_token_
     made = len(model.calls)
     async with (
         agent_stack("simple_agent", placement, config, clock, model=model, return_token_ids=True) as stack,
-        under_test(stack, placement, root, clock) as pt,
+        under_test(stack, placement, root, clock, TOKEN) as pt,
     ):
         control = Control(pt)
         await control.ok("restore", checkpoint_id="back", checkpoint_dir=str(root / "ck"),
@@ -200,7 +201,7 @@ async def test_the_refill_route_puts_token_arrays_back_without_a_session(root: P
     placement, config = InProcess(), checkpoint_config(root)
     async with (
         agent_stack("simple_agent", placement, config, clock, model=model, return_token_ids=True) as stack,
-        under_test(stack, placement, root, clock) as pt,
+        under_test(stack, placement, root, clock, TOKEN) as pt,
     ):
         output = (await invoke(pt.client, "r", 1)).json()["output"]
         assert (await pt.client.post("/ng-rollout/r/close", json={})).json() == {"closed": True}

@@ -1,0 +1,95 @@
+"""The sessions of a resources server: one per seeded rollout, by session id.
+
+A ``Session`` is what the server keeps for one ``/seed_session``: its id (the cookie's value), the
+rollout identity it was opened under and its JSON state. ``SessionTable`` is the server's live set;
+the checkpoint adapter (``adapter.py``) reads, parks, exports and installs sessions through it.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_gym_ckpt.checkpoint.records import Record
+from nemo_gym_ckpt.errors import InvalidRequest
+from nemo_gym_ckpt.identity import RolloutIdentity
+
+__all__ = ["Session", "SessionTable", "session_cookie_name"]
+
+
+@dataclass
+class Session:
+    """One seeded session: its id, the rollout identity it was opened under, its JSON state.
+
+    ``restored`` is the checkpoint record a restored session came from, kept until a call touches
+    the session (it is then exported afresh); it takes no part in equality.
+    """
+
+    session_id: str
+    identity: RolloutIdentity | None
+    state: dict[str, Any] = field(default_factory=dict)
+    restored: Record | None = field(default=None, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        identity = self.identity.to_json() if self.identity else None
+        return {"session_id": self.session_id, "identity": identity, "state": self.state}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Session:
+        identity = data.get("identity")
+        restored = RolloutIdentity(identity["rollout_id"], identity["attempt"]) if identity else None
+        return cls(data["session_id"], restored, data.get("state") or {})
+
+class SessionTable:
+    """The live sessions of one server, by session id."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, Session] = {}
+
+    def open(self, identity: RolloutIdentity | None, state: dict[str, Any]) -> Session:
+        session = Session(uuid.uuid4().hex, identity, state)
+        self._sessions[session.session_id] = session
+        return session
+
+    def get(self, session_id: str | None) -> Session:
+        """The session with this id; ``InvalidRequest`` when there is none."""
+        if not session_id:
+            raise InvalidRequest("no session: call /seed_session first and pass its session cookie")
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise InvalidRequest(f"unknown session {session_id!r}: not seeded here, or already closed")
+        return session
+
+    def close(self, session_id: str | None) -> bool:
+        return self.pop(session_id) is not None
+
+    def pop(self, session_id: str | None) -> Session | None:
+        """Remove and return the session with this id (``None`` when there is none)."""
+        return self._sessions.pop(session_id or "", None)
+
+    def add(self, session: Session) -> None:
+        self._sessions[session.session_id] = session
+
+    def install(
+        self, session_id: str, identity: RolloutIdentity, state: dict[str, Any], *, restored: Record
+    ) -> Session:
+        """Put back a session read from a checkpoint: same id (its cookie still works), new attempt."""
+        session = Session(session_id, identity, state, restored=restored)
+        self.add(session)
+        return session
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
+
+def session_cookie_name(instance: str) -> str:
+    """The session cookie of one server instance (distinct per instance, cookie-safe)."""
+    return "ng_session_" + re.sub(r"[^A-Za-z0-9_-]", "_", instance)
