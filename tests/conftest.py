@@ -1,7 +1,6 @@
-"""Fixtures shared by every tier: real servers in a thread, real meshes of processes.
+"""Fixtures of the tests/ tiers: real meshes of processes (``root`` and ``serve_app``, shared with the
+server folders' tests, are in the repository's top ``conftest.py``).
 
-- ``serve_app(app) -> url``: a real uvicorn server for an ASGI app, on a free 127.0.0.1 port, up
-  (readiness waited for) before it returns and stopped after the test.
 - ``launch_mesh(*configs, overrides=...) -> MeshLauncher``: a started mesh from YAML (files under
   ``tests/fixtures/`` by bare name), head server on a free port; stopped after the test, and the
   test fails if a server process outlives the stop.
@@ -19,25 +18,9 @@ from typing import Any
 import pytest
 
 from nemo_gym_ckpt.config import load_config
-from nemo_gym_ckpt.launch.head import ThreadedServer
 from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-@pytest.fixture
-def serve_app() -> Iterator[Callable[[Any], str]]:
-    servers: list[ThreadedServer] = []
-
-    def start(app: Any) -> str:
-        server = ThreadedServer(app, "127.0.0.1", 0, name="test-server")
-        server.start(timeout_s=10.0)
-        servers.append(server)
-        return server.url
-
-    yield start
-    for server in reversed(servers):
-        server.stop()
 
 
 def fixture_path(config: str | Path) -> str:

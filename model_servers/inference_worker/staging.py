@@ -362,16 +362,8 @@ class StagingStore:
         temp = self.directory / f"{_TEMP_PREFIX}{secrets.token_hex(8)}.tmp"
         final = self._path(name)
         try:
-            fd = self.ops.open_new(temp)
-            try:
-                self.ops.write(fd, content)
-                self.ops.fsync(fd)
-            finally:
-                self.ops.close(fd)
-            self.ops.rename(temp, final)
+            self.ops.write_durable(final, content, temp, sync_dir=False)
         except OSError:
-            with suppress(OSError):
-                self.ops.unlink(temp)
             return False
         try:
             self.ops.fsync_dir(self.directory)

@@ -38,7 +38,6 @@ import hashlib
 import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,18 +165,7 @@ def write_sidecar(ops: FileOps, directory: Path, lines: Sequence[bytes], stop: S
     temp = directory / f".tokens-{secrets.token_hex(8)}.tmp"
     with write_errors(directory, "token sidecar write"):
         stop.check()
-        fd = ops.open_new(temp)
-        try:
-            try:
-                ops.write(fd, content)
-                ops.fsync(fd)
-            finally:
-                ops.close(fd)
-            ops.rename(temp, directory / name)
-        except BaseException:
-            with suppress(OSError):
-                ops.unlink(temp)
-            raise
+        ops.write_durable(directory / name, content, temp, sync_dir=False)
     # No directory fsync of its own: the records' seal fsyncs this directory after their rename and
     # before the manifest is linked, which makes this rename durable first (one fsync less per commit).
     return name

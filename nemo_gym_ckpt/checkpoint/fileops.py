@@ -1,13 +1,17 @@
-"""The file operations the checkpoint store uses, as one object: the seam for failure tests.
+"""File operations as one object: the seam for failure tests, and the one durable write.
 
-``FileOps`` does the real thing with ``os`` calls. Tests subclass it to fail at any one operation
-(ENOSPC, EIO, a simulated crash) or to model which data a crash would lose. Nothing but the store
-calls it.
+``FileOps`` does the real thing with ``os`` calls, one system call per method. ``write_durable`` is
+the one way this project makes a whole file durable (temporary file, write, fsync, rename,
+directory fsync): the checkpoint store's manifests, the policy model's token sidecars, the inference
+worker's staged prefixes and the collector's published files all write through it, so the crash
+tests (``nemo_gym_ckpt.testing.crashfs``: a subclass that fails or "crashes" at any one operation
+and models what a power loss keeps) cover every one of them.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO
 
@@ -52,6 +56,34 @@ class FileOps:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def write_new(self, path: Path, data: bytes) -> None:
+        """Create ``path`` (it must not exist), write ``data``, fsync, close; removed again on failure."""
+        fd = self.open_new(path)
+        try:
+            try:
+                self.write(fd, data)
+                self.fsync(fd)
+            finally:
+                self.close(fd)
+        except BaseException:
+            with suppress(OSError):
+                self.unlink(path)
+            raise
+
+    def write_durable(self, final: Path, data: bytes, temp: Path, *, sync_dir: bool = True) -> None:
+        """``final`` holds ``data`` whole, or is left as it was: ``data`` goes to the new file ``temp``
+        (fsynced), which is renamed over ``final``; then the directory is fsynced, unless ``sync_dir``
+        is false because the caller fsyncs it later. ``temp`` never outlives a failure."""
+        self.write_new(temp, data)
+        try:
+            self.rename(temp, final)
+        except BaseException:
+            with suppress(OSError):
+                self.unlink(temp)
+            raise
+        if sync_dir:
+            self.fsync_dir(final.parent)
 
     def open_read(self, path: Path) -> BinaryIO:
         """Open a regular file for reading without following a symlink."""

@@ -225,12 +225,7 @@ class RecordWriter:
 
     def _write_manifest_temp(self, content: bytes) -> Path:
         temp = self._temp_path(".manifest")
-        fd = self._ops.open_new(temp)
-        try:
-            self._ops.write(fd, content)
-            self._ops.fsync(fd)
-        finally:
-            self._ops.close(fd)
+        self._ops.write_new(temp, content)
         return temp
 
     def _link_manifest(self, temp: Path, content: bytes) -> None:

@@ -195,21 +195,10 @@ def created_now() -> str:
 _OPS = FileOps()
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, ops: FileOps = _OPS) -> None:
     """Replace ``path`` with ``data`` so that a reader sees the old file or the new one, whole."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        _OPS.write(fd, data)
-        _OPS.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.replace(temporary, path)
-    except OSError:
-        temporary.unlink(missing_ok=True)
-        raise
-    _OPS.fsync_dir(path.parent)
+    ops.write_durable(path, data, temporary)
 
 
 # ---- publish, read, prune ------------------------------------------------------------------------

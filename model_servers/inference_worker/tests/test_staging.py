@@ -23,6 +23,7 @@ from model_servers.inference_worker.staging import (
 from model_servers.inference_worker.tests.cut_helpers import batch_files, batch_of
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.errors import InvalidCheckpointState
+from nemo_gym_ckpt.testing.crashfs import CrashFS, SimulatedCrash
 
 pytestmark = pytest.mark.unit
 
@@ -309,3 +310,29 @@ def test_keys_must_be_staging_keys_and_name_their_call(tmp_path: Path) -> None:
     for bad in ("../escape", "mc_a", f"mc_a.{digest}/x"):
         with pytest.raises(InvalidCheckpointState, match="not a staging key"):
             staging.load(bad)
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+def test_every_crash_point_of_a_stage_leaves_no_batch_or_a_whole_one(tmp_path: Path, after: bool) -> None:
+    """A stage writes its batch through ``FileOps.write_durable``: crashing at any of its operations
+    leaves no batch file, or one that a fresh store opens and serves whole (live and durable views)."""
+    batch = [prefix("mc_a"), prefix("mc_b", tokens=6)]
+    dry = CrashFS()
+    dry_store = StagingStore(tmp_path / "dry", max_files=8, max_bytes=1 << 20, ops=dry)
+    dry_store.open()
+    began = len(dry.calls)
+    assert all(dry_store.stage(batch))
+    for index in range(began, len(dry.calls)):
+        directory = tmp_path / f"crash-{index}"
+        ops = CrashFS(crash_at=index, after=after)
+        store = StagingStore(directory, max_files=8, max_bytes=1 << 20, ops=ops)
+        store.open()
+        with pytest.raises(SimulatedCrash):
+            store.stage(batch)
+        for view in (directory, tmp_path / f"view-{index}"):
+            if view != directory:
+                ops.materialize(directory, view)
+            reopened = StagingStore(view, max_files=8, max_bytes=1 << 20)
+            reopened.open()
+            assert len(batch_files(view)) in (0, 1)
+            assert sorted(reopened.keys()) in ([], sorted(key_of(p) for p in batch))

@@ -17,13 +17,6 @@ from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import CHECKS, MakeParticipant, ParticipantUnderTest, check_participant
 
 
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    path = tmp_path / "checkpoints"
-    path.mkdir()
-    return path
-
-
 def maker(
     fmt: ChatFormat, tokenizer_dir: Path, root: Path, *, uvicorn: bool, **settings: Any
 ) -> MakeParticipant:

@@ -75,13 +75,6 @@ class Policy:
 
 
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
-    path = tmp_path / "checkpoints"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture
 def open_policy(fmt: ChatFormat, tokenizer_dir: Path, root: Path) -> Callable[..., Any]:
     @asynccontextmanager
     async def open_(**settings: Any) -> AsyncIterator[Policy]:

@@ -44,13 +44,6 @@ OpenPolicy = Callable[..., AbstractAsyncContextManager[Policy]]
 
 
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
-    path = tmp_path / "checkpoints"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture
 def policies(fmt: ChatFormat, tokenizer_dir: Path, root: Path) -> OpenPolicy:
     """``async with policies(**settings) as policy``: a fresh policy app over a fresh scripted worker."""
 

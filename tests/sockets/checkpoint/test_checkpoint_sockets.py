@@ -33,13 +33,6 @@ KINDS = ("environment", "model", "agent", "resources")
 
 
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
-    path = tmp_path / "checkpoints"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture
 def config(root: Path) -> CheckpointConfig:
     # A short grace lets the lease check run on the real clock in well under a second.
     return CheckpointConfig(enabled=True, control_auth_token=TOKEN, root=root, lease_grace_seconds=0.5)

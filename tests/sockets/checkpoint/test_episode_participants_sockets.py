@@ -29,13 +29,6 @@ RESTART_ONLY_SKIPS = {"restored_content_is_exported_byte_for_byte", "commit_scop
 
 
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
-    path = tmp_path / "checkpoints"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture
 def serve() -> Iterator[Callable[[Any], str]]:
     """Real uvicorn servers, stopped in parallel when the test ends."""
     servers: list[ThreadedServer] = []

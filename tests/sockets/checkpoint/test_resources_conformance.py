@@ -32,13 +32,6 @@ TOKEN = "sockets-resources-token"
 NAME = "res"
 
 
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    path = tmp_path / "checkpoints"
-    path.mkdir()
-    return path
-
-
 def mesh(implementation: str, root: Path) -> MeshConfig:
     # A short grace lets the suite's lease check run on the real clock in well under a second.
     block = {"enabled": True, "control_auth_token": TOKEN, "root": str(root), "lease_grace_seconds": 0.5}

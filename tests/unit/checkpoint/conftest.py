@@ -35,13 +35,6 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
-    path = tmp_path / "checkpoints"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture
 def config(root: Path) -> CheckpointConfig:
     return CheckpointConfig(enabled=True, control_auth_token=TOKEN, root=root, lease_grace_seconds=GRACE_S)
 

@@ -36,10 +36,10 @@ from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.server import create_app
 from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import expect_error
+from nemo_gym_ckpt.testing.crashfs import CrashFS
 from nemo_gym_ckpt.testing.minimal import SessionsAdapter, create_minimal_server
 
 from .conftest import GRACE_S, TOKEN, ServerFactory, client_of, until
-from .crashfs import CrashFS
 
 pytestmark = pytest.mark.unit
 

@@ -20,8 +20,7 @@ from nemo_gym_ckpt.errors import (
     Unavailable,
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
-
-from .crashfs import CrashFS
+from nemo_gym_ckpt.testing.crashfs import CrashFS
 
 pytestmark = pytest.mark.unit
 

@@ -17,8 +17,7 @@ from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.checkpoint.store import MANIFEST_NAME, CheckpointStore, StopSignal
 from nemo_gym_ckpt.errors import InvalidCheckpointState
 from nemo_gym_ckpt.identity import RolloutIdentity
-
-from .crashfs import CrashFS, SimulatedCrash
+from nemo_gym_ckpt.testing.crashfs import CrashFS, SimulatedCrash
 
 pytestmark = pytest.mark.unit
 
