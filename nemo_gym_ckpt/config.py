@@ -1,6 +1,6 @@
 """Typed mesh config: YAML files merged, ``${...}`` interpolated, ``key=value`` overrides, validated.
 
-Shape (ARCHITECTURE.md section 3)::
+Shape (docs/architecture.md section 3)::
 
     policy_model:                  # instance name
       model_servers:               # server type key: a top-level folder
@@ -69,7 +69,7 @@ class HeadServerConfig(StrictModel):
 
 
 class CheckpointConfig(StrictModel):
-    """The top-level ``checkpoint:`` block (PROTOCOL.md section 2)."""
+    """The top-level ``checkpoint:`` block (docs/protocol.md section 2)."""
 
     enabled: bool = False
     control_auth_token: SecretStr | None = None

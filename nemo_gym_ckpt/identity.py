@@ -1,7 +1,7 @@
 """Rollout identity: ``{rollout_id, attempt}``, its capture key, and the request's current identity.
 
 The capture key is ``rollout_id`` for attempt 0 and ``rollout_id-aN`` for attempt N >= 1
-(PROTOCOL.md section 1). Data-plane calls travel under ``/ng-rollout/<capture_key>/``; the server
+(docs/protocol.md section 1). Data-plane calls travel under ``/ng-rollout/<capture_key>/``; the server
 middleware strips the prefix and sets ``CURRENT_IDENTITY`` for the request, and the mesh client
 adds the same prefix to the calls that request makes downstream.
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A NeMo RL style controller for a running mesh, written with nothing but httpx and PROTOCOL.md.
+"""A NeMo RL style controller for a running mesh, written with nothing but httpx and docs/protocol.md.
 
     export GYM_CKPT_TOKEN=...       # the mesh's checkpoint.control_auth_token (never on argv)
     python scripts/example_controller.py checkpoint --head http://127.0.0.1:11000 --dir /abs/ckpts \\
@@ -48,7 +48,7 @@ Episode = dict[str, Any]  # {"rollout_id": str, "attempt": int}
 
 
 def capture_key(episode: Episode) -> str:
-    """PROTOCOL.md section 1: ``r`` for attempt 0, ``r-aN`` for attempt N."""
+    """docs/protocol.md section 1: ``r`` for attempt 0, ``r-aN`` for attempt N."""
     rollout_id, attempt = episode["rollout_id"], episode["attempt"]
     return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
 
@@ -66,7 +66,7 @@ class Participant:
 
 @dataclass
 class Mesh:
-    """The participants behind one head server, driven in the orders of PROTOCOL.md section 5."""
+    """The participants behind one head server, driven in the orders of docs/protocol.md section 5."""
 
     http: httpx.AsyncClient
     head: str

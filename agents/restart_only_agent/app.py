@@ -2,7 +2,7 @@
 
 It stands for every agent whose state lives somewhere a checkpoint cannot reach (an opaque
 runtime, a remote service): ``checkpoint_sessions = False``. Routes, config and behaviour are the
-simple agent's, except for checkpointing (PROTOCOL.md section 7):
+simple agent's, except for checkpointing (docs/protocol.md section 7):
 
 - every reply carries ``x-ng-checkpoint-restart: 1``, so the environment marks the episode a
   restart (and, remembering it, classifies later episodes as restarts from their first step);

@@ -1,6 +1,6 @@
 """Token arrays put back on a restored loop's output items, from the policy model's capture ledger.
 
-Records never carry token arrays (PROTOCOL.md section 6), so a loop state restored from a checkpoint
+Records never carry token arrays (docs/protocol.md section 6), so a loop state restored from a checkpoint
 has output items without ``prompt_token_ids``, ``generation_token_ids`` and ``generation_log_probs``
 for the model calls made before the checkpoint. The policy model kept them (its token sidecar) and
 answers them for the rollout's capture key at ``GET /v1/capture/tokens``; ``reattach`` stamps them on
@@ -15,7 +15,7 @@ policy model has no token ids for, is left as it is (and logged): its items then
 which training data can see, rather than carrying ids of another call.
 
 ``refill`` does the same for items the agent holds no loop state of: a completed reply restored
-from a checkpoint and served again (PROTOCOL.md section 7), and the items an environment kept at a
+from a checkpoint and served again (docs/protocol.md section 7), and the items an environment kept at a
 boundary after the agent was done (``POST /v1/responses/refill``). Without the ledger ids of the
 calls, the items are matched by order: each run of consecutive model items (``is_model_item``:
 assistant messages, function calls, reasoning; a function call output or an environment's own

@@ -261,7 +261,7 @@ def staging_dir(ctx: ServerContext[Config]) -> Path:
 
     Never inside the root: the controller owns it and every ``checkpoint_dir`` in it (it creates,
     lists and deletes them), and gym servers write only under ``<checkpoint_dir>/gym/<kind>/<instance>/``
-    (PROTOCOL.md section 6). The worker is not a participant and the cut request names no directory;
+    (docs/protocol.md section 6). The worker is not a participant and the cut request names no directory;
     its staging store is its own state, kept across checkpoints and restarts, so it lives in its own
     directory. Put it on storage that survives what a checkpoint must survive (the same host's disk
     for a process crash; shared storage if the worker may come back elsewhere)."""

@@ -1,4 +1,4 @@
-"""Wire bodies of generation cuts (PROTOCOL.md section 8): what the policy model sends the worker.
+"""Wire bodies of generation cuts (docs/protocol.md section 8): what the policy model sends the worker.
 
 On ``POST /v1/completions`` (checkpointing on only):
 

@@ -1,4 +1,4 @@
-"""The worker's side of generation cuts: freeze, stage, receipt; keep; continue (PROTOCOL.md section 8).
+"""The worker's side of generation cuts: freeze, stage, receipt; keep; continue (docs/protocol.md section 8).
 
 ``cut(request)`` answers ``POST /ng-control/v1/generation-cut``. It checks the inventory digest,
 then freezes every listed generation in one synchronous pass (all at the same instant, each at a

@@ -1,4 +1,4 @@
-"""The worker's staging store: one durable file per generation-cut request (PROTOCOL.md section 8).
+"""The worker's staging store: one durable file per generation-cut request (docs/protocol.md section 8).
 
 A cut of one generation is a ``StagedPrefix``: the token ids and logprobs produced up to a token
 boundary, with everything a continuation is checked against (source call, rollout, lineage, prompt

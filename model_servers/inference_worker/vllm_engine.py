@@ -18,7 +18,7 @@ and the tokens taken are a valid prefix; a continuation is an ordinary request w
 ``TokensPrompt`` is prompt + prefix ids (``GenerationRequest.continuation``).
 
 Why a cut does not abort (issue 7 asked for "a cut aborts the request and keeps the tokens already
-produced"; PROTOCOL.md section 8 asks only to freeze at a token boundary and make the prefix
+produced"; docs/protocol.md section 8 asks only to freeze at a token boundary and make the prefix
 durable): most checkpoints end without a crash, and then the cut call must end exactly as if it had
 not been cut. After an abort it could only go on as a continuation, which on vLLM is not the same
 generation: (1) a sampled continuation restarts the request's seeded generator, so its draws are not

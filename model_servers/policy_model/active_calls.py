@@ -13,7 +13,7 @@ whose call is generating names the task that awaits the generation (``runner``, 
 while it awaits); ``stop`` cancels that task, and the custody turns the cancellation into
 ``stale_attempt``. The generation runs in the request's own task, as with checkpointing off: no
 task and no waiter per call.
-Generation cuts (PROTOCOL.md section 8) take ``cut_inventory(scope)``: per episode in scope, the
+Generation cuts (docs/protocol.md section 8) take ``cut_inventory(scope)``: per episode in scope, the
 latest admitted call still generating, as ``{ticket_id, rollout_id, attempt, model_call_id,
 admitted_at}``; ``cut_candidates`` gives the tickets themselves (with the ``ChatCall`` and the
 rollout's lineage when the call was admitted: the parent call and how many calls the ledger held).

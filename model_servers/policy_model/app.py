@@ -54,7 +54,7 @@ class Config(ServerConfig):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(256, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)
-    checkpoint_policy: bool = False  # the one policy participant of the mesh (PROTOCOL.md section 2)
+    checkpoint_policy: bool = False  # the one policy participant of the mesh (docs/protocol.md section 2)
     generation_cuts: bool = False  # cut the generations in flight at a checkpoint (needs the worker)
 
     @model_validator(mode="after")

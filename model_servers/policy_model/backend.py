@@ -4,7 +4,7 @@ Every model call of the server goes through one ``Backend``: ``complete`` for a 
 ``stream`` for an event stream that starts with ``StreamStarted`` (yielded only once the call
 was accepted, so a refusal is still a plain error reply), then ``TextDelta`` pieces, and ends
 with the ``ChatResult``. That single choke point is where the checkpoint participant of
-PROTOCOL.md section 8 gates admission, holds finished replies and records the capture ledger:
+docs/protocol.md section 8 gates admission, holds finished replies and records the capture ledger:
 ``custody.CustodyBackend`` wraps the real ``Backend``.
 """
 

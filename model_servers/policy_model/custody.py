@@ -1,6 +1,6 @@
 """Custody of the policy's calls while checkpointing is on: a ``Backend`` around the real one.
 
-PROTOCOL.md section 8, first half. Every model call goes through ``CustodyBackend``:
+docs/protocol.md section 8, first half. Every model call goes through ``CustodyBackend``:
 
 1. **Admission**: ``participant.admit`` (no rollout identity: 400 ``rollout_id_required``; during
    an open checkpoint a new call waits for resume; a retired attempt: 409 ``stale_attempt``), then

@@ -1,4 +1,4 @@
-"""Generation cuts on the policy model's side (PROTOCOL.md section 8, second half).
+"""Generation cuts on the policy model's side (docs/protocol.md section 8, second half).
 
 At commit, before the export, ``GenerationCutter.cut`` takes per episode in scope the latest
 admitted call still generating (``ActiveCalls.cut_candidates``) and posts their inventory to the

@@ -1,4 +1,4 @@
-"""The policy model server as the checkpoint participant of kind ``model`` (PROTOCOL.md section 8).
+"""The policy model server as the checkpoint participant of kind ``model`` (docs/protocol.md section 8).
 
 ``mount_policy_participant`` is called only for the server with ``checkpoint_policy: true``; with
 the mesh's checkpointing off it mounts nothing and returns ``None`` (the server is a plain one).

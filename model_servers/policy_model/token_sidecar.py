@@ -1,6 +1,6 @@
 """The token sidecar: the token arrays of delivered calls, kept durable beside the ledger records.
 
-PROTOCOL.md section 6 keeps token arrays out of records and manifests, and section 8 has the capture
+docs/protocol.md section 6 keeps token arrays out of records and manifests, and section 8 has the capture
 ledger store coordinates and digests while the ids travel to the caller in the reply. A caller that
 crashed loses those ids with its memory, and its checkpointed state has them stripped; the policy
 model is the one place that still knows them (upstream calls this the token store). So at commit

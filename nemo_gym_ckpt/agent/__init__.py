@@ -1,0 +1,1 @@
+"""Agent servers as checkpoint participants: loop state per activation, exported at boundaries."""

@@ -1,7 +1,7 @@
 """Agent sessions as checkpoint participants (kind ``agent``): activations, boundaries, snapshots.
 
 An agent keeps one session per episode (its capture key); the environment invokes it once per
-activation with ``x-ng-agent-activation: <n>`` (1-based, PROTOCOL.md section 7). With the mesh's
+activation with ``x-ng-agent-activation: <n>`` (1-based, docs/protocol.md section 7). With the mesh's
 ``checkpoint:`` block on, ``AgentSessions`` is both the agent's session table and its
 ``ParticipantAdapter``. An agent hands each activation's work to ``activate``:
 

@@ -1,6 +1,6 @@
 """Checkpoint control plane: the participant every server mounts, and the coordinator.
 
-PROTOCOL.md is the contract. A server kind implements ``ParticipantAdapter`` and calls
+docs/protocol.md is the contract. A server kind implements ``ParticipantAdapter`` and calls
 ``mount_checkpointing(app, ctx, adapter, kind=...)``; a controller drives the mesh with
 ``Coordinator`` (or ``nemo-gym-ckpt checkpoint ...``). ``docs/protocol-guide.md`` is the guide for
 controller authors; ``nemo_gym_ckpt.testing.conformance`` holds the conformance suite.

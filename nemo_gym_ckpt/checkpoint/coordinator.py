@@ -1,4 +1,4 @@
-"""The coordinator: drives every participant of a mesh through one checkpoint (PROTOCOL.md section 5).
+"""The coordinator: drives every participant of a mesh through one checkpoint (docs/protocol.md section 5).
 
 Discovery asks the head server for ``GET /servers`` and each server for its checkpoint ``/status``
 (``NotFound`` means "not a participant"). Orders:

@@ -1,4 +1,4 @@
-"""The lease of an open checkpoint (PROTOCOL.md section 4).
+"""The lease of an open checkpoint (docs/protocol.md section 4).
 
 It expires at ``deadline_ts + lease_grace_seconds`` of the last control call for the open id.
 Expiry is derived, never stored: ``expired`` is ``expires_at <= clock.now()``. ``watch`` sleeps on

@@ -1,4 +1,4 @@
-"""Request bodies of the control routes (PROTOCOL.md section 3): strict, unknown fields refused.
+"""Request bodies of the control routes (docs/protocol.md section 3): strict, unknown fields refused.
 
 A body that fails validation is 400 ``invalid_request``. ``checkpoint_id`` is 1-128 characters,
 first an ASCII letter or digit, then letters, digits, ``.``, ``_``, ``-``; ``deadline_ts`` is

@@ -1,6 +1,6 @@
 """The checkpoint participant: phases, fencing, idempotent replies, the lease, admission.
 
-Generic over a ``ParticipantAdapter`` (the kind-specific part). PROTOCOL.md section 4:
+Generic over a ``ParticipantAdapter`` (the kind-specific part). docs/protocol.md section 4:
 
 - one checkpoint id open at a time (another one: ``checkpoint_conflict``); the last 64 resumed
   ids are fenced (``stale_checkpoint``), and a resume of an unknown id while idle fences it too;

@@ -1,6 +1,6 @@
 """The participant's lifecycle: a small enum of phases and ONE guarded transition table.
 
-PROTOCOL.md section 4::
+docs/protocol.md section 4::
 
     idle --prepare--> preparing --(ready)--> prepared --commit--> committed
     idle --restore--> restored

@@ -1,4 +1,4 @@
-"""The commit's work: one export task feeding one write task (PROTOCOL.md sections 4 and 6).
+"""The commit's work: one export task feeding one write task (docs/protocol.md sections 4 and 6).
 
 The export task iterates the adapter's records (keeping those in scope), encodes them and hands
 batches of about 1 MB to the write task through a bounded queue; the write task appends each

@@ -1,4 +1,4 @@
-"""The control routes of a participant, under ``/ng-control/v1/checkpoint`` (PROTOCOL.md section 3).
+"""The control routes of a participant, under ``/ng-control/v1/checkpoint`` (docs/protocol.md section 3).
 
 ``make_router(participant, auth_token)`` gives a router that every server kind mounts when
 checkpointing is on (``mount_checkpointing`` does it in one call). Every route checks the bearer

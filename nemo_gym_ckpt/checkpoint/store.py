@@ -1,4 +1,4 @@
-"""Checkpoint files: records, then the manifest (PROTOCOL.md section 6). The only code that
+"""Checkpoint files: records, then the manifest (docs/protocol.md section 6). The only code that
 touches them, through one ``FileOps`` seam.
 
 Write, per participant, under ``<checkpoint_dir>/gym/<kind>/<instance>/``:

@@ -1,4 +1,4 @@
-"""Checkpoint telemetry (PROTOCOL.md section 9) on the OpenTelemetry API.
+"""Checkpoint telemetry (docs/protocol.md section 9) on the OpenTelemetry API.
 
 Spans ``gym.checkpoint.<op>`` per participant operation, with children ``wait_ready``, ``export``,
 ``write``, ``read``, ``install`` and ``generation_cut`` (the policy model's cut request to its

@@ -1,0 +1,1 @@
+"""Rollout collection: dispatch, the collector as checkpoint controller, its published files, rows."""

@@ -1,4 +1,4 @@
-"""The collector as the checkpoint controller of its mesh (PROTOCOL.md sections 5 and 6).
+"""The collector as the checkpoint controller of its mesh (docs/protocol.md sections 5 and 6).
 
 ``CollectionControl`` drives a ``Coordinator`` for one collection whose files live in the
 checkpoint directory (``collection_checkpoint``). The collector calls it:

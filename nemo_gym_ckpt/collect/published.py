@@ -1,6 +1,6 @@
 """The checkpoint directory of a rollout collection: what the collector publishes and a rerun reads.
 
-Layout of ``nemo-gym-ckpt collect --checkpoint-dir DIR`` (the ``gym/`` part is PROTOCOL.md
+Layout of ``nemo-gym-ckpt collect --checkpoint-dir DIR`` (the ``gym/`` part is docs/protocol.md
 section 6, written by the participants)::
 
     DIR/

@@ -1,4 +1,4 @@
-"""Rollout rows and the files of a collection (ARCHITECTURE.md section 7).
+"""Rollout rows and the files of a collection (docs/architecture.md section 7).
 
 A rollout is one dispatch of one task row: id ``"{task_index}-{rollout_index}"``. Files, for an
 output path ``out.jsonl``:

@@ -1,0 +1,1 @@
+"""The demo: a reference run against a run that is checkpointed, killed and restored."""

@@ -1,0 +1,1 @@
+"""Environment servers: episodes as named steps with boundaries, the base, the participant adapter."""

@@ -1,4 +1,4 @@
-"""The environment server's side of a checkpoint: ``EpisodesAdapter`` (PROTOCOL.md section 7).
+"""The environment server's side of a checkpoint: ``EpisodesAdapter`` (docs/protocol.md section 7).
 
 ``mount_environment`` (``nemo_gym_ckpt.environment.base``) mounts one over the server's ``Program`` when
 checkpointing is on; with it off nothing here runs. The adapter is also the ``EpisodeHooks`` of

@@ -25,7 +25,7 @@ reply carrying ``x-ng-checkpoint-restart: 1`` comes from a restart-only agent: `
 says so, and the client remembers it (``restart_only``) so later episodes are restarts from their
 first step.
 
-Token arrays after a restore: records never carry them (PROTOCOL.md section 6), so an episode
+Token arrays after a restore: records never carry them (docs/protocol.md section 6), so an episode
 restored from a boundary holds the agent's output items without them. A step that keeps agent
 items notes with ``note_token_arrays`` that they came with token arrays; a later step passes them
 through ``AgentClient.refilled``, which, when the note is there and a model item now lacks them

@@ -1,7 +1,7 @@
 """Episodes as explicit named steps, with a boundary after every completed step.
 
 An environment server describes its episode once, as a ``Program``: named ``Step`` objects, the
-first step's name, and an optional cleanup. Each step has a checkpoint mode (PROTOCOL.md section 7):
+first step's name, and an optional cleanup. Each step has a checkpoint mode (docs/protocol.md section 7):
 
 - ``replay``: safe to run again after a crash; a checkpoint does not wait for it, and an episode
   inside it is exported at its previous boundary;
@@ -28,15 +28,15 @@ there: restoring an episode never needs the program to change.
 not charged to the episode's timeout; only time inside steps is, as the budget's clock counts it.
 That clock is a ``Clock`` (``now`` and ``sleep_until``): monotonic time by default; checkpointing
 gives one that stands still while a checkpoint is open, so a step waiting on a parked peer is not
-charged for the wait either (PROTOCOL.md section 7).
+charged for the wait either (docs/protocol.md section 7).
 
-Records never carry token arrays (PROTOCOL.md section 6): ``Episode.record()`` leaves out the token
+Records never carry token arrays (docs/protocol.md section 6): ``Episode.record()`` leaves out the token
 capture fields (``nemo_gym_ckpt.capture``) wherever they appear in the boundary's state; the boundary kept
 in memory keeps them, so an episode that goes on in the same process loses nothing, while one
 restored from a record continues without the token arrays of its earlier turns.
 
 A step that learns its episode cannot be captured (a restart-only resources server or agent,
-PROTOCOL.md section 7) calls ``episode.mark_restart()``; the mark is sticky and checkpointing
+docs/protocol.md section 7) calls ``episode.mark_restart()``; the mark is sticky and checkpointing
 then leaves the episode alone (it never parks and is never exported).
 """
 
@@ -92,7 +92,7 @@ Action = Callable[["Episode"], Awaitable[str | None]]
 
 
 def task_digest(task: Mapping[str, Any]) -> str:
-    """SHA-256 of the canonical JSON of a task row (PROTOCOL.md section 7)."""
+    """SHA-256 of the canonical JSON of a task row (docs/protocol.md section 7)."""
     return hashlib.sha256(canonical_json(task)).hexdigest()
 
 

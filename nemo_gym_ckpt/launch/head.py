@@ -1,7 +1,7 @@
 """The head server, and a uvicorn server run in a thread of this process.
 
 The head server is the mesh's directory for a second shell: ``GET /servers`` answers a JSON list of
-``{name, type, implementation, url}`` (ARCHITECTURE.md section 4) and ``GET /health`` says it is up.
+``{name, type, implementation, url}`` (docs/architecture.md section 4) and ``GET /health`` says it is up.
 It runs inside the launcher's process as a ``ThreadedServer``, which the tests use as well: the
 socket is bound before the thread starts (so port 0 picks a free port and the URL is known at once),
 ``start`` returns only once uvicorn has started, and ``stop`` is bounded.

@@ -1,0 +1,1 @@
+"""Resources servers: the base, the session table, the participant adapter."""

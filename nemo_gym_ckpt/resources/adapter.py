@@ -1,4 +1,4 @@
-"""The resources server's side of a checkpoint: ``ResourcesAdapter`` (PROTOCOL.md section 7).
+"""The resources server's side of a checkpoint: ``ResourcesAdapter`` (docs/protocol.md section 7).
 
 ``ResourcesServer.build_app`` mounts one over the server when checkpointing is on; with it off
 nothing here runs. What it does, by the server's ``checkpoint_mode``:

@@ -25,7 +25,7 @@ A resources server is a subclass of ``ResourcesServer`` plus a ``create_app`` of
 Routes (all also under ``/ng-rollout/<capture_key>/``):
 
 - ``POST /seed_session`` with the task row: opens a session, answers ``{"session_id"}``, sets the
-  session cookie (agents pass it back explicitly) and the checkpoint headers of PROTOCOL.md
+  session cookie (agents pass it back explicitly) and the checkpoint headers of docs/protocol.md
   section 7: ``x-ng-checkpoint-verify: replay|wait`` and, for restart-only servers,
   ``x-ng-checkpoint-restart: 1``;
 - ``POST /verify`` with the task row plus ``response`` (a Responses API object): answers the
@@ -44,7 +44,7 @@ than ``stateless``) keep a session table; a stateless server still hands out a c
 treat every server alike. A session remembers the rollout identity it was opened under, and a call
 under another attempt of the same session is refused (409 ``stale_attempt``).
 
-Checkpointing (PROTOCOL.md section 7; ``docs/participants.md``, "Resources servers"). With the
+Checkpointing (docs/protocol.md section 7; ``docs/participants.md``, "Resources servers"). With the
 mesh's ``checkpoint:`` block enabled, ``build_app`` mounts a participant (``ResourcesAdapter``):
 every rollout-scoped request (seed, tools, verify, close) then needs ``/ng-rollout/<key>/``, waits
 while a checkpoint is open and is refused ``stale_attempt`` for a retired attempt. The class
@@ -413,7 +413,7 @@ class ResourcesServer(Generic[_C]):
         return [spec.definition(shape) for spec in self.tool_specs.values()]
 
     def checkpoint_headers(self) -> dict[str, str]:
-        """The headers of every ``/seed_session`` reply (PROTOCOL.md section 7)."""
+        """The headers of every ``/seed_session`` reply (docs/protocol.md section 7)."""
         headers: dict[str, str] = {VERIFY_HEADER: self.checkpoint_verify}
         if self.checkpoint_mode == "restart_only":
             headers[RESTART_HEADER] = "1"

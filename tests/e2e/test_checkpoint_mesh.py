@@ -12,7 +12,7 @@ each server its own process, launched once for the module. A controller here dis
    rollout finishes exactly once, no completed model call (the policy model's capture ledger) and
    no completed tool call (the agent's count of the calls it made on the resources server) is
    made again, and the rows equal the uninterrupted run's, token arrays included: records never
-   carry them (PROTOCOL.md section 6), the policy model keeps those of delivered calls in its token
+   carry them (docs/protocol.md section 6), the policy model keeps those of delivered calls in its token
    sidecar and the agent puts them back on its restored output items;
 3. retire during a run, then forget: nothing is left on any participant;
 4. a checkpoint that lands after the agent was done (each episode in or past its verify, the agent

@@ -1,4 +1,4 @@
-"""``scripts/example_controller.py`` (httpx and PROTOCOL.md only) against the real participant apps.
+"""``scripts/example_controller.py`` (httpx and docs/protocol.md only) against the real participant apps.
 
 It checkpoints three rollouts that wait on held model calls, publishes its aggregate last; after
 the crash, fresh apps restore from it and the rollouts finish as attempt 1 without repeating a

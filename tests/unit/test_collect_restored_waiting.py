@@ -3,7 +3,7 @@
 After a restore, the continued rollouts wait in the collector's queue as attempt N+1 while the
 servers hold their restored state. A checkpoint taken before their ``/run`` is sent (the collector
 dispatches at bounded concurrency; a timer or SIGUSR1 can fire at once) must keep them in its
-scope: a commit that leaves a restored episode out deletes it (PROTOCOL.md section 6), and after
+scope: a commit that leaves a restored episode out deletes it (docs/protocol.md section 6), and after
 the next crash those rollouts would start over, making again every model call they had made.
 Found by the random fault sequences (``tests/e2e/test_fault_sequences.py``): a restore, then a
 checkpoint before any dispatch, published ``continued: []``.

@@ -1,5 +1,5 @@
 """The coordinator over an in-process mesh (one ASGI app per host): discovery, the orders of
-PROTOCOL.md section 5, failure handling, and result objects."""
+docs/protocol.md section 5, failure handling, and result objects."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.unit
 
 KINDS = ("environment", "model", "agent", "resources")
 CALLERS_FIRST = {"environment": 0, "agent": 1, "model": 2, "resources": 2}
-STAGE = {  # the stage of each kind, per op (PROTOCOL.md section 5)
+STAGE = {  # the stage of each kind, per op (docs/protocol.md section 5)
     "prepare": {"environment": 0, "model": 1, "agent": 2, "resources": 3},
     "resume": {"resources": 0, "agent": 1, "model": 2, "environment": 3},
     "retire": CALLERS_FIRST,

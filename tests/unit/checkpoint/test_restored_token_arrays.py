@@ -1,6 +1,6 @@
 """Token arrays after a restore from a boundary where the agent was already done, in process.
 
-Records never carry token arrays (PROTOCOL.md section 6). A rollout continued from a boundary that
+Records never carry token arrays (docs/protocol.md section 6). A rollout continued from a boundary that
 holds the agent's reply (the environment's), or whose agent session holds its completed reply (the
 agent's), must still come back with every token array of the uninterrupted run: the environment has
 the agent put them back (``POST /v1/responses/refill``), and the agent refills a restored completed

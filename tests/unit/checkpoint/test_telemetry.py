@@ -1,4 +1,4 @@
-"""Spans and metrics of PROTOCOL.md section 9, read through the SDK's in-memory exporters."""
+"""Spans and metrics of docs/protocol.md section 9, read through the SDK's in-memory exporters."""
 
 from __future__ import annotations
 
