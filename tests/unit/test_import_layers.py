@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 LIBRARY = "nemo_gym_ckpt"
 SERVER_FOLDERS = ("model_servers", "agents", "environment_servers", "resources_servers")
 FIRST_PARTY = (LIBRARY, *SERVER_FOLDERS, "tests")
-GROUND = frozenset({"errors", "identity", "config", "client", "server", "context", "capture", "canonical", "responses"})
+GROUND = frozenset(
+    {"errors", "identity", "config", "client", "server", "context", "capture", "canonical", "responses"}
+)
 
 
 def floors(text: str) -> dict[str, frozenset[str]]:
@@ -209,7 +211,8 @@ def made_up(sources: dict[str, str]) -> dict[str, set[str]]:
          ["nemo_gym_ckpt.errors -> nemo_gym_ckpt.checkpoint.store (ground may not import checkpoint)"]),
         ({"nemo_gym_ckpt.checkpoint.store": "def f():\n    import model_servers.policy_model.app\n",
           "model_servers.policy_model.app": ""},
-         ["nemo_gym_ckpt.checkpoint.store -> model_servers.policy_model.app (checkpoint may not import model_servers)"]),
+         ["nemo_gym_ckpt.checkpoint.store -> model_servers.policy_model.app"
+          " (checkpoint may not import model_servers)"]),
         ({"nemo_gym_ckpt.bench.suites": "from nemo_gym_ckpt.checkpoint.store import X\n",
           "nemo_gym_ckpt.checkpoint.store": ""}, []),
     ],
