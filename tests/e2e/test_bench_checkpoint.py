@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_ckpt.bench import suites as bench
+from nemo_gym_ckpt.cli import bench
 from nemo_gym_ckpt.bench.checkpoints import QUICK_LEVELS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
