@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_ckpt.cli import bench
 from nemo_gym_ckpt.bench.checkpoints import QUICK_LEVELS
+from nemo_gym_ckpt.cli import bench
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
