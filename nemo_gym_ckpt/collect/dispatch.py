@@ -46,7 +46,7 @@ from nemo_gym_ckpt.collect.triggers import SIGTERM, STOP, Triggers, install_sign
 from nemo_gym_ckpt.errors import CollectionStartFailed, GymError, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["HOUSEKEEPING_TICK_S", "CollectionStartFailed", "Dispatcher", "Plan", "Summary", "done_keys",
+__all__ = ["HOUSEKEEPING_TICK_S", "CollectionStartFailed", "Dispatcher", "HeldBack", "Plan", "Summary", "done_keys",
            "run_plan"]
 
 HOUSEKEEPING_TICK_S = 1.0
@@ -92,6 +92,15 @@ class Summary:
     """After SIGTERM: whether the checkpoint before stopping was published."""
 
 
+@dataclass(frozen=True)
+class HeldBack:
+    """The last ``count`` rollouts of a run are not sent before ``release`` is set (the demo holds
+    them so that its collection cannot end before its checkpoint is taken)."""
+
+    count: int
+    release: asyncio.Event
+
+
 @dataclass
 class _Sinks:
     rows: JsonlAppender
@@ -103,8 +112,9 @@ class Dispatcher:
     """Sends the ``/run`` of each rollout, at most ``plan.concurrency`` at a time; knows what is in flight."""
 
     def __init__(self, plan: Plan, client: MeshClient, sinks: _Sinks, summary: Summary,
-                 control: CollectionControl | None = None) -> None:
+                 control: CollectionControl | None = None, held_back: HeldBack | None = None) -> None:
         self.plan, self.client, self.sinks, self.summary, self.control = plan, client, sinks, summary, control
+        self.held_back = held_back
         self._in_flight: dict[str, RolloutIdentity] = {}
         self.abandoned: list[RolloutIdentity] = []
         """The rollouts in flight when the run was stopped (retired on the mesh then)."""
@@ -126,10 +136,13 @@ class Dispatcher:
 
     async def run(self, work: Work) -> None:
         pending = deque(work)
+        held_from = len(work) - self.held_back.count if self.held_back is not None else len(work)
 
         async def worker() -> None:
             while pending:
                 await self._open.wait()
+                if self.held_back is not None and len(work) - len(pending) >= held_from:
+                    await self.held_back.release.wait()
                 if pending:
                     await self._one(*pending.popleft())
 
@@ -305,6 +318,7 @@ async def run_plan(
     *,
     control: CollectionControl | None = None,
     triggers: Triggers | None = None,
+    held_back: HeldBack | None = None,
 ) -> Summary:
     """Collect every rollout of ``plan`` not yet in its output; answers the summary (metrics written)."""
     own_client = client is None
@@ -321,7 +335,7 @@ async def run_plan(
         with install_signals(triggers) if control is not None else nullcontext():
             work = await _work(keys, control, summary) if keys else []
             progress = Progress(len(work), stream)
-            dispatcher = Dispatcher(plan, client, _Sinks(rows, failures, progress), summary, control)
+            dispatcher = Dispatcher(plan, client, _Sinks(rows, failures, progress), summary, control, held_back)
             if control is None:
                 await _uncontrolled(dispatcher, work)
             else:

@@ -20,6 +20,7 @@ from environment_servers.single_agent_turn import app as env_app
 from model_servers.inference_worker.default_model_data import make_problem
 from nemo_gym_ckpt.cli import collect
 from nemo_gym_ckpt.cli.exit_codes import ExitCode
+from nemo_gym_ckpt.collect.dispatch import HeldBack
 from nemo_gym_ckpt.collect.progress import Progress, format_duration
 from nemo_gym_ckpt.collect.rows import JsonlAppender, aggregate, failures_path, metrics_path, read_jsonl
 from nemo_gym_ckpt.collect.tasks import read_tasks, resolve_input
@@ -28,6 +29,7 @@ from nemo_gym_ckpt.identity import current_identity
 from nemo_gym_ckpt.server import create_app
 from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, calculator_policy
 from nemo_gym_ckpt.testing.transports import InProcessMesh
+from nemo_gym_ckpt.testing.waits import until
 from resources_servers.calculator_tools import app as calculator_app
 
 pytestmark = pytest.mark.unit
@@ -262,3 +264,19 @@ def test_flags_refuse_non_positive_counts() -> None:
     collect.configure(parser)
     with pytest.raises(SystemExit):
         parser.parse_args(["--output", "o", "--concurrency", "0"])
+
+
+async def test_held_back_rollouts_wait_for_their_release(tmp_path: Path) -> None:
+    mesh, model = build_mesh()
+    output = tmp_path / "out.jsonl"
+    held = HeldBack(2, asyncio.Event())
+    run = asyncio.create_task(collect.run_plan(plan_for(mesh, [row(p) for p in PROBLEMS], output, concurrency=3),
+                                               mesh.client(), io.StringIO(), held_back=held))
+    await until(lambda: len(list(read_jsonl(output, complete_lines_only=True))) == 4, "the first four rows")
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert not run.done() and {call.capture_key for call in model.calls} == {f"{t}-0" for t in range(4)}
+    held.release.set()
+    summary = await asyncio.wait_for(run, 30)
+    assert summary.finished == 6 and {call.capture_key for call in model.calls} == {f"{t}-0" for t in range(6)}
+    await mesh.aclose()
