@@ -7,9 +7,9 @@
 - ``grade``: case-sensitive, the stripped strings must be equal; otherwise 1.0 when the two agree
   after any one of these normalisations, in order: Unicode NFKC + one pair of outer quotes removed
   + lower case + trailing ``.!?`` removed; then as numbers (``$``, ``\\$``, ``\\%`` dropped); then
-  digit-group commas removed; then LaTeX text commands, math delimiters and ``$`` removed.
-  NeMo Gym's grader knows more (lists, US states, units, a 0.98 reward for near-equal numbers):
-  docs/nemo-gym.md lists what this one lacks.
+  digit-group commas removed; then LaTeX text commands, math delimiters and ``$`` removed; else
+  0.98 when both read as numbers (``$ £ € % ,`` dropped) within about 1% of each other.
+  NeMo Gym's grader knows more (lists, US states, units): docs/nemo-gym.md lists what this one lacks.
 """
 
 from __future__ import annotations
@@ -96,14 +96,34 @@ _EXTRACTORS: dict[str, Callable[[str], str | None]] = {
 
 
 def grade(extracted: str, expected: str, case_sensitive: bool) -> float:
-    """1.0 when ``extracted`` is ``expected`` (module docstring), else 0.0."""
+    """1.0 when ``extracted`` is ``expected``, 0.98 when they are near numbers (module docstring), else 0.0."""
     if case_sensitive:
         return 1.0 if extracted.strip() == expected.strip() else 0.0
     got, want = _plain(extracted), _plain(expected)
     for view in (_same, _as_number, _without_digit_groups, _without_latex):
         if view(got) == view(want):
             return 1.0
-    return 0.0
+    return NEAR_REWARD if _closeness(got, want) > NEAR_REWARD else 0.0
+
+
+NEAR_REWARD = 0.98
+"""The reward of two numbers that are near but not equal (and how near: the closeness above it)."""
+
+
+def _closeness(got: str, want: str) -> float:
+    """``(1 - relative error) ** 2`` of the two as numbers (0.0 when either is not one)."""
+    try:
+        value, target = float(_bare_number(got)), float(_bare_number(want))
+    except ValueError:
+        return 0.0
+    error = abs(value - target) / max(abs(target), 1e-9)
+    return max(0.0, 1.0 - error) ** 2
+
+
+def _bare_number(text: str) -> str:
+    for mark in ("\\%", "\\$", "$", "\u00a3", "\u20ac", "%", ","):
+        text = text.replace(mark, "")
+    return text.strip()
 
 
 def _plain(text: str) -> str:

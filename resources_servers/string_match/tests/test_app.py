@@ -173,10 +173,12 @@ def said(*texts: str) -> list[dict[str, Any]]:
         ("Final answer: \"Paris\"", "final_answer", "Paris!", (1.0, "\"Paris\"")),  # quotes and ! dropped
         ("Final answer: \"Paris\"!", "final_answer", "paris", (0.0, "\"Paris\"!")),  # quotes first, then !
         ("Final answer: 80.0", "final_answer", "80", (1.0, "80.0")),  # as numbers
-        ("Final answer: $1,000", "final_answer", "1000", (0.0, "$1,000")),  # $ and the commas: one at a time
+        ("Final answer: $1,000", "final_answer", "1000", (0.98, "$1,000")),  # $ and commas apart: near numbers
         ("Final answer: 1,000", "final_answer", "1000", (1.0, "1,000")),
         ("Final answer: \\textbf{x} and $y$", "final_answer", "x and y", (1.0, "\\textbf{x} and $y$")),
         ("Final answer: Rome", "final_answer", "Paris", (0.0, "Rome")),
+        ("Final answer: 99.6", "final_answer", "100", (0.98, "99.6")),  # near numbers
+        ("Final answer: 90", "final_answer", "100", (0.0, "90")),
     ],
 )
 async def test_extraction_modes_and_grading_as_nemo_gym(
