@@ -13,8 +13,9 @@ each key (``Origins``), in NeMo Gym's order (docs/architecture.md section 3):
    ``${inherit_from:a.b}`` and ``${copy:a.b}`` are the same without own keys. An environment
    server's agent reference that names a moved agent instance follows it to its new name.
 
-``resolve_interpolations`` then replaces ``${a.b}`` by that value and ``${oc.env:VAR}`` /
-``${oc.env:VAR,default}`` by the environment. Every error is a ``ConfigError`` naming the file and
+``resolve_interpolations`` then replaces ``${a.b}`` by that value, ``${oc.select:a.b,default}`` by
+that value or the default when there is none, and ``${oc.env:VAR}`` / ``${oc.env:VAR,default}`` by
+the environment. Every error is a ``ConfigError`` naming the file and
 the key.
 """
 
@@ -169,6 +170,8 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[Path_, Any]]:
     """``a.b=1``, ``+a.b=1``, ``++a.b=1`` -> ((a, b), 1): each sets the key, adding it if absent."""
     parsed = []
     for item in overrides:
+        if item.startswith("~"):
+            raise ConfigError(f"override {item!r}: deleting a key (~key) is not supported", file=COMMAND_LINE)
         key, eq, text = item.removeprefix("++").removeprefix("+").partition("=")
         if not eq or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} is not key=value", file=COMMAND_LINE)
@@ -364,9 +367,11 @@ def interpolation_roots(raw: Mapping[str, Any]) -> set[str]:
             for item in value:
                 walk(item)
         elif isinstance(value, str):
-            for expr in _INTERPOLATION.findall(value):
-                if not _RESOLVER.match(expr.strip()):
-                    found.add(expr.strip().split(".")[0])
+            for expr in (match.strip() for match in _INTERPOLATION.findall(value)):
+                if expr.startswith("oc.select:"):
+                    found.add(expr[len("oc.select:") :].split(",")[0].strip().split(".")[0])
+                elif not _RESOLVER.match(expr):
+                    found.add(expr.split(".")[0])
 
     walk(raw)
     return found
@@ -401,11 +406,21 @@ class _Resolver:
             if value is None and not comma:
                 self.fail(f"environment variable {name.strip()} is not set", path)
             return value if value is not None else _yaml_scalar(default.strip())
+        if expr.startswith("oc.select:"):
+            key, comma, default = expr[len("oc.select:") :].partition(",")
+            found = self.lookup(tuple(key.strip().split(".")), path, missing_ok=True)
+            if found is not None:
+                return found
+            return _yaml_scalar(default.strip()) if comma else None
         resolver = _RESOLVER.match(expr)
         if resolver:
-            self.fail(f"unknown resolver {resolver[1]!r} in ${{{expr}}} (known: oc.env; inherit_from and copy "
-                      "take a whole value)", path)
-        target = tuple(expr.split("."))
+            self.fail(f"unknown resolver {resolver[1]!r} in ${{{expr}}} (known: oc.env, oc.select; inherit_from "
+                      "and copy take a whole value)", path)
+        return self.lookup(tuple(expr.split(".")), path)
+
+    def lookup(self, target: Path_, path: Path_, *, missing_ok: bool = False) -> Any:
+        """The resolved value at ``target`` (None for a missing key when ``missing_ok``)."""
+        expr = ".".join(target)
         if target in self.active:
             self.fail(f"interpolation cycle through ${{{expr}}}", path)
         node: Any = self.root
@@ -414,6 +429,8 @@ class _Resolver:
                 node = node[int(part)]
                 continue
             if not isinstance(node, dict) or part not in node:
+                if missing_ok:
+                    return None
                 self.fail(f"${{{expr}}} refers to a key that does not exist", path)
             node = node[part]
         self.active.append(target)

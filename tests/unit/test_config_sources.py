@@ -307,3 +307,13 @@ def test_the_legacy_relay_needs_a_resources_server(write: Writer) -> None:
     env = load_config([write("b.yaml", Path(path).read_text() + explicit)]).instance("env").settings
     assert isinstance(env, legacy_app.Config) and env.resources_server == ServerRef(type="resources_servers",
                                                                                       name="tool")
+
+
+def test_oc_select_takes_the_value_or_the_default(write: Writer) -> None:
+    path = write("a.yaml", tool("${oc.select:judge_url,none-given}")
+                 + tool("${oc.select:tool.resources_servers.fake_tool.answer,x}-again", "third")
+                 + "other:\n  resources_servers:\n    fake_tool: {entrypoint: other.py, port: '${oc.select:p}'}\n")
+    mesh = load_config([path])
+    assert answer_of([path]) == "none-given" and answer_of([path], "third") == "none-given-again"
+    assert mesh.instance("other").settings.port is None  # no default: null
+    assert answer_of([path], overrides=("++judge_url=http://judge",)) == "http://judge"
