@@ -70,11 +70,12 @@ def verify_mode(state: Mapping[str, Any]) -> StepMode:
 class SingleAgentTurn:
     """The steps of one episode, bound to this server's clients and settings."""
 
-    def __init__(self, ctx: ServerContext[Config]) -> None:
+    def __init__(self, ctx: ServerContext[Any], resources: ServerRef | None = None) -> None:
+        """``resources``: where seed and verify go (default: the settings' ``resources_server``)."""
         self.client = ctx.client
         self.settings = ctx.settings
-        self.resources_url = ctx.url_of(ctx.settings.resources_server)
-        self.agent = AgentClient(ctx.client, ctx.url_of(ctx.settings.agent), ctx.settings)
+        self.resources_url = ctx.url_of(resources or ctx.settings.resources_server)
+        self.agent = AgentClient(ctx.client, ctx.url_of(ctx.settings.agent_server), ctx.settings)
         self.program = Program.of(
             [
                 Step("seed", self.seed, "replay"),

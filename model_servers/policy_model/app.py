@@ -62,8 +62,8 @@ class Config(ServerConfig):
         if (self.worker is None) == (self.upstream is None):
             raise ValueError("set exactly one of worker (our inference worker) or upstream (an external "
                              "server)")
-        if self.worker is not None and self.worker.type != "model_servers":
-            raise ValueError(f"worker must be a model_servers instance, got {self.worker.type}")
+        if self.worker is not None and self.worker.type != "responses_api_models":
+            raise ValueError(f"worker must be a responses_api_models instance, got {self.worker.type}")
         if self.upstream is not None and self.tokenizer_path is not None:
             raise ValueError("tokenizer_path is only used with worker (the upstream server tokenizes)")
         return self

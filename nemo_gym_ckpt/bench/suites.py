@@ -175,9 +175,9 @@ async def _policy_against_worker(worker_url: str, policy_url: str, model: str, d
 def bench_policy(duration_s: float) -> Result:
     mesh = load_config_dict({
         "head_server": {"port": 0},
-        "inference_worker": {"model_servers": {"inference_worker": {}}},
-        "policy_model": {"model_servers": {"policy_model": {
-            "worker": {"type": "model_servers", "name": "inference_worker"}}}},
+        "inference_worker": {"responses_api_models": {"inference_worker": {}}},
+        "policy_model": {"responses_api_models": {"policy_model": {
+            "worker": {"type": "responses_api_models", "name": "inference_worker"}}}},
     })
     with MeshLauncher(mesh, on_line=_quiet) as launcher:
         launcher.start(ready_timeout_s=120)

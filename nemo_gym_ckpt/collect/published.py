@@ -78,7 +78,8 @@ DISPATCH_LOG = "dispatched.jsonl"
 KEEP = 2
 _ID = re.compile(r"ckpt-\d{8}T\d{12}Z-[0-9a-f]{8}")
 _UNPORTABLE_KEYS = frozenset({"port", "control_auth_token", "api_key"})
-_RUN_KEYS = ("head_server", "checkpoint")
+_RUN_KEYS = ("head_server", "checkpoint", "config_paths", "port_range_low", "port_range_high", "disallowed_ports")
+"""Top-level keys that do not make two runs different (where the files were and which ports served)."""
 
 
 # ---- ids -----------------------------------------------------------------------------------------

@@ -41,12 +41,12 @@ import logging
 import uuid
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, ClassVar, Self, cast
 
 import httpx
 import orjson
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nemo_gym_ckpt.capture import TOKEN_ARRAYS, without_token_arrays
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
@@ -88,21 +88,56 @@ logger = logging.getLogger(__name__)
 
 REFILL_PATH = "/v1/responses/refill"
 """The agent route that puts token arrays back on output items (rollout-scoped)."""
+AGENTS_TYPE = "responses_api_agents"
 TOKEN_ARRAYS_NOTE = "agent_token_arrays"
 """The state key ``note_token_arrays`` sets: the agent's items came with token arrays."""
 
 
 class EnvironmentConfig(ServerConfig):
-    """Settings every environment server has: its agent and its timeouts."""
+    """Settings every environment server has: its agent and its timeouts (NeMo Gym's names where it has them).
 
-    agent: ServerRef
-    episode_timeout_s: float | None = Field(3600.0, gt=0)
+    ``max_concurrent_episodes`` and ``queue_timeout_seconds`` are NeMo Gym's episode queue; here they
+    must stay unset (no queue: every ``/run`` starts at once).
+    """
+
+    renamed_keys: ClassVar[Mapping[str, str]] = {
+        "agent": "agent_server",
+        "episode_timeout_s": "default_episode_timeout_seconds",
+        "cleanup_timeout_s": "cleanup_timeout_seconds",
+    }
+
+    agent_server: ServerRef
+    """The agent instance (``type: responses_api_agents``, which may be left out as NeMo Gym allows)."""
+    default_episode_timeout_seconds: float | None = Field(3600.0, gt=0)
     """Time an episode may spend inside its steps (parked time is not charged); null: no limit."""
     call_timeout_s: float = Field(120.0, gt=0)
     """Deadline of each short call (seed, close, verify)."""
     agent_timeout_s: float = Field(3600.0, gt=0)
     """Deadline of one agent activation (a whole model/tool loop)."""
-    cleanup_timeout_s: float = Field(30.0, gt=0)
+    cleanup_timeout_seconds: float = Field(30.0, gt=0)
+    max_concurrent_episodes: int | None = None
+    queue_timeout_seconds: float | None = None
+
+    @field_validator("agent_server", mode="before")
+    @classmethod
+    def _agent_type_by_default(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "type" not in value:
+            return {**value, "type": AGENTS_TYPE}
+        return value
+
+    @field_validator("agent_server")
+    @classmethod
+    def _an_agent(cls, ref: ServerRef) -> ServerRef:
+        if ref.type != AGENTS_TYPE:
+            raise ValueError(f"agent_server must be a {AGENTS_TYPE} instance, got {ref.type}")
+        return ref
+
+    @model_validator(mode="after")
+    def _no_episode_queue(self) -> Self:
+        if self.max_concurrent_episodes is not None or self.queue_timeout_seconds is not None:
+            raise ValueError("max_concurrent_episodes and queue_timeout_seconds (NeMo Gym's episode queue) are "
+                             "not supported here: leave them null")
+        return self
 
 
 class EpisodeTask(BaseModel):
@@ -137,6 +172,7 @@ def read_task(raw: bytes, model: type[EpisodeTask]) -> dict[str, Any]:
     return data
 
 
+
 def mount_run(
     app: FastAPI,
     program: Program,
@@ -152,8 +188,8 @@ def mount_run(
         identity = current_identity() or RolloutIdentity(f"anon-{uuid.uuid4().hex[:16]}")
         episode = Episode.start(identity, task, program)
         final = await run_episode(
-            program, episode, hooks=hooks, budget=StepBudget(settings.episode_timeout_s),
-            cleanup_timeout_s=settings.cleanup_timeout_s,
+            program, episode, hooks=hooks, budget=StepBudget(settings.default_episode_timeout_seconds),
+            cleanup_timeout_s=settings.cleanup_timeout_seconds,
         )
         return _result(final)
 
@@ -179,7 +215,8 @@ def mount_environment(
     Answers the adapter (``None`` when checkpointing is off and ``/run`` is plain ``mount_run``).
     """
     settings = cast(EnvironmentConfig, ctx.settings)
-    adapter = EpisodesAdapter(program, RunLimits(settings.episode_timeout_s, settings.cleanup_timeout_s))
+    limits = RunLimits(settings.default_episode_timeout_seconds, settings.cleanup_timeout_seconds)
+    adapter = EpisodesAdapter(program, limits)
     participant = mount_checkpointing(app, ctx, adapter, kind="environment", clock=clock)
     if participant is None:
         mount_run(app, program, settings, task_model=task_model)

@@ -8,8 +8,9 @@
         mesh.restart_all()                  # SIGKILL every server, fresh ones on the same ports
     # leaving the block stops everything: SIGTERM, bounded wait, SIGKILL, reap
 
-Ports: instances without a port get a free one on their host (probe-bind in 10001-20000, never the
-head port or another instance's). Each child is ``python -m nemo_gym_ckpt.cli.serve <instance>`` with the
+Ports: instances without a port get a free one on their host (probe-bind in the config's
+``port_range_low``-``port_range_high``, default 10001-20000; never the head port, another instance's
+or one of ``disallowed_ports``). Each child is ``python -m nemo_gym_ckpt.cli.serve <instance>`` with the
 resolved config (ports filled in) as JSON in ``NEMO_GYM_CKPT_CONFIG`` and the launcher's pid in
 ``NEMO_GYM_CKPT_PARENT_PID``; it runs in its own process group (a terminal's Ctrl-C reaches only
 the launcher, which stops the children in order) and exits by itself when the launcher dies.
@@ -72,15 +73,18 @@ LineSink = Callable[[str, str], None]
 # ---- ports ---------------------------------------------------------------------------------------
 
 
-def find_free_port(host: str, avoid: Iterable[int] = (), *, rng: random.Random | None = None) -> int:
-    """A port of ``PORT_RANGE`` that ``host`` can bind now and that is not in ``avoid``."""
+def find_free_port(
+    host: str, avoid: Iterable[int] = (), *, rng: random.Random | None = None,
+    port_range: tuple[int, int] = PORT_RANGE,
+) -> int:
+    """A port of ``port_range`` that ``host`` can bind now and that is not in ``avoid``."""
     rng = rng or random.Random()
     avoid = set(avoid)
     for _ in range(200):
-        port = rng.randint(*PORT_RANGE)
+        port = rng.randint(*port_range)
         if port not in avoid and _can_bind(host, port):
             return port
-    raise LaunchError(f"found no free port on {host} in {PORT_RANGE[0]}-{PORT_RANGE[1]}")
+    raise LaunchError(f"found no free port on {host} in {port_range[0]}-{port_range[1]}")
 
 
 def _can_bind(host: str, port: int) -> bool:
@@ -94,15 +98,21 @@ def _can_bind(host: str, port: int) -> bool:
 
 
 def assign_ports(mesh: MeshConfig, *, rng: random.Random | None = None) -> MeshConfig:
-    """The mesh with every unset (or 0) port, head server included, replaced by a free one."""
+    """The mesh with every unset (or 0) port, head server included, replaced by a free one.
+
+    Free ports come from the config's ``port_range_low``..``port_range_high`` and are never one of
+    its ``disallowed_ports``.
+    """
+    port_range = (mesh.ports.port_range_low, mesh.ports.port_range_high)
     taken = {inst.settings.port for inst in mesh.instances.values() if inst.settings.port}
-    taken.add(mesh.head_server.port)
-    head_port = mesh.head_server.port or find_free_port(mesh.head_server.host, taken, rng=rng)
+    taken |= {mesh.head_server.port, *mesh.ports.disallowed_ports}
+    head_port = mesh.head_server.port or find_free_port(mesh.head_server.host, taken, rng=rng,
+                                                        port_range=port_range)
     taken.add(head_port)
     ports: dict[str, int] = {}
     for inst in mesh.instances.values():
         if not inst.settings.port:
-            ports[inst.name] = find_free_port(inst.settings.host, taken, rng=rng)
+            ports[inst.name] = find_free_port(inst.settings.host, taken, rng=rng, port_range=port_range)
             taken.add(ports[inst.name])
     return mesh.with_ports(ports, head_port=head_port)
 

@@ -29,33 +29,40 @@ LIMIT = 16
 MESH_YAML = """
 head_server: {port: 0}
 inference_worker:
-  model_servers:
+  responses_api_models:
     inference_worker:
+      entrypoint: app.py
       engine: transformers
 policy_model:
-  model_servers:
+  responses_api_models:
     policy_model:
-      worker: {type: model_servers, name: inference_worker}
+      entrypoint: app.py
+      worker: {type: responses_api_models, name: inference_worker}
       return_token_ids: true
       temperature: 0.0
       max_tokens: 64
 calculator_tools:
   resources_servers:
-    calculator_tools: {}
+    calculator_tools:
+      entrypoint: app.py
+      domain: math
 simple_agent:
-  agents:
+  responses_api_agents:
     simple_agent:
-      model_server: {type: model_servers, name: policy_model}
+      entrypoint: app.py
+      model_server: {type: responses_api_models, name: policy_model}
       resources_server: {type: resources_servers, name: calculator_tools}
       max_steps: 4
       return_token_ids: true
 single_agent_turn:
   environment_servers:
     single_agent_turn:
-      agent: {type: agents, name: simple_agent}
+      entrypoint: app.py
+      agent_server: {type: responses_api_agents, name: simple_agent}
       resources_server: {type: resources_servers, name: calculator_tools}
       datasets:
         - name: quickstart
+          type: example
           jsonl_fpath: resources_servers/calculator_tools/data/quickstart.jsonl
 """
 

@@ -46,13 +46,13 @@ def row(problem: dict[str, Any]) -> dict[str, Any]:
 def build_mesh() -> tuple[InProcessMesh, ScriptedModel]:
     model = ScriptedModel(calculator_policy({p["question"]: p for p in PROBLEMS}))
     mesh = InProcessMesh({
-        "policy_model": ("model_servers", "scripted", ServerConfig()),
+        "policy_model": ("responses_api_models", "scripted", ServerConfig()),
         "calculator_tools": ("resources_servers", "calculator_tools", calculator_app.Config()),
-        "simple_agent": ("agents", "simple_agent", agent_app.Config(
-            model_server=ServerRef(type="model_servers", name="policy_model"),
+        "simple_agent": ("responses_api_agents", "simple_agent", agent_app.Config(
+            model_server=ServerRef(type="responses_api_models", name="policy_model"),
             resources_server=ServerRef(type="resources_servers", name="calculator_tools"))),
         "env": ("environment_servers", "single_agent_turn", env_app.Config(
-            agent=ServerRef(type="agents", name="simple_agent"),
+            agent_server=ServerRef(type="responses_api_agents", name="simple_agent"),
             resources_server=ServerRef(type="resources_servers", name="calculator_tools"))),
     })
     mesh.serve("policy_model", model.app())
@@ -235,9 +235,12 @@ def test_the_default_input_is_the_environments_first_dataset() -> None:
         collect.default_input(mesh.mesh, "env")
     with pytest.raises(collect.UsageError, match="pass --input"):
         collect.default_input(None, "env")
+    agent = mesh.mesh.instance("simple_agent").settings
+    agent.datasets.append(DatasetConfig(name="a", type="example", jsonl_fpath=Path("data/a.jsonl")))
+    assert collect.default_input(mesh.mesh, "env") == Path("data/a.jsonl")  # NeMo Gym keeps them on agents
     settings = mesh.mesh.instance("env").settings
-    settings.datasets.append(DatasetConfig(name="q", jsonl_fpath=Path("data/q.jsonl")))
-    assert collect.default_input(mesh.mesh, "env") == Path("data/q.jsonl")
+    settings.datasets.append(DatasetConfig(name="q", type="example", jsonl_fpath=Path("data/q.jsonl")))
+    assert collect.default_input(mesh.mesh, "env") == Path("data/q.jsonl")  # the environment's come first
 
 
 @pytest.mark.parametrize(

@@ -146,12 +146,12 @@ def test_config_digest_ignores_ports_tokens_and_the_checkpoint_block() -> None:
     raw: dict[str, Any] = {
            "head_server": {"port": 1}, "checkpoint": {"enabled": True, "control_auth_token": "a"},
            "env": {"environment_servers": {"x": {"port": 5, "datasets": [{"name": "d"}]}}},
-           "model": {"model_servers": {"y": {"api_key": "k", "temperature": 0.0}}}}
+           "model": {"responses_api_models": {"y": {"api_key": "k", "temperature": 0.0}}}}
     moved: dict[str, Any] = {"head_server": {"port": 2}, "checkpoint": {"enabled": False},
              "env": {"environment_servers": {"x": {"port": 6, "datasets": [{"name": "d"}]}}},
-             "model": {"model_servers": {"y": {"api_key": "other", "temperature": 0.0}}}}
+             "model": {"responses_api_models": {"y": {"api_key": "other", "temperature": 0.0}}}}
     assert config_digest(raw) == config_digest(moved)
-    moved["model"]["model_servers"]["y"]["temperature"] = 1.0
+    moved["model"]["responses_api_models"]["y"]["temperature"] = 1.0
     assert config_digest(raw) != config_digest(moved)
     assert input_digest([{"a": 1, "b": 2}]) == input_digest([{"b": 2, "a": 1}]) != input_digest([{"a": 2}])
 
