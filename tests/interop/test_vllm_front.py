@@ -151,7 +151,9 @@ def front(ng_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         taken.add(ports[name])
     worker = MeshLauncher(load_config_dict({
         "head_server": {"port": 0},
-        "inference_worker": {"responses_api_models": {"inference_worker": {"port": ports["worker"], "torch_threads": 1}}},
+        "inference_worker": {
+            "responses_api_models": {"inference_worker": {"port": ports["worker"], "torch_threads": 1}},
+        },
     }))
     worker_url = f"http://{HOST}:{ports['worker']}"
     config = ng_config(worker_url, ports)
