@@ -53,6 +53,7 @@ from nemo_gym_ckpt.server import create_app as create_app_base
 __all__ = ["Config", "EngineFactory", "PolicyVersionBody", "create_app", "load_engine", "staging_dir"]
 
 logger = logging.getLogger(__name__)
+DEFAULT_STAGING_BASE = Path("./checkpoints")
 
 
 class Config(ServerConfig):
@@ -257,7 +258,8 @@ def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig)
 
 def staging_dir(ctx: ServerContext[Config]) -> Path:
     """Where this worker stages generation cuts: ``staging_dir``, else ``<root>.generation-cuts/<instance>``
-    beside the checkpoint root (``./checkpoints`` -> ``./checkpoints.generation-cuts/inference_worker``).
+    beside the checkpoint root (``./checkpoints`` -> ``./checkpoints.generation-cuts/inference_worker``;
+    without a root, as if it were ``./checkpoints``).
 
     Never inside the root: the controller owns it and every ``checkpoint_dir`` in it (it creates,
     lists and deletes them), and gym servers write only under ``<checkpoint_dir>/gym/<kind>/<instance>/``
@@ -268,7 +270,7 @@ def staging_dir(ctx: ServerContext[Config]) -> Path:
     configured = ctx.settings.staging_dir
     if configured is not None:
         return configured
-    root = ctx.mesh.checkpoint.root
+    root = ctx.mesh.checkpoint.root or DEFAULT_STAGING_BASE
     return root.parent / f"{root.name}.generation-cuts" / ctx.name
 
 

@@ -322,7 +322,7 @@ class ResourcesServer(Generic[_C]):
     @classmethod
     def _check_hooks(cls) -> None:
         """Checkpoint hooks only where the mode uses them: they would silently never run."""
-        overridden = [name for name in (*EXPORTED_HOOKS, "retire_session")
+        overridden = [name for name in (*EXPORTED_HOOKS, "retire_session", "release_session")
                       if getattr(cls, name) is not getattr(ResourcesServer, name)]
         unused = overridden if not cls.keeps_sessions() else [
             name for name in overridden if name in EXPORTED_HOOKS and cls.checkpoint_mode != "exported"]
@@ -376,6 +376,12 @@ class ResourcesServer(Generic[_C]):
         """Exported servers: quiesce the session (settle background work) so that its export is
         consistent. Called once per checkpoint, at prepare, when no tool call of it is in flight;
         the session keeps being used after the checkpoint. The default has nothing to settle."""
+
+    async def release_session(self, session: Session) -> None:
+        """A commit with ``stop: true`` is durable and the mesh is about to stop: free what the session
+        holds outside its JSON state (its record already holds the rest). The session stays in the
+        table. The default does what ``retire_session`` does; a failure is logged, never fatal."""
+        await self.retire_session(session)
 
     async def retire_session(self, session: Session) -> None:
         """Free what the session holds outside its JSON state (a process, a file, a connection).
