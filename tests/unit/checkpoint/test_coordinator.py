@@ -133,7 +133,7 @@ async def test_discovery_skips_servers_that_are_not_participants(mesh: Mesh) -> 
         found = await coordinator.discover()
         assert {p.name: p.kind for p in found} == {name: mesh.kind_of(name) for name in mesh.servers}
         assert found[0] == ParticipantRef(
-            "environment1", "environment", "environment1", "http://environment1"
+            "environment1", "environment", "environment1", "http://environment1:80"
         )
         statuses = await coordinator.status()
         assert set(statuses) == set(mesh.servers) and {s["phase"] for s in statuses.values()} == {"idle"}
@@ -146,11 +146,20 @@ async def test_discovery_failures_are_errors_of_the_tree(mesh: Mesh) -> None:
     async with mesh.coordinator(required_kinds=("model", "judge")) as coordinator:
         with pytest.raises(Unavailable, match="judge"):
             await coordinator.discover()
-    head = create_head_stub([{"url": "http://x"}])
-    client = MeshClient(transport=MeshTransport({"head": head}), retries=0)
-    async with Coordinator("http://head", TOKEN, client=client) as coordinator:
-        with pytest.raises(UpstreamError):
-            await coordinator.discover()
+    for answer in ([{"name": "x", "url": "http://x"}], "- a list\n- of yaml", "key: [unclosed", 7):
+        head = create_app("head")
+        head.add_api_route("/global_config_dict_yaml", _answering(answer), methods=["GET"])
+        client = MeshClient(transport=MeshTransport({"head": head}), retries=0)
+        async with Coordinator("http://head", TOKEN, client=client) as coordinator:
+            with pytest.raises(UpstreamError, match="global_config_dict_yaml"):
+                await coordinator.discover()
+
+
+def _answering(answer: Any) -> Any:
+    async def route() -> Any:
+        return answer
+
+    return route
 
 
 async def test_a_full_cycle_in_protocol_order(mesh: Mesh, root: Path) -> None:
