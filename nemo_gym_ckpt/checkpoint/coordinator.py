@@ -274,10 +274,12 @@ class Coordinator:
 
     async def commit(
         self, checkpoint_id: str, *, deadline_ts: float, checkpoint_dir: str,
-        episode_ids: Sequence[RolloutIdentity] | None = None,
+        episode_ids: Sequence[RolloutIdentity] | None = None, stop: bool = False,
     ) -> CommitResult:
+        """Commit everywhere; ``stop``: the mesh is stopped next (participants free what their records
+        do not hold once the write is durable). The body always carries ``stop``, as upstream's does."""
         body: dict[str, Any] = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts,
-                                "checkpoint_dir": checkpoint_dir}
+                                "checkpoint_dir": checkpoint_dir, "stop": stop}
         if episode_ids is not None:
             body["episode_ids"] = [episode.to_json() for episode in episode_ids]
         result = CommitResult("commit", checkpoint_id)

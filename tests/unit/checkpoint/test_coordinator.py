@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 import pytest
+from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, ParticipantRef
@@ -299,3 +300,26 @@ async def checkpoint(coordinator: Coordinator, cid: str, directory: str) -> None
 
 
 Factory = Callable[[], Mesh]
+
+
+async def test_every_commit_body_carries_stop_as_upstreams_does() -> None:
+    bodies: list[dict[str, Any]] = []
+    participant = create_app("p1")
+
+    async def status() -> dict[str, Any]:
+        return {"kind": "model", "instance": "p1", "phase": "prepared"}
+
+    async def commit(request: Request) -> dict[str, Any]:
+        bodies.append(await request.json())
+        return {"phase": "committed", "manifest": {}, "episode_ids": []}
+
+    participant.add_api_route("/ng-control/v1/checkpoint/status", status, methods=["GET"])
+    participant.add_api_route("/ng-control/v1/checkpoint/commit", commit, methods=["POST"])
+    head = create_head_stub([{"name": "p1", "type": "model_servers", "implementation": "x", "url": "http://p1"}])
+    client = MeshClient(transport=MeshTransport({"head": head, "p1": participant}), retries=0)
+    async with Coordinator("http://head", TOKEN, client=client) as coordinator:
+        await coordinator.commit("c1", deadline_ts=deadline(), checkpoint_dir="/d/c1")
+        await coordinator.commit("c2", deadline_ts=deadline(), checkpoint_dir="/d/c2", stop=True,
+                                 episode_ids=[RolloutIdentity("r", 2)])
+    assert [body["stop"] for body in bodies] == [False, True]
+    assert "episode_ids" not in bodies[0] and bodies[1]["episode_ids"] == [{"rollout_id": "r", "attempt": 2}]
