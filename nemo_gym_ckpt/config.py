@@ -116,6 +116,7 @@ class ServerConfig(StrictModel):
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=0, le=65535)
     datasets: list[DatasetConfig] = Field(default_factory=list)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1 << 32)  # larger request bodies: 413
 
 
 @dataclass(frozen=True)

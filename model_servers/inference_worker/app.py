@@ -43,6 +43,7 @@ from model_servers.inference_worker.live_generations import GenerationJob
 from model_servers.inference_worker.model_dir import model_dir_problem, resolve_model_path
 from model_servers.inference_worker.sampling import derive_seed
 from model_servers.inference_worker.staging import StagingStore
+from nemo_gym_ckpt.bounds import MAX_INT64
 from nemo_gym_ckpt.config import CheckpointConfig, ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import GymError, InvalidRequest, Unavailable
@@ -64,7 +65,7 @@ class Config(ServerConfig):
     served_model_name: str = Field("nemo-gym-ckpt-tiny", min_length=1)
     max_batch_size: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=2)
-    policy_version: int = Field(0, ge=0)
+    policy_version: int = Field(0, ge=0, le=MAX_INT64)
     seed: int = 0
     logprobs_mode: Literal["raw", "processed"] = "raw"
     torch_threads: int | None = Field(None, ge=1)
@@ -88,7 +89,7 @@ class Config(ServerConfig):
 class PolicyVersionBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    policy_version: StrictInt = Field(ge=0)
+    policy_version: StrictInt = Field(ge=0, le=MAX_INT64)  # a 64-bit version: a larger one breaks every reply
 
 
 EngineFactory = Callable[[Config], Awaitable[Engine]]

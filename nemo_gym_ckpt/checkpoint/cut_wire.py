@@ -53,6 +53,7 @@ DIGEST_PATTERN = r"^[0-9a-f]{64}$"
 MAX_NAME = 256
 MAX_STAGING_KEYS = 64
 MAX_TOKENS = 1_000_000_000
+MAX_SECONDS = 1e15  # admitted_at: any clock's seconds (upstream bounds none; infinities and NaN are refused)
 
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
 Digest = Annotated[str, Field(pattern=DIGEST_PATTERN)]
@@ -70,7 +71,7 @@ class GenerationCutPrefix(_Wire):
     rollout_id: RolloutId
     attempt: int = Field(ge=0, le=MAX_ATTEMPT)
     model_call_id: Name
-    admitted_at: float = Field(allow_inf_nan=False)
+    admitted_at: float = Field(ge=-MAX_SECONDS, le=MAX_SECONDS, allow_inf_nan=False)
 
 
 def inventory_digest(checkpoint_id: str, server_name: str, prefixes: Sequence[GenerationCutPrefix]) -> str:
@@ -116,7 +117,7 @@ class GenerationCutPrefixAck(_Wire):
     rollout_id: RolloutId
     attempt: int = Field(ge=0, le=MAX_ATTEMPT)
     model_call_id: Name
-    admitted_at: float = Field(allow_inf_nan=False)
+    admitted_at: float = Field(ge=-MAX_SECONDS, le=MAX_SECONDS, allow_inf_nan=False)
     disposition: Literal["durable_prefix", "durable_failure"]
     cut_kind: Literal["active_prefix", "terminal_completion"] | None = None
     frozen_buffer_id: Name | None = None

@@ -41,6 +41,7 @@ __all__ = [
 CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 MAX_CHECKPOINT_DIR_LENGTH = 4096
 MAX_LIST_ITEMS = 100_000
+MAX_TIMESTAMP = 1e11  # Unix seconds (year 5138): a wider bound than any deadline the horizon lets through
 
 
 class _Body(BaseModel):
@@ -77,7 +78,7 @@ class ControlRequest(_Body):
     """Every POST: prepare, renew and resume carry only these."""
 
     checkpoint_id: str = Field(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN)
-    deadline_ts: float = Field(allow_inf_nan=False)
+    deadline_ts: float = Field(ge=0, le=MAX_TIMESTAMP, allow_inf_nan=False)
 
 
 EpisodeList = Annotated[list[EpisodeId], Field(max_length=MAX_LIST_ITEMS)]
