@@ -12,7 +12,10 @@ loopback, see docs/benchmarks.md) or ``httpx`` (httpcore). Behaviour the rest of
 - cookies are never stored: a call sends only the cookies it is given (a session cookie of one
   rollout must never ride along on another rollout's call);
 - failures are mapped here, once: transport errors become ``Unavailable`` or ``UpstreamTimeout``,
-  a peer's ``{"error": ...}`` reply becomes the matching ``GymError`` class.
+  a peer's ``{"error": ...}`` reply becomes the matching ``GymError`` class;
+- ``reserved(n)`` is a client with a connection pool of its own (``n`` connections) for control
+  calls, so they never queue behind the data calls that hold this client's connections (a client
+  over a given transport, such as an in-process one, shares that transport: it has no pool).
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ class MeshClient:
         retries: int = 2,
         backoff_s: float = 0.05,
     ) -> None:
+        self._transport_name = transport if isinstance(transport, str) else None
+        self._transport = transport
         if isinstance(transport, str):
             transport = _make_transport(transport, max_connections)
         self._http = httpx.AsyncClient(
@@ -105,6 +110,11 @@ class MeshClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    def reserved(self, max_connections: int) -> MeshClient:
+        """A client for control calls with its own pool of ``max_connections`` (close it too)."""
+        return MeshClient(transport=self._transport, max_connections=max_connections, timeout_s=self.timeout_s,
+                          retries=self.retries, backoff_s=self.backoff_s)
 
     async def __aenter__(self) -> MeshClient:
         return self

@@ -110,6 +110,11 @@ DEFAULT_ENTRYPOINT = "app.py"
 _M = TypeVar("_M", bound=BaseModel)
 
 
+DEFAULT_MAX_DEADLINE_SECONDS = 24 * 3600.0
+MAX_DEADLINE_SECONDS_BOUND = 365 * 24 * 3600.0
+DEFAULT_MAX_RECORD_BYTES = 64 * 1024 * 1024
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -136,12 +141,20 @@ class PortsConfig(StrictModel):
 
 
 class CheckpointConfig(StrictModel):
-    """The top-level ``checkpoint:`` block (docs/protocol.md section 2)."""
+    """The top-level ``checkpoint:`` block (docs/protocol.md section 2).
+
+    ``enabled``, ``control_auth_token`` and ``lease_grace_seconds`` are upstream's keys; the others
+    are this project's: ``root`` (optional; when set, every ``checkpoint_dir`` must resolve inside
+    it, else any absolute one is accepted), ``max_deadline_seconds`` (how far ahead of the server's
+    clock a ``deadline_ts`` may be) and ``max_record_bytes`` (the largest record line a restore reads).
+    """
 
     enabled: bool = False
     control_auth_token: SecretStr | None = None
-    lease_grace_seconds: float = Field(600.0, gt=0)
-    root: Path = Path("./checkpoints")
+    lease_grace_seconds: float = Field(600.0, gt=0, le=MAX_DEADLINE_SECONDS_BOUND)
+    root: Path | None = None
+    max_deadline_seconds: float = Field(default=DEFAULT_MAX_DEADLINE_SECONDS, gt=0, le=MAX_DEADLINE_SECONDS_BOUND)
+    max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1024, le=1 << 40)
 
     @model_validator(mode="after")
     def _token_when_enabled(self) -> CheckpointConfig:
@@ -263,6 +276,7 @@ class ServerConfig(StrictModel):
     description: str | None = None
     value: str | None = None
     datasets: list[AnyDataset] = Field(default_factory=list)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1 << 32)  # larger request bodies: 413
 
     def validate_in_mesh(self, instances: Mapping[str, ServerInstance]) -> None:
         """Checks that need the other instances; raise ``ValueError`` (named after this block)."""

@@ -20,6 +20,7 @@ one line (never sent over HTTP); ``nemo_gym_ckpt.cli.exit_codes`` maps both tree
     │   ├── InvalidPhase              409 invalid_phase
     │   ├── DeadlineExceeded          409 deadline_exceeded
     │   ├── StaleAttempt              409 stale_attempt
+    │   ├── RestartInScope            409 restart_in_scope
     │   └── ActivationOutOfOrder      409 activation_out_of_order
     ├── StorageError                  checkpoint files: what was read is unusable
     │   └── InvalidCheckpointState    422 invalid_checkpoint_state
@@ -73,6 +74,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "PeerError",
+    "RestartInScope",
     "RolloutIdRequired",
     "StaleAttempt",
     "StaleCheckpoint",
@@ -170,6 +172,12 @@ class StaleAttempt(StateConflict):
     code, status = "stale_attempt", 409
 
 
+class RestartInScope(StateConflict):
+    """A commit scope names an episode this participant reports as a restart (it cannot be exported)."""
+
+    code, status = "restart_in_scope", 409
+
+
 class ActivationOutOfOrder(StateConflict):
     code, status = "activation_out_of_order", 409
 
@@ -257,6 +265,7 @@ ERROR_CODES: dict[str, type[GymError]] = {
         InvalidPhase,
         DeadlineExceeded,
         StaleAttempt,
+        RestartInScope,
         ActivationOutOfOrder,
         PayloadTooLarge,
         InvalidCheckpointState,

@@ -45,7 +45,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,6 +60,7 @@ from agents.simple_agent.loop import (
 )
 from agents.simple_agent.restored_tokens import missing_calls, reattach, refill
 from nemo_gym_ckpt.agent.sessions import ActivationReply, AgentSessions, Turn
+from nemo_gym_ckpt.bounds import MAX_ITEMS, Text
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.headers import ACTIVATION_HEADER, RESTART_HEADER
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
@@ -110,8 +111,8 @@ class AgentRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    input: str | list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
+    input: Text | Annotated[list[dict[str, Any]], Field(max_length=MAX_ITEMS)]
+    tools: Annotated[list[dict[str, Any]], Field(max_length=1024)] | None = None
     stream: bool | None = None
 
 
@@ -120,7 +121,7 @@ class RefillRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    items: list[dict[str, Any]]
+    items: Annotated[list[dict[str, Any]], Field(max_length=MAX_ITEMS)]
 
 
 def parse_activation(value: str | None) -> int | None:

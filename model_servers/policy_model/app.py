@@ -56,6 +56,8 @@ class Config(ServerConfig):
     request_timeout_s: float = Field(600.0, gt=0)
     checkpoint_policy: bool = False  # the one policy participant of the mesh (docs/protocol.md section 2)
     generation_cuts: bool = False  # cut the generations in flight at a checkpoint (needs the worker)
+    # where the worker serves /ng-control/v1/generation-cut when not at its own URL (a NeMo RL-hosted engine)
+    generation_cut_url: str | None = Field(None, pattern=r"^https?://", max_length=2048)
 
     @model_validator(mode="after")
     def _one_backend(self) -> Config:
@@ -131,7 +133,8 @@ def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> Fa
     if settings.checkpoint_policy:
         worker_url = ctx.url_of(settings.worker) if settings.worker is not None else None
         policy = mount_policy_participant(
-            app, ctx, backend, worker_url=worker_url, generation_cuts=settings.generation_cuts, clock=clock
+            app, ctx, backend, worker_url=worker_url, generation_cuts=settings.generation_cuts,
+            cut_control_url=settings.generation_cut_url, clock=clock,
         )
     app.include_router(make_router(policy.backend if policy else backend, defaults))
     return close_on_shutdown(app, ctx.aclose)

@@ -55,6 +55,7 @@ from nemo_gym_ckpt.checkpoint.store import (
     ReadResult,
     RecordWriter,
     StopSignal,
+    read_bounded_lines,
     write_errors,
 )
 from nemo_gym_ckpt.errors import InvalidCheckpointState
@@ -195,7 +196,7 @@ class SidecarStore(CheckpointStore):
     """
 
     def __init__(self, base: CheckpointStore, lines: SidecarLines) -> None:
-        super().__init__(base.root, base.ops)
+        super().__init__(base.root, base.ops, max_record_bytes=base.max_record_bytes)
         self._lines = lines
 
     def new_writer(self, directory: Path, stop: StopSignal) -> RecordWriter:
@@ -239,7 +240,7 @@ class SidecarStore(CheckpointStore):
         whole, kept, size = hashlib.sha256(), [], 0
         try:
             with self.ops.open_read(path) as file:
-                for line in file:
+                for line in read_bounded_lines(file, None, self.max_record_bytes, path.name):
                     whole.update(line)
                     size += len(line)
                     body = line[:-1] if line.endswith(b"\n") else line

@@ -60,10 +60,11 @@ def mount_checkpointing(
         kind=kind,
         instance=name,
         adapter=adapter,
-        store=CheckpointStore(config.root, file_ops),
+        store=CheckpointStore(config.root, file_ops, max_record_bytes=config.max_record_bytes),
         lease_grace_s=config.lease_grace_seconds,
         clock=clock,
         telemetry=telemetry.for_participant(kind, name) if telemetry else None,
+        max_deadline_s=config.max_deadline_seconds,
     )
     before = {id(route) for route in app.router.routes}
     app.include_router(make_router(participant, config.control_auth_token.get_secret_value()))

@@ -12,8 +12,11 @@ Write, per participant, under ``<checkpoint_dir>/gym/<kind>/<instance>/``:
 The link is the commit point. It runs under a ``StopSignal``: a checkpoint resumed before that
 point never gets a manifest. Read streams the records file once, checking the manifest's digest
 and count and keeping only the records in scope; any inconsistency is ``InvalidCheckpointState``.
-``checkpoint_dir`` must resolve inside the store's root (no ``..``, no symlink escape); like any path,
-a relative one resolves against the process's working directory.
+Reads are bounded before they happen: files are opened only when they are regular files
+(``FileOps.open_read``), a records file larger than its manifest's ``record_count`` lines of at most
+``max_record_bytes`` each is refused before its first byte is read, every line is read with that
+bound, and nothing past the manifest's count is read. With a root, ``checkpoint_dir`` must resolve
+inside it (no ``..``, no symlink escape); without one (``root=None``) any absolute path is accepted.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePath
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import orjson
 
-from nemo_gym_ckpt.checkpoint.fileops import FileOps
+from nemo_gym_ckpt.checkpoint.fileops import FileOps, file_size
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.errors import (
     CheckpointConflict,
@@ -42,6 +45,7 @@ from nemo_gym_ckpt.errors import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_RECORD_BYTES",
     "MANIFEST_NAME",
     "SCHEMA_VERSION",
     "CheckpointStore",
@@ -50,6 +54,7 @@ __all__ = [
     "RecordWriter",
     "StopSignal",
     "WriteStopped",
+    "read_bounded_lines",
     "write_errors",
 ]
 
@@ -57,6 +62,7 @@ T = TypeVar("T")
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024
+DEFAULT_MAX_RECORD_BYTES = 64 * 1024 * 1024
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -239,15 +245,20 @@ class RecordWriter:
 
 
 class CheckpointStore:
-    """Writes and reads participant checkpoints under ``root`` (the configured checkpoint root)."""
+    """Writes and reads participant checkpoints under ``root`` (the configured checkpoint root, or
+    ``None``: then any absolute ``checkpoint_dir``)."""
 
-    def __init__(self, root: Path, ops: FileOps | None = None) -> None:
-        self.root = Path(root)
+    def __init__(
+        self, root: Path | None, ops: FileOps | None = None, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    ) -> None:
+        self.root = None if root is None else Path(root)
         self.ops = ops or FileOps()
+        self.max_record_bytes = max_record_bytes
 
     def locate(self, checkpoint_dir: str) -> Path:
         """The resolved ``checkpoint_dir``, confined to the root (a relative path resolves against the
-        working directory, as any path does: controllers should send absolute paths)."""
+        working directory, as any path does: controllers should send absolute paths). Without a
+        root, the path must be absolute."""
         return _confine(self.root, checkpoint_dir)
 
     def instance_dir(self, checkpoint_dir: Path, kind: str, instance: str) -> Path:
@@ -292,7 +303,8 @@ class CheckpointStore:
         digest, count, size, kept = hashlib.sha256(), 0, 0, []
         try:
             with self.ops.open_read(path) as file:
-                for line in file:
+                _check_records_size(file_size(file), manifest, self.max_record_bytes, path.name)
+                for line in read_bounded_lines(file, manifest.record_count, self.max_record_bytes, path.name):
                     digest.update(line)
                     count, size = count + 1, size + len(line)
                     record = _parse_line(line, count)
@@ -319,6 +331,33 @@ class CheckpointStore:
             self.ops.fsync_dir(path.parent)
 
 
+def _check_records_size(size: int, manifest: Manifest, max_record_bytes: int, name: str) -> None:
+    """Refuse, before reading it, a records file longer than its manifest allows."""
+    allowed = manifest.record_count * (max_record_bytes + 1)
+    if size > allowed:
+        raise InvalidCheckpointState(f"records {name} hold {size} bytes, more than {manifest.record_count} "
+                                     f"records of at most {max_record_bytes} bytes each (the bound)")
+
+
+def read_bounded_lines(file: BinaryIO, max_lines: int | None, max_line_bytes: int, name: str) -> Iterator[bytes]:
+    """The lines of ``file`` (each with its newline, the last maybe without), each read with the
+    bound ``max_line_bytes`` (without its newline): a longer line is ``InvalidCheckpointState`` once
+    ``max_line_bytes + 1`` of its bytes are in memory, never more. After ``max_lines`` lines (when
+    given) one more byte is looked at: a file going on is refused there, unread."""
+    number = 0
+    while max_lines is None or number < max_lines:
+        line = file.readline(max_line_bytes + 2)
+        if not line:
+            return
+        number += 1
+        body = len(line) - 1 if line.endswith(b"\n") else len(line)
+        if body > max_line_bytes:
+            raise InvalidCheckpointState(f"{name}: line {number} is longer than the bound of {max_line_bytes} bytes")
+        yield line
+    if file.read(1):
+        raise InvalidCheckpointState(f"{name} goes on past the {max_lines} lines its manifest counts")
+
+
 def _parse_line(line: bytes, number: int) -> Record:
     if not line.endswith(b"\n"):
         raise InvalidCheckpointState(f"record {number} is truncated (no newline)")
@@ -333,15 +372,19 @@ def _read_manifest_bytes(ops: FileOps, path: Path) -> bytes:
     return content
 
 
-def _confine(root: Path, checkpoint_dir: str) -> Path:
+def _confine(root: Path | None, checkpoint_dir: str) -> Path:
     if not checkpoint_dir or "\x00" in checkpoint_dir:
         raise InvalidRequest("checkpoint_dir must be a non-empty path")
     if ".." in PurePath(checkpoint_dir).parts:
         raise InvalidRequest(f"checkpoint_dir {checkpoint_dir!r} must not contain '..'")
+    if root is None and not PurePath(checkpoint_dir).is_absolute():
+        raise InvalidRequest(f"checkpoint_dir {checkpoint_dir!r} must be an absolute path")
     return _check_inside(root, Path(checkpoint_dir))
 
 
-def _check_inside(root: Path, path: Path) -> Path:
+def _check_inside(root: Path | None, path: Path) -> Path:
+    if root is None:
+        return path.resolve()
     resolved_root, resolved = root.resolve(), path.resolve()
     if resolved == resolved_root or not resolved.is_relative_to(resolved_root):
         raise InvalidRequest(f"checkpoint_dir must resolve inside the checkpoint root {resolved_root}")

@@ -201,6 +201,8 @@ def checkpoint_overrides(mesh: MeshConfig, directory: Path) -> list[str]:
     """What a launched mesh needs to checkpoint into ``directory`` (nothing when its config does)."""
     block = mesh.checkpoint
     if block.enabled:
+        if block.root is None:  # no root: any absolute directory is accepted
+            return []
         root = block.root.absolute().resolve()
         if not directory.resolve().is_relative_to(root) or directory.resolve() == root:
             raise UsageError(f"--checkpoint-dir {directory} is not inside the config's "

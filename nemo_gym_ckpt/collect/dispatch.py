@@ -272,7 +272,7 @@ async def _checkpoint(
     triggers.started()
     dispatcher.pause()
     try:
-        published = await control.checkpoint(dispatcher.in_flight, dispatcher.rows_done)
+        published = await control.checkpoint(dispatcher.in_flight, dispatcher.rows_done, stop=keep_paused)
     finally:
         if not keep_paused:
             dispatcher.unpause()

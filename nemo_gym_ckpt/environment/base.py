@@ -66,7 +66,7 @@ from nemo_gym_ckpt.environment.episode import (
 )
 from nemo_gym_ckpt.errors import GymError, InternalError, InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
-from nemo_gym_ckpt.server import OrjsonResponse
+from nemo_gym_ckpt.server import OrjsonResponse, declare_body
 
 __all__ = [
     "REFILL_PATH",
@@ -193,7 +193,7 @@ def mount_run(
         )
         return _result(final)
 
-    app.add_api_route("/run", run, methods=["POST"])
+    app.add_api_route("/run", run, methods=["POST"], openapi_extra=declare_body(task_model))
 
 
 def _result(final: Mapping[str, Any]) -> OrjsonResponse:
@@ -227,7 +227,7 @@ def mount_environment(
         task = read_task(await request.body(), task_model)
         return _result(await adapter.run(current_identity(), task))
 
-    app.add_api_route("/run", run, methods=["POST"])
+    app.add_api_route("/run", run, methods=["POST"], openapi_extra=declare_body(task_model))
     return adapter
 
 

@@ -155,6 +155,7 @@ class _Child:
     proc: subprocess.Popen[bytes]
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
+    started_at: float = field(default_factory=time.time)
 
     def start_reader(self, sink: LineSink) -> None:
         stream = self.proc.stdout
@@ -260,6 +261,10 @@ class MeshLauncher:
         """The pid of every server process started and not yet stopped."""
         return {name: child.proc.pid for name, child in self._children.items()}
 
+    def _processes(self) -> dict[str, tuple[int, float]]:
+        """Each running child's pid and start time (the head's ``/server_instances``)."""
+        return {name: (child.proc.pid, child.started_at) for name, child in dict(self._children).items()}
+
     def pid_of(self, name: str) -> int:
         return self._child(name).proc.pid
 
@@ -297,7 +302,8 @@ class MeshLauncher:
 
     def _start_head(self) -> None:
         head = self.mesh.head_server
-        server = ThreadedServer(create_head_app(self.mesh), head.host, head.port, name=HEAD_NAME)
+        app = create_head_app(self.mesh, processes=self._processes)
+        server = ThreadedServer(app, head.host, head.port, name=HEAD_NAME)
         try:
             server.start()
         except OSError as error:

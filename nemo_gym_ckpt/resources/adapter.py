@@ -13,6 +13,11 @@ nothing here runs. What it does, by the server's ``checkpoint_mode``:
 - ``restart_only``: never exported. Its sessions are listed as ``restarts`` and never block a
   prepare; new sessions wait while a checkpoint is open, existing ones keep running.
 
+A commit sent with ``stop: true`` (the controller stops the mesh next) calls, once its write is
+durable, the server's ``release_session`` on every session (in any mode): what a session holds
+outside its JSON state (a child process, a sandbox) is freed. A failing release is logged and the
+others still run; the commit never fails for it.
+
 Data-plane requests go through ``admitted(route)``: it waits while a checkpoint is open (a
 restart-only server's calls on existing sessions only check the retire marks), refuses retired
 attempts with ``stale_attempt`` and counts the request in flight. In-flight tool calls and, when the
@@ -30,6 +35,7 @@ holds their cookies (this assumes an environment seeds one session per episode o
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -60,6 +66,7 @@ CheckpointVerify = Literal["wait", "replay"]
 CHECKPOINT_MODES: tuple[str, ...] = ("stateless", "exported", "restart_only")
 CHECKPOINT_VERIFY_MODES: tuple[str, ...] = ("wait", "replay")
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+logger = logging.getLogger(__name__)
 
 
 class SessionHost(Protocol):
@@ -79,6 +86,8 @@ class SessionHost(Protocol):
     async def restore_session(self, state: Any) -> dict[str, Any]: ...
 
     async def park_session(self, session: Session) -> None: ...
+
+    async def release_session(self, session: Session) -> None: ...
 
     async def drop_session(self, session_id: str | None) -> bool: ...
 
@@ -210,6 +219,14 @@ class ResourcesAdapter:
                 if restored is not None and restored.episode not in scope and session.identity not in scope:
                     await self.server.drop_session(session.session_id)
         return {}
+
+    async def stop_committed(self, scope: Scope | None) -> None:
+        """A stop commit is durable: free what every session holds outside its state."""
+        for session in list(self.server.sessions):
+            try:
+                await self.server.release_session(session)
+            except (GymError, OSError, RuntimeError, ValueError) as error:
+                logger.warning("releasing session %s after a stop commit failed: %s", session.session_id, error)
 
     # ---- restore ----------------------------------------------------------------------------
 

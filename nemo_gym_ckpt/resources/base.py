@@ -69,9 +69,10 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar, cast, get_type_hint
 
 import orjson
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
+from nemo_gym_ckpt.bounds import MAX_ITEMS
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.headers import RESTART_HEADER, VERIFY_HEADER
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
@@ -89,7 +90,7 @@ from nemo_gym_ckpt.resources.adapter import (
 )
 from nemo_gym_ckpt.resources.sessions import Session, SessionTable, session_cookie_name
 from nemo_gym_ckpt.responses import last_message_text
-from nemo_gym_ckpt.server import OrjsonResponse, create_app
+from nemo_gym_ckpt.server import OrjsonResponse, create_app, declare_body
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -137,7 +138,7 @@ class ResponseObject(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    output: list[dict[str, Any]]
+    output: list[dict[str, Any]] = Field(max_length=MAX_ITEMS)
 
 
 class VerifyRequest(TaskRow):
@@ -322,7 +323,7 @@ class ResourcesServer(Generic[_C]):
     @classmethod
     def _check_hooks(cls) -> None:
         """Checkpoint hooks only where the mode uses them: they would silently never run."""
-        overridden = [name for name in (*EXPORTED_HOOKS, "retire_session")
+        overridden = [name for name in (*EXPORTED_HOOKS, "retire_session", "release_session")
                       if getattr(cls, name) is not getattr(ResourcesServer, name)]
         unused = overridden if not cls.keeps_sessions() else [
             name for name in overridden if name in EXPORTED_HOOKS and cls.checkpoint_mode != "exported"]
@@ -377,6 +378,12 @@ class ResourcesServer(Generic[_C]):
         consistent. Called once per checkpoint, at prepare, when no tool call of it is in flight;
         the session keeps being used after the checkpoint. The default has nothing to settle."""
 
+    async def release_session(self, session: Session) -> None:
+        """A commit with ``stop: true`` is durable and the mesh is about to stop: free what the session
+        holds outside its JSON state (its record already holds the rest). The session stays in the
+        table. The default does what ``retire_session`` does; a failure is logged, never fatal."""
+        await self.retire_session(session)
+
     async def retire_session(self, session: Session) -> None:
         """Free what the session holds outside its JSON state (a process, a file, a connection).
 
@@ -397,12 +404,15 @@ class ResourcesServer(Generic[_C]):
     def build_app(self, *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
         """The server's app; a checkpoint participant too when the mesh enables checkpointing."""
         app = create_app(self.ctx.name, lifespan=self.lifespan)
-        app.add_api_route("/seed_session", self._seed_route, methods=["POST"])
-        app.add_api_route("/verify", self._verify_route, methods=["POST"])
+        app.add_api_route("/seed_session", self._seed_route, methods=["POST"],
+                          openapi_extra=declare_body(self.seed_signature.model))
+        app.add_api_route("/verify", self._verify_route, methods=["POST"],
+                          openapi_extra=declare_body(self.verify_signature.model))
         app.add_api_route("/close_session", self._close_route, methods=["POST"])
         app.add_api_route("/tools", self._tools_route, methods=["GET"])
         for spec in self.tool_specs.values():
-            app.add_api_route(f"/{spec.name}", self._tool_route(spec), methods=["POST"])
+            app.add_api_route(f"/{spec.name}", self._tool_route(spec), methods=["POST"],
+                              openapi_extra=declare_body(spec.args_model))
         adapter = ResourcesAdapter(self)
         participant = mount_checkpointing(app, self.ctx, adapter, kind="resources", clock=clock)
         if participant is not None:

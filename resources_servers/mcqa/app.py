@@ -12,11 +12,12 @@ from __future__ import annotations
 import re
 import string
 from collections.abc import Iterator
-from typing import Self
+from typing import Annotated, Self
 
 from fastapi import FastAPI
 from pydantic import Field, model_validator
 
+from nemo_gym_ckpt.bounds import MAX_TEXT
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.resources.base import ResourcesServer, Verdict, VerifyRequest, final_text
@@ -34,9 +35,13 @@ class Config(ServerConfig):
     pass
 
 
+Option = Annotated[str, Field(max_length=MAX_TEXT)]
+
+
 class McqaTask(VerifyRequest):
-    options: list[str] | dict[str, str] = Field(min_length=1, max_length=26)
-    expected_answer: str
+    options: Annotated[list[Option], Field(max_length=26)] | dict[Annotated[str, Field(max_length=26)], Option] = (
+        Field(min_length=1, max_length=26))
+    expected_answer: Annotated[str, Field(max_length=MAX_TEXT)]
 
     @model_validator(mode="after")
     def _answer_is_an_option(self) -> Self:

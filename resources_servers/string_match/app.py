@@ -15,11 +15,12 @@ extracted from all the assistant text, ``extracted_answer`` is what was extracte
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI
 from pydantic import Field
 
+from nemo_gym_ckpt.bounds import MAX_TEXT
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.resources.base import ResourcesServer, Verdict, VerifyRequest, final_text
@@ -45,7 +46,8 @@ class Config(ServerConfig):
 
 
 class StringMatchTask(VerifyRequest):
-    expected_answer: str | list[str] = Field(min_length=1)
+    expected_answer: Annotated[str, Field(max_length=MAX_TEXT)] | Annotated[
+        list[Annotated[str, Field(max_length=MAX_TEXT)]], Field(max_length=1024)] = Field(min_length=1)
     extraction_mode: ExtractionMode | None = None
     case_sensitive: bool | None = None
 

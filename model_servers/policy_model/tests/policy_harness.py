@@ -37,6 +37,7 @@ __all__ = [
     "chat_body",
     "chat_url",
     "ledger_records",
+    "policy_context",
     "serve_policy",
 ]
 
@@ -47,10 +48,11 @@ WORKER_REF = {"type": "responses_api_models", "name": "inference_worker"}
 
 
 def policy_context(
-    client: MeshClient, tokenizer_dir: Path, root: Path | None, grace_s: float, **settings: Any
+    client: MeshClient, tokenizer_dir: Path, root: Path | None, grace_s: float, *, worker_port: int = 9,
+    **settings: Any,
 ) -> ServerContext[Config]:
     raw: dict[str, Any] = {
-        "inference_worker": {"responses_api_models": {"inference_worker": {"port": 9}}},
+        "inference_worker": {"responses_api_models": {"inference_worker": {"port": worker_port}}},
         INSTANCE: {"responses_api_models": {INSTANCE: {"worker": WORKER_REF, "tokenizer_path": str(tokenizer_dir),
                                                 "checkpoint_policy": True, **settings}}},
     }

@@ -545,6 +545,42 @@ async def test_a_restart_only_call_without_a_seed_still_counts_as_traffic(
         assert "served rollout traffic" in error["detail"]
 
 
+# ---- commit with stop ------------------------------------------------------------------------
+
+
+async def test_a_stop_commit_frees_the_interpreters_and_a_plain_commit_keeps_them(
+    start: Callable[..., Any], root: Path
+) -> None:
+    async with start(PythonRepl, "python_repl") as on:
+        cookie = await on.seed("r1")
+        ran = await on.call("r1", "run_python", cookie, code="x = 6 * 7")
+        assert ran.status_code == 200, ran.text
+        assert len(on.server.interpreters) == 1
+        await checkpoint(on.control, "c1", root / "c1", stop=False)
+        assert len(on.server.interpreters) == 1, "a commit without stop freed a session's child"
+        await checkpoint(on.control, "c2", root / "c2", stop=True)
+        assert on.server.interpreters == {}, "the stop commit left the interpreter running"
+        assert len(on.server.sessions) == 1  # the session itself stays; only what it held is freed
+
+
+class FailingRelease(KvStore):
+    released: list[str] = []
+
+    async def release_session(self, session: Session) -> None:
+        self.released.append(session.session_id)
+        raise OSError("the sandbox would not stop")
+
+
+async def test_a_failure_to_free_never_fails_the_stop_commit(start: Callable[..., Any], root: Path) -> None:
+    async with start(FailingRelease, "kv_store") as on:
+        cookies = [await on.seed(key) for key in ("r1", "r2")]
+        assert all(cookies)
+        committed = await checkpoint(on.control, "c1", root / "c1", stop=True)
+        assert committed["phase"] == "committed" and committed["manifest"]["record_count"] == 2
+        assert len(FailingRelease.released) == 2, "one failure stopped the other releases"
+        assert (root / "c1" / "gym" / "resources" / NAME / "manifest.json").is_file()
+
+
 # ---- retire and forget -----------------------------------------------------------------------
 
 
@@ -610,7 +646,7 @@ async def test_restart_only_sessions_are_restarts_that_never_block(
         assert (await asyncio.wait_for(seed, WAIT_S)).headers["x-ng-checkpoint-restart"] == "1"
         await on.control.ok("prepare", checkpoint_id="c2")
         error = await on.control.refused(
-            "invalid_checkpoint_state",
+            "restart_in_scope",
             "commit",
             checkpoint_id="c2",
             checkpoint_dir=str(root / "bad"),
