@@ -24,7 +24,8 @@ LIBRARY = "nemo_gym_ckpt"
 SERVER_FOLDERS = ("model_servers", "agents", "environment_servers", "resources_servers")
 FIRST_PARTY = (LIBRARY, *SERVER_FOLDERS, "tests")
 GROUND = frozenset(
-    {"errors", "identity", "config", "client", "server", "context", "capture", "canonical", "responses"}
+    {"errors", "identity", "config", "client", "server", "context", "capture", "canonical", "responses",
+     "aggregate_metrics"}
 )
 
 

@@ -105,7 +105,7 @@ async def test_restart_only_is_the_default_and_says_so(client: httpx.AsyncClient
 
 async def test_sessions_keep_state_and_identity(client: httpx.AsyncClient, server: Counter) -> None:
     seeded = await client.post("/ng-rollout/r7-a2/seed_session", json={"start": 5})
-    cookie = {"cookie": f"ng_session_ctr={seeded.json()['session_id']}"}
+    cookie = {"cookie": f"ng_session_ctr={seeded.json()['resources_session_id']}"}
     client.cookies.clear()
     assert (await client.post("/ng-rollout/r7-a2/bump", json={}, headers=cookie)).text == "6"
     assert (await client.post("/bump", json={}, headers=cookie)).text == "7"
@@ -136,7 +136,7 @@ async def test_bad_seed_body_is_400_and_opens_nothing(client: httpx.AsyncClient,
 async def test_verify_echoes_only_what_was_sent(client: httpx.AsyncClient) -> None:
     seeded = await client.post("/seed_session", json={})
     row = {"target": 1, "response": {"id": "resp_1", "output": [], "usage": {"total_tokens": 3}}, "k": [1]}
-    cookie = {"cookie": f"ng_session_ctr={seeded.json()['session_id']}"}
+    cookie = {"cookie": f"ng_session_ctr={seeded.json()['resources_session_id']}"}
     client.cookies.clear()
     body = (await client.post("/verify", json=row, headers=cookie)).json()
     assert body == {**row, "reward": 0.0, "count": 0, "seen_by": None}

@@ -207,11 +207,12 @@ async def test_off_mounts_nothing_and_changes_nothing(implementation: str, start
         )
         assert (status.status_code, status.json()["error"]["code"]) == (404, "not_found")
         seeded = await off.client.post("/seed_session", json={})  # no rollout prefix needed
-        assert seeded.status_code == 200 and seeded.json()["session_id"]
+        assert seeded.status_code == 200 and seeded.json()["resources_session_id"]
         assert dict(seeded.headers).items() >= off.server.checkpoint_headers().items()
         assert len(off.server.sessions) == (0 if server_class.checkpoint_mode == "stateless" else 1)
         closed = await off.client.post("/close_session", headers=off.cookie(seeded))
-        assert closed.json() == {"closed": server_class.checkpoint_mode != "stateless"}
+        assert closed.json() == {"resources_session_id": seeded.json()["resources_session_id"]}
+        assert len(off.server.sessions) == 0
 
 
 async def test_off_a_stateless_server_answers_without_a_prefix(start: Callable[..., Any]) -> None:
