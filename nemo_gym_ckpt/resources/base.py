@@ -172,7 +172,7 @@ class EpisodeSeed(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    resources_session_id: str = Field(pattern=SESSION_ID.pattern)
+    resources_session_id: str = Field(pattern=f"^{SESSION_ID.pattern}$")
     episode_id: dict[str, Any]
     task_id: dict[str, str]
     task_data: dict[str, Any]
@@ -490,7 +490,7 @@ class ResourcesServer(Generic[_C]):
         body = await _read_body(request)
         named: RolloutIdentity | None
         session_id: str | None
-        if set(body) == EPISODE_SEED_KEYS:  # NeMo Gym's environment-server form
+        if {"resources_session_id", "episode_id"} <= body.keys():  # NeMo Gym's environment-server form
             seed = _validated(EpisodeSeed, body)
             named, session_id, row = identity_of_episode_id(seed.episode_id), seed.resources_session_id, seed.task_data
         else:  # the task row, as an agent's /run sends it
