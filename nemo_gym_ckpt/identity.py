@@ -17,7 +17,8 @@ change from one attempt to the next, the task does not).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "identity_of_row",
     "parse_capture_key",
     "request_identity",
+    "serving_as",
     "split_rollout_path",
     "without_dispatch_keys",
 ]
@@ -147,6 +149,20 @@ def request_identity(named: RolloutIdentity | None) -> RolloutIdentity | None:
         raise InvalidRequest(f"the /ng-rollout/ prefix names {prefixed.capture_key}, the body names "
                              f"{named.capture_key}")
     return prefixed or named
+
+
+@contextmanager
+def serving_as(identity: RolloutIdentity | None) -> Iterator[None]:
+    """While inside, ``identity`` is the request's current identity (as a rollout prefix would set it),
+    so the calls made for the request carry it; ``None`` leaves the current one as it is."""
+    if identity is None:
+        yield
+        return
+    token = CURRENT_IDENTITY.set(identity)
+    try:
+        yield
+    finally:
+        CURRENT_IDENTITY.reset(token)
 
 
 def without_dispatch_keys(row: Mapping[str, Any]) -> dict[str, Any]:
