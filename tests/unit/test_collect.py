@@ -227,6 +227,39 @@ async def test_sigint_stops_dispatch_cancels_in_flight_and_keeps_rows(tmp_path: 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+async def test_a_watch_reason_stops_the_run_and_names_itself(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a launched collection does when a server dies: ``watch`` (the launcher's ``exited``) answers
+    a reason, the rollouts in flight are cancelled, the rows kept, and the exit line names the server."""
+    mesh, _ = build_mesh()
+    gate = asyncio.Event()
+    env = create_app("env")
+
+    @env.post("/run")
+    async def run(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        if body["_ng_task_index"] == 0:
+            gate.set()
+            return {**body, "reward": 1.0}
+        await asyncio.sleep(30)
+        return {}
+
+    mesh.serve("env", env)
+    output = tmp_path / "out.jsonl"
+    plan = plan_for(mesh, [row(p) for p in PROBLEMS], output, concurrency=2)
+    async with asyncio.timeout(10):
+        summary = await collect.run_plan(plan, mesh.client(), io.StringIO(),
+                                         watch=lambda: "simple_agent exited with status -9" if gate.is_set() else None)
+    assert summary.stopped_by == "simple_agent exited with status -9" and summary.finished == 1
+    assert [r["_ng_task_index"] for r in read_jsonl(output)] == [0]
+    assert collect._exit_status(plan, summary) == ExitCode.FAILURE
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("nemo-gym-ckpt collect: simple_agent exited with status -9 during the collection: "
+                           "stopped the mesh; 5 rollouts not run") and "\n" not in line
+    await mesh.aclose()
+
+
 def test_progress_shows_rate_eta_failures_and_reward() -> None:
     now = [0.0]
     stream = io.StringIO()
