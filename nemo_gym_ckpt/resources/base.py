@@ -24,17 +24,22 @@ A resources server is a subclass of ``ResourcesServer`` plus a ``create_app`` of
 
 Routes (all also under ``/ng-rollout/<capture_key>/``):
 
-- ``POST /seed_session`` with the task row: opens a session, answers ``{"session_id"}``, sets the
-  session cookie (agents pass it back explicitly) and the checkpoint headers of docs/protocol.md
-  section 7: ``x-ng-checkpoint-verify: replay|wait`` and, for restart-only servers,
-  ``x-ng-checkpoint-restart: 1``;
+- ``POST /seed_session`` with the task row (an agent's ``/run`` sends its whole row: NeMo Gym's
+  ``_ng_`` keys name the rollout and stay out of the task), or with NeMo Gym's environment-server
+  form ``{resources_session_id, episode_id, task_id, task_data}`` (the caller names the session;
+  ``task_data`` is the task row; a repeat of the same id and episode answers the same session, an id
+  used by another episode or closed before is a 400): opens a session, answers NeMo Gym's
+  ``{"resources_session_id", "resources_tools": null, "sandbox_access": null}``, sets the session
+  cookie (agents pass it back explicitly) and the checkpoint headers of docs/protocol.md section 7:
+  ``x-ng-checkpoint-verify: replay|wait`` and, for restart-only servers, ``x-ng-checkpoint-restart: 1``;
 - ``POST /verify`` with the task row plus ``response`` (a Responses API object): answers the
   request fields plus ``reward`` plus the server's own fields (the ``Verdict``);
 - ``POST /<tool>`` per ``@tool`` method, its body the tool's arguments, its reply the tool's result
   as JSON text (the model reads it verbatim: a number is just ``5141``);
 - ``GET /tools``: the OpenAI function-tool definitions (Responses API shape; ``?shape=chat`` for
   the Chat Completions shape);
-- ``POST /close_session``: drops the session (idempotent).
+- ``POST /close_session`` with ``{}`` or NeMo Gym's ``{resources_session_id, episode_id}``: drops the
+  session the cookie (else the body) names and answers ``{"resources_session_id"}`` (idempotent).
 
 Methods are typed by their annotations: a tool's first parameter is a ``ToolArgs`` model (its JSON
 schema is the tool's ``parameters``), ``verify``'s and ``initial_state``'s is a ``TaskRow`` model.
@@ -46,7 +51,9 @@ under another attempt of the same session is refused (409 ``stale_attempt``).
 
 Checkpointing (docs/protocol.md section 7; ``docs/participants.md``, "Resources servers"). With the
 mesh's ``checkpoint:`` block enabled, ``build_app`` mounts a participant (``ResourcesAdapter``):
-every rollout-scoped request (seed, tools, verify, close) then needs ``/ng-rollout/<key>/``, waits
+every rollout-scoped request (seed, tools, verify, close) then needs a rollout identity (its
+``/ng-rollout/<key>/``, else what its body names, else its session's: NeMo Gym's callers send no
+prefix), waits
 while a checkpoint is open and is refused ``stale_attempt`` for a retired attempt. The class
 declares ``checkpoint_mode`` (``stateless``: sessions are membership only; ``exported``: session
 state is saved through the hooks ``export_session``, ``restore_session``, ``park_session``;
