@@ -81,8 +81,8 @@ class Nim:
         self.program = Program.of(
             [
                 Step("start", self.start, "replay"),
-                Step("act", self.act, "replay"),
-                Step("close_agent", self.close_agent, "wait"),
+                Step("act", self.act, "replay", stage="agent"),
+                Step("close_agent", self.close_agent, "wait", stage="agent"),
                 Step("return", self.finish, "replay"),
             ],
             cleanup=self.cleanup,

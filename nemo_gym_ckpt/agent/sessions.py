@@ -257,6 +257,11 @@ class AgentSessions:
         _check_marks(self._participant(), identity)
         return identity
 
+    async def admitted(self) -> RolloutIdentity:
+        """Admission of a request that starts or ends an episode's work without an activation (NeMo
+        Gym's agent-session seed and close): waits while a checkpoint is open."""
+        return await self._admit()
+
     async def close(self) -> bool:
         """``/close``: stop the request's session (its running activation too) and drop it."""
         identity = await self._admit()

@@ -370,6 +370,13 @@ class MeshLauncher:
             time.sleep(poll_s)
         return None
 
+    def exited(self) -> str | None:
+        """One line naming the first server process that has exited (None while every one runs)."""
+        for child in self._children.values():
+            if child.proc.poll() is not None:
+                return f"{child.name} exited with status {child.proc.returncode}"
+        return None
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> bool:
         """Send ``sig`` to one server's process group (no reaping); whether it was running."""
         return self._child(name).signal(sig)

@@ -18,7 +18,7 @@ durable, the server's ``release_session`` on every session (in any mode): what a
 outside its JSON state (a child process, a sandbox) is freed. A failing release is logged and the
 others still run; the commit never fails for it.
 
-Data-plane requests go through ``admitted(route)``: it waits while a checkpoint is open (a
+Data-plane requests go through ``admitted(route, identity)``: it waits while a checkpoint is open (a
 restart-only server's calls on existing sessions only check the retire marks), refuses retired
 attempts with ``stale_attempt`` and counts the request in flight. In-flight tool calls and, when the
 server declares ``checkpoint_verify = "wait"``, in-flight verifies block a prepare; a ``replay``
@@ -46,7 +46,7 @@ from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidPhase, RolloutIdRequired
-from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.resources.sessions import Session, SessionTable
 
 __all__ = [
@@ -119,12 +119,13 @@ class ResourcesAdapter:
 
     # ---- data plane -------------------------------------------------------------------------
 
-    def admitted(self, route: Route) -> _Admitted:
-        """Let one request in (waiting while a checkpoint is open) and count it while it runs."""
-        return _Admitted(self, route)
+    def admitted(self, route: Route, identity: RolloutIdentity | None) -> _Admitted:
+        """Let one request of ``identity`` in (waiting while a checkpoint is open) and count it while it
+        runs; the server resolves the identity (its ``/ng-rollout/`` prefix, its body, its session)."""
+        return _Admitted(self, route, identity)
 
-    async def _enter(self, route: Route) -> tuple[RolloutIdentity, bool]:
-        identity = await self._admit(route)
+    async def _enter(self, route: Route, named: RolloutIdentity | None) -> tuple[RolloutIdentity, bool]:
+        identity = await self._admit(route, named)
         if route == "seed" and self._installed:  # only a restored server holds restored sessions
             await self._drop_where(lambda owner: owner == identity, restored_only=True)
         blocking = self._blocks(route)
@@ -139,8 +140,7 @@ class ResourcesAdapter:
             _release(self._blocking, identity)
         self._participant().notify_changed()
 
-    async def _admit(self, route: Route) -> RolloutIdentity:
-        identity = current_identity()
+    async def _admit(self, route: Route, identity: RolloutIdentity | None) -> RolloutIdentity:
         participant = self._participant()
         if self.mode == "restart_only" and route != "seed":
             _check_marks(participant, identity)
@@ -318,14 +318,14 @@ class _Admitted:
     """``async with adapter.admitted(route) as identity``: a plain class, cheaper than a generator-based
     context manager on a path every data-plane request takes."""
 
-    __slots__ = ("_adapter", "_entered", "_route")
+    __slots__ = ("_adapter", "_entered", "_identity", "_route")
 
-    def __init__(self, adapter: ResourcesAdapter, route: Route) -> None:
-        self._adapter, self._route = adapter, route
+    def __init__(self, adapter: ResourcesAdapter, route: Route, identity: RolloutIdentity | None) -> None:
+        self._adapter, self._route, self._identity = adapter, route, identity
         self._entered: tuple[RolloutIdentity, bool] | None = None
 
     async def __aenter__(self) -> RolloutIdentity:
-        self._entered = await self._adapter._enter(self._route)
+        self._entered = await self._adapter._enter(self._route, self._identity)
         return self._entered[0]
 
     async def __aexit__(self, *exc: object) -> None:

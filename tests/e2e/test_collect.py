@@ -135,6 +135,7 @@ def test_collect_is_stopped_by_ctrl_c_and_a_second_run_finishes(tmp_path: Path) 
         kinds = [item["type"] for item in row["response"]["output"]]
         assert kinds[:2] == ["function_call", "function_call_output"] and kinds[-1] == "message", kinds
         assert row["response"]["output"][0]["generation_token_ids"]  # token ids rode along
-    metrics = orjson.loads(metrics_path(output).read_bytes())
-    assert metrics["rollouts"] == LIMIT and metrics["mean_reward"] >= 0.75, metrics
-    assert f"mean reward {metrics['mean_reward']:.4f}" in second.stdout.decode()
+    (entry,) = orjson.loads(metrics_path(output).read_bytes())  # NeMo Gym's layout, over every row
+    reward = entry["agent_metrics"]["mean/reward"]
+    assert sum(group["num_rollouts"] for group in entry["group_level_metrics"]) == LIMIT and reward >= 0.75, entry
+    assert f"mean reward {reward:.4f} over {LIMIT} rollouts" in second.stdout.decode()

@@ -108,7 +108,8 @@ def test_collect_against_a_running_mesh(
         (t, r) for t in range(4) for r in range(2)}
     assert "mean reward 1.0000 over 8 rollouts" in captured.out
     assert "8/8" in captured.err and "rollouts/s" in captured.err
-    assert orjson.loads(metrics_path(output).read_bytes())["mean_reward"] == 1.0
+    (entry,) = orjson.loads(metrics_path(output).read_bytes())
+    assert entry["key_metrics"]["mean/reward"] == 1.0 and entry["_ng_environment_server"] == "env"
     assert {call.capture_key for call in model.calls} == {f"{t}-{r}" for t in range(4) for r in range(2)}
     # a second run finds nothing left to do
     assert collect.main(args_for("--head", url, "--input", str(tasks), "--output", str(output),

@@ -164,6 +164,53 @@ def test_a_corrupt_collection_manifest_is_refused_with_its_path(tmp_path: Path) 
         find_latest(tmp_path)
 
 
+WRONG_TYPES = [
+    ("rows_done", "7"), ("rows_done", -1), ("rows_done", True), ("num_repeats", 0), ("continued", "0-0"),
+    ("continued", [1]), ("manifests", "gym"), ("manifests", {"env": 3}), ("manifests", {"env": "../../x"}),
+    ("manifests", {"env": "/etc/passwd"}), ("staging_keys", {"model": "k"}), ("stats", []),
+    ("checkpoint_id", None), ("unknown", 1), ("schema_version", "1"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), WRONG_TYPES)
+def test_a_wrong_type_anywhere_in_collection_json_is_one_line(tmp_path: Path, field: str, value: Any) -> None:
+    cid = checkpoint_id(0)
+    publish(tmp_path, manifest(tmp_path, cid))
+    path = tmp_path / cid / "collection.json"
+    path.write_bytes(orjson.dumps({**orjson.loads(path.read_bytes()), field: value}))
+    with pytest.raises(CheckpointRefused) as refused:
+        find_latest(tmp_path)
+    message = str(refused.value)
+    assert str(path) in message and "\n" not in message
+    assert field in message or "schema_version" in message
+
+
+@pytest.mark.parametrize(("field", "value"), [*WRONG_TYPES, ("whole", None)])
+def test_pruning_never_crashes_on_a_damaged_older_checkpoint(tmp_path: Path, field: str, value: Any) -> None:
+    old = checkpoint_id(0)
+    publish(tmp_path, manifest(tmp_path, old))
+    path = tmp_path / old / "collection.json"
+    damaged = b"[1, 2]" if field == "whole" else orjson.dumps({**orjson.loads(path.read_bytes()), field: value})
+    path.write_bytes(damaged)
+    newer = [manifest(tmp_path, checkpoint_id(second)) for second in (1, 2)]
+    for published in newer:
+        publish(tmp_path, published)
+    assert not (tmp_path / old).exists()  # older than the two newest published: deleted, not read again
+    assert find_latest(tmp_path) == newer[-1]
+
+
+def test_an_unreadable_collection_json_is_refused_and_prune_goes_on(tmp_path: Path) -> None:
+    old = checkpoint_id(0)
+    publish(tmp_path, manifest(tmp_path, old))
+    (tmp_path / old / "collection.json").unlink()
+    (tmp_path / old / "collection.json").mkdir()
+    with pytest.raises(CheckpointRefused, match="cannot read"):
+        find_latest(tmp_path)
+    for second in (1, 2):
+        publish(tmp_path, manifest(tmp_path, checkpoint_id(second)))
+    assert not (tmp_path / old).exists()
+
+
 def test_dispatch_log_answers_the_highest_attempt_and_skips_a_torn_line(tmp_path: Path) -> None:
     log = tmp_path / files.DISPATCH_LOG
     log.write_bytes(b'{"rollout_id":"0-0","attempt":0}\n{"rollout_id":"0-0","attempt":2}\n'

@@ -98,7 +98,7 @@ async def test_no_message_is_reward_zero(client: httpx.AsyncClient) -> None:
     ("body", "detail"),
     [
         (b"not json", "not valid JSON"),
-        (b"[1, 2]", "valid dictionary"),
+        (b"[1, 2]", "is a JSON object"),
         (b'{"response": {"output": []}}', "expected_answer"),
         (b'{"expected_answer": "x"}', "response"),
         (b'{"expected_answer": "x", "response": {"output": "text"}}', "response.output"),
@@ -118,7 +118,7 @@ async def test_seed_session_declares_replay_and_no_restart(client: httpx.AsyncCl
     assert reply.status_code == 200
     assert reply.headers["x-ng-checkpoint-verify"] == "replay"
     assert "x-ng-checkpoint-restart" not in reply.headers
-    assert reply.cookies["ng_session_sm"] == reply.json()["session_id"]
+    assert reply.cookies["ng_session_sm"] == reply.json()["resources_session_id"]
 
 
 async def test_no_tools_and_unknown_tool_is_404(client: httpx.AsyncClient) -> None:

@@ -207,11 +207,12 @@ async def test_off_mounts_nothing_and_changes_nothing(implementation: str, start
         )
         assert (status.status_code, status.json()["error"]["code"]) == (404, "not_found")
         seeded = await off.client.post("/seed_session", json={})  # no rollout prefix needed
-        assert seeded.status_code == 200 and seeded.json()["session_id"]
+        assert seeded.status_code == 200 and seeded.json()["resources_session_id"]
         assert dict(seeded.headers).items() >= off.server.checkpoint_headers().items()
         assert len(off.server.sessions) == (0 if server_class.checkpoint_mode == "stateless" else 1)
         closed = await off.client.post("/close_session", headers=off.cookie(seeded))
-        assert closed.json() == {"closed": server_class.checkpoint_mode != "stateless"}
+        assert closed.json() == {"resources_session_id": seeded.json()["resources_session_id"]}
+        assert len(off.server.sessions) == 0
 
 
 async def test_off_a_stateless_server_answers_without_a_prefix(start: Callable[..., Any]) -> None:
@@ -740,3 +741,31 @@ def test_hooks_a_mode_never_runs_are_refused(base: type, hooks: dict[str, Any], 
     with pytest.raises(TypeError) as raised:
         type("Bad", (base,), hooks)
     assert unused in str(raised.value)
+
+
+async def test_nemo_gym_calls_without_a_prefix_are_admitted_by_their_body_or_their_session(
+    start: Callable[..., Any],
+) -> None:
+    """NeMo Gym's environment servers seed with ``episode_id`` in the body and then call without the
+    rollout prefix: the seed is admitted under that episode, later calls under their session's."""
+    async with start(SERVERS["kv_store"], "kv_store") as res:
+        nobody = await res.client.post("/seed_session", json={"initial_state": {}})
+        assert (nobody.status_code, nobody.json()["error"]["code"]) == (400, "rollout_id_required")
+        seed = {"resources_session_id": "resources-session-9", "episode_id": {"rollout_id": "2-0", "attempt": 1},
+                "task_id": {"taskset": "kv", "task_id": "2"}, "task_data": {"initial_state": {"a": "1"}}}
+        seeded = await res.client.post("/seed_session", json=seed)
+        assert seeded.status_code == 200, seeded.text
+        (session,) = list(res.server.sessions)
+        assert session.identity == RolloutIdentity("2-0", 1) and session.session_id == "resources-session-9"
+        cookie = res.cookie(seeded)
+        assert (await res.client.post("/kv_get", json={"key": "a"}, headers=cookie)).status_code == 200
+        await res.control.ok("prepare", checkpoint_id="ck-ng")
+        waiting = asyncio.create_task(res.client.post("/kv_set", json={"key": "b", "value": "2"}, headers=cookie))
+        await until(lambda: res.server.checkpoint.participant.status()["waiting_requests"] == 1)
+        assert not waiting.done()
+        await res.control.ok("resume", checkpoint_id="ck-ng")
+        assert (await asyncio.wait_for(waiting, WAIT_S)).status_code == 200
+        close = {"resources_session_id": "resources-session-9", "episode_id": seed["episode_id"]}
+        closed = await res.client.post("/close_session", json=close)
+        assert (closed.status_code, closed.json()) == (200, {"resources_session_id": "resources-session-9"})
+        assert len(res.server.sessions) == 0
