@@ -49,23 +49,27 @@ from fastapi import FastAPI
 
 from model_servers.policy_model.active_calls import ActiveCalls, CallState
 from model_servers.policy_model.backend import Backend
+from model_servers.policy_model.capture_memory import CaptureMemory
 from model_servers.policy_model.custody import Custody, CustodyBackend
 from model_servers.policy_model.cuts import CutClient, CutRecord, GenerationCutter
 from model_servers.policy_model.ledger import CUT_KEY, LedgerBook
-from model_servers.policy_model.token_sidecar import SidecarStore
+from model_servers.policy_model.token_sidecar import CallTokens, SidecarStore
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import RolloutIdRequired
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = ["CAPTURE_TOKENS_PATH", "PolicyAdapter", "PolicyParticipant", "kept_staging_keys",
            "mount_policy_participant"]
 
 CAPTURE_TOKENS_PATH = "/v1/capture/tokens"
+CONTROL_CONNECTIONS = 8
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +88,7 @@ class PolicyAdapter:
         self._commit: tuple[str, float] | None = None  # (checkpoint id, deadline) of the commit running
         self._cuts: dict[RolloutIdentity, CutRecord] = {}
         self._kept: list[str] = []
-        self._token_lines: list[bytes] = []  # the sidecar lines of the commit being written
+        self._token_lines: list[CallTokens] = []  # the sidecar lines of the commit being written
         self._exported = 0.0  # when the export of the commit being written began (perf_counter)
 
     def counts(self) -> dict[str, int]:
@@ -94,6 +98,8 @@ class PolicyAdapter:
             "delivering_streams": self.calls.count(CallState.DELIVERING),
             "ledgers": len(self.ledgers),
             "rows": self.ledgers.row_count,
+            "token_bytes_in_memory": self.ledgers.memory.held if self.ledgers.memory else 0,
+            "token_lines_spilled": self.ledgers.memory.spilled if self.ledgers.memory else 0,
         }
 
     async def readiness(self) -> Readiness:
@@ -126,7 +132,7 @@ class PolicyAdapter:
             self.cutter.settle(commit[0], kept, commit[1])  # in the background: the reply does not wait
         return {"staging_keys": kept}
 
-    def sidecar_lines(self) -> list[bytes]:
+    def sidecar_lines(self) -> list[CallTokens]:
         """What the commit being written puts in its token sidecar (set by ``export``)."""
         return self._token_lines
 
@@ -173,12 +179,15 @@ def mount_policy_participant(
     worker_url: str | None = None,
     generation_cuts: bool = False,
     clock: Clock = SYSTEM_CLOCK,
+    capture_memory: CaptureMemory | None = None,
 ) -> PolicyParticipant | None:
     """Mount the model participant on ``app`` (``None``, nothing mounted, with checkpointing off).
 
-    With ``generation_cuts``, ``worker_url`` is the inference worker the cuts are posted to.
+    With ``generation_cuts``, ``worker_url`` is the inference worker the cuts are posted to, over a
+    client of its own (``CONTROL_CONNECTIONS``): a cut never waits behind the calls generating on
+    that worker. ``capture_memory`` bounds the token lines the ledgers hold in memory.
     """
-    calls, ledgers = ActiveCalls(), LedgerBook()
+    calls, ledgers = ActiveCalls(), LedgerBook(capture_memory)
     adapter = PolicyAdapter(calls, ledgers, generation_cuts=generation_cuts)
     participant = mount_checkpointing(app, ctx, adapter, kind="model", clock=clock)
     if participant is None:
@@ -190,7 +199,9 @@ def mount_policy_participant(
             raise ValueError("generation cuts need the inference worker's url")
         token = ctx.mesh.checkpoint.control_auth_token
         assert token is not None  # the config refuses checkpointing without a token
-        client = CutClient(ctx.client, worker_url, token.get_secret_value(), ctx.name)
+        control = MeshClient(max_connections=CONTROL_CONNECTIONS)
+        close_on_shutdown(app, control.aclose)
+        client = CutClient(control, worker_url, token.get_secret_value(), ctx.name)
         adapter.cutter = GenerationCutter(calls, client, participant.clock, participant.telemetry)
     custody = Custody(participant, calls, ledgers, generation_cuts=generation_cuts)
     return PolicyParticipant(participant, adapter, CustodyBackend(backend, custody))

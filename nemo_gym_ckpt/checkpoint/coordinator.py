@@ -265,10 +265,12 @@ class Coordinator:
 
     async def commit(
         self, checkpoint_id: str, *, deadline_ts: float, checkpoint_dir: str,
-        episode_ids: Sequence[RolloutIdentity] | None = None,
+        episode_ids: Sequence[RolloutIdentity] | None = None, incremental: bool = True,
     ) -> CommitResult:
         body: dict[str, Any] = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts,
                                 "checkpoint_dir": checkpoint_dir}
+        if not incremental:  # sent only to turn it off: the default body stays upstream's
+            body["incremental"] = False
         if episode_ids is not None:
             body["episode_ids"] = [episode.to_json() for episode in episode_ids]
         result = CommitResult("commit", checkpoint_id)

@@ -60,6 +60,7 @@ class _Scoped(ControlRequest):
 
 class CommitRequest(_Scoped):
     checkpoint_dir: str = Field(min_length=1, max_length=4096)
+    incremental: bool = True  # reference what did not change since the previous commit (section 6.1)
 
 
 class RestoreRequest(_Scoped):

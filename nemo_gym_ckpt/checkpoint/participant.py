@@ -269,7 +269,8 @@ class Participant:
         directory = self.store.locate(request.checkpoint_dir)
         episodes = request.episodes()
         scope = None if episodes is None else frozenset(episodes)
-        job = self._stored_job(open_, Op.COMMIT, (directory, scope), request.deadline_ts)
+        args = (directory, scope, request.incremental)
+        job = self._stored_job(open_, Op.COMMIT, args, request.deadline_ts)
         if job is None:
             self._check_deadline(request.deadline_ts)
             advance(self.phase, Op.COMMIT)
@@ -277,18 +278,19 @@ class Participant:
             for episode in episodes or ():
                 self.marks.check(episode)
             open_.lease.renew(request.deadline_ts)
-            work = self._run_commit(open_, directory, scope, request.deadline_ts)
-            job = self._start_job(open_, Op.COMMIT, (directory, scope), work)
+            work = self._run_commit(open_, directory, scope, request.deadline_ts, request.incremental)
+            job = self._start_job(open_, Op.COMMIT, args, work)
         return await self._await_job(job, request.deadline_ts, request.checkpoint_id)
 
     async def _run_commit(
-        self, open_: _Open, directory: Path, scope: Scope | None, deadline_ts: float
+        self, open_: _Open, directory: Path, scope: Scope | None, deadline_ts: float, incremental: bool = True
     ) -> dict[str, Any]:
         _check_committable(await self.adapter.readiness(), scope)
         if isinstance(self.adapter, BeforeExport):
             await self.adapter.before_export(open_.checkpoint_id, scope, deadline_ts)
         open_writer = self.store.open_writer
-        writer = await asyncio.to_thread(open_writer, directory, self.kind, self.instance, open_.stop)
+        writer = await asyncio.to_thread(open_writer, directory, self.kind, self.instance, open_.stop,
+                                         incremental=incremental)
         open_.pipeline = ExportPipeline(self.adapter, scope, self.telemetry, open_.checkpoint_id)
         with self.telemetry.span("write", **{ATTR.ID: open_.checkpoint_id}) as span:
             manifest, exported = await open_.pipeline.run(writer, self.kind, self.instance)

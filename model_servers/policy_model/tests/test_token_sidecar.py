@@ -183,6 +183,10 @@ class RecordingOps(FileOps):
         super().link(src, dst)
 
 
+def _line(line: bytes) -> CallTokens:
+    return CallTokens("mc_1", line, hashlib.sha256(line).hexdigest())
+
+
 def write(store: SidecarStore, directory: Path) -> None:
     writer = store.open_writer(directory, "model", "policy_model", StopSignal())
     try:
@@ -195,7 +199,7 @@ def write(store: SidecarStore, directory: Path) -> None:
 
 def test_the_sidecar_is_durable_before_the_records_are_renamed(root: Path) -> None:
     ops = RecordingOps()
-    store = SidecarStore(CheckpointStore(root, ops), lambda: [b'{"call_id":"mc_1"}'])
+    store = SidecarStore(CheckpointStore(root, ops), lambda: [_line(b'{"call_id":"mc_1"}')])
     write(store, root / "ck")
     renames = [name for op, name in ops.log if op in ("rename", "link")]
     assert [name.split("-")[0] for name in renames] == ["tokens", "records", "manifest.json"]
@@ -204,7 +208,7 @@ def test_the_sidecar_is_durable_before_the_records_are_renamed(root: Path) -> No
 
 
 def test_a_failed_sidecar_write_fails_the_commit_and_leaves_no_records(root: Path) -> None:
-    store = SidecarStore(CheckpointStore(root, RecordingOps(fail_fsync_of=".tokens")), lambda: [b"{}"])
+    store = SidecarStore(CheckpointStore(root, RecordingOps(fail_fsync_of=".tokens")), lambda: [_line(b"{}")])
     with pytest.raises(Unavailable, match="token sidecar write failed"):
         write(store, root / "ck")
     assert list((root / "ck" / "gym" / "model" / "policy_model").iterdir()) == []
@@ -228,9 +232,13 @@ async def test_a_restore_gives_the_tokens_back_and_exports_them_again_byte_for_b
         assert call["policy_version"] == first["output"][0]["policy_version"] and call["attempt"] == 0
         [other] = await fresh.calls(R2.next_attempt())
         assert set(other) == {"call_id", "attempt", "policy_version"}  # delivered without token ids
-        again, recommitted = await fresh.commit("c2", episode_ids=[R1.to_json(), R2.to_json()])
+        scope = [R1.to_json(), R2.to_json()]
+        again, recommitted = await fresh.commit("c2", episode_ids=scope, incremental=False)
+        linked, _ = await fresh.commit("c3", episode_ids=scope)
     assert recommitted["manifest"]["records_sha256"] == committed["manifest"]["records_sha256"]
     assert sidecar_of(again).read_bytes() == sidecar_of(where).read_bytes()
+    # incremental: nothing changed, so the sidecar of c2 is linked into c3, not written again
+    assert sidecar_of(linked).stat().st_ino == sidecar_of(again).stat().st_ino
 
 
 async def test_the_capture_route_is_rollout_scoped(open_policy: Callable[..., Any]) -> None:
