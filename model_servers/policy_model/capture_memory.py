@@ -53,7 +53,7 @@ class LineFile:
         return data
 
     def __del__(self) -> None:
-        fd, self._fd = self._fd, -1
+        fd, self._fd = getattr(self, "_fd", -1), -1
         if fd >= 0:
             os.close(fd)
 

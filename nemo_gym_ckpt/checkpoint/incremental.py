@@ -3,13 +3,14 @@ checkpoint is referenced, not written again (docs/protocol.md section 6.1).
 
 Every record line a commit writes is either the record itself (**inline**) or a **reference**::
 
-    {"episode_id": {...}, "same_as": {"records_file": "records-<sha256>.jsonl", "sha256": "<hex>"}}
+    {"episode_id": {...}, "same_as": "<sha256 of the record's exact bytes>"}
 
-naming the SHA-256 of the record's exact bytes and the records file of an earlier checkpoint of the
-same participant that holds those bytes inline. That file is hard-linked into the new checkpoint's
-directory under its own name before any line names it, so every directory holds all it needs: the
-directory it came from is never modified, and deleting (pruning) an earlier checkpoint never breaks
-a later one. A reference always names an inline line (never another reference): one hop.
+standing for a line with those bytes in another records file of the same directory: an earlier
+checkpoint's records file, hard-linked into the new checkpoint's directory under its own name before
+any line refers to it, so every directory holds all it needs: the directory it came from is never
+modified, and deleting (pruning) an earlier checkpoint never breaks a later one. A reference always
+stands for an inline line (never another reference): one hop. A record no longer than its
+reference would be is always written inline.
 
 ``BaseIndex`` is what a participant remembers of its previous committed checkpoint (or of the one it
 restored from): the directory, the size of each records file, and for each record's bytes the file
@@ -19,9 +20,9 @@ its records are written inline again, so no checkpoint keeps more than about twi
 needs. A link that fails (another file system, a pruned or replaced directory) also falls back to
 writing inline. A commit asked with ``incremental: false`` references nothing.
 
-Reading (``resolve``): a reference in the restore scope is looked up in the file it names (a plain
-``records-<sha256>.jsonl`` of the same directory, opened without following a symlink); the line
-whose bytes hash to the reference's digest is the record, which must be inline and carry the same
+Reading (``resolve``): when the records read hold references, the other ``records-<sha256>.jsonl``
+files of the directory (opened without following a symlink) are read line by line; the line whose
+bytes hash to a reference's digest is its record, which must be inline and carry the same
 ``episode_id``. Every byte installed is thus checked against a digest.
 """
 
@@ -59,6 +60,8 @@ REFERENCE_KEY = "same_as"
 KEEP_RATIO = 0.5
 """A base file is linked only if the records still in use fill at least this share of it."""
 RECORDS_FILE = re.compile(r"records-[0-9a-f]{64}\.jsonl")
+REFERENCE_BYTES = 160
+"""About the length of a reference line: a record no longer than this is always written inline."""
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -91,7 +94,7 @@ def plan(records: Sequence[Record], base: BaseIndex | None) -> Plan:
     """Which records are referenced (their file kept at least ``KEEP_RATIO`` full) and which files link."""
     if base is None:
         return Plan([], [None] * len(records))
-    found = [base.lines.get(record.raw) for record in records]
+    found = [base.lines.get(record.raw) if len(record.raw) > REFERENCE_BYTES else None for record in records]
     live: dict[str, int] = {}
     for record, where in zip(records, found, strict=True):
         if where is not None:
@@ -125,8 +128,7 @@ def link_files(
 
 def reference_line(record: Record, where: Inline) -> bytes:
     """The line that stands for ``record`` when its bytes are inline in ``where``."""
-    return orjson.dumps({"episode_id": record.episode.to_json(),
-                         REFERENCE_KEY: {"records_file": where.records_file, "sha256": where.sha256}})
+    return orjson.dumps({"episode_id": record.episode.to_json(), REFERENCE_KEY: where.sha256})
 
 
 class IndexBuilder:
@@ -164,54 +166,55 @@ def is_reference(record: Record) -> bool:
     return REFERENCE_KEY in record.data
 
 
-def _reference_of(record: Record) -> Inline:
+def _reference_of(record: Record) -> str:
     data = record.data
-    where = data.get(REFERENCE_KEY)
-    key = record.episode.capture_key
-    if set(data) != {"episode_id", REFERENCE_KEY} or not isinstance(where, dict) or set(where) != {
-            "records_file", "sha256"}:
-        raise InvalidCheckpointState(f"record of {key}: a reference is {{episode_id, {REFERENCE_KEY}: "
-                                     "{records_file, sha256}}")
-    name, digest = where["records_file"], where["sha256"]
-    if not (isinstance(name, str) and RECORDS_FILE.fullmatch(name)):
-        raise InvalidCheckpointState(f"record of {key}: reference names {name!r}, not records-<sha256>.jsonl")
-    if not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
-        raise InvalidCheckpointState(f"record of {key}: reference sha256 is not a SHA-256 hex digest")
-    return Inline(name, digest)
+    digest = data.get(REFERENCE_KEY)
+    if set(data) != {"episode_id", REFERENCE_KEY} or not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+        raise InvalidCheckpointState(f"record of {record.episode.capture_key}: a reference is "
+                                     f"{{episode_id, {REFERENCE_KEY}: <sha256 hex>}}")
+    return digest
 
 
-def resolve(ops: FileOps, directory: Path, records: Sequence[Record]) -> tuple[list[Record], BaseIndex]:
-    """Replace every reference by the record it names (checked), in order; and the index of the
-    referenced lines (``index_inline`` adds the records file's own lines)."""
-    wanted: dict[str, dict[str, Record]] = {}
-    for record in records:
-        if is_reference(record):
-            where = _reference_of(record)
-            wanted.setdefault(where.records_file, {})[where.sha256] = record
-    found: dict[str, Record] = {}
+def resolve(
+    ops: FileOps, directory: Path, records: Sequence[Record], records_file: str
+) -> tuple[list[Record], BaseIndex]:
+    """Replace every reference by the record it stands for (checked), in order; and the index of
+    what was read (the records of ``records_file``, the manifest's, included)."""
+    wanted = {_reference_of(record) for record in records if is_reference(record)}
+    found: dict[str, tuple[Record, str]] = {}
     sizes: dict[str, int] = {}
-    for name, digests in sorted(wanted.items()):
-        sizes[name] = _scan(ops, directory / name, digests, found)
+    if wanted:
+        for name in _other_records_files(directory, records_file):
+            sizes[name] = _scan(ops, directory / name, wanted, found)
     index = BaseIndex(directory, sizes=sizes)
     resolved = []
     for record in records:
         if not is_reference(record):
             resolved.append(record)
             continue
-        where = _reference_of(record)
-        target = found.get(where.sha256)
+        digest = _reference_of(record)
+        target = found.get(digest)
         if target is None:
-            raise InvalidCheckpointState(f"record of {record.episode.capture_key}: {where.records_file} holds no "
-                                         "line with the referenced digest")
-        if target.episode != record.episode or is_reference(target):
+            raise InvalidCheckpointState(f"record of {record.episode.capture_key}: no records file in {directory} "
+                                         "holds a line with the referenced digest")
+        line, name = target
+        if line.episode != record.episode or is_reference(line):
             raise InvalidCheckpointState(f"record of {record.episode.capture_key}: the referenced line is "
-                                         f"another episode's or itself a reference")
-        index.lines[target.raw] = where
-        resolved.append(target)
+                                         "another episode's or itself a reference")
+        index.lines[line.raw] = Inline(name, digest)
+        resolved.append(line)
     return resolved, index
 
 
-def _scan(ops: FileOps, path: Path, digests: dict[str, Record], found: dict[str, Record]) -> int:
+def _other_records_files(directory: Path, records_file: str) -> list[str]:
+    try:
+        names = sorted(path.name for path in directory.iterdir() if RECORDS_FILE.fullmatch(path.name))
+    except OSError as error:
+        raise InvalidCheckpointState(f"cannot list {directory}: {error.strerror}") from None
+    return [name for name in names if name != records_file]
+
+
+def _scan(ops: FileOps, path: Path, wanted: set[str], found: dict[str, tuple[Record, str]]) -> int:
     size = 0
     try:
         with ops.open_read(path) as file:
@@ -221,12 +224,10 @@ def _scan(ops: FileOps, path: Path, digests: dict[str, Record], found: dict[str,
                     break
                 body = line[:-1]
                 digest = hashlib.sha256(body).hexdigest()
-                if digest in digests:
-                    found[digest] = Record.from_raw(body)
-    except FileNotFoundError:
-        raise InvalidCheckpointState(f"a reference names {path.name}, which is not in {path.parent}") from None
+                if digest in wanted and digest not in found:
+                    found[digest] = (Record.from_raw(body), path.name)
     except OSError as error:
-        raise InvalidCheckpointState(f"cannot read referenced records {path.name}: {error.strerror}") from None
+        raise InvalidCheckpointState(f"cannot read the records file {path.name}: {error.strerror}") from None
     return size
 
 

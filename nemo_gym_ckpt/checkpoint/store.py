@@ -329,7 +329,7 @@ class CheckpointStore:
             raise InvalidCheckpointState(f"manifest is for {manifest.kind}/{manifest.instance}, "
                                          f"expected {kind}/{instance}")
         records, size = self._read_records(directory / manifest.records_file, manifest, scope)
-        records, index = incremental.resolve(self.ops, directory, records)
+        records, index = incremental.resolve(self.ops, directory, records, manifest.records_file)
         self.remember(incremental.index_inline(index, records, manifest.records_file, size))
         return ReadResult(manifest, records, size)
 
