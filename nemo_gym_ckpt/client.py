@@ -27,7 +27,7 @@ from typing import Any, Literal
 import httpx
 import orjson
 
-from nemo_gym_ckpt.errors import Unavailable, UpstreamError, UpstreamTimeout, error_from_body
+from nemo_gym_ckpt.errors import Overloaded, Unavailable, UpstreamError, UpstreamTimeout, error_from_body
 from nemo_gym_ckpt.identity import ROLLOUT_PREFIX, RolloutIdentity, current_identity
 
 __all__ = [
@@ -231,7 +231,19 @@ def raise_for_error(response: httpx.Response) -> None:
         body = orjson.loads(response.content)
     except orjson.JSONDecodeError:
         body = None
-    raise error_from_body(response.status_code, body)
+    error = error_from_body(response.status_code, body)
+    if isinstance(error, Overloaded):
+        error.fields["retry_after_s"] = _retry_after(response.headers.get("retry-after"))
+    raise error
+
+
+def _retry_after(value: str | None) -> float:
+    """A ``Retry-After`` in seconds, bounded to 1-60 (1 when missing or not a number)."""
+    try:
+        seconds = float(value) if value is not None else 1.0
+    except ValueError:
+        seconds = 1.0
+    return min(max(seconds, 1.0), 60.0) if seconds == seconds else 1.0
 
 
 def decode_json(response: httpx.Response) -> Any:

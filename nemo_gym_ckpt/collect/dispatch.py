@@ -43,7 +43,7 @@ from nemo_gym_ckpt.collect.rows import (
     rollout_key,
 )
 from nemo_gym_ckpt.collect.triggers import SIGTERM, STOP, Triggers, install_signals
-from nemo_gym_ckpt.errors import CollectionStartFailed, GymError, UpstreamError
+from nemo_gym_ckpt.errors import CollectionStartFailed, GymError, Overloaded, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = ["HOUSEKEEPING_TICK_S", "CollectionStartFailed", "Dispatcher", "Plan", "Summary", "done_keys",
@@ -88,6 +88,8 @@ class Summary:
     checkpoints: list[Published] = field(default_factory=list)
     continued: int = 0
     """Rollouts that went on from a restored checkpoint."""
+    refused: int = 0
+    """``/run`` calls refused up front (``capacity_exceeded``) and sent again after their ``Retry-After``."""
     stop_checkpointed: bool = False
     """After SIGTERM: whether the checkpoint before stopping was published."""
 
@@ -156,8 +158,20 @@ class Dispatcher:
         self.sinks.progress.advance(reward=float(reward) if isinstance(reward, int | float) else None)
 
     async def _send(self, key: RolloutKey, identity: RolloutIdentity) -> dict[str, Any]:
-        reply = await self.client.post_json(f"{self.plan.environment_url}/run", json=self.plan.tasks[key[0]],
-                                            identity=identity, timeout_s=self.plan.rollout_timeout_s)
+        """The ``/run``; a refusal up front (``Overloaded``: nothing started) is sent again after its
+        ``Retry-After``, until the rollout's own timeout has passed."""
+        give_up = time.monotonic() + self.plan.rollout_timeout_s
+        while True:
+            try:
+                reply = await self.client.post_json(f"{self.plan.environment_url}/run",
+                                                    json=self.plan.tasks[key[0]], identity=identity,
+                                                    timeout_s=self.plan.rollout_timeout_s)
+                break
+            except Overloaded as refused:
+                if time.monotonic() + refused.retry_after_s >= give_up:
+                    raise
+                self.summary.refused += 1
+                await asyncio.sleep(refused.retry_after_s)
         if not isinstance(reply, dict):
             raise UpstreamError("the environment answered something other than a row")
         return reply

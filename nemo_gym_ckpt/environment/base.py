@@ -56,6 +56,7 @@ from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment.adapter import EpisodesAdapter, RunLimits
+from nemo_gym_ckpt.environment.capacity import DEFAULT_MAX_ROLLOUTS, RolloutCapacity
 from nemo_gym_ckpt.environment.episode import (
     NO_HOOKS,
     Episode,
@@ -103,6 +104,10 @@ class EnvironmentConfig(ServerConfig):
     agent_timeout_s: float = Field(3600.0, gt=0)
     """Deadline of one agent activation (a whole model/tool loop)."""
     cleanup_timeout_s: float = Field(30.0, gt=0)
+    max_rollouts_in_flight: int | None = Field(DEFAULT_MAX_ROLLOUTS, ge=1, le=10_000_000)
+    """``/run`` calls run at once; the next is refused up front (429 ``capacity_exceeded``); null: no limit."""
+    overload_retry_after_s: float = Field(1.0, ge=1.0, le=60.0)
+    """The ``Retry-After`` of that refusal."""
 
 
 class EpisodeTask(BaseModel):
@@ -147,14 +152,17 @@ def mount_run(
 ) -> None:
     """Mount ``POST /run``: one episode of ``program`` per call, answering its ``result``."""
 
+    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s)
+
     async def run(request: Request) -> OrjsonResponse:
-        task = read_task(await request.body(), task_model)
-        identity = current_identity() or RolloutIdentity(f"anon-{uuid.uuid4().hex[:16]}")
-        episode = Episode.start(identity, task, program)
-        final = await run_episode(
-            program, episode, hooks=hooks, budget=StepBudget(settings.episode_timeout_s),
-            cleanup_timeout_s=settings.cleanup_timeout_s,
-        )
+        with capacity.admitted():
+            task = read_task(await request.body(), task_model)
+            identity = current_identity() or RolloutIdentity(f"anon-{uuid.uuid4().hex[:16]}")
+            episode = Episode.start(identity, task, program)
+            final = await run_episode(
+                program, episode, hooks=hooks, budget=StepBudget(settings.episode_timeout_s),
+                cleanup_timeout_s=settings.cleanup_timeout_s,
+            )
         return _result(final)
 
     app.add_api_route("/run", run, methods=["POST"])
@@ -185,10 +193,13 @@ def mount_environment(
         mount_run(app, program, settings, task_model=task_model)
         return None
     adapter.participant = participant
+    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s)
 
     async def run(request: Request) -> OrjsonResponse:
-        task = read_task(await request.body(), task_model)
-        return _result(await adapter.run(current_identity(), task))
+        with capacity.admitted():
+            task = read_task(await request.body(), task_model)
+            reply = await adapter.run(current_identity(), task)
+        return _result(reply)
 
     app.add_api_route("/run", run, methods=["POST"])
     return adapter
