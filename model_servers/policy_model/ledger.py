@@ -151,6 +151,7 @@ class Ledger:
     source: Record | None = None  # the record it was restored from
     restored_cut: CutRecord | None = None  # a cut to continue, until the next delivered call
     tokens: dict[str, CallTokens] = field(default_factory=dict)  # by call id: calls that delivered ids
+    _encoded: tuple[int, CutRecord | None, Record] | None = field(default=None, repr=False)
 
     @property
     def head(self) -> str | None:
@@ -199,7 +200,16 @@ class Ledger:
             return source
         if scope is not None and self.episode not in scope:
             return None
-        return ledger_record(self.episode, (*self.inherited, *self.rows), cut or self.restored_cut)
+        return self._encoded_record(cut or self.restored_cut)
+
+    def _encoded_record(self, cut: CutRecord | None) -> Record:
+        """The record, built once per state (rows delivered, cut): a ledger that did not move since
+        the last commit costs a lookup, and its bytes are that commit's."""
+        encoded = self._encoded
+        if encoded is None or encoded[0] != len(self.rows) or encoded[1] is not cut:
+            record = Record.from_data(ledger_record(self.episode, (*self.inherited, *self.rows), cut))
+            encoded = self._encoded = (len(self.rows), cut, record)
+        return encoded[2]
 
 
 def ledger_record(

@@ -10,8 +10,10 @@ Discovery asks the head server for ``GET /servers`` and each server for its chec
 - resume: resources -> agent -> model -> environment, going on past failures, then raise;
 - retire, forget: environment, then agent, then model and resources together.
 
-Each call's timeout is the remaining deadline + 5 s. Calls are fanned out in a task group; a
-participant's failure is the ``GymError`` the client mapped, kept per participant in the result,
+Each call's timeout is the remaining deadline + 5 s. The coordinator's calls go over a client of
+its own (a pool of ``CONTROL_CONNECTIONS``), so a controller that also sends rollouts never queues a
+control call behind them; a ``client`` passed in should be one kept for control calls too. Calls
+are fanned out in a task group; a participant's failure is the ``GymError`` the client mapped, kept per participant in the result,
 and raised as the same class naming the participant (``error.fields["result"]`` holds the result).
 """
 
@@ -49,6 +51,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CALL_GRACE_S = 5.0
+CONTROL_CONNECTIONS = 64
 CLEANUP_MIN_S = 30.0
 DISCOVERY_TIMEOUT_S = 60.0
 RETIRE_BATCH = 1024
@@ -183,7 +186,8 @@ class Coordinator:
         self.head_url = head_url.rstrip("/")
         self._headers = {"authorization": f"Bearer {token}"}
         self._own_client = client is None
-        self.client = client or MeshClient()
+        # control calls over a pool of their own: never queued behind a controller's data calls
+        self.client = client or MeshClient(max_connections=CONTROL_CONNECTIONS)
         self.required_kinds = tuple(required_kinds)
         self.telemetry = telemetry or Telemetry("controller", "coordinator")
         self._participants: list[ParticipantRef] | None = None
