@@ -13,8 +13,9 @@ Discovery asks the head server for ``GET /servers`` and each server for its chec
 Each call's timeout is the remaining deadline + 5 s. The coordinator's calls go over a client of
 its own (a pool of ``CONTROL_CONNECTIONS``), so a controller that also sends rollouts never queues a
 control call behind them; a ``client`` passed in should be one kept for control calls too. Calls
-are fanned out in a task group; a participant's failure is the ``GymError`` the client mapped, kept per participant in the result,
-and raised as the same class naming the participant (``error.fields["result"]`` holds the result).
+are fanned out in a task group; a participant's failure is the ``GymError`` the client mapped,
+kept per participant in the result, and raised as the same class naming the participant
+(``error.fields["result"]`` holds the result).
 """
 
 from __future__ import annotations
