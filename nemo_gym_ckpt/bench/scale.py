@@ -33,6 +33,7 @@ servers with several workers add ``"2 workers"``): each variant's CPU per rollou
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import statistics
 import tempfile
@@ -387,17 +388,22 @@ class _Bench:
         }
 
 
-async def _levels(launcher: MeshLauncher, root: Path, levels: Sequence[int], pairs: int, gap_s: float) -> list[Result]:
+async def _levels(
+    launcher: MeshLauncher, root: Path, levels: Sequence[int], pairs: int, gap_s: float, progress: Path | None
+) -> list[Result]:
     bench = _Bench(launcher, root, pairs, gap_s)
     rows = []
     for index, level in enumerate(levels):
         rows.append(await bench.level(level, final=index == len(levels) - 1))
+        if progress is not None:  # each level as it ends: a long run keeps what it measured
+            with progress.open("a") as file:
+                file.write(json.dumps(rows[-1], default=str) + "\n")
     return rows
 
 
 def scale(
     *, levels: Sequence[int] = LEVELS, pairs: int = 3, gap_s: float = 1.0, quick: bool = False,
-    variants: dict[str, list[str]] | None = None,
+    variants: dict[str, list[str]] | None = None, progress: Path | None = None,
 ) -> Result:
     """Pause, bytes and restore, full against incremental, at each level of rollouts in flight."""
     if quick:
@@ -406,7 +412,7 @@ def scale(
         root = Path(directory)
         with launched_mesh([*enabled_overrides(root), *OVERRIDES]) as launcher:
             began = loadavg()
-            rows = asyncio.run(_levels(launcher, root, levels, pairs, gap_s))
+            rows = asyncio.run(_levels(launcher, root, levels, pairs, gap_s, progress))
     return {"config": "configs/quickstart.yaml", "pairs_per_level": pairs, "gap_s": gap_s, "cpus": os.cpu_count(),
             "loadavg_at_start": began, "loadavg_at_end": loadavg(), "levels": rows,
             "variants": compare_variants(variants or {}, quick=quick)}
