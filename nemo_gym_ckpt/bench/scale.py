@@ -17,8 +17,8 @@ the full checkpoint's size, measured in the same run right after, and the commit
 it; rollouts/s and CPU ms per rollout of every process; the peak memory (``VmHWM``) of every server.
 
 Then every server gets SIGKILL, fresh processes restore from the last full checkpoint (timed; not at
-2,048, the level kept for the commit's write speed: process starts take a minute here), get SIGKILL
-again, and fresh processes restore from the last incremental one (timed): restore time, full against
+2,048, the level kept for the commit's write speed, nor in ``quick`` form: process starts take a
+minute here), get SIGKILL again, and fresh processes restore from the last incremental one (timed): restore time, full against
 incremental. Those processes (resumed, the restored attempts forgotten) carry the next level.
 At the last level, the restore from the incremental checkpoint is the crash test: every rollout that
 had started either finished before the crash or is dispatched again (its next attempt, continuing
@@ -196,8 +196,8 @@ def _peak_memory_mb(pids: dict[str, int]) -> dict[str, float]:
 
 
 class _Bench:
-    def __init__(self, launcher: MeshLauncher, root: Path, pairs: int, gap_s: float) -> None:
-        self.launcher, self.root, self.pairs, self.gap_s = launcher, root, pairs, gap_s
+    def __init__(self, launcher: MeshLauncher, root: Path, pairs: int, gap_s: float, quick: bool = False) -> None:
+        self.launcher, self.root, self.pairs, self.gap_s, self.quick = launcher, root, pairs, gap_s, quick
         self.urls = mesh_urls(launcher.mesh)
         self.tasks = task_rows(launcher.mesh)
         self.seen: set[tuple[int, int]] = set()
@@ -281,7 +281,8 @@ class _Bench:
         fulls = [s for s in samples if not s["incremental"]]
         incrs = [s for s in samples if s["incremental"]]
         floor = _sequential_floor(self.root, int(statistics.median(s["bytes_written"] for s in fulls)))
-        restore_full = await self.restore(fulls[-1], fulls[-1]["episodes"], keep=False) if level != 2048 else None
+        timed_full = level != 2048 and not self.quick
+        restore_full = await self.restore(fulls[-1], fulls[-1]["episodes"], keep=False) if timed_full else None
         latest = incrs[-1]
         scope = [e for e in latest["episodes"] if finished_at.get(e.rollout_id, 0.0) <= latest["committed_at"]
                  or e.rollout_id in in_flight_at_kill]
@@ -389,9 +390,10 @@ class _Bench:
 
 
 async def _levels(
-    launcher: MeshLauncher, root: Path, levels: Sequence[int], pairs: int, gap_s: float, progress: Path | None
+    launcher: MeshLauncher, root: Path, levels: Sequence[int], pairs: int, gap_s: float, progress: Path | None,
+    quick: bool,
 ) -> list[Result]:
-    bench = _Bench(launcher, root, pairs, gap_s)
+    bench = _Bench(launcher, root, pairs, gap_s, quick)
     rows = []
     for index, level in enumerate(levels):
         rows.append(await bench.level(level, final=index == len(levels) - 1))
@@ -412,7 +414,7 @@ def scale(
         root = Path(directory)
         with launched_mesh([*enabled_overrides(root), *OVERRIDES]) as launcher:
             began = loadavg()
-            rows = asyncio.run(_levels(launcher, root, levels, pairs, gap_s, progress))
+            rows = asyncio.run(_levels(launcher, root, levels, pairs, gap_s, progress, quick))
     return {"config": "configs/quickstart.yaml", "pairs_per_level": pairs, "gap_s": gap_s, "cpus": os.cpu_count(),
             "loadavg_at_start": began, "loadavg_at_end": loadavg(), "levels": rows,
             "variants": compare_variants(variants or {}, quick=quick)}
