@@ -26,7 +26,7 @@ def test_the_quick_scale_suite_reports_its_shape(tmp_path: Path) -> None:
     [level] = result["levels"]
     assert level["in_flight"] == QUICK_LEVELS[0] and level["failed"] == 0, level.get("first_failure")
     for kind in ("full", "incremental"):
-        assert 0 < level[f"{kind}_pause"]["p50_ms"] and level[f"{kind}_bytes_written_p50"] > 0
+        assert level[f"{kind}_pause"]["p50_ms"] > 0 and level[f"{kind}_bytes_written_p50"] > 0
     assert level["records"]["single_agent_turn"] > 0 and level["fsync_floor_mb_s"] > 0
     assert level["restore_incremental_ms"] > 0 and set(level["peak_memory_mb"]) >= {"policy_model", "simple_agent"}
     crash = level["crash"]
