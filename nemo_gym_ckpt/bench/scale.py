@@ -19,7 +19,8 @@ it; rollouts/s and CPU ms per rollout of every process; the peak memory (``VmHWM
 Then every server gets SIGKILL, fresh processes restore from the last full checkpoint (timed; not at
 2,048, the level kept for the commit's write speed, nor in ``quick`` form: process starts take a
 minute here), get SIGKILL again, and fresh processes restore from the last incremental one (timed):
-restore time, full against incremental. Those processes (resumed, the restored attempts forgotten) carry the next level.
+restore time, full against incremental. Those processes (resumed, the restored attempts forgotten)
+carry the next level.
 At the last level, the restore from the incremental checkpoint is the crash test: every rollout that
 had started either finished before the crash or is dispatched again (its next attempt, continuing
 where the restore put it, or afresh when nothing was checkpointed for it), and each must finish
