@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from nemo_gym_ckpt.checkpoint.priority import MAX_DEFER_S, ControlFirst
+from nemo_gym_ckpt.config import CheckpointConfig
+from nemo_gym_ckpt.testing.minimal import create_minimal_server
 
 pytestmark = pytest.mark.unit
 
@@ -64,3 +67,9 @@ async def test_data_requests_wait_while_a_control_call_is_served_but_not_for_eve
         assert time.monotonic() - began >= MAX_DEFER_S * 0.9  # then it went on by itself
         hold.set()
         await control
+
+
+def test_checkpointing_puts_it_in_front_of_a_participant_and_nothing_when_off(tmp_path: Path) -> None:
+    on = CheckpointConfig(enabled=True, control_auth_token="t", root=tmp_path)
+    assert create_minimal_server("s", on).app.user_middleware[0].cls is ControlFirst
+    assert ControlFirst not in [m.cls for m in create_minimal_server("s", CheckpointConfig()).app.user_middleware]
