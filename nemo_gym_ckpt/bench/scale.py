@@ -56,7 +56,7 @@ from nemo_gym_ckpt.bench.mesh import (
     task_rows,
 )
 from nemo_gym_ckpt.bench.stats import quantiles_ms
-from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
+from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.errors import GymError, Overloaded
@@ -196,6 +196,21 @@ def _peak_memory_mb(pids: dict[str, int]) -> dict[str, float]:
     return peaks
 
 
+class _TimedCoordinator(Coordinator):
+    """A coordinator (with its own pool) that times each participant's reply to each call."""
+
+    def __init__(self, head_url: str) -> None:
+        super().__init__(head_url, TOKEN, required_kinds=("model",))
+        self.calls: list[tuple[str, str, float]] = []
+
+    async def _call(self, participant: ParticipantRef, op: str, body: dict[str, Any], deadline_ts: float) -> Outcome:
+        began = time.perf_counter()
+        try:
+            return await super()._call(participant, op, body, deadline_ts)
+        finally:
+            self.calls.append((op, participant.kind, 1000 * (time.perf_counter() - began)))
+
+
 class _Bench:
     def __init__(self, launcher: MeshLauncher, root: Path, pairs: int, gap_s: float, quick: bool = False) -> None:
         self.launcher, self.root, self.pairs, self.gap_s, self.quick = launcher, root, pairs, gap_s, quick
@@ -203,8 +218,8 @@ class _Bench:
         self.tasks = task_rows(launcher.mesh)
         self.seen: set[tuple[int, int]] = set()
 
-    def coordinator(self) -> Coordinator:
-        return Coordinator(self.launcher.head_url, TOKEN, required_kinds=("model",))  # its own pool
+    def coordinator(self) -> _TimedCoordinator:
+        return _TimedCoordinator(self.launcher.head_url)
 
     async def episodes_live(self, client: MeshClient) -> int:
         status = await client.get_json(f"{self.urls.environment}{CONTROL_PREFIX}/status", rollout_prefix=False,
@@ -212,11 +227,12 @@ class _Bench:
         return int(status.get("extras", {}).get("episodes", 0))
 
     async def checkpoint(
-        self, coordinator: Coordinator, cid: str, incremental: bool, in_flight: list[RolloutIdentity]
+        self, coordinator: _TimedCoordinator, cid: str, incremental: bool, in_flight: list[RolloutIdentity]
     ) -> Result:
         """Prepare, commit (the rollouts in flight, less restarts: the collector's scope), resume."""
         deadline = time.time() + DEADLINE_S
         directory = self.root / cid
+        coordinator.calls.clear()
         began = time.perf_counter()
         try:
             prepared = await coordinator.prepare(cid, deadline_ts=deadline)
@@ -236,7 +252,8 @@ class _Bench:
                 "pause_ms": 1000 * (resumed_at - began), "prepare_ms": 1000 * (prepared_at - began),
                 "commit_ms": 1000 * (committed_at - prepared_at), "resume_ms": 1000 * (resumed_at - committed_at),
                 "bytes_written": sum(written.values()), "bytes_by_participant": written,
-                "records": {name: m["record_count"] for name, m in committed.manifests().items()}}
+                "records": {name: m["record_count"] for name, m in committed.manifests().items()},
+                "calls_ms": {f"{op}.{kind}": round(ms, 1) for op, kind, ms in coordinator.calls}}
 
     async def level(self, level: int, final: bool) -> Result:
         load_at_start = loadavg()
@@ -375,6 +392,9 @@ class _Bench:
             "full_bytes_by_participant": fulls[-1]["bytes_by_participant"],
             "incremental_bytes_by_participant": incrs[-1]["bytes_by_participant"],
             "records": fulls[-1]["records"],
+            **{f"{name}_calls_p50_ms": {key: round(statistics.median(s["calls_ms"].get(key, 0.0) for s in group), 1)
+                                         for key in group[0]["calls_ms"]} for name, group in
+               (("full", fulls), ("incremental", incrs))},
             "commit_write_mb_s_full": [round(v, 1) for v in commit_speeds],
             "fsync_floor_mb_s": round(floor, 1),
             "commit_over_floor": round(statistics.median(commit_speeds) / max(floor, 1e-9), 3),
