@@ -31,9 +31,16 @@ from typing import Any, TypeVar
 
 import orjson
 
-from nemo_gym_ckpt.checkpoint import incremental
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
-from nemo_gym_ckpt.checkpoint.incremental import BaseIndex, IndexBuilder
+from nemo_gym_ckpt.checkpoint.incremental import (
+    BaseIndex,
+    IndexBuilder,
+    index_inline,
+    link_files,
+    plan,
+    reference_line,
+    resolve,
+)
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.errors import (
     CheckpointConflict,
@@ -180,17 +187,17 @@ class RecordWriter:
         """Write every record of this commit: inline, or as a reference into a linked base file
         (docs/protocol.md section 6.1), in chunks of about 4 MiB."""
         base = self.base
-        decided = incremental.plan(records, base)
+        decided = plan(records, base)
         if base is not None and decided.links:
             with self._lock, write_errors(self.directory):
                 self._stop.check()
-                linked = incremental.link_files(self._ops, base.directory, base.sizes, decided.links, self.directory)
+                linked = link_files(self._ops, base.directory, base.sizes, decided.links, self.directory)
             self.linked = sorted(linked)
         chunk: list[bytes] = []
         size = 0
         for record, where in zip(records, decided.references, strict=True):
             if where is not None and base is not None and where.records_file in self.linked:
-                line = incremental.reference_line(record, where)
+                line = reference_line(record, where)
                 self._index.referenced(record.raw, where, base.sizes[where.records_file])
                 self.referenced += 1
             else:
@@ -329,8 +336,8 @@ class CheckpointStore:
             raise InvalidCheckpointState(f"manifest is for {manifest.kind}/{manifest.instance}, "
                                          f"expected {kind}/{instance}")
         records, size = self._read_records(directory / manifest.records_file, manifest, scope)
-        records, index = incremental.resolve(self.ops, directory, records, manifest.records_file)
-        self.remember(incremental.index_inline(index, records, manifest.records_file, size))
+        records, index = resolve(self.ops, directory, records, manifest.records_file)
+        self.remember(index_inline(index, records, manifest.records_file, size))
         return ReadResult(manifest, records, size)
 
     def _read_manifest(self, directory: Path) -> Manifest:
