@@ -104,6 +104,7 @@ class MeshClient:
         retries: int = 2,
         backoff_s: float = 0.05,
     ) -> None:
+        self._transport_name = transport if isinstance(transport, str) else None
         if isinstance(transport, str):
             transport = _make_transport(transport, max_connections)
         self._http = httpx.AsyncClient(
@@ -115,6 +116,15 @@ class MeshClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    def for_control(self, max_connections: int) -> MeshClient:
+        """A client for control calls, with a pool of its own (``max_connections``) over the same kind
+        of transport, so they never wait behind this client's data calls; the caller closes it. A
+        client built over a transport object (an in-process one: no pool) answers itself."""
+        if self._transport_name is None:
+            return self
+        return MeshClient(transport=self._transport_name, max_connections=max_connections,
+                          timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s)
 
     async def __aenter__(self) -> MeshClient:
         return self

@@ -59,7 +59,6 @@ from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
-from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import RolloutIdRequired
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
@@ -199,8 +198,9 @@ def mount_policy_participant(
             raise ValueError("generation cuts need the inference worker's url")
         token = ctx.mesh.checkpoint.control_auth_token
         assert token is not None  # the config refuses checkpointing without a token
-        control = MeshClient(max_connections=CONTROL_CONNECTIONS)
-        close_on_shutdown(app, control.aclose)
+        control = ctx.client.for_control(CONTROL_CONNECTIONS)
+        if control is not ctx.client:
+            close_on_shutdown(app, control.aclose)
         client = CutClient(control, worker_url, token.get_secret_value(), ctx.name)
         adapter.cutter = GenerationCutter(calls, client, participant.clock, participant.telemetry)
     custody = Custody(participant, calls, ledgers, generation_cuts=generation_cuts)
