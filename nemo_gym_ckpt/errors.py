@@ -28,6 +28,7 @@ one line (never sent over HTTP); ``nemo_gym_ckpt.cli.exit_codes`` maps both tree
     │   ├── UpstreamError             502 upstream_error        (a peer answered something unusable)
     │   ├── CoordinatorUnavailable    503 checkpoint_coordinator_unavailable
     │   ├── Unavailable               503 unavailable           (a peer, or the disk, could not be reached)
+    │   ├── Overloaded                429 capacity_exceeded     (refused up front, nothing started: retry later)
     │   └── UpstreamTimeout           504 upstream_timeout      (a deadline ran out while waiting on a peer)
     └── InternalError                 500 internal_error        (a bug; never for bad input)
 
@@ -72,6 +73,7 @@ __all__ = [
     "MeshCrashed",
     "MethodNotAllowed",
     "NotFound",
+    "Overloaded",
     "PayloadTooLarge",
     "PeerError",
     "RestartInScope",
@@ -103,6 +105,10 @@ class GymError(Exception):
 
     def to_body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "detail": self.detail}}
+
+    def headers(self) -> dict[str, str]:
+        """Headers of the error reply (``Overloaded`` adds ``Retry-After``)."""
+        return {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.detail!r})"
@@ -206,6 +212,21 @@ class Unavailable(PeerError):
     code, status = "unavailable", 503
 
 
+class Overloaded(PeerError):
+    """Refused before anything started (no state exists): send the same request again after
+    ``retry_after_s`` seconds (the reply's ``Retry-After``)."""
+
+    code, status = "capacity_exceeded", 429
+
+    @property
+    def retry_after_s(self) -> float:
+        value = self.fields.get("retry_after_s")
+        return float(value) if isinstance(value, int | float) else 1.0
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(max(1, round(self.retry_after_s)))}
+
+
 class UpstreamTimeout(PeerError):
     code, status = "upstream_timeout", 504
 
@@ -273,6 +294,7 @@ ERROR_CODES: dict[str, type[GymError]] = {
         UpstreamError,
         CoordinatorUnavailable,
         Unavailable,
+        Overloaded,
         UpstreamTimeout,
     )
 }

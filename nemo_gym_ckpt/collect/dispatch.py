@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import httpx
 import orjson
 
-from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.client import MeshClient, raise_for_error
 from nemo_gym_ckpt.collect.control import CollectionControl, Published
 from nemo_gym_ckpt.collect.progress import Progress
 from nemo_gym_ckpt.collect.published import write_atomic
@@ -59,7 +60,7 @@ from nemo_gym_ckpt.collect.rows import (
     summarize,
 )
 from nemo_gym_ckpt.collect.triggers import SIGTERM, STOP, Triggers, install_signals
-from nemo_gym_ckpt.errors import CollectionStartFailed, GymError, UpstreamError, error_from_body
+from nemo_gym_ckpt.errors import CollectionStartFailed, GymError, Overloaded, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = ["HOUSEKEEPING_TICK_S", "CollectionStartFailed", "Dispatcher", "HeldBack", "Plan", "Summary", "Watch",
@@ -119,6 +120,8 @@ class Summary:
     checkpoints: list[Published] = field(default_factory=list)
     continued: int = 0
     """Rollouts that went on from a restored checkpoint."""
+    refused: int = 0
+    """``/run`` calls refused up front (``capacity_exceeded``) and sent again after their ``Retry-After``."""
     stop_checkpointed: bool = False
     """After SIGTERM: whether the checkpoint before stopping was published."""
     failure_codes: Counter[str] = field(default_factory=Counter)
@@ -208,21 +211,30 @@ class Dispatcher:
         self.sinks.progress.advance(reward=float(reward) if isinstance(reward, int | float) else None)
 
     async def _send(self, body: dict[str, Any], identity: RolloutIdentity) -> dict[str, Any]:
-        """The environment's reply to one ``/run``; ``_RunFailed`` with what came back otherwise."""
-        try:
-            response = await self.client.request(
-                "POST", f"{self.plan.environment_url}/run", json=body, identity=identity,
-                timeout_s=self.plan.rollout_timeout_s, check=False,
-            )
-        except GymError as error:
-            raise _RunFailed(RunFailure(error)) from None
-        status, content = response.status_code, response.content
+        """The environment's reply to one ``/run``; ``_RunFailed`` with what came back otherwise. A
+        refusal up front (``Overloaded``: nothing started) is sent again after its ``Retry-After``,
+        until the rollout's own timeout has passed."""
+        give_up = time.monotonic() + self.plan.rollout_timeout_s
+        while True:
+            try:
+                response = await self.client.request(
+                    "POST", f"{self.plan.environment_url}/run", json=body, identity=identity,
+                    timeout_s=self.plan.rollout_timeout_s, check=False,
+                )
+            except GymError as error:
+                raise _RunFailed(RunFailure(error)) from None
+            status, content = response.status_code, response.content
+            refused = _error_of(response)
+            if not isinstance(refused, Overloaded) or time.monotonic() + refused.retry_after_s >= give_up:
+                break
+            self.summary.refused += 1
+            await asyncio.sleep(refused.retry_after_s)
+        if refused is not None:
+            raise _RunFailed(RunFailure(refused, status, content))
         try:
             reply = orjson.loads(content)
         except orjson.JSONDecodeError:
             reply = None
-        if status >= 400:
-            raise _RunFailed(RunFailure(error_from_body(status, reply), status, content))
         if not isinstance(reply, dict):
             unusable = UpstreamError("the environment answered something other than a row")
             raise _RunFailed(RunFailure(unusable, status, content))
@@ -235,6 +247,15 @@ class Dispatcher:
         if self.control is not None:
             self.control.failed(identity)
         self.sinks.progress.advance(failed=True)
+
+
+def _error_of(response: httpx.Response) -> GymError | None:
+    """The error a ``/run`` reply stands for (``Overloaded`` with its ``Retry-After``), or None."""
+    try:
+        raise_for_error(response)
+    except GymError as error:
+        return error
+    return None
 
 
 class _RunFailed(Exception):

@@ -57,6 +57,7 @@ from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment.adapter import EpisodesAdapter, RunLimits
+from nemo_gym_ckpt.environment.capacity import DEFAULT_MAX_ROLLOUTS, RolloutCapacity
 from nemo_gym_ckpt.environment.episode import (
     NO_HOOKS,
     Episode,
@@ -136,6 +137,10 @@ class EnvironmentConfig(ServerConfig):
     agent_timeout_s: float = Field(3600.0, gt=0)
     """Deadline of one agent activation (a whole model/tool loop)."""
     cleanup_timeout_seconds: float = Field(30.0, gt=0)
+    max_rollouts_in_flight: int | None = Field(DEFAULT_MAX_ROLLOUTS, ge=1, le=10_000_000)
+    """``/run`` calls run at once; the next is refused up front (429 ``capacity_exceeded``); null: no limit."""
+    overload_retry_after_s: float = Field(1.0, ge=1.0, le=60.0)
+    """The ``Retry-After`` of that refusal."""
     max_concurrent_episodes: int | None = None
     queue_timeout_seconds: float | None = None
 
@@ -309,6 +314,8 @@ def mount_run(
     """Mount ``POST /run``: one episode of ``program`` per call, answering its ``result``; and
     ``POST /aggregate_metrics``."""
 
+    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s)
+
     async def runner(identity: RolloutIdentity | None, task: dict[str, Any]) -> Mapping[str, Any]:
         identity = identity or RolloutIdentity(f"anon-{uuid.uuid4().hex[:16]}")
         episode = Episode.start(identity, task, program)
@@ -318,7 +325,8 @@ def mount_run(
         )
 
     async def run(request: Request) -> Any:
-        return await serve_run(request, task_model, program, runner)
+        with capacity.admitted():
+            return await serve_run(request, task_model, program, runner)
 
     app.add_api_route("/run", run, methods=["POST"], openapi_extra=declare_body(task_model))
     mount_aggregate_metrics(app)
@@ -352,9 +360,11 @@ def mount_environment(
         mount_run(app, program, settings, task_model=task_model)
         return None
     adapter.participant = participant
+    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s)
 
     async def run(request: Request) -> Any:
-        return await serve_run(request, task_model, program, adapter.run)
+        with capacity.admitted():
+            return await serve_run(request, task_model, program, adapter.run)
 
     app.add_api_route("/run", run, methods=["POST"], openapi_extra=declare_body(task_model))
     mount_aggregate_metrics(app)

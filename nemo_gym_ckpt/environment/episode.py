@@ -203,6 +203,7 @@ class Episode:
     current: Step | None = None
     current_mode: StepMode | None = None
     restart: bool = False
+    _task_digest: str | None = field(default=None, repr=False)
 
     @classmethod
     def start(cls, identity: RolloutIdentity, task: Mapping[str, Any], program: Program) -> Episode:
@@ -220,7 +221,10 @@ class Episode:
 
     @property
     def task_digest(self) -> str:
-        return task_digest(self.task)
+        """The task row's digest, computed once (the row never changes during an episode)."""
+        if self._task_digest is None:
+            self._task_digest = task_digest(self.task)
+        return self._task_digest
 
     @property
     def mode(self) -> StepMode | None:

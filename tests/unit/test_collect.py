@@ -32,7 +32,7 @@ from nemo_gym_ckpt.collect.rows import (
 )
 from nemo_gym_ckpt.collect.tasks import read_tasks, resolve_input
 from nemo_gym_ckpt.config import PROJECT_ROOT, DatasetConfig, ServerConfig, ServerRef
-from nemo_gym_ckpt.identity import current_identity
+from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.server import create_app
 from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, calculator_policy
 from nemo_gym_ckpt.testing.transports import InProcessMesh
@@ -50,7 +50,7 @@ def row(problem: dict[str, Any]) -> dict[str, Any]:
                                         "tools": TOOLS}, "expected_answer": problem["answer"]}
 
 
-def build_mesh() -> tuple[InProcessMesh, ScriptedModel]:
+def build_mesh(gate: asyncio.Event | None = None, **env_settings: Any) -> tuple[InProcessMesh, ScriptedModel]:
     model = ScriptedModel(calculator_policy({p["question"]: p for p in PROBLEMS}))
     mesh = InProcessMesh({
         "policy_model": ("responses_api_models", "scripted", ServerConfig()),
@@ -60,9 +60,9 @@ def build_mesh() -> tuple[InProcessMesh, ScriptedModel]:
             resources_server=ServerRef(type="resources_servers", name="calculator_tools"))),
         "env": ("environment_servers", "single_agent_turn", env_app.Config(
             agent_server=ServerRef(type="responses_api_agents", name="simple_agent"),
-            resources_server=ServerRef(type="resources_servers", name="calculator_tools"))),
+            resources_server=ServerRef(type="resources_servers", name="calculator_tools"), **env_settings)),
     })
-    mesh.serve("policy_model", model.app())
+    mesh.serve("policy_model", model.app() if gate is None else _held_until(gate, model.app()))
     for name, module in (("calculator_tools", calculator_app), ("simple_agent", agent_app), ("env", env_app)):
         mesh.build(name, module.create_app)
     return mesh, model
@@ -70,6 +70,15 @@ def build_mesh() -> tuple[InProcessMesh, ScriptedModel]:
 
 AGENT_REF = {"type": "responses_api_agents", "name": "simple_agent"}
 STAMPS = {"_ng_environment_server": "env", "_ng_result_type": "single_agent_turn"}
+
+
+def _held_until(gate: asyncio.Event, app: Any) -> Any:
+    async def held(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await asyncio.wait_for(gate.wait(), timeout=30)
+        await app(scope, receive, send)
+
+    return held
 
 
 def plan_for(mesh: InProcessMesh, tasks: list[dict[str, Any]], output: Path, **kwargs: Any) -> collect.Plan:
@@ -113,6 +122,28 @@ async def test_every_task_and_repeat_is_collected_with_its_indices(tmp_path: Pat
     assert not failures_path(output).read_bytes()
     assert collect._exit_status(plan_for(mesh, tasks, output), summary) == ExitCode.OK
     await mesh.aclose()
+
+
+async def test_rollouts_past_the_capacity_are_refused_up_front_and_sent_again(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    mesh, model = build_mesh(gate, max_rollouts_in_flight=2)
+    client = mesh.client()
+    held = [asyncio.create_task(client.request("POST", mesh.url_of("env") + "/run", json=row(PROBLEMS[n]),
+                                                identity=RolloutIdentity(f"held-{n}"), check=False))
+            for n in range(3)]
+    done, _ = await asyncio.wait(held, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    [refused] = [task.result() for task in done]  # two run (held at the model), the third is refused
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "capacity_exceeded"
+    gate.set()
+    replies = await asyncio.gather(*held)
+    started = {f"held-{n}" for n, reply in enumerate(replies) if reply.status_code == 200}
+    assert len(started) == 2 and {call.capture_key for call in model.calls} == started  # nothing else started
+    output = tmp_path / "out.jsonl"
+    summary = await collect.run_plan(plan_for(mesh, [row(p) for p in PROBLEMS], output, concurrency=6),
+                                     client, io.StringIO())
+    assert summary.finished == 6 and summary.failed == 0 and summary.refused > 0
+    assert len(list(read_jsonl(output))) == 6
 
 
 FAILURE_KEYS = ["_ng_failure_class", "_ng_failure_type", "_ng_failure_message", "_ng_failure_http_status",
