@@ -11,13 +11,19 @@ nothing here runs. What it does, by the server's ``checkpoint_mode``:
   (``park_session``); a restore checks each state with ``restore_session`` before it installs
   anything.
 - ``restart_only``: never exported. Its sessions are listed as ``restarts`` and never block a
-  prepare; new sessions wait while a checkpoint is open, existing ones keep running.
+  prepare; it never closes admission: new seeds and calls on existing sessions keep running while
+  a checkpoint is open (a checkpoint has nothing of theirs to wait for).
 
 Data-plane requests go through ``admitted(route)``: it waits while a checkpoint is open (a
-restart-only server's calls on existing sessions only check the retire marks), refuses retired
-attempts with ``stale_attempt`` and counts the request in flight. In-flight tool calls and, when the
+restart-only server's requests only check the retire marks), refuses retired attempts with
+``stale_attempt`` and counts the request in flight. In-flight tool calls and, when the
 server declares ``checkpoint_verify = "wait"``, in-flight verifies block a prepare; a ``replay``
 verify never does (after a crash it simply runs again).
+
+Retire frees a session only once its requests in flight have stopped: the participant fences the
+attempts first (their new requests are refused), the adapter waits until none of their requests is
+in flight, and only then drops the sessions (``retire_session`` included). While they wait, those
+sessions are readiness blockers and are never exported.
 
 A restored session keeps the ``Record`` it came from until a call touches it, and is exported
 again byte for byte while it is untouched (as its new attempt when only that attempt is in scope).
@@ -107,6 +113,7 @@ class ResourcesAdapter:
         self._parked_for: str | None = None
         self._served = False
         self._installed = False
+        self._retiring: dict[str, RolloutIdentity] = {}
 
     # ---- data plane -------------------------------------------------------------------------
 
@@ -133,7 +140,7 @@ class ResourcesAdapter:
     async def _admit(self, route: Route) -> RolloutIdentity:
         identity = current_identity()
         participant = self._participant()
-        if self.mode == "restart_only" and route != "seed":
+        if self.mode == "restart_only":
             _check_marks(participant, identity)
         else:
             await participant.admit(identity)
@@ -154,7 +161,8 @@ class ResourcesAdapter:
     # ---- prepare ----------------------------------------------------------------------------
 
     async def readiness(self) -> Readiness:
-        blockers = sorted({identity.capture_key for identity in self._blocking})
+        blocking = set(self._blocking) | set(self._retiring.values())
+        blockers = sorted({identity.capture_key for identity in blocking})
         if self.mode == "exported":
             await self._park_idle_sessions()
         counts = {
@@ -192,6 +200,8 @@ class ResourcesAdapter:
                 yield item
 
     async def _record_of(self, session: Session, scope: Scope | None) -> ExportItem | None:
+        if session.session_id in self._retiring:
+            return None
         restored, identity = session.restored, session.identity
         if restored is not None and (scope is None or restored.episode in scope):
             return restored
@@ -252,7 +262,11 @@ class ResourcesAdapter:
     # ---- retire, forget ---------------------------------------------------------------------
 
     async def retire(self, episodes: Sequence[RolloutIdentity]) -> None:
-        """Stop and free the sessions of those attempts (and earlier ones), then wait for their calls."""
+        """Wait until the requests of those attempts (and earlier ones) stopped, then free their sessions.
+
+        The participant has fenced them already, so no new request of theirs gets in; a session is
+        dropped (``retire_session``) only after its last request in flight has ended.
+        """
         marks: dict[str, int] = {}
         for episode in episodes:
             marks[episode.rollout_id] = max(episode.attempt, marks.get(episode.rollout_id, -1))
@@ -260,8 +274,15 @@ class ResourcesAdapter:
         def retired(identity: RolloutIdentity | None) -> bool:
             return identity is not None and identity.attempt <= marks.get(identity.rollout_id, -1)
 
-        await self._drop_where(retired)
-        await self._until_quiet(retired)
+        doomed = {session.session_id: session.identity for session in self.server.sessions
+                  if session.identity is not None and retired(session.identity)}
+        self._retiring.update(doomed)
+        try:
+            await self._until_quiet(retired)
+            await self._drop_where(retired)
+        finally:
+            for session_id in doomed:
+                self._retiring.pop(session_id, None)
 
     async def forget(self, rollout_ids: Sequence[str]) -> None:
         gone = set(rollout_ids)
@@ -294,6 +315,7 @@ class ResourcesAdapter:
             "restored_sessions": sum(1 for session in sessions if session.restored is not None),
             "in_flight_requests": sum(self._in_flight.values()),
             "blocking_requests": sum(self._blocking.values()),
+            "retiring_sessions": len(self._retiring),
         }
 
 
