@@ -20,7 +20,8 @@ one line (never sent over HTTP); ``nemo_gym_ckpt.cli.exit_codes`` maps both tree
     │   ├── InvalidPhase              409 invalid_phase
     │   ├── DeadlineExceeded          409 deadline_exceeded
     │   ├── StaleAttempt              409 stale_attempt
-    │   └── ActivationOutOfOrder      409 activation_out_of_order
+    │   ├── ActivationOutOfOrder      409 activation_out_of_order
+    │   └── RequestConflict           409 request_conflict      (a server's own state refuses it now)
     ├── StorageError                  checkpoint files: what was read is unusable
     │   └── InvalidCheckpointState    422 invalid_checkpoint_state
     ├── PeerError                     a peer or the transport failed: the call may succeed later
@@ -73,6 +74,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "PeerError",
+    "RequestConflict",
     "RolloutIdRequired",
     "StaleAttempt",
     "StaleCheckpoint",
@@ -174,6 +176,13 @@ class ActivationOutOfOrder(StateConflict):
     code, status = "activation_out_of_order", 409
 
 
+class RequestConflict(StateConflict):
+    """The server's own state refuses the request now (a wrapped server's 409, e.g. a cohort that is
+    already evaluating); unrelated to checkpoints."""
+
+    code, status = "request_conflict", 409
+
+
 class PayloadTooLarge(BadInput):
     code, status = "payload_too_large", 413
 
@@ -258,6 +267,7 @@ ERROR_CODES: dict[str, type[GymError]] = {
         DeadlineExceeded,
         StaleAttempt,
         ActivationOutOfOrder,
+        RequestConflict,
         PayloadTooLarge,
         InvalidCheckpointState,
         InternalError,
