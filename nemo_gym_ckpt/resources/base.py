@@ -34,7 +34,9 @@ Routes (all also under ``/ng-rollout/<capture_key>/``):
   as JSON text (the model reads it verbatim: a number is just ``5141``);
 - ``GET /tools``: the OpenAI function-tool definitions (Responses API shape; ``?shape=chat`` for
   the Chat Completions shape);
-- ``POST /close_session``: drops the session (idempotent).
+- ``POST /close_session``: drops the session (idempotent);
+- ``POST /mcp``: the tools over MCP, when the settings (a ``ResourcesConfig``) say
+  ``expose_tools_over_mcp: true`` (``nemo_gym_ckpt.resources.mcp``: covered like HTTP tool calls).
 
 Methods are typed by their annotations: a tool's first parameter is a ``ToolArgs`` model (its JSON
 schema is the tool's ``parameters``), ``verify``'s and ``initial_state``'s is a ``TaskRow`` model.
@@ -87,6 +89,7 @@ from nemo_gym_ckpt.resources.adapter import (
     ResourcesAdapter,
     Route,
 )
+from nemo_gym_ckpt.resources.mcp import McpExposure, McpTool
 from nemo_gym_ckpt.resources.sessions import Session, SessionTable, session_cookie_name
 from nemo_gym_ckpt.responses import last_message_text
 from nemo_gym_ckpt.server import OrjsonResponse, create_app
@@ -99,6 +102,7 @@ __all__ = [
     "VERIFY_HEADER",
     "CheckpointMode",
     "CheckpointVerify",
+    "ResourcesConfig",
     "ResourcesServer",
     "ResponseObject",
     "Session",
@@ -122,6 +126,12 @@ _C = TypeVar("_C", bound=ServerConfig)
 
 
 # ---- payloads ------------------------------------------------------------------------------------
+
+
+class ResourcesConfig(ServerConfig):
+    """Settings every resources server may take: ``expose_tools_over_mcp`` (NeMo Gym's key)."""
+
+    expose_tools_over_mcp: bool = False
 
 
 class TaskRow(BaseModel):
@@ -403,6 +413,8 @@ class ResourcesServer(Generic[_C]):
         app.add_api_route("/tools", self._tools_route, methods=["GET"])
         for spec in self.tool_specs.values():
             app.add_api_route(f"/{spec.name}", self._tool_route(spec), methods=["POST"])
+        if getattr(self.settings, "expose_tools_over_mcp", False):
+            McpExposure(self.ctx.name, self._mcp_tools(), self._mcp_call, lambda: self._entered("tool")).mount(app)
         adapter = ResourcesAdapter(self)
         participant = mount_checkpointing(app, self.ctx, adapter, kind="resources", clock=clock)
         if participant is not None:
@@ -468,6 +480,22 @@ class ResourcesServer(Generic[_C]):
 
         call_tool.__name__ = f"tool_{spec.name}"
         return call_tool
+
+    def _mcp_tools(self) -> list[McpTool]:
+        return [McpTool(spec.name, spec.description, spec.definition()["parameters"])
+                for spec in self.tool_specs.values()]
+
+    async def _mcp_call(self, name: str, arguments: dict[str, Any], request: Request) -> Any:
+        """One tool called over MCP: the same method and session as ``POST /<name>``."""
+        spec = self.tool_specs[name]
+        try:
+            args = spec.args_model.model_validate(arguments)
+        except ValidationError as error:
+            raise InvalidRequest(_validation_detail(error)) from None
+        method = getattr(self, spec.name)
+        if spec.takes_session:
+            return await method(args, self._session(request))
+        return await method(args)
 
     def _session(self, request: Request) -> Session:
         """The request's session (by cookie), refusing calls from another attempt of its rollout."""
