@@ -89,6 +89,7 @@ def wait_for_rows(proc: subprocess.Popen[bytes], output: Path, count: int, timeo
         time.sleep(0.05)
 
 
+@pytest.mark.timeout(420)  # two mesh launches and their collections: minutes on a loaded 2-core machine
 def test_collect_is_stopped_by_ctrl_c_and_a_second_run_finishes(tmp_path: Path) -> None:
     config = tmp_path / "mesh.yaml"
     config.write_text(MESH_YAML)
