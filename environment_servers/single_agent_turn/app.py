@@ -10,7 +10,8 @@
 - ``close_agent`` (wait): agent ``POST /close``, which frees the agent session;
 - ``verify`` (the mode the seed reply announced; default wait): resources ``POST /verify`` with the
   row and ``response``;
-- ``close_session`` (replay): resources ``POST /close_session`` (idempotent);
+- ``close_session`` (replay): resources ``POST /close_session`` (idempotent) with NeMo Gym's body
+  ``{resources_session_id, episode_id}`` (the session id the seed answered, else the capture key);
 - ``return`` (replay): the rollout row: the task row, ``response``, ``reward``, the verifier's fields.
 
 A failed step answers its error with the step named in the detail; the agent session and the
@@ -98,6 +99,7 @@ class SingleAgentTurn:
         reply = await self._resources(episode, "/seed_session", episode.task)
         restart = reply.headers.get(RESTART_HEADER) == "1"
         episode.state["resources"] = {
+            "session_id": _session_id_of(decode_json(reply), episode.identity.capture_key),
             "cookies": cookies_of(reply),
             "verify_mode": "replay" if reply.headers.get(VERIFY_HEADER) == "replay" else "wait",
             "restart": restart,
@@ -139,7 +141,7 @@ class SingleAgentTurn:
         return "close_session"
 
     async def close_session(self, episode: Episode) -> str:
-        await self._resources(episode, "/close_session", {}, idempotent=True)
+        await self._resources(episode, "/close_session", _close_body(episode), idempotent=True)
         episode.state["resources"]["closed"] = True
         return "return"
 
@@ -158,8 +160,24 @@ class SingleAgentTurn:
             await _best_effort(self.agent.close(episode.identity), "close the agent session")
         resources = state.get("resources")
         if resources and not resources.get("closed"):
-            closing = self._resources(episode, "/close_session", {}, idempotent=True)
+            closing = self._resources(episode, "/close_session", _close_body(episode), idempotent=True)
             await _best_effort(closing, "close the resources session")
+
+
+def _session_id_of(reply: Any, fallback: str) -> str:
+    """The session id a seed reply names (ours: ``session_id``; NeMo Gym's: ``resources_session_id``)."""
+    if isinstance(reply, dict):
+        for key in ("resources_session_id", "session_id"):
+            if isinstance(reply.get(key), str) and reply[key]:
+                return str(reply[key])
+    return fallback
+
+
+def _close_body(episode: Episode) -> dict[str, Any]:
+    """NeMo Gym's close body: the session and the episode it belongs to (our servers read the cookie)."""
+    resources = episode.state.get("resources", {})
+    session_id = resources.get("session_id") or episode.identity.capture_key
+    return {"resources_session_id": session_id, "episode_id": episode.identity.to_json()}
 
 
 async def _best_effort(call: Any, what: str) -> None:

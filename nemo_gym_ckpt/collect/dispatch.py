@@ -1,7 +1,9 @@
 """One collection run: rollouts dispatched at bounded concurrency, rows written, checkpoints taken.
 
 ``run_plan(plan, client, stream, control=..., triggers=...)`` collects every rollout of the plan not
-yet in its output. Each is one ``POST {environment}/ng-rollout/<capture key>/run`` of its task row;
+yet in its output. Each is one ``POST {environment}/ng-rollout/<capture key>/run`` of its task row
+with NeMo Gym's ``_ng_task_index`` and ``_ng_rollout_index`` added, as NeMo Gym's collector sends
+them (a grouped verifier such as genrm_compare finds its cohort by them);
 the reply becomes an output row (``rollouts.output_row``, with its attempt), an error a failure row.
 
 Without ``control`` a rollout is dispatched as attempt 0 and SIGINT or SIGTERM cancels the run. With
@@ -169,7 +171,8 @@ class Dispatcher:
         self.sinks.progress.advance(reward=float(reward) if isinstance(reward, int | float) else None)
 
     async def _send(self, key: RolloutKey, identity: RolloutIdentity) -> dict[str, Any]:
-        reply = await self.client.post_json(f"{self.plan.environment_url}/run", json=self.plan.tasks[key[0]],
+        body = {**self.plan.tasks[key[0]], "_ng_task_index": key[0], "_ng_rollout_index": key[1]}
+        reply = await self.client.post_json(f"{self.plan.environment_url}/run", json=body,
                                             identity=identity, timeout_s=self.plan.rollout_timeout_s)
         if not isinstance(reply, dict):
             raise UpstreamError("the environment answered something other than a row")
