@@ -115,10 +115,12 @@ async def load_engine(settings: Config) -> Engine:
     The app sets the engine's ``policy_version`` from the settings before starting it.
     """
     if settings.engine == "script":
-        from model_servers.inference_worker.script_engine import ScriptEngine
+        from model_servers.inference_worker.script_engine import SCRIPT_CONTEXT_LENGTH, ScriptEngine
 
         tokenizer_path = str(resolve_model_path(settings.model_path))
-        return await asyncio.to_thread(ScriptEngine.load, tokenizer_path, settings.script, settings.script_default)
+        context = settings.max_model_len or SCRIPT_CONTEXT_LENGTH
+        return await asyncio.to_thread(ScriptEngine.load, tokenizer_path, settings.script, settings.script_default,
+                                       context_length=context)
     if settings.engine == "vllm":
         from model_servers.inference_worker.vllm_engine import VllmEngine
 

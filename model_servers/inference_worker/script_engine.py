@@ -10,7 +10,9 @@ It is what docs/verifiers.md means by "a scripted engine behind the real worker 
 
 Each token takes ``delay_s`` of the rule (a slow judge keeps verifications in flight for a test);
 a continuation (a prompt that already ends with the start of the answer, after a generation cut)
-goes on with the rest. The logprob of every token is 0 (the script is certain).
+goes on with the rest. The logprob of every token is 0 (the script is certain). The context length
+is the worker's ``max_model_len`` (the policy model reads the same setting; set it: the default
+model's tokenizer alone would allow 256 tokens), else 131072.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ class ScriptEngine(Engine):
     """Answers by ``rules`` (first match), else ``default``; tokens through ``tokenizer``."""
 
     def __init__(self, tokenizer: HFTokenizer, rules: Sequence[ScriptRule], default: str, *,
-                 policy_version: int = 0) -> None:
+                 context_length: int = SCRIPT_CONTEXT_LENGTH, policy_version: int = 0) -> None:
         super().__init__(policy_version=policy_version)
         self._tokenizer = tokenizer
+        self._context_length = context_length
         self.rules = list(rules)
         self.default = default
         self.prompts: list[str] = []
@@ -59,9 +62,9 @@ class ScriptEngine(Engine):
 
     @classmethod
     def load(cls, tokenizer_path: str, rules: Sequence[ScriptRule], default: str, *,
-             policy_version: int = 0) -> ScriptEngine:
+             context_length: int = SCRIPT_CONTEXT_LENGTH) -> ScriptEngine:
         """Blocking (the tokenizer loads from disk): call it in a thread from async code."""
-        return cls(HFTokenizer.load(tokenizer_path), rules, default, policy_version=policy_version)
+        return cls(HFTokenizer.load(tokenizer_path), rules, default, context_length=context_length)
 
     @property
     def tokenizer(self) -> HFTokenizer:
@@ -69,7 +72,7 @@ class ScriptEngine(Engine):
 
     @property
     def context_length(self) -> int:
-        return SCRIPT_CONTEXT_LENGTH
+        return self._context_length
 
     def answer_for(self, prompt: str) -> tuple[str, float]:
         """The text the script says to ``prompt``, and its delay per token."""
