@@ -15,6 +15,12 @@ The four type keys are NeMo Gym's; two of them live in folders named otherwise
 implementation validates its block with the ``Config`` class of its entrypoint; a typo is an error,
 and so is an unknown top-level key. A config in the old keys (``model_servers:``, ``agents:``) gets
 an error naming the new one. Every error is a ``ConfigError`` naming the file and the key.
+
+A resources instance whose block says ``package: nemo_gym`` is NeMo Gym's own server of that name
+(``resources_servers/<implementation>/<entrypoint>`` of the installed ``nemo_gym`` package, run in
+its own Python environment: docs/verifiers.md). Its block is NeMo Gym's, validated by NeMo Gym in
+that server's process; here ``NemoGymServerConfig`` checks only what the mesh needs (host, port,
+references to other servers) and refuses the checkpoint declaration keys, which live in code.
 """
 
 from __future__ import annotations
@@ -64,11 +70,13 @@ __all__ = [
     "Domain",
     "HeadServerConfig",
     "MeshConfig",
+    "NemoGymServerConfig",
     "PortsConfig",
     "ServerConfig",
     "ServerInstance",
     "ServerRef",
     "ServerType",
+    "is_nemo_gym",
     "load_config",
     "load_config_dict",
     "parse_overrides",
@@ -105,6 +113,10 @@ NEMO_GYM_LAUNCHER_KEYS = frozenset({
     "environment_routing_mode",
 })
 """NeMo Gym's reserved top-level keys that this launcher does not take (docs/nemo-gym.md says why)."""
+NEMO_GYM_PACKAGE = "nemo_gym"
+NEMO_GYM_PYTHON_ENV = "NEMO_GYM_PYTHON"
+"""The interpreter of the NeMo Gym environment, for instances that do not name one (``python:``)."""
+DECLARATION_KEYS = ("checkpoint_mode", "checkpoint_verify")
 MISSING = "???"
 DEFAULT_ENTRYPOINT = "app.py"
 _M = TypeVar("_M", bound=BaseModel)
@@ -282,6 +294,57 @@ class ServerConfig(StrictModel):
         """Checks that need the other instances; raise ``ValueError`` (named after this block)."""
 
 
+class NemoGymServerConfig(ServerConfig):
+    """The block of an instance that runs NeMo Gym's own server (``package: nemo_gym``).
+
+    The other keys are that server's own settings, passed to it as they are (NeMo Gym validates
+    them in the server's process); a ``{type, name}`` block among them is a reference, checked like
+    ours. ``python`` is the interpreter of the environment it runs in (default: ``$NEMO_GYM_PYTHON``).
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    package: Literal["nemo_gym"]
+    entrypoint: str = Field("app.py", pattern=r"^[A-Za-z_][A-Za-z0-9_]*(/[A-Za-z_][A-Za-z0-9_]*)*\.py$")
+    python: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _declarations_live_in_code(cls, data: Any) -> Any:
+        for key in DECLARATION_KEYS:
+            if isinstance(data, dict) and key in data:
+                raise ValueError(f"{key} is declared in code (docs/verifiers.md), never in config")
+        return data
+
+    @model_validator(mode="after")
+    def _references(self) -> NemoGymServerConfig:
+        extra = self.__pydantic_extra__ or {}
+        for key, value in extra.items():
+            extra[key] = _as_refs(value)
+        return self
+
+    def nemo_gym_settings(self) -> dict[str, Any]:
+        """The block as NeMo Gym's server reads it: its own keys, without ours (``package``, ``python``)."""
+        ours = {"package", "python", "datasets", "max_body_bytes"}
+        return self.model_dump(mode="json", exclude=ours, exclude_none=True)
+
+
+def _as_refs(value: Any) -> Any:
+    """``value`` with every ``{type, name}`` block of a known server type as a ``ServerRef``."""
+    if isinstance(value, dict):
+        if set(value) == {"type", "name"} and value["type"] in SERVER_TYPES:
+            return ServerRef.model_validate(value)
+        return {key: _as_refs(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_refs(item) for item in value]
+    return value
+
+
+def is_nemo_gym(settings: ServerConfig) -> bool:
+    """Whether the instance runs NeMo Gym's own server (in its own environment)."""
+    return isinstance(settings, NemoGymServerConfig)
+
+
 @dataclass(frozen=True)
 class ServerInstance:
     name: str
@@ -455,8 +518,15 @@ def _build_instance(
     path = (name, server_type, implementation)
     settings = {"host": default_host, **(settings or {})}
     _refuse_old_refs(settings, path, origins)
-    entrypoint = settings.get("entrypoint", DEFAULT_ENTRYPOINT)
-    config_class = config_class_for(server_type, implementation, entrypoint, origins, path)
+    config_class: type[ServerConfig]
+    if "package" in settings:
+        if server_type != "resources_servers":
+            raise ConfigError(f"only resources servers of the {NEMO_GYM_PACKAGE} package run in this mesh",
+                              file=file, key=".".join((*path, "package")))
+        config_class = NemoGymServerConfig
+    else:
+        entrypoint = settings.get("entrypoint", DEFAULT_ENTRYPOINT)
+        config_class = config_class_for(server_type, implementation, entrypoint, origins, path)
     _refuse_renamed_keys(config_class, settings, path, origins)
     validated = _validate(config_class, settings, path, origins)
     return ServerInstance(name, cast(ServerType, server_type), implementation, validated)
@@ -601,8 +671,10 @@ def _refs_in(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...
     if isinstance(value, ServerRef):
         yield path, value
     elif isinstance(value, BaseModel):
-        for name in type(value).model_fields:
-            yield from _refs_in(getattr(value, name), (*path, name))
+        for field in type(value).model_fields:
+            yield from _refs_in(getattr(value, field), (*path, field))
+        for key, item in (value.model_extra or {}).items():
+            yield from _refs_in(item, (*path, key))
     elif isinstance(value, list | tuple):
         for index, item in enumerate(value):
             yield from _refs_in(item, (*path, str(index)))

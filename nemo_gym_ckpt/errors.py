@@ -21,7 +21,8 @@ one line (never sent over HTTP); ``nemo_gym_ckpt.cli.exit_codes`` maps both tree
     │   ├── DeadlineExceeded          409 deadline_exceeded
     │   ├── StaleAttempt              409 stale_attempt
     │   ├── RestartInScope            409 restart_in_scope
-    │   └── ActivationOutOfOrder      409 activation_out_of_order
+    │   ├── ActivationOutOfOrder      409 activation_out_of_order
+    │   └── RequestConflict           409 request_conflict      (a server's own state refuses it now)
     ├── StorageError                  checkpoint files: what was read is unusable
     │   └── InvalidCheckpointState    422 invalid_checkpoint_state
     ├── PeerError                     a peer or the transport failed: the call may succeed later
@@ -76,6 +77,7 @@ __all__ = [
     "Overloaded",
     "PayloadTooLarge",
     "PeerError",
+    "RequestConflict",
     "RestartInScope",
     "RolloutIdRequired",
     "StaleAttempt",
@@ -188,6 +190,13 @@ class ActivationOutOfOrder(StateConflict):
     code, status = "activation_out_of_order", 409
 
 
+class RequestConflict(StateConflict):
+    """The server's own state refuses the request now (a wrapped server's 409, e.g. a cohort that is
+    already evaluating); unrelated to checkpoints."""
+
+    code, status = "request_conflict", 409
+
+
 class PayloadTooLarge(BadInput):
     code, status = "payload_too_large", 413
 
@@ -288,6 +297,7 @@ ERROR_CODES: dict[str, type[GymError]] = {
         StaleAttempt,
         RestartInScope,
         ActivationOutOfOrder,
+        RequestConflict,
         PayloadTooLarge,
         InvalidCheckpointState,
         InternalError,

@@ -178,13 +178,16 @@ class SingleAgentTurn:
 
 
 def _session_id_of(reply: httpx.Response) -> str | None:
-    """The ``resources_session_id`` a seed reply names (NeMo Gym's legacy seed answers ``{}``: none)."""
+    """The session id a seed reply names (``resources_session_id``, or our ``session_id``; NeMo Gym's legacy
+    seed answers ``{}``: none)."""
     try:
         body = reply.json()
     except ValueError:
         return None
-    session_id = body.get("resources_session_id") if isinstance(body, dict) else None
-    return session_id if isinstance(session_id, str) and session_id else None
+    if not isinstance(body, dict):
+        return None
+    found = (body.get(key) for key in ("resources_session_id", "session_id"))
+    return next((value for value in found if isinstance(value, str) and value), None)
 
 
 def _fallback_session_id(episode: Episode) -> str:

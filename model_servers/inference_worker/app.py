@@ -47,6 +47,7 @@ from model_servers.inference_worker.generation_cuts import GenerationCuts
 from model_servers.inference_worker.live_generations import GenerationJob
 from model_servers.inference_worker.model_dir import model_dir_problem, resolve_model_path
 from model_servers.inference_worker.sampling import derive_seed
+from model_servers.inference_worker.script_engine import ScriptRule
 from model_servers.inference_worker.staging import StagingStore
 from model_servers.inference_worker.tokenize_routes import make_tokenize_router
 from nemo_gym_ckpt.bounds import MAX_INT64
@@ -66,7 +67,7 @@ DEFAULT_STAGING_BASE = Path("./checkpoints")
 class Config(ServerConfig):
     """Settings of one inference worker (the YAML block under ``inference_worker:``)."""
 
-    engine: Literal["transformers", "vllm"] = "transformers"
+    engine: Literal["transformers", "vllm", "script"] = "transformers"
     model_path: Path | None = None
     served_model_name: str = Field("nemo-gym-ckpt-tiny", min_length=1)
     max_batch_size: int = Field(64, ge=1)
@@ -82,6 +83,15 @@ class Config(ServerConfig):
     staging_dir: Path | None = None  # null = <checkpoint root>.generation-cuts/<instance>, beside the root
     staging_max_files: int = Field(4096, ge=1)
     staging_max_bytes: int = Field(1 << 30, ge=1)
+    # engine: script (script_engine.py): answers by rules, tokens of the default model's tokenizer
+    script: list[ScriptRule] = Field(default_factory=list, max_length=10_000)
+    script_default: str = ""
+
+    @model_validator(mode="after")
+    def _script_only_for_the_script_engine(self) -> Config:
+        if self.engine != "script" and (self.script or self.script_default):
+            raise ValueError("script and script_default are settings of engine: script")
+        return self
 
     @model_validator(mode="after")
     def _local_model_exists(self) -> Config:
@@ -106,6 +116,13 @@ async def load_engine(settings: Config) -> Engine:
 
     The app sets the engine's ``policy_version`` from the settings before starting it.
     """
+    if settings.engine == "script":
+        from model_servers.inference_worker.script_engine import SCRIPT_CONTEXT_LENGTH, ScriptEngine
+
+        tokenizer_path = str(resolve_model_path(settings.model_path))
+        context = settings.max_model_len or SCRIPT_CONTEXT_LENGTH
+        return await asyncio.to_thread(ScriptEngine.load, tokenizer_path, settings.script, settings.script_default,
+                                       context_length=context)
     if settings.engine == "vllm":
         from model_servers.inference_worker.vllm_engine import VllmEngine
 

@@ -8,6 +8,9 @@
         mesh.restart_all()                  # SIGKILL every server, fresh ones on the same ports
     # leaving the block stops everything: SIGTERM, bounded wait, SIGKILL, reap
 
+An instance of NeMo Gym's own servers (``package: nemo_gym``) runs in NeMo Gym's environment: its
+``python:`` or ``$NEMO_GYM_PYTHON`` (``nemo_gym_ckpt.launch.child.bridge_command``).
+
 Ports: instances without a port get a free one on their host (probe-bind in the config's
 ``port_range_low``-``port_range_high``, default 10001-20000; never the head port, another instance's
 or one of ``disallowed_ports``). Each child is ``python -m nemo_gym_ckpt.cli.serve <instance>`` with the
@@ -42,9 +45,9 @@ from typing import IO
 import httpx
 import orjson
 
-from nemo_gym_ckpt.config import MeshConfig
+from nemo_gym_ckpt.config import NEMO_GYM_PYTHON_ENV, PROJECT_ROOT, MeshConfig, NemoGymServerConfig
 from nemo_gym_ckpt.errors import LaunchError, StopRequested
-from nemo_gym_ckpt.launch.child import CONFIG_ENV, PARENT_ENV, SERVE_MODULE
+from nemo_gym_ckpt.launch.child import CONFIG_ENV, PARENT_ENV, SERVE_MODULE, bridge_command
 from nemo_gym_ckpt.launch.head import HEAD_NAME, ThreadedServer, create_head_app
 
 __all__ = [
@@ -325,13 +328,26 @@ class MeshLauncher:
         for name in names:
             proc = self._spawner.submit(
                 subprocess.Popen,
-                [self.python, "-m", SERVE_MODULE, name],
+                self._command(name),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 env=env, process_group=0,
             ).result()
             child = self._children[name] = _Child(name, proc)
             child.start_reader(self.on_line)
             logger.debug("started %s (pid %d) at %s", name, proc.pid, self.url_of(name))
+
+    def _command(self, name: str) -> list[str]:
+        """The command line of one server: ours, or NeMo Gym's own in its environment's Python."""
+        instance = self.mesh.instance(name)
+        settings = instance.settings
+        if not isinstance(settings, NemoGymServerConfig):
+            return [self.python, "-m", SERVE_MODULE, name]
+        python = settings.python or self.env.get(NEMO_GYM_PYTHON_ENV)
+        if not python:
+            raise LaunchError(f"{name} is NeMo Gym's {instance.implementation}: set its python: or "
+                              f"{NEMO_GYM_PYTHON_ENV} to the interpreter of a NeMo Gym environment "
+                              f"(scripts/verifiers_env.sh builds one)")
+        return bridge_command(python, PROJECT_ROOT, name)
 
     def _wait_ready(self, names: Iterable[str], deadline: float) -> None:
         pending = set(names)

@@ -40,6 +40,8 @@ Routes (all also under ``/ng-rollout/<capture_key>/``):
   the Chat Completions shape);
 - ``POST /close_session`` with ``{}`` or NeMo Gym's ``{resources_session_id, episode_id}``: drops the
   session the cookie (else the body) names and answers ``{"resources_session_id"}`` (idempotent).
+- ``POST /mcp``: the tools over MCP, when the settings (a ``ResourcesConfig``) say
+  ``expose_tools_over_mcp: true`` (``nemo_gym_ckpt.resources.mcp``: covered like HTTP tool calls).
 
 Methods are typed by their annotations: a tool's first parameter is a ``ToolArgs`` model (its JSON
 schema is the tool's ``parameters``), ``verify``'s and ``initial_state``'s is a ``TaskRow`` model.
@@ -103,6 +105,7 @@ from nemo_gym_ckpt.resources.adapter import (
     ResourcesAdapter,
     Route,
 )
+from nemo_gym_ckpt.resources.mcp import McpExposure, McpTool
 from nemo_gym_ckpt.resources.sessions import Session, SessionTable, session_cookie_name
 from nemo_gym_ckpt.responses import last_message_text
 from nemo_gym_ckpt.server import OrjsonResponse, create_app, declare_body
@@ -118,6 +121,7 @@ __all__ = [
     "CheckpointVerify",
     "CloseRequest",
     "EpisodeSeed",
+    "ResourcesConfig",
     "ResourcesServer",
     "ResponseObject",
     "Session",
@@ -141,6 +145,12 @@ _C = TypeVar("_C", bound=ServerConfig)
 
 
 # ---- payloads ------------------------------------------------------------------------------------
+
+
+class ResourcesConfig(ServerConfig):
+    """Settings every resources server may take: ``expose_tools_over_mcp`` (NeMo Gym's key)."""
+
+    expose_tools_over_mcp: bool = False
 
 
 class TaskRow(BaseModel):
@@ -473,6 +483,11 @@ class ResourcesServer(Generic[_C]):
         for spec in self.tool_specs.values():
             app.add_api_route(f"/{spec.name}", self._tool_route(spec), methods=["POST"],
                               openapi_extra=declare_body(spec.args_model))
+        if getattr(self.settings, "expose_tools_over_mcp", False):
+            def admitted() -> AbstractAsyncContextManager[Any]:
+                return self._entered("tool", request_identity(None))
+
+            McpExposure(self.ctx.name, self._mcp_tools(), self._mcp_call, admitted).mount(app)
         adapter = ResourcesAdapter(self)
         participant = mount_checkpointing(app, self.ctx, adapter, kind="resources", clock=clock)
         if participant is not None:
@@ -570,6 +585,22 @@ class ResourcesServer(Generic[_C]):
 
         call_tool.__name__ = f"tool_{spec.name}"
         return call_tool
+
+    def _mcp_tools(self) -> list[McpTool]:
+        return [McpTool(spec.name, spec.description, spec.definition()["parameters"])
+                for spec in self.tool_specs.values()]
+
+    async def _mcp_call(self, name: str, arguments: dict[str, Any], request: Request) -> Any:
+        """One tool called over MCP: the same method and session as ``POST /<name>``."""
+        spec = self.tool_specs[name]
+        try:
+            args = spec.args_model.model_validate(arguments)
+        except ValidationError as error:
+            raise InvalidRequest(_validation_detail(error)) from None
+        method = getattr(self, spec.name)
+        if spec.takes_session:
+            return await method(args, self._session(request))
+        return await method(args)
 
     def _session(self, request: Request) -> Session:
         """The request's session (by cookie), refusing calls from another attempt of its rollout."""

@@ -47,6 +47,7 @@ EMPTY_RESPONSE: dict[str, Any] = {"output": []}
 RESTART_ONLY_CHECKS = {  # they need an episode whose state a checkpoint captures; see the restart tests
     "restored_content_is_exported_byte_for_byte",
     "commit_scope_limits_the_export",
+    "requests_wait_for_resume",  # a restart-only server never closes admission (its own test says so)
 }
 
 
@@ -271,6 +272,7 @@ async def test_status_declares_and_counts(start: Callable[..., Any]) -> None:
             "restored_sessions": 0,
             "in_flight_requests": 1,
             "blocking_requests": 1,
+            "retiring_sessions": 0,
         }
         await on.client.post("/_test/release/r1")
         assert (await asyncio.wait_for(hold, WAIT_S)).status_code == 200
@@ -588,28 +590,14 @@ async def test_a_failure_to_free_never_fails_the_stop_commit(start: Callable[...
 async def test_retire_then_forget_leaves_nothing(start: Callable[..., Any], clock: FakeClock) -> None:
     async with start(held(KvStore), "kv_store") as on:
         cookies = {key: await on.seed(key) for key in ("r1", "r1-a1", "r2", "r3")}
-        hold = asyncio.create_task(on.call("r1-a1", "hold"))
-        await until_held(on.client, "r1-a1", hold)
         retired = [episode("r1", 1), episode("r2")]
-        deadline = clock.now() + 5
-        retire = asyncio.create_task(
-            on.control.send(
-                "retire", {"checkpoint_id": "h1", "deadline_ts": deadline, "episode_ids": retired}
-            )
-        )
-        await until(lambda: len(on.server.sessions) == 1)  # the retired sessions are dropped at once
-        assert sorted(s.identity.capture_key for s in on.server.sessions) == ["r3"]
-        clock.advance(6)  # the retired attempt's call is still in flight: retire waits for it
-        late = await asyncio.wait_for(retire, WAIT_S)
-        assert (late.status_code, late.json()["error"]["code"]) == (409, "deadline_exceeded")
-        await on.client.post("/_test/release/r1-a1")
-        assert (await asyncio.wait_for(hold, WAIT_S)).status_code == 200
-        assert await on.control.ok("retire", checkpoint_id="h2", episode_ids=retired) == {
+        assert await on.control.ok("retire", checkpoint_id="h1", episode_ids=retired) == {
             "retired": ["r1-a1", "r2"]
         }
+        assert sorted(s.identity.capture_key for s in on.server.sessions) == ["r3"]
         stale = await on.call("r1", "kv_list", cookies["r1"])
         assert (stale.status_code, stale.json()["error"]["code"]) == (409, "stale_attempt")
-        await on.control.ok("forget", checkpoint_id="h3", rollout_ids=["r1", "r2", "r3"])
+        await on.control.ok("forget", checkpoint_id="h2", rollout_ids=["r1", "r2", "r3"])
         status = await on.control.status()
         assert status["retired_rollouts"] == 0 and status["waiting_requests"] == 0
         assert status["extras"] == {
@@ -619,7 +607,47 @@ async def test_retire_then_forget_leaves_nothing(start: Callable[..., Any], cloc
             "restored_sessions": 0,
             "in_flight_requests": 0,
             "blocking_requests": 0,
+            "retiring_sessions": 0,
         }
+
+
+class FreeingKv(KvStore):
+    """kv_store (exported) with the ``hold`` tool, logging what each session's tool calls and its
+    ``retire_session`` see, in order."""
+
+    def __init__(self, ctx: ServerContext[Any]) -> None:
+        super().__init__(ctx)
+        self.log: list[str] = []
+
+    async def retire_session(self, session: Session) -> None:
+        assert session.identity is not None
+        self.log.append(f"freed {session.identity.capture_key}")
+
+
+async def test_retire_frees_a_session_only_after_its_requests_in_flight_stopped(
+    start: Callable[..., Any], clock: FakeClock
+) -> None:
+    async with start(held(FreeingKv), "kv_store") as on:
+        cookie = await on.seed("r1")
+        hold = asyncio.create_task(on.call("r1", "hold", cookie))
+        await until_held(on.client, "r1", hold)
+        retire = asyncio.create_task(
+            on.control.send("retire", {"checkpoint_id": "h1", "deadline_ts": clock.now() + 5,
+                                       "episode_ids": [episode("r1")]})
+        )
+        await until_status(on.control, lambda status: status["extras"]["retiring_sessions"] == 1)
+        assert on.server.log == [] and len(on.server.sessions) == 1  # its call still runs: nothing freed
+        refused = await on.call("r1", "kv_list", cookie)  # a new request of the attempt: fenced already
+        assert (refused.status_code, refused.json()["error"]["code"]) == (409, "stale_attempt")
+        clock.advance(6)  # the deadline passes while the call runs: retire says so, frees nothing yet
+        late = await asyncio.wait_for(retire, WAIT_S)
+        assert (late.status_code, late.json()["error"]["code"]) == (409, "deadline_exceeded")
+        assert on.server.log == [] and len(on.server.sessions) == 1
+        await on.client.post("/_test/release/r1")
+        assert (await asyncio.wait_for(hold, WAIT_S)).status_code == 200
+        await on.control.ok("retire", checkpoint_id="h2", episode_ids=[episode("r1")])
+        assert on.server.log == ["freed r1"] and len(on.server.sessions) == 0
+        assert (await on.extras())["retiring_sessions"] == 0
 
 
 # ---- restart-only servers ------------------------------------------------------------------------
@@ -638,13 +666,12 @@ async def test_restart_only_sessions_are_restarts_that_never_block(
             on.call("r1", "run_python", cookie, code="6 * 7"), WAIT_S
         )  # keeps running
         assert ran.json() == {"output": "42\n", "error": None}
-        seed = asyncio.create_task(on.call("r3", "seed_session"))  # a new session waits
-        await until_status(on.control, lambda status: status["waiting_requests"] == 1)
+        seed = await asyncio.wait_for(on.call("r3", "seed_session"), WAIT_S)  # a new seed never waits
+        assert seed.headers["x-ng-checkpoint-restart"] == "1"
+        assert (await on.control.status())["waiting_requests"] == 0
         committed = await on.control.ok("commit", checkpoint_id="c1", checkpoint_dir=str(root / "ck"))
         assert committed["manifest"]["record_count"] == 0 and committed["episode_ids"] == []
-        assert not seed.done()
         await on.control.ok("resume", checkpoint_id="c1")
-        assert (await asyncio.wait_for(seed, WAIT_S)).headers["x-ng-checkpoint-restart"] == "1"
         await on.control.ok("prepare", checkpoint_id="c2")
         error = await on.control.refused(
             "restart_in_scope",
