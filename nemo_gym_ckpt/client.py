@@ -182,13 +182,13 @@ class MeshClient:
             last = attempt == attempts - 1
             try:
                 response = await self._send_once(method, url, content, headers, cookies)
-            except _NotSent:
+            except _NotSent as not_sent:
                 if unsent_retries > 0:
                     unsent_retries -= 1
                     await asyncio.sleep(self.backoff_s)
                     continue
-                if last:
-                    raise
+                if last:  # callers see the public class (a failure row names it)
+                    raise Unavailable(not_sent.detail) from not_sent
             except Unavailable:
                 if last:
                     raise

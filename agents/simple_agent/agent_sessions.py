@@ -22,10 +22,11 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nemo_gym_ckpt.bounds import Name
 from nemo_gym_ckpt.errors import InvalidRequest
 from nemo_gym_ckpt.identity import RolloutIdentity
 
@@ -42,6 +43,8 @@ __all__ = [
 
 CLOSED_KEPT = 4096
 _ACCESS_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+HeaderValue = Annotated[str, Field(max_length=16384)]
+"""A cookie or header value (a cookie is at most 4 KB in browsers; a header, 16 KB here)."""
 
 
 class DirectHttpAccess(BaseModel):
@@ -53,8 +56,8 @@ class DirectHttpAccess(BaseModel):
     name: str = Field(min_length=1, max_length=256, pattern=_ACCESS_NAME)
     required: bool
     base_url: str = Field(pattern=r"^https?://[^/\s]+(/\S*)?$", max_length=4096)
-    cookies: dict[str, str] = Field(default_factory=dict)
-    headers: dict[str, str] = Field(default_factory=dict)
+    cookies: dict[Name, HeaderValue] = Field(default_factory=dict, max_length=64)
+    headers: dict[Name, HeaderValue] = Field(default_factory=dict, max_length=64)
 
 
 class McpAccess(BaseModel):
@@ -75,7 +78,7 @@ class SeedAgentSession(BaseModel):
 
     agent_session_id: str = Field(min_length=1, max_length=256)
     episode_id: dict[str, Any]
-    task_id: dict[str, str]
+    task_id: dict[Name, Annotated[str, Field(max_length=4096)]] = Field(max_length=16)
     tool_accesses: list[DirectHttpAccess | McpAccess] = Field(default_factory=list, max_length=64)
     sandbox_access: dict[str, Any] | None = None
 

@@ -106,7 +106,7 @@ from nemo_gym_ckpt.identity import (
     without_dispatch_keys,
 )
 from nemo_gym_ckpt.responses import normalize_input
-from nemo_gym_ckpt.server import OrjsonResponse, close_on_shutdown
+from nemo_gym_ckpt.server import OrjsonResponse, close_on_shutdown, declare_body
 from nemo_gym_ckpt.server import create_app as create_app_base
 
 __all__ = [
@@ -498,7 +498,7 @@ def build_app(agent: SimpleAgent, ctx: ServerContext[Config], *, clock: Clock = 
     app.add_api_route(f"/{TOKEN_CAPTURE_SEGMENT}/v1/responses", agent.capture_responses, methods=["POST"])
     app.add_api_route("/close", agent.close, methods=["POST"])
     app.add_api_route(REFILL_PATH, agent.refill, methods=["POST"])
-    app.add_api_route("/run", agent.run, methods=["POST"])
+    app.add_api_route("/run", agent.run, methods=["POST"], openapi_extra=declare_body(RunRow))
     app.add_api_route("/v1/agent_sessions", agent.seed_agent_session, methods=["POST"])
     app.add_api_route("/v1/agent_sessions/close", agent.close_agent_session, methods=["POST"])
     mount_aggregate_metrics(app)
@@ -514,6 +514,15 @@ TOKEN_CAPTURE_SEGMENT = "training-token-capture"
 def _gate(turn: Turn | None) -> AbstractAsyncContextManager[None]:
     """A seed or verify of ``/run``: a call a checkpoint waits for (none without checkpointing)."""
     return turn.call("tool") if turn is not None else nullcontext()
+
+
+class RunRow(BaseModel):
+    """What ``POST /run`` reads (declared in the OpenAPI document): a task row, its
+    ``responses_create_params`` the agent request; the row's other keys go to the resources server."""
+
+    model_config = ConfigDict(extra="allow")
+
+    responses_create_params: AgentRequest
 
 
 def _run_params(row: dict[str, Any]) -> AgentRequest:

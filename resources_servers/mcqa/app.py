@@ -40,7 +40,7 @@ class Config(ServerConfig):
 
 
 class McqaTask(VerifyRequest):
-    options: list[dict[Annotated[str, Field(max_length=1)], Annotated[str, Field(max_length=MAX_TEXT)]]] = Field(
+    options: list[dict[Annotated[str, Field(max_length=8)], Annotated[str, Field(max_length=MAX_TEXT)]]] = Field(
         min_length=1, max_length=26)
     """NeMo Gym's format: one object per option, its one key the letter."""
     expected_answer: Annotated[str, Field(max_length=MAX_TEXT)]
