@@ -202,6 +202,8 @@ class MeshClient:
         self, method: str, url: str, content: bytes | None, headers: dict[str, str],
         cookies: Mapping[str, str] | None,
     ) -> httpx.Response:
+        if self._http.is_closed:  # a resend after ``aclose``: the caller sees a peer error, not httpx's RuntimeError
+            raise Unavailable(f"{method} {url}: the client is closed")
         request = self._http.build_request(method, url, content=content, headers=headers)
         if cookies:
             request.headers["cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())

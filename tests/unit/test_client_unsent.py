@@ -47,3 +47,15 @@ async def test_never_sent_retries_are_bounded() -> None:
         with pytest.raises(Unavailable):
             await client.post_json("http://peer/seed_session", {})
     assert transport.seen == 3 + UNSENT_EXTRA
+
+
+async def test_a_resend_after_the_client_closed_is_a_peer_error() -> None:
+    """The client closes while a call waits for its resend (a test's or a command's ``async with``
+    ends): the caller gets ``Unavailable`` with its public class, never httpx's ``RuntimeError``."""
+    client = MeshClient(transport=Flaky(httpx.ConnectError, failures=10), backoff_s=0.001)
+    await client.aclose()
+    with pytest.raises(Unavailable, match="closed"):
+        await client.post_json("http://peer/seed_session", {})
+    with pytest.raises(Unavailable) as raised:
+        await client.post_json("http://peer/seed_session", {})
+    assert type(raised.value) is Unavailable  # the failure row names this class
