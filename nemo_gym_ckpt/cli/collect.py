@@ -47,20 +47,19 @@ import argparse
 import asyncio
 import os
 import secrets
-import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal
 
 import httpx
 
 from nemo_gym_ckpt.checkpoint.coordinator import CONFIG_ROUTE, Coordinator, global_config_of
 from nemo_gym_ckpt.cli.exit_codes import ExitCode, exit_code_for
+from nemo_gym_ckpt.cli.run import stop_on_signals
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings
 from nemo_gym_ckpt.collect.dispatch import CollectionStartFailed, Plan, Summary, Watch, done_keys, run_plan
 from nemo_gym_ckpt.collect.published import (
@@ -414,8 +413,7 @@ def _start(
     launcher: MeshLauncher, ready_timeout_s: float, log: Path, triggers: Triggers | None
 ) -> ExitCode | None:
     """Start the mesh; None when it is up, else the exit status (SIGUSR1 meanwhile is kept for later)."""
-    stopped_by: list[str] = []
-    with _stop_on_signals(launcher, stopped_by), hold_signals(triggers) if triggers else nullcontext():
+    with stop_on_signals(launcher) as stopped_by, hold_signals(triggers) if triggers else nullcontext():
         try:
             launcher.start(ready_timeout_s=ready_timeout_s)
         except StopRequested:
@@ -426,22 +424,6 @@ def _start(
             print(f"{PROG}: {error} (server logs: {log})", file=sys.stderr)
             return exit_code_for(error)
     return None
-
-
-@contextmanager
-def _stop_on_signals(launcher: MeshLauncher, stopped_by: list[str]) -> Iterator[None]:
-    """While inside, SIGINT and SIGTERM make the launcher give up starting; the signal's name is kept."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        stopped_by.append(signal.Signals(signum).name)
-        launcher.request_stop()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def _with_head(args: argparse.Namespace, mesh: MeshConfig | None) -> ExitCode:
