@@ -43,6 +43,7 @@ from nemo_gym_ckpt.identity import RolloutIdentity
 __all__ = [
     "CALL_GRACE_S",
     "CLEANUP_MIN_S",
+    "CONFIG_ROUTE",
     "PREPARE_STAGES",
     "RESUME_STAGES",
     "RETIRE_STAGES",
@@ -53,6 +54,7 @@ __all__ = [
     "PrepareResult",
     "RestoreResult",
     "StagedResult",
+    "global_config_of",
     "servers_in_config",
 ]
 
@@ -236,7 +238,7 @@ class Coordinator:
     async def _statuses(self) -> list[tuple[ParticipantRef, dict[str, Any]]]:
         reply = await self.client.request("GET", f"{self.head_url}{CONFIG_ROUTE}", rollout_prefix=False,
                                           timeout_s=DISCOVERY_TIMEOUT_S)
-        listing = servers_in_config(_config_of(reply.content))
+        listing = servers_in_config(global_config_of(reply.content))
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(self._status_of(server)) for server in listing]
         found = []
@@ -406,7 +408,7 @@ def _raise_first(result: StagedResult) -> None:
                                 result=result) from first.error
 
 
-def _config_of(content: bytes) -> Any:
+def global_config_of(content: bytes) -> Any:
     """The global config a head's ``/global_config_dict_yaml`` reply holds (a JSON string of YAML)."""
     if len(content) > MAX_CONFIG_BYTES:
         raise UpstreamError(f"the head's {CONFIG_ROUTE} is larger than {MAX_CONFIG_BYTES} bytes")

@@ -47,20 +47,19 @@ import argparse
 import asyncio
 import os
 import secrets
-import signal
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal
 
 import httpx
 
-from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
+from nemo_gym_ckpt.checkpoint.coordinator import CONFIG_ROUTE, Coordinator, global_config_of
 from nemo_gym_ckpt.cli.exit_codes import ExitCode, exit_code_for
+from nemo_gym_ckpt.cli.run import stop_on_signals
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings
 from nemo_gym_ckpt.collect.dispatch import CollectionStartFailed, Plan, Summary, Watch, done_keys, run_plan
 from nemo_gym_ckpt.collect.published import (
@@ -74,7 +73,7 @@ from nemo_gym_ckpt.collect.rows import failures_path, materialized_path, metrics
 from nemo_gym_ckpt.collect.tasks import default_input, read_tasks, resolve_input
 from nemo_gym_ckpt.collect.triggers import Triggers, hold_signals
 from nemo_gym_ckpt.config import TOKEN_ENV, MeshConfig, ServerConfig, ServerRef, load_config
-from nemo_gym_ckpt.errors import CollectFailed, UsageError
+from nemo_gym_ckpt.errors import CollectFailed, UpstreamError, UsageError
 from nemo_gym_ckpt.launch.launcher import LaunchError, MeshLauncher, StopRequested
 
 __all__ = [
@@ -156,6 +155,30 @@ def head_servers(head: str) -> list[dict[str, str]]:
     return [entry for entry in servers if isinstance(entry, dict)]
 
 
+def head_agent_refs(head: str) -> dict[str, dict[str, str]]:
+    """The agent each environment server of a running mesh fronts, read from its head's NeMo Gym config
+    route as NeMo Gym's collector reads it."""
+    try:
+        reply = httpx.get(f"{head.rstrip('/')}{CONFIG_ROUTE}", timeout=10.0, trust_env=False)
+        reply.raise_for_status()
+        config = global_config_of(reply.content)
+    except (httpx.HTTPError, UpstreamError) as error:
+        raise CollectFailed(f"cannot read the config of {head}: {error}") from None
+    return agent_refs_in_config(config)
+
+
+def agent_refs_in_config(config: Any) -> dict[str, dict[str, str]]:
+    """``{environment server: {type, name} of its agent_server}`` of a global config in NeMo Gym's shape."""
+    refs = {}
+    for name, block in (config.items() if isinstance(config, Mapping) else ()):
+        implementations = block.get(ENVIRONMENT_TYPE) if isinstance(block, Mapping) else None
+        settings = next(iter(implementations.values()), None) if isinstance(implementations, Mapping) else None
+        ref = settings.get("agent_server") if isinstance(settings, Mapping) else None
+        if isinstance(ref, Mapping) and isinstance(ref.get("type"), str) and isinstance(ref.get("name"), str):
+            refs[str(name)] = {"type": ref["type"], "name": ref["name"]}
+    return refs
+
+
 @dataclass(frozen=True)
 class EnvironmentServer:
     """What the collector knows of one environment server: where it is and what its rows are stamped with."""
@@ -178,7 +201,7 @@ def build_plan(args: argparse.Namespace, mesh: MeshConfig | None, servers: dict[
 
 def agent_ref_of(settings: ServerConfig) -> dict[str, str] | None:
     """The ``{type, name}`` of the agent an environment server's settings name, if they name one."""
-    ref = getattr(settings, "agent", None)
+    ref = getattr(settings, "agent_server", None)
     return {"type": ref.type, "name": ref.name} if isinstance(ref, ServerRef) else None
 
 
@@ -390,8 +413,7 @@ def _start(
     launcher: MeshLauncher, ready_timeout_s: float, log: Path, triggers: Triggers | None
 ) -> ExitCode | None:
     """Start the mesh; None when it is up, else the exit status (SIGUSR1 meanwhile is kept for later)."""
-    stopped_by: list[str] = []
-    with _stop_on_signals(launcher, stopped_by), hold_signals(triggers) if triggers else nullcontext():
+    with stop_on_signals(launcher) as stopped_by, hold_signals(triggers) if triggers else nullcontext():
         try:
             launcher.start(ready_timeout_s=ready_timeout_s)
         except StopRequested:
@@ -404,28 +426,11 @@ def _start(
     return None
 
 
-@contextmanager
-def _stop_on_signals(launcher: MeshLauncher, stopped_by: list[str]) -> Iterator[None]:
-    """While inside, SIGINT and SIGTERM make the launcher give up starting; the signal's name is kept."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        stopped_by.append(signal.Signals(signum).name)
-        launcher.request_stop()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def _with_head(args: argparse.Namespace, mesh: MeshConfig | None) -> ExitCode:
     servers = head_servers(args.head)
-    known = environment_servers(mesh) if mesh is not None else {}
+    agents = head_agent_refs(args.head)
     environments = {
-        entry["name"]: EnvironmentServer(entry["url"], entry.get("implementation"),
-                                         known[entry["name"]].agent_ref if entry["name"] in known else None)
+        entry["name"]: EnvironmentServer(entry["url"], entry.get("implementation"), agents.get(entry["name"]))
         for entry in servers if entry.get("type") == ENVIRONMENT_TYPE
     }
     plan = build_plan(args, mesh, environments)

@@ -49,15 +49,18 @@ def print_line(name: str, line: str) -> None:
 
 
 @contextmanager
-def stop_on_signals(launcher: MeshLauncher) -> Iterator[None]:
-    """While inside, SIGINT and SIGTERM ask the launcher to stop instead of raising."""
+def stop_on_signals(launcher: MeshLauncher) -> Iterator[list[str]]:
+    """While inside, SIGINT and SIGTERM ask the launcher to stop instead of raising; yields the names
+    of the signals received, in order (``run`` and ``collect`` both start their mesh under it)."""
+    received: list[str] = []
 
     def handler(signum: int, frame: FrameType | None) -> None:
+        received.append(signal.Signals(signum).name)
         launcher.request_stop()
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield received
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)

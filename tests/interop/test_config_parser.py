@@ -1,9 +1,10 @@
 """NeMo Gym 0.7.0's config parser and ours read the same configs the same way.
 
 - NeMo Gym's parser (offline, in its own Python) finds every server instance of every config in
-  ``configs/``, and of every server folder's config over the quickstart, with our names, type keys
-  and implementations; the only servers it adds are the relays it generates for agents that no
-  environment server fronts.
+  ``configs/``, and of every server folder's config over the quickstart (NeMo Gym's own verifiers'
+  folders under ``resources_servers/nemo_gym/`` included, a judge model added for those that name
+  ``judge_model``), with our names, type keys and implementations; the only servers it adds are the
+  relays it generates for agents that no environment server fronts.
 - Our ``load_config`` loads NeMo Gym's own server YAMLs from the installed wheel, those
   docs/nemo-gym.md says load: string_match (with our model servers), simple_agent, single_agent_turn
   and legacy_agent (over the quickstart, their ``???`` set with ``++`` overrides).
@@ -27,8 +28,20 @@ QUICKSTART = PROJECT_ROOT / "configs" / "quickstart.yaml"
 MESH_CONFIGS = sorted((PROJECT_ROOT / "configs").glob("*.yaml"))
 SERVER_CONFIGS = sorted(path for folder in FOLDER_OF_TYPE.values()
                         for path in (PROJECT_ROOT / folder).glob("*/configs/*.yaml"))
-CASES = {str(path.relative_to(PROJECT_ROOT)): [path] for path in MESH_CONFIGS} | {
-    f"quickstart + {path.relative_to(PROJECT_ROOT)}": [QUICKSTART, path] for path in SERVER_CONFIGS}
+NEMO_GYM_SERVER_CONFIGS = sorted((PROJECT_ROOT / "resources_servers" / "nemo_gym").glob("*/configs/*.yaml"))
+JUDGE = "judge_model.responses_api_models.policy_model"
+JUDGE_MODEL = {f"{JUDGE}.entrypoint": "app.py", f"{JUDGE}.worker.type": "responses_api_models",
+               f"{JUDGE}.worker.name": "inference_worker"}  # the judge the judge verifiers' configs name
+
+
+def _settings_for(path: Path) -> dict[str, str]:
+    return JUDGE_MODEL if "name: judge_model" in path.read_text() else {}
+
+
+CASES: dict[str, tuple[list[Path], dict[str, str]]] = {
+    str(path.relative_to(PROJECT_ROOT)): ([path], {}) for path in MESH_CONFIGS} | {
+    f"quickstart + {path.relative_to(PROJECT_ROOT)}": ([QUICKSTART, path], _settings_for(path))
+    for path in SERVER_CONFIGS + NEMO_GYM_SERVER_CONFIGS}
 MODEL_CONFIGS = [PROJECT_ROOT / "model_servers" / name / "configs" / f"{name}.yaml"
                  for name in ("inference_worker", "policy_model")]
 
@@ -48,7 +61,9 @@ def old_shape(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def nemo_gym_parsed(ng_json: Any, old_shape: Path) -> dict[str, Any]:
     """NeMo Gym's reading of every case (and of the old shape), in one run of its parser."""
-    cases = [{"id": case, "paths": [str(path) for path in paths]} for case, paths in CASES.items()]
+    cases = [{"id": case, "paths": [str(path) for path in paths],
+              "overrides": [f"{key}={value}" for key, value in settings.items()]}
+             for case, (paths, settings) in CASES.items()]
     cases.append({"id": "old shape", "paths": [str(old_shape)]})
     parsed: dict[str, Any] = ng_json("parse_configs.py", json.dumps(cases))
     return parsed
@@ -65,7 +80,8 @@ def unfronted_agents(mesh: MeshConfig) -> set[str]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_nemo_gyms_parser_finds_every_server_of_ours(case: str, nemo_gym_parsed: dict[str, Any]) -> None:
-    ours = load_config(CASES[case])
+    paths, settings = CASES[case]
+    ours = load_config(paths, [f"++{key}={value}" for key, value in settings.items()])
     theirs = nemo_gym_parsed[case]
     assert "error" not in theirs and theirs["almost"] == []
     found = {server["name"]: (server["type"], server["implementation"]) for server in theirs["servers"]}

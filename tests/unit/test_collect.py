@@ -9,7 +9,7 @@ import os
 import random
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -18,6 +18,7 @@ from fastapi import Request
 from agents.simple_agent import app as agent_app
 from environment_servers.single_agent_turn import app as env_app
 from model_servers.inference_worker.default_model_data import make_problem
+from nemo_gym_ckpt.checkpoint.coordinator import global_config_of
 from nemo_gym_ckpt.cli import collect
 from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.collect.dispatch import HeldBack
@@ -31,8 +32,11 @@ from nemo_gym_ckpt.collect.rows import (
     summarize,
 )
 from nemo_gym_ckpt.collect.tasks import read_tasks, resolve_input
-from nemo_gym_ckpt.config import PROJECT_ROOT, DatasetConfig, ServerConfig, ServerRef
+from nemo_gym_ckpt.config import PROJECT_ROOT, DatasetConfig, ServerConfig, ServerRef, load_config
+from nemo_gym_ckpt.errors import StopRequested
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+from nemo_gym_ckpt.launch.head import global_config_yaml
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
 from nemo_gym_ckpt.server import create_app
 from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, calculator_policy
 from nemo_gym_ckpt.testing.transports import InProcessMesh
@@ -417,3 +421,38 @@ async def test_held_back_rollouts_wait_for_their_release(tmp_path: Path) -> None
     summary = await asyncio.wait_for(run, 30)
     assert summary.finished == 6 and {call.capture_key for call in model.calls} == {f"{t}-0" for t in range(6)}
     await mesh.aclose()
+
+
+def test_rows_are_stamped_with_the_agent_the_environment_fronts_from_config_or_head() -> None:
+    mesh = load_config([PROJECT_ROOT / "configs/quickstart.yaml"], ["head_server.port=0"])
+    assert collect.environment_servers(mesh)["single_agent_turn"].agent_ref == AGENT_REF
+    # --head: what our head's NeMo Gym config route answers, read back as NeMo Gym's collector reads it
+    reply = orjson.dumps(global_config_yaml(mesh))
+    assert collect.agent_refs_in_config(global_config_of(reply)) == {"single_agent_turn": AGENT_REF}
+    assert collect.agent_refs_in_config({"env": {"environment_servers": {"x": {"agent_server": "a"}}}}) == {}
+
+
+class _StartInterrupted:
+    """A launcher whose start gets a signal, as a Ctrl-C or a SIGTERM while the mesh starts."""
+
+    def __init__(self, signum: signal.Signals) -> None:
+        self.signum, self.stop_requested = signum, False
+
+    def request_stop(self) -> None:
+        self.stop_requested = True
+
+    def start(self, ready_timeout_s: float) -> None:
+        signal.raise_signal(self.signum)
+        if self.stop_requested:
+            raise StopRequested("stopped before the mesh was ready")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_mesh_starts_stops_it_by_name_and_restores_the_handlers(
+    signum: signal.Signals, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    launcher = _StartInterrupted(signum)
+    assert collect._start(cast(MeshLauncher, launcher), 1.0, Path("log"), None) == ExitCode.INTERRUPTED
+    assert launcher.stop_requested and f"stopped by {signum.name} before" in capsys.readouterr().err
+    assert {sig: signal.getsignal(sig) for sig in before} == before
