@@ -133,3 +133,13 @@ async def test_a_405_names_the_allowed_methods() -> None:
     assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, POST"
     assert wrong.json()["error"]["code"] == "method_not_allowed"
     assert control.status_code == 405 and control.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize(("name", "path"), [("simple_agent", "/v1/responses"), ("policy_model", "/v1/responses"),
+                                            ("inference_worker", "/v1/completions")])
+async def test_an_integer_outside_64_bits_anywhere_in_a_body_is_a_400(name: str, path: str) -> None:
+    body = b'{"input": "hi", "prompt": [1], "passed_through": {"n": 18446744073709551616}}'
+    async with served(name) as http:
+        reply = await http.post(f"/ng-rollout/fz-1{path}", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text  # the agent once answered 500: its digest could not encode it
+    assert reply.json()["error"]["code"] == "invalid_request"
