@@ -21,13 +21,15 @@ one line (never sent over HTTP); ``nemo_gym_ckpt.cli.exit_codes`` maps both tree
     │   ├── DeadlineExceeded          409 deadline_exceeded
     │   ├── StaleAttempt              409 stale_attempt
     │   ├── RestartInScope            409 restart_in_scope
-    │   └── ActivationOutOfOrder      409 activation_out_of_order
+    │   ├── ActivationOutOfOrder      409 activation_out_of_order
+    │   └── RequestConflict           409 request_conflict      (a server's own state refuses it now)
     ├── StorageError                  checkpoint files: what was read is unusable
     │   └── InvalidCheckpointState    422 invalid_checkpoint_state
     ├── PeerError                     a peer or the transport failed: the call may succeed later
     │   ├── UpstreamError             502 upstream_error        (a peer answered something unusable)
     │   ├── CoordinatorUnavailable    503 checkpoint_coordinator_unavailable
     │   ├── Unavailable               503 unavailable           (a peer, or the disk, could not be reached)
+    │   ├── Overloaded                429 capacity_exceeded     (refused up front, nothing started: retry later)
     │   └── UpstreamTimeout           504 upstream_timeout      (a deadline ran out while waiting on a peer)
     └── InternalError                 500 internal_error        (a bug; never for bad input)
 
@@ -72,8 +74,10 @@ __all__ = [
     "MeshCrashed",
     "MethodNotAllowed",
     "NotFound",
+    "Overloaded",
     "PayloadTooLarge",
     "PeerError",
+    "RequestConflict",
     "RestartInScope",
     "RolloutIdRequired",
     "StaleAttempt",
@@ -103,6 +107,10 @@ class GymError(Exception):
 
     def to_body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "detail": self.detail}}
+
+    def headers(self) -> dict[str, str]:
+        """Headers of the error reply (``Overloaded`` adds ``Retry-After``)."""
+        return {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.detail!r})"
@@ -182,6 +190,13 @@ class ActivationOutOfOrder(StateConflict):
     code, status = "activation_out_of_order", 409
 
 
+class RequestConflict(StateConflict):
+    """The server's own state refuses the request now (a wrapped server's 409, e.g. a cohort that is
+    already evaluating); unrelated to checkpoints."""
+
+    code, status = "request_conflict", 409
+
+
 class PayloadTooLarge(BadInput):
     code, status = "payload_too_large", 413
 
@@ -204,6 +219,21 @@ class CoordinatorUnavailable(PeerError):
 
 class Unavailable(PeerError):
     code, status = "unavailable", 503
+
+
+class Overloaded(PeerError):
+    """Refused before anything started (no state exists): send the same request again after
+    ``retry_after_s`` seconds (the reply's ``Retry-After``)."""
+
+    code, status = "capacity_exceeded", 429
+
+    @property
+    def retry_after_s(self) -> float:
+        value = self.fields.get("retry_after_s")
+        return float(value) if isinstance(value, int | float) else 1.0
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(max(1, round(self.retry_after_s)))}
 
 
 class UpstreamTimeout(PeerError):
@@ -267,12 +297,14 @@ ERROR_CODES: dict[str, type[GymError]] = {
         StaleAttempt,
         RestartInScope,
         ActivationOutOfOrder,
+        RequestConflict,
         PayloadTooLarge,
         InvalidCheckpointState,
         InternalError,
         UpstreamError,
         CoordinatorUnavailable,
         Unavailable,
+        Overloaded,
         UpstreamTimeout,
     )
 }

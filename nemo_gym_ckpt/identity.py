@@ -7,27 +7,44 @@ it would read as an attempt; this project refuses every ``-a<digits>`` ending, `
 included, and bounds the length to 200). Data-plane calls travel under ``/ng-rollout/<capture_key>/``; the server
 middleware strips the prefix and sets ``CURRENT_IDENTITY`` for the request, and the mesh client
 adds the same prefix to the calls that request makes downstream.
+
+NeMo Gym's collector names a rollout in the body instead (docs/nemo-gym.md, "Servers' API"): a flat
+row carries ``_ng_task_index``, ``_ng_rollout_index`` (the rollout id is ``"<task>-<rollout>"``,
+unless ``_ng_rollout_id`` names one) and, from the second attempt on, ``_ng_attempt_index``; an
+episode request carries ``episode_id: {rollout_id, attempt}``. ``identity_of_row`` and
+``identity_of_episode_id`` read those; ``request_identity`` joins them with the prefix (the two
+must agree), and ``without_dispatch_keys`` is the task row without the collector's keys (they
+change from one attempt to the next, the task does not).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 from nemo_gym_ckpt.errors import InvalidRequest
 
 __all__ = [
     "CURRENT_IDENTITY",
+    "DISPATCH_KEYS",
     "MAX_ATTEMPT",
     "MAX_ROLLOUT_ID_LENGTH",
     "ROLLOUT_ID_PATTERN",
     "ROLLOUT_PREFIX",
     "RolloutIdentity",
     "current_identity",
+    "identity_of_episode_id",
+    "identity_of_row",
     "parse_capture_key",
+    "request_identity",
     "rollout_id_problem",
+    "serving_as",
     "split_rollout_path",
+    "without_dispatch_keys",
 ]
 
 ROLLOUT_PREFIX = "/ng-rollout/"
@@ -98,3 +115,78 @@ CURRENT_IDENTITY: ContextVar[RolloutIdentity | None] = ContextVar("ng_rollout_id
 def current_identity() -> RolloutIdentity | None:
     """The identity of the request being served, if it came under a rollout prefix."""
     return CURRENT_IDENTITY.get()
+
+
+# ---- identity as NeMo Gym's collector passes it ------------------------------------------------
+
+TASK_INDEX, ROLLOUT_INDEX, ATTEMPT_INDEX, ROLLOUT_ID = (
+    "_ng_task_index", "_ng_rollout_index", "_ng_attempt_index", "_ng_rollout_id")
+DISPATCH_KEYS = (TASK_INDEX, ROLLOUT_INDEX, ATTEMPT_INDEX, ROLLOUT_ID)
+"""The keys NeMo Gym's collector adds to a task row when it dispatches it."""
+_MAX_ATTEMPT = 999_999_999
+
+
+def _count(row: Mapping[str, Any], key: str) -> int | None:
+    value = row.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value <= _MAX_ATTEMPT:
+        raise InvalidRequest(f"{key} must be an integer from 0 to {_MAX_ATTEMPT}, got {value!r}")
+    return value
+
+
+def identity_of_row(row: Mapping[str, Any]) -> RolloutIdentity | None:
+    """The rollout a dispatched row names (None when it names none)."""
+    attempt = _count(row, ATTEMPT_INDEX) or 0
+    explicit = row.get(ROLLOUT_ID)
+    if explicit is not None:
+        if not isinstance(explicit, str):
+            raise InvalidRequest(f"{ROLLOUT_ID} must be a string, got {explicit!r}")
+        return RolloutIdentity(explicit, attempt)
+    task, rollout = _count(row, TASK_INDEX), _count(row, ROLLOUT_INDEX)
+    if task is None and rollout is None:
+        return None
+    if task is None or rollout is None:
+        raise InvalidRequest(f"a row names its rollout with both {TASK_INDEX} and {ROLLOUT_INDEX}")
+    return RolloutIdentity(f"{task}-{rollout}", attempt)
+
+
+def identity_of_episode_id(episode_id: Any) -> RolloutIdentity:
+    """NeMo Gym's ``EpisodeId`` ``{rollout_id, attempt?}`` as an identity (``InvalidRequest`` if malformed)."""
+    if not isinstance(episode_id, dict) or not set(episode_id) <= {"rollout_id", "attempt"}:
+        raise InvalidRequest("episode_id must be an object {rollout_id, attempt}")
+    rollout_id = episode_id.get("rollout_id")
+    if not isinstance(rollout_id, str):
+        raise InvalidRequest("episode_id.rollout_id must be a string")
+    attempt = episode_id.get("attempt", 0)
+    if type(attempt) is not int or not 0 <= attempt <= _MAX_ATTEMPT:
+        raise InvalidRequest(f"episode_id.attempt must be an integer from 0 to {_MAX_ATTEMPT}")
+    return RolloutIdentity(rollout_id, attempt)
+
+
+def request_identity(named: RolloutIdentity | None) -> RolloutIdentity | None:
+    """The request's identity: its ``/ng-rollout/`` prefix and the one its body names, which must agree."""
+    prefixed = current_identity()
+    if prefixed is not None and named is not None and prefixed != named:
+        raise InvalidRequest(f"the /ng-rollout/ prefix names {prefixed.capture_key}, the body names "
+                             f"{named.capture_key}")
+    return prefixed or named
+
+
+@contextmanager
+def serving_as(identity: RolloutIdentity | None) -> Iterator[None]:
+    """While inside, ``identity`` is the request's current identity (as a rollout prefix would set it),
+    so the calls made for the request carry it; ``None`` leaves the current one as it is."""
+    if identity is None:
+        yield
+        return
+    token = CURRENT_IDENTITY.set(identity)
+    try:
+        yield
+    finally:
+        CURRENT_IDENTITY.reset(token)
+
+
+def without_dispatch_keys(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The task row without the keys a collector adds per dispatch."""
+    return {key: value for key, value in row.items() if key not in DISPATCH_KEYS}

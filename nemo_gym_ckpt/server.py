@@ -89,7 +89,7 @@ class OrjsonResponse(JSONResponse):
 
 
 def error_response(error: GymError) -> OrjsonResponse:
-    return OrjsonResponse(error.to_body(), status_code=error.status)
+    return OrjsonResponse(error.to_body(), status_code=error.status, headers=error.headers() or None)
 
 
 def sse_event(payload: Any) -> bytes:

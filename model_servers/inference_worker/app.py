@@ -1,8 +1,11 @@
-"""The inference worker: one engine behind an OpenAI-compatible ``/v1/completions``.
+"""The inference worker: one engine behind vLLM's OpenAI-compatible surface.
 
 Routes (all also reachable under ``/ng-rollout/<capture_key>/``):
 
 - ``POST /v1/completions``: token ids (or text) in; text, token ids and logprobs out; SSE streaming.
+- ``POST /v1/chat/completions``: a chat rendered with the model's chat template, generated as a
+  completion of its prompt ids; vLLM's token fields (``chat_completions``).
+- ``POST /tokenize``, ``POST /detokenize``: vLLM's tokenizer routes (``tokenize_routes``).
 - ``GET /v1/models``: the served model name.
 - ``GET|POST /ng-control/v1/policy-version``: the version of the served weights. Every completion is
   stamped with the version current when it was admitted. With checkpointing enabled the POST needs
@@ -31,6 +34,8 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from starlette.responses import Response, StreamingResponse
 
+from model_servers.inference_worker.chat_completions import ChatCompletionRequest, ChatView
+from model_servers.inference_worker.chat_prompt import chat_prompt
 from model_servers.inference_worker.completions import (
     CompletionBuilder,
     CompletionRequest,
@@ -42,11 +47,13 @@ from model_servers.inference_worker.generation_cuts import GenerationCuts
 from model_servers.inference_worker.live_generations import GenerationJob
 from model_servers.inference_worker.model_dir import model_dir_problem, resolve_model_path
 from model_servers.inference_worker.sampling import derive_seed
+from model_servers.inference_worker.script_engine import ScriptRule
 from model_servers.inference_worker.staging import StagingStore
+from model_servers.inference_worker.tokenize_routes import make_tokenize_router
 from nemo_gym_ckpt.bounds import MAX_INT64
 from nemo_gym_ckpt.config import CheckpointConfig, ServerConfig
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.errors import GymError, InvalidRequest, Unavailable
+from nemo_gym_ckpt.errors import GymError, InvalidRequest, NotFound, Unavailable
 from nemo_gym_ckpt.identity import current_identity
 from nemo_gym_ckpt.server import close_on_shutdown, sse_event
 from nemo_gym_ckpt.server import create_app as create_app_base
@@ -60,7 +67,7 @@ DEFAULT_STAGING_BASE = Path("./checkpoints")
 class Config(ServerConfig):
     """Settings of one inference worker (the YAML block under ``inference_worker:``)."""
 
-    engine: Literal["transformers", "vllm"] = "transformers"
+    engine: Literal["transformers", "vllm", "script"] = "transformers"
     model_path: Path | None = None
     served_model_name: str = Field("nemo-gym-ckpt-tiny", min_length=1)
     max_batch_size: int = Field(64, ge=1)
@@ -76,6 +83,15 @@ class Config(ServerConfig):
     staging_dir: Path | None = None  # null = <checkpoint root>.generation-cuts/<instance>, beside the root
     staging_max_files: int = Field(4096, ge=1)
     staging_max_bytes: int = Field(1 << 30, ge=1)
+    # engine: script (script_engine.py): answers by rules, tokens of the default model's tokenizer
+    script: list[ScriptRule] = Field(default_factory=list, max_length=10_000)
+    script_default: str = ""
+
+    @model_validator(mode="after")
+    def _script_only_for_the_script_engine(self) -> Config:
+        if self.engine != "script" and (self.script or self.script_default):
+            raise ValueError("script and script_default are settings of engine: script")
+        return self
 
     @model_validator(mode="after")
     def _local_model_exists(self) -> Config:
@@ -100,6 +116,13 @@ async def load_engine(settings: Config) -> Engine:
 
     The app sets the engine's ``policy_version`` from the settings before starting it.
     """
+    if settings.engine == "script":
+        from model_servers.inference_worker.script_engine import SCRIPT_CONTEXT_LENGTH, ScriptEngine
+
+        tokenizer_path = str(resolve_model_path(settings.model_path))
+        context = settings.max_model_len or SCRIPT_CONTEXT_LENGTH
+        return await asyncio.to_thread(ScriptEngine.load, tokenizer_path, settings.script, settings.script_default,
+                                       context_length=context)
     if settings.engine == "vllm":
         from model_servers.inference_worker.vllm_engine import VllmEngine
 
@@ -197,6 +220,25 @@ async def _stream(engine: Engine, job: GenerationJob) -> AsyncIterator[bytes]:
     yield sse_event("[DONE]")
 
 
+async def _stream_chat(engine: Engine, job: GenerationJob, view: ChatView) -> AsyncIterator[bytes]:
+    builder = job.builder
+    yield sse_event(view.first_chunk(builder))
+    try:
+        async with aclosing(_generate(engine, job)) as progress:
+            async for _ in progress:
+                chunk = view.chunk(builder)
+                if chunk is not None:
+                    yield sse_event(chunk)
+    except GymError as error:
+        logger.warning("chat stream %s failed: %s", view.id, error)
+        yield sse_event(error.to_body())
+        return
+    usage = view.usage_chunk(builder)
+    if usage is not None:
+        yield sse_event(usage)
+    yield sse_event("[DONE]")
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -238,11 +280,29 @@ def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig)
         await _unless_disconnected(request, _collect(engine, job))
         return job.builder.response()
 
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | dict[str, Any]:
+        body.check_fields()
+        if body.model is not None and body.model != served:
+            raise NotFound(f"model {body.model!r} is not served here; this worker serves {served!r}")
+        engine = worker.engine
+        options = body.template()
+        prompt = await asyncio.to_thread(
+            chat_prompt, engine.tokenizer, body.messages, options, required_prefix=body.required_prefix_token_ids,
+            add_special_tokens=body.add_special_tokens,
+        )
+        job = await worker.job(body.completion(prompt))
+        view = ChatView(body, prompt)
+        if body.stream:
+            return StreamingResponse(_stream_chat(engine, job, view), media_type="text/event-stream")
+        await _unless_disconnected(request, _collect(engine, job))
+        return view.response(job.builder)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         engine = worker.engine
         card = {"id": served, "object": "model", "created": worker.started_at, "owned_by": "nemo-gym-ckpt",
-                "max_model_len": engine.context_length}
+                "root": served, "parent": None, "max_model_len": engine.context_length}
         return {"object": "list", "data": [card]}
 
     @app.get("/ng-control/v1/policy-version")
@@ -304,6 +364,7 @@ def create_app(ctx: ServerContext[Config], *, engine_factory: EngineFactory = lo
 
     app = create_app_base(ctx.name, lifespan=lifespan)
     _install_routes(app, worker, ctx.mesh.checkpoint)
+    app.include_router(make_tokenize_router(lambda: worker.engine, ctx.settings.served_model_name))
     token = ctx.mesh.checkpoint.control_auth_token
     if worker.cuts is not None and token is not None:
         app.include_router(make_cut_router(worker.cuts, token.get_secret_value()))

@@ -30,12 +30,13 @@ __all__ = [
     "CompletionPlan",
     "CompletionRequest",
     "StreamOptions",
+    "check_token_ids",
     "plan_completion",
 ]
 
 #: Accepted with any value and ignored (no effect on what is generated).
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "request_id", "priority",
-                            "spaces_between_special_tokens", "add_special_tokens"})
+                            "spaces_between_special_tokens"})
 #: Accepted only at their no-op values: anything else would change semantics we do not implement.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False, None),
@@ -91,6 +92,10 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=1024)
     return_token_ids: bool = False
+    #: vLLM: logprob tokens written as ``token_id:<id>`` instead of their text.
+    return_tokens_as_token_ids: bool | None = None
+    #: vLLM: a text prompt is tokenized with the tokenizer's special tokens (e.g. a BOS) unless false.
+    add_special_tokens: bool = True
     skip_special_tokens: bool = True
     n: int | None = Field(1, ge=1, le=128)
     #: Generation cuts (checkpointing on only, see ``cut_models``): the policy model's call, and a
@@ -108,6 +113,7 @@ class CompletionPlan:
     logprobs: bool
     return_token_ids: bool
     skip_special_tokens: bool
+    tokens_as_ids: bool
     stream: bool
     seed_was_given: bool
 
@@ -127,7 +133,8 @@ def _check_fields(body: CompletionRequest) -> None:
                              "implemented; use 0 or 1 for the sampled token's logprob")
 
 
-def _check_ids(ids: list[int], vocab_size: int, what: str) -> None:
+def check_token_ids(ids: list[int], vocab_size: int, what: str) -> None:
+    """400 naming ``what`` when an id lies outside ``[0, vocab_size)``."""
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise InvalidRequest(f"{what} holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
@@ -137,10 +144,10 @@ def _prompt_ids(body: CompletionRequest, tokenizer: EngineTokenizer) -> list[int
     if isinstance(body.prompt, str):
         if not body.prompt:
             raise InvalidRequest("prompt must not be empty")
-        ids = tokenizer.encode(body.prompt)
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         ids = body.prompt
-        _check_ids(ids, tokenizer.vocab_size, "prompt")
+        check_token_ids(ids, tokenizer.vocab_size, "prompt")
     if not ids:
         raise InvalidRequest("prompt must hold at least one token")
     return ids
@@ -149,7 +156,7 @@ def _prompt_ids(body: CompletionRequest, tokenizer: EngineTokenizer) -> list[int
 def _max_tokens(body: CompletionRequest, prompt_len: int, context: int) -> int:
     room = context - prompt_len
     if room <= 0:
-        raise InvalidRequest(f"the prompt ({prompt_len} tokens) leaves no room in the model's context "
+        raise InvalidRequest(f"the prompt ({prompt_len} tokens) leaves no room in the model's context length "
                              f"of {context} tokens")
     if body.max_tokens is None:
         return room
@@ -176,7 +183,7 @@ def plan_completion(
     tokenizer = engine.tokenizer
     prompt = _prompt_ids(body, tokenizer)
     stop_ids = body.stop_token_ids or []
-    _check_ids(stop_ids, tokenizer.vocab_size, "stop_token_ids")
+    check_token_ids(stop_ids, tokenizer.vocab_size, "stop_token_ids")
     generation = GenerationRequest(
         prompt_token_ids=tuple(prompt),
         max_tokens=_max_tokens(body, len(prompt), engine.context_length),
@@ -192,6 +199,7 @@ def plan_completion(
         logprobs=body.logprobs is not None,
         return_token_ids=body.return_token_ids,
         skip_special_tokens=body.skip_special_tokens,
+        tokens_as_ids=bool(body.return_tokens_as_token_ids),
         stream=body.stream,
         seed_was_given=body.seed is not None,
     )
@@ -272,13 +280,20 @@ class CompletionBuilder:
     def _logprobs(self, start: int) -> dict[str, Any] | None:
         if not self.plan.logprobs:
             return None
-        ids = self.token_ids[start:]
         return {
-            "tokens": [self.tokenizer.token_text(i) for i in ids],
+            "tokens": self.token_strings(start),
             "token_logprobs": self.token_logprobs[start:],
             "top_logprobs": None,
             "text_offset": self.text_offsets[start:],
         }
+
+    def token_strings(self, start: int = 0) -> list[str]:
+        """The tokens from ``start`` as logprobs show them: their text, or ``token_id:<id>`` (vLLM's
+        ``return_tokens_as_token_ids``)."""
+        ids = self.token_ids[start:]
+        if self.plan.tokens_as_ids:
+            return [f"token_id:{i}" for i in ids]
+        return [self.tokenizer.token_text(i) for i in ids]
 
     def usage(self) -> dict[str, int]:
         prompt = len(self.plan.generation.prompt_token_ids)

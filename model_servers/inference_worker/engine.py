@@ -21,9 +21,10 @@ import abc
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 __all__ = [
+    "ChatTemplateRequest",
     "Engine",
     "EngineTokenizer",
     "FinishReason",
@@ -43,8 +44,8 @@ class EngineTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (with the tokenizer's own special-token handling, e.g. a BOS)."""
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds the tokenizer's own (e.g. a BOS)."""
         ...
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
@@ -52,6 +53,23 @@ class EngineTokenizer(Protocol):
     def token_text(self, token_id: int) -> str:
         """The text of one token as shown in logprobs (special tokens included)."""
         ...
+
+    def render_chat(self, messages: list[dict[str, Any]], request: ChatTemplateRequest) -> str:
+        """The prompt text of chat ``messages`` through the model's chat template.
+
+        Raises ``InvalidRequest`` when the model has no chat template or the template refuses them.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class ChatTemplateRequest:
+    """How a chat is rendered (vLLM's fields): tools, generation prompt, template keyword arguments."""
+
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def _new_request_id() -> str:

@@ -1,13 +1,19 @@
 """A Hugging Face tokenizer behind the ``EngineTokenizer`` view (used by both engines).
 
-transformers is imported only by ``HFTokenizer.load``.
+transformers is imported only by ``HFTokenizer.load``; chat templates render through the wrapped
+tokenizer's ``apply_chat_template`` (its sandboxed Jinja environment).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from nemo_gym_ckpt.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from model_servers.inference_worker.engine import ChatTemplateRequest
 
 __all__ = ["HFTokenizer"]
 
@@ -48,8 +54,8 @@ class HFTokenizer:
         """The wrapped ``transformers`` tokenizer (chat templates live there)."""
         return self._tok
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True))
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -58,4 +64,21 @@ class HFTokenizer:
         text = self._token_texts.get(token_id)
         if text is None:
             text = self._token_texts[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def render_chat(self, messages: list[dict[str, Any]], request: ChatTemplateRequest) -> str:
+        from jinja2 import TemplateError
+
+        if not getattr(self._tok, "chat_template", None):
+            raise InvalidRequest("this model's tokenizer has no chat template; use /v1/completions")
+        try:
+            text = self._tok.apply_chat_template(
+                messages, tools=request.tools or None, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message, tokenize=False,
+                **request.template_kwargs,
+            )
+        except (TemplateError, ValueError, TypeError) as error:  # the template (or its raise_exception) refused
+            raise InvalidRequest(f"the chat template refused these messages: {error}") from error
+        if not isinstance(text, str):
+            raise InvalidRequest("the chat template did not render text")
         return text

@@ -55,10 +55,11 @@ from fastapi import FastAPI
 
 from model_servers.policy_model.active_calls import ActiveCalls, CallState
 from model_servers.policy_model.backend import Backend
+from model_servers.policy_model.capture_memory import CaptureMemory
 from model_servers.policy_model.custody import Custody, CustodyBackend
 from model_servers.policy_model.cuts import CutClient, CutRecord, GenerationCutter
 from model_servers.policy_model.ledger import CUT_KEY, LedgerBook
-from model_servers.policy_model.token_sidecar import SidecarStore
+from model_servers.policy_model.token_sidecar import CallTokens, SidecarStore
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.cut_wire import control_root
@@ -93,7 +94,7 @@ class PolicyAdapter:
         self._commit: tuple[str, float] | None = None  # (checkpoint id, deadline) of the commit running
         self._cuts: dict[RolloutIdentity, CutRecord] = {}
         self._kept: dict[str, list[str]] = {}  # capture key of each exported record -> its staging keys
-        self._token_lines: list[bytes] = []  # the sidecar lines of the commit being written
+        self._token_lines: list[CallTokens] = []  # the sidecar lines of the commit being written
         self._exported = 0.0  # when the export of the commit being written began (perf_counter)
 
     def counts(self) -> dict[str, int]:
@@ -103,6 +104,8 @@ class PolicyAdapter:
             "delivering_streams": self.calls.count(CallState.DELIVERING),
             "ledgers": len(self.ledgers),
             "rows": self.ledgers.row_count,
+            "token_bytes_in_memory": self.ledgers.memory.held if self.ledgers.memory else 0,
+            "token_lines_spilled": self.ledgers.memory.spilled if self.ledgers.memory else 0,
         }
 
     async def readiness(self) -> Readiness:
@@ -136,7 +139,7 @@ class PolicyAdapter:
             self.cutter.settle(commit[0], kept, commit[1])  # in the background: the reply does not wait
         return {"staging_keys": kept, "staging_keys_by_episode": by_episode}
 
-    def sidecar_lines(self) -> list[bytes]:
+    def sidecar_lines(self) -> list[CallTokens]:
         """What the commit being written puts in its token sidecar (set by ``export``)."""
         return self._token_lines
 
@@ -191,13 +194,15 @@ def mount_policy_participant(
     generation_cuts: bool = False,
     cut_control_url: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    capture_memory: CaptureMemory | None = None,
 ) -> PolicyParticipant | None:
     """Mount the model participant on ``app`` (``None``, nothing mounted, with checkpointing off).
 
     With ``generation_cuts``, the cuts go to ``cut_control_url`` (default: ``worker_url`` without its
-    ``/v1``) over a client of their own.
+    ``/v1``) over a client of their own (``CONTROL_CONNECTIONS``): a cut never waits behind the calls
+    generating on that worker. ``capture_memory`` bounds the token lines the ledgers hold in memory.
     """
-    calls, ledgers = ActiveCalls(), LedgerBook()
+    calls, ledgers = ActiveCalls(), LedgerBook(capture_memory)
     adapter = PolicyAdapter(calls, ledgers, generation_cuts=generation_cuts)
     participant = mount_checkpointing(app, ctx, adapter, kind="model", clock=clock)
     if participant is None:
@@ -209,8 +214,9 @@ def mount_policy_participant(
             raise ValueError("generation cuts need the inference worker's url (or a cut control url)")
         token = ctx.mesh.checkpoint.control_auth_token
         assert token is not None  # the config refuses checkpointing without a token
-        control = ctx.client.reserved(CONTROL_CONNECTIONS)
-        close_on_shutdown(app, control.aclose)
+        control = ctx.client.for_control(CONTROL_CONNECTIONS)
+        if control is not ctx.client:
+            close_on_shutdown(app, control.aclose)
         url = cut_control_url or control_root(worker_url or "")
         client = CutClient(control, url, token.get_secret_value(), ctx.name)
         adapter.cutter = GenerationCutter(calls, client, participant.clock, participant.telemetry)

@@ -13,9 +13,12 @@ server instance (instance -> its first server type key -> its first implementati
 - resume: resources -> agent -> model -> environment, going on past failures, then raise;
 - retire, forget: environment, then agent, then model and resources together.
 
-Each call's timeout is the remaining deadline + 5 s. Calls are fanned out in a task group; a
-participant's failure is the ``GymError`` the client mapped, kept per participant in the result,
-and raised as the same class naming the participant (``error.fields["result"]`` holds the result).
+Each call's timeout is the remaining deadline + 5 s. The coordinator's calls go over a client of
+its own (a pool of ``CONTROL_CONNECTIONS``), so a controller that also sends rollouts never queues a
+control call behind them; a ``client`` passed in should be one kept for control calls too. Calls
+are fanned out in a task group; a participant's failure is the ``GymError`` the client mapped,
+kept per participant in the result, and raised as the same class naming the participant
+(``error.fields["result"]`` holds the result).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CALL_GRACE_S = 5.0
+CONTROL_CONNECTIONS = 64
 CLEANUP_MIN_S = 30.0
 DISCOVERY_TIMEOUT_S = 60.0
 CONFIG_ROUTE = "/global_config_dict_yaml"
@@ -192,7 +196,8 @@ class Coordinator:
         self.head_url = head_url.rstrip("/")
         self._headers = {"authorization": f"Bearer {token}"}
         self._own_client = client is None
-        self.client = client or MeshClient()
+        # control calls over a pool of their own: never queued behind a controller's data calls
+        self.client = client or MeshClient(max_connections=CONTROL_CONNECTIONS)
         self.required_kinds = tuple(required_kinds)
         self.telemetry = telemetry or Telemetry("controller", "coordinator")
         self._participants: list[ParticipantRef] | None = None
@@ -274,12 +279,14 @@ class Coordinator:
 
     async def commit(
         self, checkpoint_id: str, *, deadline_ts: float, checkpoint_dir: str,
-        episode_ids: Sequence[RolloutIdentity] | None = None, stop: bool = False,
+        episode_ids: Sequence[RolloutIdentity] | None = None, stop: bool = False, incremental: bool = True,
     ) -> CommitResult:
         """Commit everywhere; ``stop``: the mesh is stopped next (participants free what their records
         do not hold once the write is durable). The body always carries ``stop``, as upstream's does."""
         body: dict[str, Any] = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts,
                                 "checkpoint_dir": checkpoint_dir, "stop": stop}
+        if not incremental:  # sent only to turn it off: the default body stays upstream's
+            body["incremental"] = False
         if episode_ids is not None:
             body["episode_ids"] = [episode.to_json() for episode in episode_ids]
         result = CommitResult("commit", checkpoint_id)

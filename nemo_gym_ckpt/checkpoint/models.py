@@ -96,6 +96,7 @@ class CommitRequest(_Scoped):
     stop: bool = False
     """The controller stops this mesh after the commit: once the write is durable the participant
     frees what it holds outside its records (a failure to do so never fails the commit)."""
+    incremental: bool = True  # reference what did not change since the previous commit (section 6.1)
 
 
 class RestoreRequest(_Scoped):

@@ -290,7 +290,7 @@ class Participant:
         directory = self.store.locate(request.checkpoint_dir)
         episodes = request.episodes()
         scope = None if episodes is None else frozenset(episodes)
-        args = (directory, scope, request.stop)
+        args = (directory, scope, request.stop, request.incremental)
         job = self._stored_job(open_, Op.COMMIT, args, request.deadline_ts)
         if job is None:
             self._check_deadline(request.deadline_ts)
@@ -299,18 +299,21 @@ class Participant:
             for episode in episodes or ():
                 self.marks.check(episode)
             open_.lease.renew(request.deadline_ts)
-            work = self._run_commit(open_, directory, scope, request.deadline_ts, request.stop)
+            work = self._run_commit(open_, directory, scope, request.deadline_ts, stop=request.stop,
+                                    incremental=request.incremental)
             job = self._start_job(open_, Op.COMMIT, args, work)
         return await self._await_job(job, request.deadline_ts, request.checkpoint_id)
 
     async def _run_commit(
-        self, open_: _Open, directory: Path, scope: Scope | None, deadline_ts: float, stop: bool
+        self, open_: _Open, directory: Path, scope: Scope | None, deadline_ts: float, *, stop: bool,
+        incremental: bool,
     ) -> dict[str, Any]:
         _check_committable(await self.adapter.readiness(), scope)
         if isinstance(self.adapter, BeforeExport):
             await self.adapter.before_export(open_.checkpoint_id, scope, deadline_ts)
         open_writer = self.store.open_writer
-        writer = await asyncio.to_thread(open_writer, directory, self.kind, self.instance, open_.stop)
+        writer = await asyncio.to_thread(open_writer, directory, self.kind, self.instance, open_.stop,
+                                         incremental=incremental)
         open_.pipeline = ExportPipeline(self.adapter, scope, self.telemetry, open_.checkpoint_id)
         with self.telemetry.span("write", **{ATTR.ID: open_.checkpoint_id}) as span:
             manifest, exported = await open_.pipeline.run(writer, self.kind, self.instance)

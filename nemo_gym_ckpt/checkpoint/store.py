@@ -35,6 +35,15 @@ from typing import Any, BinaryIO, TypeVar
 import orjson
 
 from nemo_gym_ckpt.checkpoint.fileops import FileOps, file_size
+from nemo_gym_ckpt.checkpoint.incremental import (
+    BaseIndex,
+    IndexBuilder,
+    index_inline,
+    link_files,
+    plan,
+    reference_line,
+    resolve,
+)
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.errors import (
     CheckpointConflict,
@@ -59,6 +68,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+CHUNK_BYTES = 4 << 20
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024
@@ -156,7 +166,12 @@ class ReadResult:
 
 
 class RecordWriter:
-    """One participant's write of one checkpoint; its methods run in a worker thread, in order."""
+    """One participant's write of one checkpoint; its methods run in a worker thread, in order.
+
+    ``base`` (set by the store) is the previous committed checkpoint: ``write_records`` references
+    what did not change since (``incremental``). Once the manifest is linked, ``on_commit`` gets the
+    index of this checkpoint, the base of the next one.
+    """
 
     def __init__(self, ops: FileOps, directory: Path, stop: StopSignal) -> None:
         self._ops = ops
@@ -166,8 +181,40 @@ class RecordWriter:
         self._hash = hashlib.sha256()
         self.count = 0
         self.bytes = 0
+        self.referenced = 0
+        self.linked: list[str] = []
         self._fd: int | None = None
         self._temps: list[Path] = []
+        self.base: BaseIndex | None = None
+        self.on_commit: Callable[[BaseIndex], None] | None = None
+        self._index = IndexBuilder(directory)
+
+    def write_records(self, records: Sequence[Record]) -> None:
+        """Write every record of this commit: inline, or as a reference into a linked base file
+        (docs/protocol.md section 6.1), in chunks of about 4 MiB."""
+        base = self.base
+        decided = plan(records, base)
+        if base is not None and decided.links:
+            with self._lock, write_errors(self.directory):
+                self._stop.check()
+                linked = link_files(self._ops, base.directory, base.sizes, decided.links, self.directory)
+            self.linked = sorted(linked)
+        chunk: list[bytes] = []
+        size = 0
+        for record, where in zip(records, decided.references, strict=True):
+            if where is not None and base is not None and where.records_file in self.linked:
+                line = reference_line(record, where)
+                self._index.referenced(record.raw, where, base.sizes[where.records_file])
+                self.referenced += 1
+            else:
+                line = record.raw
+                self._index.inline(line)
+            chunk.append(line)
+            size += len(line) + 1
+            if size >= CHUNK_BYTES:
+                self.write_lines(chunk)
+                chunk, size = [], 0
+        self.write_lines(chunk)
 
     def start(self) -> None:
         with self._lock, write_errors(self.directory):
@@ -203,7 +250,9 @@ class RecordWriter:
             _quietly(self._ops.unlink, temp)  # a leftover temporary file is harmless; the link counts
             self._temps.remove(temp)
             self._ops.fsync_dir(self.directory)
-            return manifest
+        if self.on_commit is not None:
+            self.on_commit(self._index.finish(manifest.records_file, self.bytes))
+        return manifest
 
     def abort(self) -> None:
         """Close and remove the temporary files (never a renamed records file or a manifest)."""
@@ -254,6 +303,11 @@ class CheckpointStore:
         self.root = None if root is None else Path(root)
         self.ops = ops or FileOps()
         self.max_record_bytes = max_record_bytes
+        self.base: BaseIndex | None = None  # the previous committed (or restored-from) checkpoint
+
+    def remember(self, index: BaseIndex) -> None:
+        """The checkpoint just committed (or restored from) is the base of the next commit."""
+        self.base = index
 
     def locate(self, checkpoint_dir: str) -> Path:
         """The resolved ``checkpoint_dir``, confined to the root (a relative path resolves against the
@@ -264,14 +318,19 @@ class CheckpointStore:
     def instance_dir(self, checkpoint_dir: Path, kind: str, instance: str) -> Path:
         return checkpoint_dir / "gym" / kind / instance
 
-    def open_writer(self, checkpoint_dir: Path, kind: str, instance: str, stop: StopSignal) -> RecordWriter:
-        """Create the instance directory (durably) and start a writer in it."""
+    def open_writer(
+        self, checkpoint_dir: Path, kind: str, instance: str, stop: StopSignal, *, incremental: bool = True
+    ) -> RecordWriter:
+        """Create the instance directory (durably) and start a writer in it; with ``incremental``
+        it references what did not change since the previous committed checkpoint."""
         directory = self.instance_dir(checkpoint_dir, kind, instance)
         _check_inside(self.root, directory)  # before creating anything: no symlink leads out
         with write_errors(directory):
             self._makedirs(directory)
         _check_inside(self.root, directory)
         writer = self.new_writer(directory, stop)
+        writer.base = self.base if incremental and self.base is not None and self.base.directory != directory else None
+        writer.on_commit = self.remember
         writer.start()
         return writer
 
@@ -288,6 +347,8 @@ class CheckpointStore:
             raise InvalidCheckpointState(f"manifest is for {manifest.kind}/{manifest.instance}, "
                                          f"expected {kind}/{instance}")
         records, size = self._read_records(directory / manifest.records_file, manifest, scope)
+        records, index = resolve(self.ops, directory, records, manifest.records_file)
+        self.remember(index_inline(index, records, manifest.records_file, size))
         return ReadResult(manifest, records, size)
 
     def _read_manifest(self, directory: Path) -> Manifest:

@@ -49,7 +49,7 @@ from typing import Any
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings, Published
-from nemo_gym_ckpt.collect.dispatch import Plan, Summary, run_plan
+from nemo_gym_ckpt.collect.dispatch import HeldBack, Plan, Summary, run_plan
 from nemo_gym_ckpt.collect.published import RunIdentity, config_digest, input_digest
 from nemo_gym_ckpt.collect.rows import RowComparison, compare_rows, read_jsonl
 from nemo_gym_ckpt.collect.triggers import Triggers
@@ -144,11 +144,12 @@ class _DemoMesh:
         settings = ControlSettings(self.root / directory, self.identity, timeout_s=60.0)
         return CollectionControl(coordinator, settings, after_publish=self._crash if crash else None)
 
-    async def collect(self, output: Path, control: CollectionControl, triggers: Triggers | None = None
-                      ) -> Summary:
+    async def collect(self, output: Path, control: CollectionControl, triggers: Triggers | None = None,
+                      held_back: HeldBack | None = None) -> Summary:
         """One collector run as the mesh's controller (it forgets every rollout it finished)."""
         try:
-            return await run_plan(self.plan(output), stream=io.StringIO(), control=control, triggers=triggers)
+            return await run_plan(self.plan(output), stream=io.StringIO(), control=control, triggers=triggers,
+                                  held_back=held_back)
         finally:
             control.close()
             await control.coordinator.aclose()
@@ -158,21 +159,27 @@ class _DemoMesh:
         self._crashing, self._output = self.control("collection", crash=True), output
         control = self._crashing
         triggers = Triggers()
-        watcher = asyncio.create_task(self._request_midway(triggers, control.coordinator, output))
+        # The last batch is held until the checkpoint is about to be asked for: then the collection
+        # cannot end before the checkpoint, however slow the machine.
+        held_back = HeldBack(min(self.concurrency, len(self.tasks) // 2), asyncio.Event())
+        watcher = asyncio.create_task(self._request_midway(triggers, control.coordinator, output, held_back))
         try:
-            await self.collect(output, control, triggers)
+            await self.collect(output, control, triggers, held_back)
         except MeshCrashed:
             return
         finally:
             watcher.cancel()
         raise RuntimeError("the collection ended before the checkpoint; use more --rollouts")
 
-    async def _request_midway(self, triggers: Triggers, coordinator: Coordinator, output: Path) -> None:
+    async def _request_midway(
+        self, triggers: Triggers, coordinator: Coordinator, output: Path, held_back: HeldBack
+    ) -> None:
         """Ask for a checkpoint once a quarter of the rows are written and then half a batch more
         model calls were delivered (the rollouts in flight stand in the middle of their episodes);
         with cuts on, also not before half a batch of calls are generating on the worker."""
         rows, calls = len(self.tasks) // 4, max(1, self.concurrency // 2)
         await _until_midway(coordinator, output, rows, calls)
+        held_back.release.set()  # fresh rollouts start now: the run lasts at least one more rollout
         if self.worker_url is not None:
             await _until_generating(coordinator, self.worker_url, self.token, calls)
         triggers.request("demo")

@@ -2,6 +2,10 @@
 
 The launcher starts ``python -m nemo_gym_ckpt.cli.serve <instance>`` (``SERVE_MODULE``) with the
 resolved mesh config (ports assigned) as JSON in ``CONFIG_ENV`` and its own pid in ``PARENT_ENV``.
+An instance of NeMo Gym's own servers runs in NeMo Gym's Python environment instead:
+``<its python> -c BRIDGE_BOOT <project root> <instance>`` (``bridge_command``), which imports only
+``nemo_gym_ckpt`` from the project (the project's own server folders would shadow NeMo Gym's of the
+same names) and hands over to ``nemo_gym_ckpt.bridge.child``.
 ``load_mesh`` reads the config back, ``build_app`` asks the instance's ``app`` module for its FastAPI
 app. A child exits by itself when its parent dies: a ``PR_SET_PDEATHSIG`` on Linux and a watchdog on
 the parent pid everywhere; if a graceful shutdown does not end the process within
@@ -19,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import orjson
@@ -30,10 +35,12 @@ from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.server import close_on_shutdown, set_max_body_bytes
 
 __all__ = [
+    "BRIDGE_BOOT",
     "CONFIG_ENV",
     "ORPHAN_GRACE_S",
     "PARENT_ENV",
     "SERVE_MODULE",
+    "bridge_command",
     "build_app",
     "exit_orphaned",
     "load_mesh",
@@ -44,6 +51,18 @@ CONFIG_ENV = "NEMO_GYM_CKPT_CONFIG"
 PARENT_ENV = "NEMO_GYM_CKPT_PARENT_PID"
 SERVE_MODULE = "nemo_gym_ckpt.cli.serve"
 ORPHAN_GRACE_S = 5.0
+BRIDGE_BOOT = """\
+import importlib.machinery, importlib.util, os, sys
+root, instance = sys.argv[1], sys.argv[2]
+sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != os.path.abspath(root)]
+spec = importlib.machinery.PathFinder.find_spec("nemo_gym_ckpt", [root])
+package = importlib.util.module_from_spec(spec)
+sys.modules["nemo_gym_ckpt"] = package
+spec.loader.exec_module(package)
+from nemo_gym_ckpt.bridge.child import main
+main(instance)
+"""
+"""What a NeMo Gym server's process runs first: ``nemo_gym_ckpt`` alone from the project root."""
 _PR_SET_PDEATHSIG = 1
 logger = logging.getLogger(__name__)
 
@@ -57,6 +76,11 @@ def build_app(mesh: MeshConfig, name: str) -> FastAPI:
     if hasattr(app.state, "body_limit"):  # an app of nemo_gym_ckpt.server.create_app
         set_max_body_bytes(app, instance.settings.max_body_bytes)
     return close_on_shutdown(app, ctx.aclose)  # our servers close it already; a server of yours may not
+
+
+def bridge_command(python: str, root: Path, instance: str) -> list[str]:
+    """The command line of a NeMo Gym server instance, run by ``python`` (its environment's)."""
+    return [python, "-c", BRIDGE_BOOT, str(root), instance]
 
 
 def watch_parent(parent_pid: int, on_orphaned: Callable[[], None], interval_s: float = 0.5) -> None:

@@ -8,8 +8,12 @@
         mesh.restart_all()                  # SIGKILL every server, fresh ones on the same ports
     # leaving the block stops everything: SIGTERM, bounded wait, SIGKILL, reap
 
-Ports: instances without a port get a free one on their host (probe-bind in 10001-20000, never the
-head port or another instance's). Each child is ``python -m nemo_gym_ckpt.cli.serve <instance>`` with the
+An instance of NeMo Gym's own servers (``package: nemo_gym``) runs in NeMo Gym's environment: its
+``python:`` or ``$NEMO_GYM_PYTHON`` (``nemo_gym_ckpt.launch.child.bridge_command``).
+
+Ports: instances without a port get a free one on their host (probe-bind in the config's
+``port_range_low``-``port_range_high``, default 10001-20000; never the head port, another instance's
+or one of ``disallowed_ports``). Each child is ``python -m nemo_gym_ckpt.cli.serve <instance>`` with the
 resolved config (ports filled in) as JSON in ``NEMO_GYM_CKPT_CONFIG`` and the launcher's pid in
 ``NEMO_GYM_CKPT_PARENT_PID``; it runs in its own process group (a terminal's Ctrl-C reaches only
 the launcher, which stops the children in order) and exits by itself when the launcher dies.
@@ -41,9 +45,9 @@ from typing import IO
 import httpx
 import orjson
 
-from nemo_gym_ckpt.config import MeshConfig
+from nemo_gym_ckpt.config import NEMO_GYM_PYTHON_ENV, PROJECT_ROOT, MeshConfig, NemoGymServerConfig
 from nemo_gym_ckpt.errors import LaunchError, StopRequested
-from nemo_gym_ckpt.launch.child import CONFIG_ENV, PARENT_ENV, SERVE_MODULE
+from nemo_gym_ckpt.launch.child import CONFIG_ENV, PARENT_ENV, SERVE_MODULE, bridge_command
 from nemo_gym_ckpt.launch.head import HEAD_NAME, ThreadedServer, create_head_app
 
 __all__ = [
@@ -72,15 +76,18 @@ LineSink = Callable[[str, str], None]
 # ---- ports ---------------------------------------------------------------------------------------
 
 
-def find_free_port(host: str, avoid: Iterable[int] = (), *, rng: random.Random | None = None) -> int:
-    """A port of ``PORT_RANGE`` that ``host`` can bind now and that is not in ``avoid``."""
+def find_free_port(
+    host: str, avoid: Iterable[int] = (), *, rng: random.Random | None = None,
+    port_range: tuple[int, int] = PORT_RANGE,
+) -> int:
+    """A port of ``port_range`` that ``host`` can bind now and that is not in ``avoid``."""
     rng = rng or random.Random()
     avoid = set(avoid)
     for _ in range(200):
-        port = rng.randint(*PORT_RANGE)
+        port = rng.randint(*port_range)
         if port not in avoid and _can_bind(host, port):
             return port
-    raise LaunchError(f"found no free port on {host} in {PORT_RANGE[0]}-{PORT_RANGE[1]}")
+    raise LaunchError(f"found no free port on {host} in {port_range[0]}-{port_range[1]}")
 
 
 def _can_bind(host: str, port: int) -> bool:
@@ -94,15 +101,21 @@ def _can_bind(host: str, port: int) -> bool:
 
 
 def assign_ports(mesh: MeshConfig, *, rng: random.Random | None = None) -> MeshConfig:
-    """The mesh with every unset (or 0) port, head server included, replaced by a free one."""
+    """The mesh with every unset (or 0) port, head server included, replaced by a free one.
+
+    Free ports come from the config's ``port_range_low``..``port_range_high`` and are never one of
+    its ``disallowed_ports``.
+    """
+    port_range = (mesh.ports.port_range_low, mesh.ports.port_range_high)
     taken = {inst.settings.port for inst in mesh.instances.values() if inst.settings.port}
-    taken.add(mesh.head_server.port)
-    head_port = mesh.head_server.port or find_free_port(mesh.head_server.host, taken, rng=rng)
+    taken |= {mesh.head_server.port, *mesh.ports.disallowed_ports}
+    head_port = mesh.head_server.port or find_free_port(mesh.head_server.host, taken, rng=rng,
+                                                        port_range=port_range)
     taken.add(head_port)
     ports: dict[str, int] = {}
     for inst in mesh.instances.values():
         if not inst.settings.port:
-            ports[inst.name] = find_free_port(inst.settings.host, taken, rng=rng)
+            ports[inst.name] = find_free_port(inst.settings.host, taken, rng=rng, port_range=port_range)
             taken.add(ports[inst.name])
     return mesh.with_ports(ports, head_port=head_port)
 
@@ -315,13 +328,26 @@ class MeshLauncher:
         for name in names:
             proc = self._spawner.submit(
                 subprocess.Popen,
-                [self.python, "-m", SERVE_MODULE, name],
+                self._command(name),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 env=env, process_group=0,
             ).result()
             child = self._children[name] = _Child(name, proc)
             child.start_reader(self.on_line)
             logger.debug("started %s (pid %d) at %s", name, proc.pid, self.url_of(name))
+
+    def _command(self, name: str) -> list[str]:
+        """The command line of one server: ours, or NeMo Gym's own in its environment's Python."""
+        instance = self.mesh.instance(name)
+        settings = instance.settings
+        if not isinstance(settings, NemoGymServerConfig):
+            return [self.python, "-m", SERVE_MODULE, name]
+        python = settings.python or self.env.get(NEMO_GYM_PYTHON_ENV)
+        if not python:
+            raise LaunchError(f"{name} is NeMo Gym's {instance.implementation}: set its python: or "
+                              f"{NEMO_GYM_PYTHON_ENV} to the interpreter of a NeMo Gym environment "
+                              f"(scripts/verifiers_env.sh builds one)")
+        return bridge_command(python, PROJECT_ROOT, name)
 
     def _wait_ready(self, names: Iterable[str], deadline: float) -> None:
         pending = set(names)
@@ -358,6 +384,13 @@ class MeshLauncher:
                 if child.proc.poll() is not None:
                     return child.name
             time.sleep(poll_s)
+        return None
+
+    def exited(self) -> str | None:
+        """One line naming the first server process that has exited (None while every one runs)."""
+        for child in self._children.values():
+            if child.proc.poll() is not None:
+                return f"{child.name} exited with status {child.proc.returncode}"
         return None
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> bool:

@@ -11,18 +11,24 @@ nothing here runs. What it does, by the server's ``checkpoint_mode``:
   (``park_session``); a restore checks each state with ``restore_session`` before it installs
   anything.
 - ``restart_only``: never exported. Its sessions are listed as ``restarts`` and never block a
-  prepare; new sessions wait while a checkpoint is open, existing ones keep running.
+  prepare; it never closes admission: new seeds and calls on existing sessions keep running while
+  a checkpoint is open (a checkpoint has nothing of theirs to wait for).
 
 A commit sent with ``stop: true`` (the controller stops the mesh next) calls, once its write is
 durable, the server's ``release_session`` on every session (in any mode): what a session holds
 outside its JSON state (a child process, a sandbox) is freed. A failing release is logged and the
 others still run; the commit never fails for it.
 
-Data-plane requests go through ``admitted(route)``: it waits while a checkpoint is open (a
+Data-plane requests go through ``admitted(route, identity)``: it waits while a checkpoint is open (a
 restart-only server's calls on existing sessions only check the retire marks), refuses retired
 attempts with ``stale_attempt`` and counts the request in flight. In-flight tool calls and, when the
 server declares ``checkpoint_verify = "wait"``, in-flight verifies block a prepare; a ``replay``
 verify never does (after a crash it simply runs again).
+
+Retire frees a session only once its requests in flight have stopped: the participant fences the
+attempts first (their new requests are refused), the adapter waits until none of their requests is
+in flight, and only then drops the sessions (``retire_session`` included). While they wait, those
+sessions are readiness blockers and are never exported.
 
 A restored session keeps the ``Record`` it came from until a call touches it, and is exported
 again byte for byte while it is untouched (as its new attempt when only that attempt is in scope).
@@ -46,7 +52,7 @@ from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidPhase, RolloutIdRequired
-from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.resources.sessions import Session, SessionTable
 
 __all__ = [
@@ -116,15 +122,17 @@ class ResourcesAdapter:
         self._parked_for: str | None = None
         self._served = False
         self._installed = False
+        self._retiring: dict[str, RolloutIdentity] = {}
 
     # ---- data plane -------------------------------------------------------------------------
 
-    def admitted(self, route: Route) -> _Admitted:
-        """Let one request in (waiting while a checkpoint is open) and count it while it runs."""
-        return _Admitted(self, route)
+    def admitted(self, route: Route, identity: RolloutIdentity | None) -> _Admitted:
+        """Let one request of ``identity`` in (waiting while a checkpoint is open) and count it while it
+        runs; the server resolves the identity (its ``/ng-rollout/`` prefix, its body, its session)."""
+        return _Admitted(self, route, identity)
 
-    async def _enter(self, route: Route) -> tuple[RolloutIdentity, bool]:
-        identity = await self._admit(route)
+    async def _enter(self, route: Route, named: RolloutIdentity | None) -> tuple[RolloutIdentity, bool]:
+        identity = await self._admit(route, named)
         if route == "seed" and self._installed:  # only a restored server holds restored sessions
             await self._drop_where(lambda owner: owner == identity, restored_only=True)
         blocking = self._blocks(route)
@@ -139,10 +147,9 @@ class ResourcesAdapter:
             _release(self._blocking, identity)
         self._participant().notify_changed()
 
-    async def _admit(self, route: Route) -> RolloutIdentity:
-        identity = current_identity()
+    async def _admit(self, route: Route, identity: RolloutIdentity | None) -> RolloutIdentity:
         participant = self._participant()
-        if self.mode == "restart_only" and route != "seed":
+        if self.mode == "restart_only":
             _check_marks(participant, identity)
         else:
             await participant.admit(identity)
@@ -163,7 +170,8 @@ class ResourcesAdapter:
     # ---- prepare ----------------------------------------------------------------------------
 
     async def readiness(self) -> Readiness:
-        blockers = sorted({identity.capture_key for identity in self._blocking})
+        blocking = set(self._blocking) | set(self._retiring.values())
+        blockers = sorted({identity.capture_key for identity in blocking})
         if self.mode == "exported":
             await self._park_idle_sessions()
         counts = {
@@ -201,6 +209,8 @@ class ResourcesAdapter:
                 yield item
 
     async def _record_of(self, session: Session, scope: Scope | None) -> ExportItem | None:
+        if session.session_id in self._retiring:
+            return None
         restored, identity = session.restored, session.identity
         if restored is not None and (scope is None or restored.episode in scope):
             return restored
@@ -269,7 +279,11 @@ class ResourcesAdapter:
     # ---- retire, forget ---------------------------------------------------------------------
 
     async def retire(self, episodes: Sequence[RolloutIdentity]) -> None:
-        """Stop and free the sessions of those attempts (and earlier ones), then wait for their calls."""
+        """Wait until the requests of those attempts (and earlier ones) stopped, then free their sessions.
+
+        The participant has fenced them already, so no new request of theirs gets in; a session is
+        dropped (``retire_session``) only after its last request in flight has ended.
+        """
         marks: dict[str, int] = {}
         for episode in episodes:
             marks[episode.rollout_id] = max(episode.attempt, marks.get(episode.rollout_id, -1))
@@ -277,8 +291,15 @@ class ResourcesAdapter:
         def retired(identity: RolloutIdentity | None) -> bool:
             return identity is not None and identity.attempt <= marks.get(identity.rollout_id, -1)
 
-        await self._drop_where(retired)
-        await self._until_quiet(retired)
+        doomed = {session.session_id: session.identity for session in self.server.sessions
+                  if session.identity is not None and retired(session.identity)}
+        self._retiring.update(doomed)
+        try:
+            await self._until_quiet(retired)
+            await self._drop_where(retired)
+        finally:
+            for session_id in doomed:
+                self._retiring.pop(session_id, None)
 
     async def forget(self, rollout_ids: Sequence[str]) -> None:
         gone = set(rollout_ids)
@@ -311,6 +332,7 @@ class ResourcesAdapter:
             "restored_sessions": sum(1 for session in sessions if session.restored is not None),
             "in_flight_requests": sum(self._in_flight.values()),
             "blocking_requests": sum(self._blocking.values()),
+            "retiring_sessions": len(self._retiring),
         }
 
 
@@ -318,14 +340,14 @@ class _Admitted:
     """``async with adapter.admitted(route) as identity``: a plain class, cheaper than a generator-based
     context manager on a path every data-plane request takes."""
 
-    __slots__ = ("_adapter", "_entered", "_route")
+    __slots__ = ("_adapter", "_entered", "_identity", "_route")
 
-    def __init__(self, adapter: ResourcesAdapter, route: Route) -> None:
-        self._adapter, self._route = adapter, route
+    def __init__(self, adapter: ResourcesAdapter, route: Route, identity: RolloutIdentity | None) -> None:
+        self._adapter, self._route, self._identity = adapter, route, identity
         self._entered: tuple[RolloutIdentity, bool] | None = None
 
     async def __aenter__(self) -> RolloutIdentity:
-        self._entered = await self._adapter._enter(self._route)
+        self._entered = await self._adapter._enter(self._route, self._identity)
         return self._entered[0]
 
     async def __aexit__(self, *exc: object) -> None:

@@ -31,9 +31,11 @@ __all__ = ["WAIT_S", "HoldArgs", "Holding", "Holds", "ResourcesHooks", "held", "
 WAIT_S = 10.0
 
 
-def mesh_with(implementation: str, name: str, checkpoint: dict[str, Any] | None) -> MeshConfig:
-    """A mesh of one resources server ``name``; checkpointing on when ``checkpoint`` is given."""
-    raw: dict[str, Any] = {name: {"resources_servers": {implementation: {}}}}
+def mesh_with(implementation: str, name: str, checkpoint: dict[str, Any] | None,
+              settings: dict[str, Any] | None = None) -> MeshConfig:
+    """A mesh of one resources server ``name`` (with ``settings``); checkpointing on when ``checkpoint``
+    is given."""
+    raw: dict[str, Any] = {name: {"resources_servers": {implementation: dict(settings or {})}}}
     if checkpoint is not None:
         raw["checkpoint"] = checkpoint
     return load_config_dict(raw)

@@ -16,9 +16,16 @@ from fastapi import FastAPI
 from pydantic import Field, StrictFloat, StrictInt, StrictStr, field_validator
 
 from nemo_gym_ckpt.bounds import MAX_INT64
-from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.resources.base import ResourcesServer, ToolArgs, Verdict, VerifyRequest, final_text, tool
+from nemo_gym_ckpt.resources.base import (
+    ResourcesConfig,
+    ResourcesServer,
+    ToolArgs,
+    Verdict,
+    VerifyRequest,
+    final_text,
+    tool,
+)
 from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = [
@@ -38,7 +45,7 @@ _ANSWER = re.compile(r"the answer is\s*(-?\d+(?:,\d{3})*(?:\.\d+)?)", re.IGNOREC
 Operand = Annotated[int, Field(strict=True, ge=-OPERAND_LIMIT, le=OPERAND_LIMIT)]
 
 
-class Config(ServerConfig):
+class Config(ResourcesConfig):
     pass
 
 

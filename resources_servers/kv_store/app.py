@@ -18,10 +18,18 @@ from typing import Annotated, Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import InvalidRequest
-from nemo_gym_ckpt.resources.base import ResourcesServer, Session, TaskRow, ToolArgs, Verdict, VerifyRequest, tool
+from nemo_gym_ckpt.resources.base import (
+    ResourcesConfig,
+    ResourcesServer,
+    Session,
+    TaskRow,
+    ToolArgs,
+    Verdict,
+    VerifyRequest,
+    tool,
+)
 from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = [
@@ -42,7 +50,7 @@ Key = Annotated[str, Field(strict=True, min_length=1, max_length=128)]
 Value = Annotated[str, Field(strict=True, max_length=4096)]
 
 
-class Config(ServerConfig):
+class Config(ResourcesConfig):
     max_keys: int = Field(256, ge=1, le=100_000)
 
 

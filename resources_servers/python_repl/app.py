@@ -28,17 +28,24 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import Field
 
-from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import InvalidRequest
-from nemo_gym_ckpt.resources.base import ResourcesServer, Session, ToolArgs, Verdict, VerifyRequest, tool
+from nemo_gym_ckpt.resources.base import (
+    ResourcesConfig,
+    ResourcesServer,
+    Session,
+    ToolArgs,
+    Verdict,
+    VerifyRequest,
+    tool,
+)
 from nemo_gym_ckpt.server import close_on_shutdown
 from resources_servers.python_repl.interpreter import Interpreter
 
 __all__ = ["CodeArgs", "Config", "PythonRepl", "ReplTask", "ReplVerdict", "create_app"]
 
 
-class Config(ServerConfig):
+class Config(ResourcesConfig):
     call_timeout_s: float = Field(10.0, gt=0, le=600)
     max_output_chars: int = Field(8192, ge=1, le=100_000)
     max_interpreters: int = Field(64, ge=1, le=4096)

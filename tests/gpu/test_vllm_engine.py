@@ -168,7 +168,7 @@ class _Borrowed(Engine):
 
 
 async def test_completions_route_over_vllm(engine: Engine) -> None:
-    mesh = load_config_dict({"w": {"model_servers": {"inference_worker": {"engine": "vllm"}}}})
+    mesh = load_config_dict({"w": {"responses_api_models": {"inference_worker": {"engine": "vllm"}}}})
     settings = mesh.instance("w").settings
     assert isinstance(settings, Config)
 
@@ -206,7 +206,7 @@ def _cut_app(engine: Engine, staging: Path) -> Any:
 
     mesh = load_config_dict({
         "checkpoint": {"enabled": True, "control_auth_token": TOKEN, "root": str(staging)},
-        "w": {"model_servers": {"inference_worker": {"engine": "vllm", "staging_dir": str(staging)}}},
+        "w": {"responses_api_models": {"inference_worker": {"engine": "vllm", "staging_dir": str(staging)}}},
     })
     settings = mesh.instance("w").settings
     assert isinstance(settings, Config)

@@ -31,7 +31,7 @@ API_KEY = "sk-upstream-api-key-0123456789"
 RAW: dict[str, Any] = {
     "head_server": {"host": "127.0.0.1", "port": 15400},
     "checkpoint": {"enabled": True, "control_auth_token": TOKEN},
-    "front": {"model_servers": {"policy_model": {
+    "front": {"responses_api_models": {"policy_model": {
         "port": 15401, "max_tokens": 77,
         "upstream": {"base_url": "http://127.0.0.1:9/v1", "api_key": API_KEY, "model": "m"}}}},
     "sm": {"resources_servers": {"string_match": {"port": 15402, "host": "127.0.0.1"}}},
@@ -61,9 +61,9 @@ def test_global_config_dict_yaml_is_nemo_gyms_json_string_of_the_redacted_config
     config = yaml.safe_load(text)
     assert TOKEN not in reply.text and API_KEY not in reply.text
     assert config["checkpoint"]["control_auth_token"] == REDACTED
-    assert config["front"]["model_servers"]["policy_model"]["upstream"]["api_key"] == REDACTED
+    assert config["front"]["responses_api_models"]["policy_model"]["upstream"]["api_key"] == REDACTED
     assert config["sm_copy"]["resources_servers"]["string_match"]["notes"] == REDACTED
-    assert config["front"]["model_servers"]["policy_model"]["max_tokens"] == 77
+    assert config["front"]["responses_api_models"]["policy_model"]["max_tokens"] == 77
     for name, port in (("front", 15401), ("sm", 15402), ("sm_copy", 15403)):
         block = next(iter(next(iter(config[name].values())).values()))
         assert (block["host"], block["port"]) == ("127.0.0.1", port), name  # the default host written out

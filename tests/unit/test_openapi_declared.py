@@ -29,8 +29,8 @@ MESH: dict[str, Any] = {
     **GARBAGE_MESH,
     "math_verify": {"resources_servers": {"math_verify": {}}},
     "python_repl": {"resources_servers": {"python_repl": {}}},
-    "restart_only_agent": {"agents": {"restart_only_agent": {
-        "model_server": {"type": "model_servers", "name": "policy_model"},
+    "restart_only_agent": {"responses_api_agents": {"restart_only_agent": {
+        "model_server": {"type": "responses_api_models", "name": "policy_model"},
         "resources_server": {"type": "resources_servers", "name": "calculator_tools"}}}},
 }
 BODILESS = {"/close_session", "/close"}  # POSTs that read no body (the session is the cookie or the prefix)

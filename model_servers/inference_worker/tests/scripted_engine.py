@@ -2,16 +2,25 @@
 
 It "generates" a fixed script of token ids (repeated as needed), obeys ``max_tokens``, EOS and
 ``stop_token_ids`` like a real engine, records what it admitted, and can hold each token behind a
-gate so that a test decides when the next one comes.
+gate so that a test decides when the next one comes. Its tokenizer is ``CharTokenizer`` (one id
+per character, a small chat template of its own) unless a real one is given.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator, Sequence
+from typing import Any
 
-from model_servers.inference_worker.engine import Engine, GenerationRequest, TokenStep
-from nemo_gym_ckpt.errors import Unavailable
+from model_servers.inference_worker.engine import (
+    ChatTemplateRequest,
+    Engine,
+    EngineTokenizer,
+    GenerationRequest,
+    TokenStep,
+)
+from nemo_gym_ckpt.errors import InvalidRequest, Unavailable
 
 SPECIALS = ("<pad>", "<bos>", "<|end|>", "<|user|>")
 EOS = 2
@@ -32,7 +41,8 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(self.vocab)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Special tokens are spelled out in the text; none is ever added."""
         ids: list[int] = []
         rest = text
         while rest:
@@ -47,6 +57,27 @@ class CharTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self.vocab[token_id]
+
+    def render_chat(self, messages: list[dict[str, Any]], request: ChatTemplateRequest) -> str:
+        """``<bos>``, ``T:name,name<|end|>`` for tools, ``<|user|>text<|end|>`` for a user turn and
+        ``A:text<|end|>`` for an assistant turn (tool calls as Hermes blocks), ``r:text<|end|>`` for
+        another role starting with ``r``, then ``A:`` as the generation prompt; ``think=1;`` first
+        with ``chat_template_kwargs`` ``{"think": true}``; a system message ``refuse`` is refused."""
+        if any(m["role"] == "system" and m["content"] == "refuse" for m in messages):
+            raise InvalidRequest("the chat template refused these messages: refuse")
+        text = "<bos>" + ("think=1;" if request.template_kwargs.get("think") else "")
+        if request.tools:
+            text += "T:" + ",".join(tool["function"]["name"] for tool in request.tools) + "<|end|>"
+        for message in messages:
+            head = {"user": "<|user|>", "assistant": "A:"}.get(message["role"], f"{message['role'][0]}:")
+            body = message["content"] or ""
+            for call in message.get("tool_calls") or []:
+                function = call["function"]
+                block = {"name": function["name"], "arguments": function["arguments"]}
+                body += f"<tool_call>{json.dumps(block, separators=(',', ':'))}</tool_call>"
+            closing = "" if request.continue_final_message and message is messages[-1] else "<|end|>"
+            text += head + body + closing
+        return text + ("A:" if request.add_generation_prompt else "")
 
 
 class ScriptedEngine(Engine):
@@ -65,9 +96,10 @@ class ScriptedEngine(Engine):
         gated: bool = False,
         pace_s: float = 0.0,
         fail_after: int | None = None,
+        tokenizer: EngineTokenizer | None = None,
     ) -> None:
         super().__init__()
-        self._tokenizer = CharTokenizer()
+        self._tokenizer = tokenizer or CharTokenizer()
         self._context_length = context_length
         self.script = list(script)
         self.admitted: list[GenerationRequest] = []
@@ -83,7 +115,7 @@ class ScriptedEngine(Engine):
         return cls(CharTokenizer().encode(text), **kwargs)  # type: ignore[arg-type]
 
     @property
-    def tokenizer(self) -> CharTokenizer:
+    def tokenizer(self) -> EngineTokenizer:
         return self._tokenizer
 
     @property
@@ -104,7 +136,7 @@ class ScriptedEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenStep, None]:
         self.admitted.append(request)
-        stops = request.stop_set(EOS)
+        stops = request.stop_set(self._tokenizer.eos_token_id)
         finished = False
         try:
             for index in range(request.max_tokens):

@@ -205,7 +205,7 @@ async def test_garbage_bodies_and_routes(worker_client: WorkerClient) -> None:
         nan = await http.post("/v1/completions", content=nan_body, headers=as_json)
         wrong_model = await http.post("/v1/completions", json={"prompt": HELLO, "model": "gpt-9"})
         wrong_method = await http.get("/v1/completions")
-        unknown = await http.post("/v1/chat/completions", json={})
+        unknown = await http.post("/v1/embeddings", json={})
         version_garbage = await http.post("/ng-control/v1/policy-version", content=b"\x00\xff")
     assert [r.status_code for r in (not_json, not_object, nan)] == [400, 400, 400]
     assert wrong_model.status_code == 404 and "gpt-9" in wrong_model.json()["error"]["detail"]
@@ -308,7 +308,7 @@ def test_staging_lives_beside_the_checkpoint_root_never_inside_it(tmp_path: Path
     root, own = tmp_path / "ckpts", tmp_path / "elsewhere"
     settings = {"staging_dir": str(own)} if configured else {}
     mesh = load_config_dict({"checkpoint": {"enabled": True, "control_auth_token": TOKEN, "root": str(root)},
-                             "w1": {"model_servers": {"inference_worker": settings}}})
+                             "w1": {"responses_api_models": {"inference_worker": settings}}})
     instance = mesh.instance("w1")
     assert isinstance(instance.settings, Config)
     where = staging_dir(ServerContext(name="w1", settings=instance.settings, mesh=mesh))

@@ -44,7 +44,7 @@ __all__ = [
 TOKEN = "policy-model-test-token"
 INSTANCE = "policy_model"
 WAIT_S = 10.0
-WORKER_REF = {"type": "model_servers", "name": "inference_worker"}
+WORKER_REF = {"type": "responses_api_models", "name": "inference_worker"}
 
 
 def policy_context(
@@ -52,8 +52,8 @@ def policy_context(
     **settings: Any,
 ) -> ServerContext[Config]:
     raw: dict[str, Any] = {
-        "inference_worker": {"model_servers": {"inference_worker": {"port": worker_port}}},
-        INSTANCE: {"model_servers": {INSTANCE: {"worker": WORKER_REF, "tokenizer_path": str(tokenizer_dir),
+        "inference_worker": {"responses_api_models": {"inference_worker": {"port": worker_port}}},
+        INSTANCE: {"responses_api_models": {INSTANCE: {"worker": WORKER_REF, "tokenizer_path": str(tokenizer_dir),
                                                 "checkpoint_policy": True, **settings}}},
     }
     if root is not None:

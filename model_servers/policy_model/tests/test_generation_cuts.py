@@ -336,7 +336,7 @@ async def test_a_restored_cut_is_kept_until_the_rollout_delivers(policies: OpenP
         await asyncio.wait_for(call, WAIT_S)
     async with policies(**CUTS) as fresh:
         await restored(fresh, first, "c1", R1)
-        again = await commit(fresh, "c2", episode_ids=[R1.to_json()])
+        again = await commit(fresh, "c2", episode_ids=[R1.to_json()], incremental=False)  # written in full
         [same] = ledger_records(fresh.root, again)
         await fresh.control.ok("resume", checkpoint_id="c2")
         settled = await keeps(fresh, 1)

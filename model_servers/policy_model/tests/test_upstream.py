@@ -27,20 +27,22 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type":
 
 
 class FakeUpstream:
-    """Implements ``POST /v1/chat/completions`` of the OpenAI API with scripted replies."""
+    """Implements ``POST /v1/chat/completions`` of the OpenAI API and vLLM's ``POST /tokenize`` with
+    scripted replies (one queue per route)."""
 
     def __init__(self) -> None:
-        self.replies: list[tuple[int, dict[str, Any]]] = []
+        self.replies: dict[str, list[tuple[int, dict[str, Any]]]] = {"/v1/chat/completions": [], "/tokenize": []}
         self.requests: list[tuple[str, dict[str, str], dict[str, Any]]] = []
         self.app = FastAPI()
-        self.app.post("/v1/chat/completions")(self._chat)
+        for path in self.replies:
+            self.app.post(path)(self._reply)
 
-    def will(self, *replies: dict[str, Any] | tuple[int, dict[str, Any]]) -> None:
-        self.replies.extend(r if isinstance(r, tuple) else (200, r) for r in replies)
+    def will(self, *replies: dict[str, Any] | tuple[int, dict[str, Any]], path: str = "/v1/chat/completions") -> None:
+        self.replies[path].extend(r if isinstance(r, tuple) else (200, r) for r in replies)
 
-    async def _chat(self, request: Request) -> JSONResponse:
+    async def _reply(self, request: Request) -> JSONResponse:
         self.requests.append((request.url.path, dict(request.headers), await request.json()))
-        status, body = self.replies.pop(0)
+        status, body = self.replies[request.url.path].pop(0)
         return JSONResponse(body, status_code=status)
 
 
@@ -85,7 +87,7 @@ def upstream_client(upstream: FakeUpstream) -> UpstreamClient:
     @asynccontextmanager
     async def open_client(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
         mesh = load_config_dict(
-            {"policy_model": {"model_servers": {"policy_model": {"upstream": UPSTREAM, **settings}}}}
+            {"policy_model": {"responses_api_models": {"policy_model": {"upstream": UPSTREAM, **settings}}}}
         )
         instance = mesh.instance("policy_model")
         assert isinstance(instance.settings, Config)
@@ -188,6 +190,63 @@ async def test_token_capture_from_vllm_fields(
     assert missing.status_code == 502 and "token ids" in missing.json()["error"]["detail"]
 
 
+def token_id_logprobs(ids: list[int]) -> dict[str, Any]:
+    """vLLM's ``logprobs.content`` with ``return_tokens_as_token_ids``."""
+    return {"content": [{"token": f"token_id:{i}", "logprob": -0.5, "top_logprobs": []} for i in ids]}
+
+
+async def test_prompt_ids_from_tokenize_when_the_reply_has_none(
+    upstream_client: UpstreamClient, upstream: FakeUpstream
+) -> None:
+    upstream.will(completion({"content": "hi"}, logprobs=token_id_logprobs([5, 6, 2])))
+    upstream.will({"count": 3, "max_model_len": 99, "tokens": [1, 2, 3]}, path="/tokenize")
+    async with upstream_client(return_token_ids=True) as http:
+        reply = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                              "tools": TOOLS})
+    message = reply.json()["choices"][0]["message"]
+    assert (message["prompt_token_ids"], message["generation_token_ids"]) == ([1, 2, 3], [5, 6, 2])
+    assert message["generation_log_probs"] == [-0.5, -0.5, -0.5]
+    chat_sent, tokenize_sent = upstream.requests[0][2], upstream.requests[1][2]
+    assert chat_sent["top_logprobs"] == 0 and chat_sent["return_tokens_as_token_ids"] is True
+    assert upstream.requests[1][0] == "/tokenize"  # vLLM serves it beside /v1
+    assert tokenize_sent == {"model": "big-model", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+
+
+@pytest.mark.parametrize(
+    ("reply", "words"),
+    [
+        (completion({"content": "hi"}, prompt_token_ids=[1]), "partial token ids: no choice token_ids"),
+        ({**completion({"content": "hi"}, token_ids=[5]), "prompt_token_ids": [1]}, "logprobs do not match"),
+        (completion({"content": "hi"}, token_ids=[5], prompt_token_ids=[1], logprobs=token_id_logprobs([6])),
+         "disagree with its logprob tokens"),
+        (completion({"content": "hi"}, logprobs={"content": [{"token": "h", "logprob": -1.0}]}), "returned none"),
+    ],
+)
+async def test_unusable_token_replies_are_502(
+    upstream_client: UpstreamClient, upstream: FakeUpstream, reply: dict[str, Any], words: str
+) -> None:
+    upstream.will(reply)
+    async with upstream_client(return_token_ids=True) as http:
+        answer = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert answer.status_code == 502 and words in answer.json()["error"]["detail"]
+
+
+async def test_a_server_that_retokenizes_known_ids_is_refused(
+    upstream_client: UpstreamClient, upstream: FakeUpstream
+) -> None:
+    """The server's /tokenize kept the earlier turn's ids, but its generation used others."""
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": "y", "prompt_token_ids": [1, 2], "generation_token_ids": [3]},
+               {"role": "user", "content": "z"}]
+    upstream.will({"count": 5, "max_model_len": 99, "tokens": [1, 2, 3, 4, 9]}, path="/tokenize")
+    upstream.will(completion({"content": "ok"}, token_ids=[7], prompt_token_ids=[1, 2, 8, 4, 9],
+                             logprobs=token_id_logprobs([7])))
+    async with upstream_client(return_token_ids=True) as http:
+        answer = await http.post("/v1/chat/completions", json={"messages": history})
+    assert answer.status_code == 502 and "tokenized the known ids" in answer.json()["error"]["detail"]
+    assert [path for path, _, _ in upstream.requests] == ["/tokenize", "/v1/chat/completions"]
+
+
 @pytest.mark.parametrize(
     ("status", "ours", "code"),
     [
@@ -221,7 +280,7 @@ async def test_stream_replays_the_reply(upstream_client: UpstreamClient, upstrea
 
 
 def test_config_needs_exactly_one_backend() -> None:
-    ref = {"type": "model_servers", "name": "inference_worker"}
+    ref = {"type": "responses_api_models", "name": "inference_worker"}
     for settings, words in [
         ({}, "exactly one"),
         ({"upstream": UPSTREAM, "worker": ref}, "exactly one"),
@@ -230,4 +289,4 @@ def test_config_needs_exactly_one_backend() -> None:
         ({"upstream": UPSTREAM, "temprature": 0.5}, "unknown key"),
     ]:
         with pytest.raises(ConfigError, match=words):
-            load_config_dict({"policy_model": {"model_servers": {"policy_model": settings}}})
+            load_config_dict({"policy_model": {"responses_api_models": {"policy_model": settings}}})

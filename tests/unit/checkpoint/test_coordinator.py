@@ -315,7 +315,7 @@ async def test_every_commit_body_carries_stop_as_upstreams_does() -> None:
 
     participant.add_api_route("/ng-control/v1/checkpoint/status", status, methods=["GET"])
     participant.add_api_route("/ng-control/v1/checkpoint/commit", commit, methods=["POST"])
-    head = create_head_stub([{"name": "p1", "type": "model_servers", "implementation": "x", "url": "http://p1"}])
+    head = create_head_stub([{"name": "p1", "type": "responses_api_models", "implementation": "x", "url": "http://p1"}])
     client = MeshClient(transport=MeshTransport({"head": head, "p1": participant}), retries=0)
     async with Coordinator("http://head", TOKEN, client=client) as coordinator:
         await coordinator.commit("c1", deadline_ts=deadline(), checkpoint_dir="/d/c1")

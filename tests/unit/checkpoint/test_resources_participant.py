@@ -47,6 +47,7 @@ EMPTY_RESPONSE: dict[str, Any] = {"output": []}
 RESTART_ONLY_CHECKS = {  # they need an episode whose state a checkpoint captures; see the restart tests
     "restored_content_is_exported_byte_for_byte",
     "commit_scope_limits_the_export",
+    "requests_wait_for_resume",  # a restart-only server never closes admission (its own test says so)
 }
 
 
@@ -207,11 +208,12 @@ async def test_off_mounts_nothing_and_changes_nothing(implementation: str, start
         )
         assert (status.status_code, status.json()["error"]["code"]) == (404, "not_found")
         seeded = await off.client.post("/seed_session", json={})  # no rollout prefix needed
-        assert seeded.status_code == 200 and seeded.json()["session_id"]
+        assert seeded.status_code == 200 and seeded.json()["resources_session_id"]
         assert dict(seeded.headers).items() >= off.server.checkpoint_headers().items()
         assert len(off.server.sessions) == (0 if server_class.checkpoint_mode == "stateless" else 1)
         closed = await off.client.post("/close_session", headers=off.cookie(seeded))
-        assert closed.json() == {"closed": server_class.checkpoint_mode != "stateless"}
+        assert closed.json() == {"resources_session_id": seeded.json()["resources_session_id"]}
+        assert len(off.server.sessions) == 0
 
 
 async def test_off_a_stateless_server_answers_without_a_prefix(start: Callable[..., Any]) -> None:
@@ -270,6 +272,7 @@ async def test_status_declares_and_counts(start: Callable[..., Any]) -> None:
             "restored_sessions": 0,
             "in_flight_requests": 1,
             "blocking_requests": 1,
+            "retiring_sessions": 0,
         }
         await on.client.post("/_test/release/r1")
         assert (await asyncio.wait_for(hold, WAIT_S)).status_code == 200
@@ -424,7 +427,7 @@ async def test_restored_content_is_exported_again_as_read_until_touched(
             "restore", checkpoint_id="r", checkpoint_dir=str(root / "ck1"), episode_ids=scope
         )
         await after.control.ok("resume", checkpoint_id="r")
-        same = await checkpoint(after.control, "c2", root / "ck2")
+        same = await checkpoint(after.control, "c2", root / "ck2", incremental=False)  # a full write
         assert same["manifest"]["records_sha256"] == first["manifest"]["records_sha256"]
         next_scope = [episode("r1", 1), episode("r2", 1)]
         moved = records_of(
@@ -587,28 +590,14 @@ async def test_a_failure_to_free_never_fails_the_stop_commit(start: Callable[...
 async def test_retire_then_forget_leaves_nothing(start: Callable[..., Any], clock: FakeClock) -> None:
     async with start(held(KvStore), "kv_store") as on:
         cookies = {key: await on.seed(key) for key in ("r1", "r1-a1", "r2", "r3")}
-        hold = asyncio.create_task(on.call("r1-a1", "hold"))
-        await until_held(on.client, "r1-a1", hold)
         retired = [episode("r1", 1), episode("r2")]
-        deadline = clock.now() + 5
-        retire = asyncio.create_task(
-            on.control.send(
-                "retire", {"checkpoint_id": "h1", "deadline_ts": deadline, "episode_ids": retired}
-            )
-        )
-        await until(lambda: len(on.server.sessions) == 1)  # the retired sessions are dropped at once
-        assert sorted(s.identity.capture_key for s in on.server.sessions) == ["r3"]
-        clock.advance(6)  # the retired attempt's call is still in flight: retire waits for it
-        late = await asyncio.wait_for(retire, WAIT_S)
-        assert (late.status_code, late.json()["error"]["code"]) == (409, "deadline_exceeded")
-        await on.client.post("/_test/release/r1-a1")
-        assert (await asyncio.wait_for(hold, WAIT_S)).status_code == 200
-        assert await on.control.ok("retire", checkpoint_id="h2", episode_ids=retired) == {
+        assert await on.control.ok("retire", checkpoint_id="h1", episode_ids=retired) == {
             "retired": ["r1-a1", "r2"]
         }
+        assert sorted(s.identity.capture_key for s in on.server.sessions) == ["r3"]
         stale = await on.call("r1", "kv_list", cookies["r1"])
         assert (stale.status_code, stale.json()["error"]["code"]) == (409, "stale_attempt")
-        await on.control.ok("forget", checkpoint_id="h3", rollout_ids=["r1", "r2", "r3"])
+        await on.control.ok("forget", checkpoint_id="h2", rollout_ids=["r1", "r2", "r3"])
         status = await on.control.status()
         assert status["retired_rollouts"] == 0 and status["waiting_requests"] == 0
         assert status["extras"] == {
@@ -618,7 +607,47 @@ async def test_retire_then_forget_leaves_nothing(start: Callable[..., Any], cloc
             "restored_sessions": 0,
             "in_flight_requests": 0,
             "blocking_requests": 0,
+            "retiring_sessions": 0,
         }
+
+
+class FreeingKv(KvStore):
+    """kv_store (exported) with the ``hold`` tool, logging what each session's tool calls and its
+    ``retire_session`` see, in order."""
+
+    def __init__(self, ctx: ServerContext[Any]) -> None:
+        super().__init__(ctx)
+        self.log: list[str] = []
+
+    async def retire_session(self, session: Session) -> None:
+        assert session.identity is not None
+        self.log.append(f"freed {session.identity.capture_key}")
+
+
+async def test_retire_frees_a_session_only_after_its_requests_in_flight_stopped(
+    start: Callable[..., Any], clock: FakeClock
+) -> None:
+    async with start(held(FreeingKv), "kv_store") as on:
+        cookie = await on.seed("r1")
+        hold = asyncio.create_task(on.call("r1", "hold", cookie))
+        await until_held(on.client, "r1", hold)
+        retire = asyncio.create_task(
+            on.control.send("retire", {"checkpoint_id": "h1", "deadline_ts": clock.now() + 5,
+                                       "episode_ids": [episode("r1")]})
+        )
+        await until_status(on.control, lambda status: status["extras"]["retiring_sessions"] == 1)
+        assert on.server.log == [] and len(on.server.sessions) == 1  # its call still runs: nothing freed
+        refused = await on.call("r1", "kv_list", cookie)  # a new request of the attempt: fenced already
+        assert (refused.status_code, refused.json()["error"]["code"]) == (409, "stale_attempt")
+        clock.advance(6)  # the deadline passes while the call runs: retire says so, frees nothing yet
+        late = await asyncio.wait_for(retire, WAIT_S)
+        assert (late.status_code, late.json()["error"]["code"]) == (409, "deadline_exceeded")
+        assert on.server.log == [] and len(on.server.sessions) == 1
+        await on.client.post("/_test/release/r1")
+        assert (await asyncio.wait_for(hold, WAIT_S)).status_code == 200
+        await on.control.ok("retire", checkpoint_id="h2", episode_ids=[episode("r1")])
+        assert on.server.log == ["freed r1"] and len(on.server.sessions) == 0
+        assert (await on.extras())["retiring_sessions"] == 0
 
 
 # ---- restart-only servers ------------------------------------------------------------------------
@@ -637,13 +666,12 @@ async def test_restart_only_sessions_are_restarts_that_never_block(
             on.call("r1", "run_python", cookie, code="6 * 7"), WAIT_S
         )  # keeps running
         assert ran.json() == {"output": "42\n", "error": None}
-        seed = asyncio.create_task(on.call("r3", "seed_session"))  # a new session waits
-        await until_status(on.control, lambda status: status["waiting_requests"] == 1)
+        seed = await asyncio.wait_for(on.call("r3", "seed_session"), WAIT_S)  # a new seed never waits
+        assert seed.headers["x-ng-checkpoint-restart"] == "1"
+        assert (await on.control.status())["waiting_requests"] == 0
         committed = await on.control.ok("commit", checkpoint_id="c1", checkpoint_dir=str(root / "ck"))
         assert committed["manifest"]["record_count"] == 0 and committed["episode_ids"] == []
-        assert not seed.done()
         await on.control.ok("resume", checkpoint_id="c1")
-        assert (await asyncio.wait_for(seed, WAIT_S)).headers["x-ng-checkpoint-restart"] == "1"
         await on.control.ok("prepare", checkpoint_id="c2")
         error = await on.control.refused(
             "restart_in_scope",
@@ -740,3 +768,31 @@ def test_hooks_a_mode_never_runs_are_refused(base: type, hooks: dict[str, Any], 
     with pytest.raises(TypeError) as raised:
         type("Bad", (base,), hooks)
     assert unused in str(raised.value)
+
+
+async def test_nemo_gym_calls_without_a_prefix_are_admitted_by_their_body_or_their_session(
+    start: Callable[..., Any],
+) -> None:
+    """NeMo Gym's environment servers seed with ``episode_id`` in the body and then call without the
+    rollout prefix: the seed is admitted under that episode, later calls under their session's."""
+    async with start(SERVERS["kv_store"], "kv_store") as res:
+        nobody = await res.client.post("/seed_session", json={"initial_state": {}})
+        assert (nobody.status_code, nobody.json()["error"]["code"]) == (400, "rollout_id_required")
+        seed = {"resources_session_id": "resources-session-9", "episode_id": {"rollout_id": "2-0", "attempt": 1},
+                "task_id": {"taskset": "kv", "task_id": "2"}, "task_data": {"initial_state": {"a": "1"}}}
+        seeded = await res.client.post("/seed_session", json=seed)
+        assert seeded.status_code == 200, seeded.text
+        (session,) = list(res.server.sessions)
+        assert session.identity == RolloutIdentity("2-0", 1) and session.session_id == "resources-session-9"
+        cookie = res.cookie(seeded)
+        assert (await res.client.post("/kv_get", json={"key": "a"}, headers=cookie)).status_code == 200
+        await res.control.ok("prepare", checkpoint_id="ck-ng")
+        waiting = asyncio.create_task(res.client.post("/kv_set", json={"key": "b", "value": "2"}, headers=cookie))
+        await until(lambda: res.server.checkpoint.participant.status()["waiting_requests"] == 1)
+        assert not waiting.done()
+        await res.control.ok("resume", checkpoint_id="ck-ng")
+        assert (await asyncio.wait_for(waiting, WAIT_S)).status_code == 200
+        close = {"resources_session_id": "resources-session-9", "episode_id": seed["episode_id"]}
+        closed = await res.client.post("/close_session", json=close)
+        assert (closed.status_code, closed.json()) == (200, {"resources_session_id": "resources-session-9"})
+        assert len(res.server.sessions) == 0

@@ -1,0 +1,146 @@
+"""The process of one NeMo Gym server in our mesh, in NeMo Gym's own Python environment.
+
+The launcher starts it with ``nemo_gym_ckpt.launch.child.bridge_command`` (only ``nemo_gym_ckpt`` is
+imported from the project). ``main(instance)`` then does what NeMo Gym's launcher and its
+``run_webserver`` would, and serves the result inside the participant shell:
+
+1. reads the mesh config (``NEMO_GYM_CKPT_CONFIG``), the instance's block and the ``checkpoint`` block;
+2. finds the server's folder, ``resources_servers/<implementation>/`` of the installed ``nemo_gym``
+   distribution, makes it the working directory and puts it first on the module path and in
+   ``PYTHONPATH`` (NeMo Gym's servers import their sibling modules, and so do the processes they
+   start), and sets ``NEMO_GYM_CONFIG_DICT`` / ``NEMO_GYM_CONFIG_PATH`` (``global_config``);
+3. imports the entrypoint and finds the server class (the one ``SimpleResourcesServer`` subclass the
+   module defines, or the one this project's table names), and its declaration (``declarations``);
+4. builds the app with NeMo Gym's own ``run_webserver`` on its worker path, which sets the server up
+   exactly as for serving (MCP exposure, liveness routes, middleware) and hands the app back;
+5. serves ``ResourcesShell(app).build_app(checkpoint)`` with uvicorn, until SIGTERM or the death of
+   the launcher.
+
+A config problem exits with status 2 and one line naming it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path, PurePosixPath
+from types import ModuleType
+from typing import Any
+
+import orjson
+import uvicorn
+
+from nemo_gym_ckpt.bridge.declarations import NEMO_GYM_VERIFIERS, declaration_of
+from nemo_gym_ckpt.bridge.global_config import CONFIG_DICT_ENV, CONFIG_PATH_ENV, WORKER_ENV, nemo_gym_config_yaml
+from nemo_gym_ckpt.config import CheckpointConfig
+from nemo_gym_ckpt.errors import ConfigError
+from nemo_gym_ckpt.launch.child import CONFIG_ENV, PARENT_ENV, exit_orphaned, watch_parent
+from nemo_gym_ckpt.resources.shell import ResourcesShell
+
+__all__ = ["ServerBlock", "main", "server_class_in", "server_folder"]
+
+logger = logging.getLogger(__name__)
+USAGE_EXIT = 2
+TYPE_KEY = "resources_servers"
+
+
+class ServerBlock:
+    """The instance's block of the mesh config: implementation, entrypoint, host and port."""
+
+    def __init__(self, raw: dict[str, Any], instance: str) -> None:
+        block = raw.get(instance)
+        if not isinstance(block, dict) or set(block) != {TYPE_KEY}:
+            raise ConfigError(f"{instance} is not a {TYPE_KEY} instance of the mesh", key=instance)
+        impls = block[TYPE_KEY]
+        if not isinstance(impls, dict) or len(impls) != 1:
+            raise ConfigError("expected exactly one implementation block", key=f"{instance}.{TYPE_KEY}")
+        self.implementation, settings = next(iter(impls.items()))
+        self.settings: dict[str, Any] = settings if isinstance(settings, dict) else {}
+        self.entrypoint = str(self.settings.get("entrypoint", "app.py"))
+        self.host = str(self.settings.get("host", "127.0.0.1"))
+        port = self.settings.get("port")
+        if not isinstance(port, int) or isinstance(port, bool):
+            raise ConfigError("the launcher gives every server a port; this one has none", key=instance)
+        self.port = port
+
+    @property
+    def module(self) -> str:
+        parts = PurePosixPath(self.entrypoint).with_suffix("").parts
+        return ".".join((TYPE_KEY, self.implementation, *parts))
+
+
+def server_folder(implementation: str, entrypoint: str) -> Path:
+    """``resources_servers/<implementation>/`` of the installed nemo_gym distribution."""
+    spec = importlib.util.find_spec(TYPE_KEY)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        folder = Path(location) / implementation
+        if (folder / entrypoint).is_file():
+            return folder
+    raise ConfigError(f"nemo_gym has no server {TYPE_KEY}/{implementation}/{entrypoint} in this environment "
+                      f"(looked in {', '.join(locations) or 'nothing'})")
+
+
+def server_class_in(module: ModuleType, implementation: str) -> type:
+    """The server class of an entrypoint module (the table's name for NeMo Gym's verifiers)."""
+    from nemo_gym.base_resources_server import SimpleResourcesServer
+
+    known = NEMO_GYM_VERIFIERS.get(implementation)
+    if known is not None and isinstance(getattr(module, known.server_class, None), type):
+        return getattr(module, known.server_class)
+    defined = [value for value in vars(module).values()
+               if isinstance(value, type) and issubclass(value, SimpleResourcesServer)
+               and value.__module__ == module.__name__]
+    if len(defined) != 1:
+        names = ", ".join(cls.__name__ for cls in defined) or "none"
+        raise ConfigError(f"{module.__name__} must define exactly one SimpleResourcesServer subclass, got {names}")
+    return defined[0]
+
+
+def _prepare_process(raw: dict[str, Any], instance: str, folder: Path) -> None:
+    os.chdir(folder)
+    sys.path.insert(0, str(folder))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(folder), os.environ.get("PYTHONPATH"))))
+    os.environ[CONFIG_DICT_ENV] = nemo_gym_config_yaml(raw)
+    os.environ[CONFIG_PATH_ENV] = instance
+    os.environ[WORKER_ENV] = "1"
+
+
+def _read_mesh() -> dict[str, Any]:
+    text = os.environ.get(CONFIG_ENV)
+    if text is None:
+        raise ConfigError(f"{CONFIG_ENV} is not set: start servers with 'nemo-gym-ckpt run CONFIG'")
+    try:
+        raw = orjson.loads(text)
+    except orjson.JSONDecodeError as error:
+        raise ConfigError(f"{CONFIG_ENV} is not valid JSON: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{CONFIG_ENV} holds no mapping")
+    return raw
+
+
+def main(instance: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if PARENT_ENV in os.environ:
+        watch_parent(int(os.environ[PARENT_ENV]), exit_orphaned)
+    try:
+        raw = _read_mesh()
+        block = ServerBlock(raw, instance)
+        checkpoint = CheckpointConfig.model_validate(raw.get("checkpoint") or {})
+        folder = server_folder(block.implementation, block.entrypoint)
+        _prepare_process(raw, instance, folder)
+        module = importlib.import_module(block.module)
+        server_class = server_class_in(module, block.implementation)
+    except ConfigError as error:
+        logger.error("config error: %s", error)
+        raise SystemExit(USAGE_EXIT) from None
+    declaration = declaration_of(server_class, module.__name__)
+    logger.info("%s: NeMo Gym's %s.%s, declared %s / %s", instance, module.__name__, server_class.__name__,
+                declaration.checkpoint_mode, declaration.checkpoint_verify)
+    app = server_class.run_webserver()  # type: ignore[attr-defined]
+    shell = ResourcesShell(app, instance, declaration, inner_strips_prefix=True)
+    uvicorn.run(shell.build_app(checkpoint if checkpoint.enabled else None), host=block.host, port=block.port,
+                loop="uvloop", http="httptools", log_level="warning", timeout_graceful_shutdown=5)

@@ -1,0 +1,85 @@
+"""NeMo Gym's global config for one of its servers in our mesh, made from the mesh's resolved config.
+
+NeMo Gym's launcher hands each server the whole resolved config as YAML in ``NEMO_GYM_CONFIG_DICT``
+and the server's instance name in ``NEMO_GYM_CONFIG_PATH``; the server reads its own block from the
+first implementation under the first type key of that instance, and reaches another server (a
+judge model) by the ``host`` and ``port`` of that server's block. Our mesh config has the same
+instance -> type key -> implementation -> settings shape, so every instance is passed as it is,
+except that a NeMo Gym instance loses this mesh's own keys (``package``, ``python``) and every
+instance gets its ``host`` (this mesh's default, 127.0.0.1, where it sets none). Added:
+
+- ``head_server`` (NeMo Gym's servers need its address, but do not call it at startup);
+- ``dry_run: false`` (required);
+- ``observability_enabled: true``: the server then sends its judge calls under the rollout's
+  ``/ng-rollout/<key>/`` prefix, so that a judge model of the mesh sees which rollout asked.
+
+The ``checkpoint`` block stays out: it is this mesh's, and it holds the control token. Strings
+that contain ``${`` are escaped (the YAML is parsed by OmegaConf, which would interpolate them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "CONFIG_DICT_ENV",
+    "CONFIG_PATH_ENV",
+    "OUR_KEYS",
+    "WORKER_ENV",
+    "nemo_gym_config",
+    "nemo_gym_config_yaml",
+]
+
+CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
+CONFIG_PATH_ENV = "NEMO_GYM_CONFIG_PATH"
+WORKER_ENV = "IS_NEMO_GYM_FASTAPI_WORKER"
+"""Set in the server's process: NeMo Gym then builds the app and hands it back instead of serving it
+(its path for uvicorn workers), so that the shell can serve it."""
+OUR_KEYS = ("package", "python")
+DEFAULT_HOST = "127.0.0.1"
+_MESH_ONLY_KEYS = ("checkpoint",)
+
+
+def nemo_gym_config(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The global config dict NeMo Gym's servers read, from the mesh's resolved ``raw`` config."""
+    config: dict[str, Any] = {}
+    for name, block in raw.items():
+        if name in _MESH_ONLY_KEYS:
+            continue
+        config[name] = _as_nemo_gym_block(block) if isinstance(block, Mapping) else block
+    config["head_server"] = {"host": DEFAULT_HOST, **(raw.get("head_server") or {})}
+    config["dry_run"] = False
+    config["observability_enabled"] = True
+    return _escaped(config)
+
+
+def nemo_gym_config_yaml(raw: Mapping[str, Any]) -> str:
+    return yaml.safe_dump(nemo_gym_config(raw), sort_keys=False)
+
+
+def _as_nemo_gym_block(block: Mapping[str, Any]) -> dict[str, Any]:
+    """An instance block with ``package``/``python`` dropped from its settings and a ``host`` set."""
+    out: dict[str, Any] = {}
+    for type_key, impls in block.items():
+        if not isinstance(impls, Mapping):
+            out[type_key] = impls
+            continue
+        out[type_key] = {
+            impl: {"host": DEFAULT_HOST, **{k: v for k, v in settings.items() if k not in OUR_KEYS}}
+            if isinstance(settings, Mapping) else settings
+            for impl, settings in impls.items()
+        }
+    return out
+
+
+def _escaped(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.replace("${", "\\${")
+    if isinstance(value, Mapping):
+        return {str(key): _escaped(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_escaped(item) for item in value]
+    return value
