@@ -126,8 +126,8 @@ class RolloutPrefixMiddleware:
 
 def _int64(text: str) -> int:
     value = int(text)
-    if not -(2**63) <= value < 2**64:
-        raise ValueError(f"an integer of {len(text)} digits is outside the 64-bit range")
+    if not -(2**63) <= value < 2**64:  # a 400 that names the cause (FastAPI passes HTTPException on)
+        raise StarletteHTTPException(400, f"an integer of {len(text)} digits is outside the 64-bit range")
     return value
 
 

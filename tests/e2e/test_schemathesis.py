@@ -1,7 +1,8 @@
 """schemathesis over every server's OpenAPI, on real processes with checkpointing on.
 
-The quickstart mesh plus one instance of every other implementation of the project (kv_store,
-mcqa, math_verify, string_match, python_repl, the restart-only agent, nim), each its own process.
+The quickstart mesh plus the shipped config of every other implementation of the project (kv_store,
+mcqa, math_verify, string_match, python_repl, the restart-only agent, nim with its agent, the
+legacy_agent relay), each its own process, and the head server.
 For each server its ``/openapi.json`` is read over HTTP and every operation gets ``EXAMPLES``
 generated cases valid by the schema and ``EXAMPLES`` that break it, each sent with the control
 bearer and without it; rollout-scoped paths go under ``/ng-rollout/<key>/``. Every reply must be
@@ -10,7 +11,9 @@ schemathesis's own ``not_a_server_error`` too). A control call that opened a che
 at once, so the next cases find the participant idle (a prepare with a far deadline would otherwise
 hold every later data call). The counts are printed (``-s``) and kept in ``SUMMARY``.
 
-``NGC_SCHEMATHESIS_EXAMPLES`` sets the number of examples per operation and mode (CI: 3).
+``cpu_s`` is the CPU time of the whole run (this process and every server process), the measure
+of its cost on a busy machine. ``NGC_SCHEMATHESIS_EXAMPLES`` sets the number of examples per
+operation and mode (CI: 3).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from nemo_gym_ckpt.config import PROJECT_ROOT, load_config, load_config_dict
+from nemo_gym_ckpt.config import PROJECT_ROOT, load_config
 from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 pytestmark = pytest.mark.e2e
@@ -38,36 +41,36 @@ EXAMPLES = int(os.environ.get("NGC_SCHEMATHESIS_EXAMPLES", "3"))
 TOKEN = "schemathesis-" + secrets.token_hex(8)
 CALL_TIMEOUT_S = 30.0
 CONTROL = "/ng-control/"
-MODEL = {"type": "model_servers", "name": "policy_model"}
-CALCULATOR = {"type": "resources_servers", "name": "calculator_tools"}
-EXTRA: dict[str, Any] = {
-    "kv_store": {"resources_servers": {"kv_store": {}}},
-    "mcqa": {"resources_servers": {"mcqa": {}}},
-    "math_verify": {"resources_servers": {"math_verify": {}}},
-    "string_match": {"resources_servers": {"string_match": {}}},
-    "python_repl": {"resources_servers": {"python_repl": {}}},
-    "restart_only_agent": {"agents": {"restart_only_agent": {"model_server": MODEL,
-                                                             "resources_server": CALCULATOR}}},
-    "nim": {"environment_servers": {"nim": {"agent": {"type": "agents", "name": "simple_agent"}}}},
-}
+CONFIGS = [PROJECT_ROOT / path for path in (
+    "configs/quickstart.yaml", "resources_servers/kv_store/configs/kv_store.yaml",
+    "resources_servers/mcqa/configs/mcqa.yaml", "resources_servers/math_verify/configs/math_verify.yaml",
+    "resources_servers/string_match/configs/string_match.yaml",
+    "resources_servers/python_repl/configs/python_repl.yaml",
+    "agents/restart_only_agent/configs/restart_only_agent.yaml", "environment_servers/nim/configs/nim.yaml",
+    "environment_servers/legacy_agent/configs/legacy_agent.yaml")]
 SUMMARY: Counter[str] = Counter()
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshLauncher]:
     root = tmp_path_factory.mktemp("checkpoints")
-    quickstart = load_config([PROJECT_ROOT / "configs/quickstart.yaml"], [
+    launcher = MeshLauncher(load_config(CONFIGS, [
         "head_server.port=0", "checkpoint.enabled=true", f"checkpoint.control_auth_token={TOKEN}",
-        f"checkpoint.root={root}"])
-    launcher = MeshLauncher(load_config_dict({**quickstart.raw, **EXTRA}))
-    started = time.monotonic()
+        f"checkpoint.root={root}"]))
+    started, cpu = time.monotonic(), cpu_seconds()
     launcher.start(ready_timeout_s=180)
     SUMMARY["launch_s"] = round(time.monotonic() - started)
     try:
         yield launcher
     finally:
         launcher.stop()
+        SUMMARY["cpu_s"] = round(cpu_seconds() - cpu)  # this process and every server (reaped by stop)
         print(f"\nschemathesis: {dict(SUMMARY)}")
+
+
+def cpu_seconds() -> float:
+    used = os.times()
+    return used.user + used.system + used.children_user + used.children_system
 
 
 def structured(reply: httpx.Response) -> bool:
@@ -156,8 +159,7 @@ def test_every_server_answers_fuzzed_requests_without_a_5xx_and_with_structured_
     failures: list[str] = []
     started = time.monotonic()
     with httpx.Client(trust_env=False, timeout=CALL_TIMEOUT_S) as http:
-        for name in mesh.names:
-            url = mesh.url_of(name)
+        for url in [mesh.head_url, *map(mesh.url_of, mesh.names)]:
             spec = http.get(f"{url}/openapi.json").json()
             schema = schemathesis.openapi.from_dict(spec)
             for result in schema.get_all_operations():
@@ -165,4 +167,4 @@ def test_every_server_answers_fuzzed_requests_without_a_5xx_and_with_structured_
             SUMMARY["servers"] += 1
     SUMMARY["fuzz_s"] = round(time.monotonic() - started)
     assert failures == [], "\n".join(failures[:30])
-    assert SUMMARY["servers"] == len(mesh.names) == 12 and SUMMARY["requests"] > 0
+    assert SUMMARY["servers"] == len(mesh.names) + 1 == 15 and SUMMARY["requests"] > 0
