@@ -35,7 +35,7 @@ from schemathesis import GenerationMode
 from nemo_gym_ckpt.config import PROJECT_ROOT, load_config
 from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]  # 92 CPU-seconds; 109 s at load 11, 251 s at load 16
 
 EXAMPLES = int(os.environ.get("NGC_SCHEMATHESIS_EXAMPLES", "3"))
 TOKEN = "schemathesis-" + secrets.token_hex(8)
