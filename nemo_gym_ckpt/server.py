@@ -11,6 +11,10 @@ the lifespan the app had so far has ended (or failed to start). Each server's ``
 its context's client this way, so an app closes its client wherever it runs (uvicorn, or a test
 entering its lifespan over ``httpx.ASGITransport``).
 
+JSON bodies that FastAPI parses for a route (``BoundedJsonRoute``, every route of an app made here
+and of the routers that use it) refuse integers outside the 64-bit range, which no part of the mesh
+can encode again (400, never a 500 later).
+
 Every request body is capped (``BodyLimitMiddleware``: 413 ``payload_too_large`` once more than the
 limit has arrived, or at once when ``Content-Length`` says so; ``DEFAULT_MAX_BODY_BYTES``, set per
 server with ``set_max_body_bytes`` from its ``max_body_bytes`` setting). A 405 names the allowed
@@ -21,14 +25,16 @@ itself (``declare_body``).
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -49,6 +55,7 @@ __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "ERROR_STATUSES",
     "BodyLimitMiddleware",
+    "BoundedJsonRoute",
     "OrjsonResponse",
     "RolloutPrefixMiddleware",
     "close_on_shutdown",
@@ -115,6 +122,34 @@ class RolloutPrefixMiddleware:
             await self.app(scope, receive, send)
         finally:
             CURRENT_IDENTITY.reset(token)
+
+
+def _int64(text: str) -> int:
+    value = int(text)
+    if not -(2**63) <= value < 2**64:  # a 400 that names the cause (FastAPI passes HTTPException on)
+        raise StarletteHTTPException(400, f"an integer of {len(text)} digits is outside the 64-bit range")
+    return value
+
+
+class _BoundedJsonRequest(Request):
+    """A request whose ``json()`` refuses integers no encoder of the mesh can write back."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = json.loads(await self.body(), parse_int=_int64)
+        return self._json
+
+
+class BoundedJsonRoute(APIRoute):
+    """A route whose JSON body is parsed by ``_BoundedJsonRequest`` (a 400 for a 65-bit integer)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def bounded(request: Request) -> Response:
+            return await handler(_BoundedJsonRequest(request.scope, request.receive))
+
+        return bounded
 
 
 class _BodyLimit:
@@ -277,6 +312,7 @@ def create_app(
 ) -> FastAPI:
     """A FastAPI app for one mesh server instance called ``name``."""
     app = FastAPI(title=name, version=version, lifespan=lifespan, default_response_class=OrjsonResponse)
+    app.router.route_class = BoundedJsonRoute
     install_error_handlers(app)
     app.state.body_limit = limit = _BodyLimit(max_body_bytes)
     app.add_middleware(RolloutPrefixMiddleware)

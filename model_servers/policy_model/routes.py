@@ -30,13 +30,13 @@ from model_servers.policy_model.generation import (
 from model_servers.policy_model.responses_convert import response_object
 from model_servers.policy_model.schemas import ChatCompletionRequest, ResponsesRequest
 from nemo_gym_ckpt.errors import GymError, InternalError
-from nemo_gym_ckpt.server import sse_event
+from nemo_gym_ckpt.server import BoundedJsonRoute, sse_event
 
 __all__ = ["make_router"]
 
 
 def make_router(backend: Backend, defaults: Defaults) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=BoundedJsonRoute)
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -171,7 +171,7 @@ class Participant:
             return reply
 
     async def renew(self, request: ControlRequest) -> dict[str, Any]:
-        with self.telemetry.operation(Op.RENEW, request.checkpoint_id):
+        with self.telemetry.refusals():  # upstream spans no renew
             self._check_horizon(request.deadline_ts)
             open_ = self._enter(request.checkpoint_id)
             self._check_deadline(request.deadline_ts)

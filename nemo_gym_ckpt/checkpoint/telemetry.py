@@ -1,11 +1,13 @@
 """Checkpoint telemetry (docs/protocol.md section 9) on the OpenTelemetry API.
 
-Spans ``gym.checkpoint.<op>`` per participant operation, with children ``wait_ready``, ``export``,
+Spans ``gym.checkpoint.<op>`` per participant operation (renew excepted, as upstream: a renew is
+neither spanned nor timed, only its refusals are counted), with children ``wait_ready``, ``export``,
 ``write``, ``read``, ``install`` and ``generation_cut`` (the policy model's cut request to its
 worker during a commit, generation cuts on; ``records`` = the durable cuts kept);
 ``gym.checkpoint.coordinate.<op>`` in the coordinator. Attributes
 ``nemo.gym.checkpoint.{id, participant_kind, instance, records, bytes, phase}``.
-Metrics: ``gym.checkpoint.operation.duration`` (ms, by operation, kind and outcome),
+Metrics: ``gym.checkpoint.operation.duration`` (ms, by operation, kind and outcome: ``ok`` or
+``error``, as upstream labels it; the code of a refusal is on its ``refused`` event),
 ``gym.checkpoint.records``, ``gym.checkpoint.bytes``, and ``gym.checkpoint.events`` (``refused``
 with its code, ``lease_expired``, ``prepare_not_ready``, and ``generation_cut_failed`` with its code:
 a cut request that failed or ran late, so that commit went on without cuts). Providers are passed
@@ -78,13 +80,21 @@ class Telemetry:
                 yield span
                 outcome = "ok"
             except GymError as error:
-                outcome = error.code
                 self.event("refused", code=error.code)
                 raise
             finally:
                 elapsed_ms = (time.perf_counter() - started) * 1000
                 self._duration.record(elapsed_ms, {ATTR.OPERATION: name, ATTR.KIND: self.kind,
                                                    ATTR.OUTCOME: outcome})
+
+    @contextmanager
+    def refusals(self) -> Iterator[None]:
+        """An untraced operation (renew): a ``GymError`` still counts as ``refused``."""
+        try:
+            yield
+        except GymError as error:
+            self.event("refused", code=error.code)
+            raise
 
     @contextmanager
     def span(self, name: str, **attributes: Any) -> Iterator[trace.Span]:

@@ -133,3 +133,23 @@ async def test_a_405_names_the_allowed_methods() -> None:
     assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, POST"
     assert wrong.json()["error"]["code"] == "method_not_allowed"
     assert control.status_code == 405 and control.headers["allow"] == "POST"
+
+
+HUGE = "18446744073709551616"  # 2**64: no encoder of the mesh (orjson) writes it back
+FREE_FORM_FIELDS = [
+    ("simple_agent", "/v1/responses", '{"input": "hi", "passed_through": {"n": %s}}'),
+    ("policy_model", "/v1/responses",
+     '{"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"x": %s}}]}'),
+    ("policy_model", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}],'
+     ' "tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": %s}}}]}'),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body"), FREE_FORM_FIELDS)
+async def test_an_integer_outside_64_bits_in_a_free_form_field_is_a_400(name: str, path: str, body: str) -> None:
+    async with served(name) as http:  # these once raised TypeError (a 500) while hashing the request
+        reply = await http.post(f"/ng-rollout/fz-1{path}", content=(body % HUGE).encode(),
+                                headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"] == {"code": "invalid_request",
+                                     "detail": "an integer of 20 digits is outside the 64-bit range"}

@@ -1,10 +1,17 @@
 """A hypothesis state machine over one participant and its store, on a fake clock.
 
-Random sequences of data-plane requests, prepare, commit (with the export held or not), resume,
-clock jumps past the lease, retire, process restarts and restores (of intact or corrupted
-checkpoints), against a model of the protocol. Invariants: admission is open whenever idle; the
-manifest equals the first export; a checkpoint resumed before its write finished never gets a
-manifest; restore is all or nothing; no id is ever reopened.
+Random sequences of data-plane requests (some of them restart episodes), prepare, commit (with the
+export held or not, with ``stop`` or not, its scope naming the restarts or not), renew (to earlier,
+later, past and too far deadlines), resume, resumes of many made-up ids, clock jumps past the lease,
+retire, process restarts and restores (of intact or corrupted checkpoints), against a model of the
+protocol. Invariants: admission is open whenever idle; the manifest equals the first export; a
+checkpoint resumed before its write finished never gets a manifest; restore is all or nothing; no
+id is ever reopened. Rules: a renew never shortens the lease (the lease in the model is the latest
+expiry asked for; the clock then finds it expiring exactly then); a ``deadline_ts`` further ahead
+than the horizon is ``invalid_request``; a commit scope naming a restart is ``restart_in_scope``
+(and stays stored as that commit's answer); a stop commit frees (``stop_committed``) once, after its
+manifest exists, and a failure there never fails the commit; resumes of ids never opened never push
+out the fence of an opened id.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest, RestoreRequest, RetireRequest
-from nemo_gym_ckpt.checkpoint.participant import Participant
+from nemo_gym_ckpt.checkpoint.participant import DEFAULT_MAX_DEADLINE_S, REMEMBERED_IDS, Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
 from nemo_gym_ckpt.errors import (
@@ -33,6 +41,8 @@ from nemo_gym_ckpt.errors import (
     GymError,
     InvalidCheckpointState,
     InvalidPhase,
+    InvalidRequest,
+    RestartInScope,
     StaleAttempt,
     StaleCheckpoint,
 )
@@ -47,6 +57,7 @@ GRACE_S = 100.0
 IDS = st.sampled_from(["c0", "c1", "c2"])
 ROLLOUTS = st.sampled_from(["r0", "r1", "r2"])
 ATTEMPTS = st.integers(0, 2)
+AHEAD = st.sampled_from([-5.0, 1.0, 10.0, 30.0, 200.0, DEFAULT_MAX_DEADLINE_S + 60])  # renew deadlines, from now
 
 
 class HeldAdapter(SessionsAdapter):
@@ -57,6 +68,15 @@ class HeldAdapter(SessionsAdapter):
         self.gate = asyncio.Event()
         self.gate.set()
         self.exports = 0
+        self.stops: list[bool] = []  # one per stop_committed call: was the commit's manifest there
+        self.watch: Path | None = None  # the directory of the commit being made
+        self.stop_fails = False
+
+    async def stop_committed(self, scope: Scope | None) -> None:
+        assert self.watch is not None
+        self.stops.append(any(self.watch.rglob("manifest.json")))
+        if self.stop_fails:
+            raise OSError("the sandbox is gone already")
 
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
         self.exports += 1
@@ -69,13 +89,26 @@ class HeldAdapter(SessionsAdapter):
         return [item.raw if isinstance(item, Record) else Record.from_data(item).raw for item in items]
 
 
+@dataclass(frozen=True)
+class CommitArgs:
+    directory: str
+    scope: tuple[RolloutIdentity, ...] | None
+    stop: bool
+
+    def request(self, cid: str, deadline_ts: float) -> CommitRequest:
+        episodes = None if self.scope is None else [episode.to_json() for episode in self.scope]
+        return CommitRequest(checkpoint_id=cid, deadline_ts=deadline_ts, checkpoint_dir=self.directory,
+                             episode_ids=episodes, stop=self.stop)
+
+
 @dataclass
 class Pending:
     checkpoint_id: str
-    directory: str
+    args: CommitArgs
     task: asyncio.Task[dict[str, Any]]
     snapshot: list[bytes]
     exports: int
+    stops: int
 
 
 @dataclass
@@ -84,14 +117,29 @@ class Model:
 
     open_id: str | None = None
     phase: str = "idle"
-    fenced: set[str] = field(default_factory=set)
+    fenced: set[str] = field(default_factory=set)  # ids opened here, then closed
+    fenced_unopened: OrderedDict[str, None] = field(default_factory=OrderedDict)  # the last 64 named by a resume
     ever_opened: set[str] = field(default_factory=set)
+    commit_args: CommitArgs | None = None  # the stored commit of the open checkpoint
+    commit_refused: bool = False  # ... which answered restart_in_scope
     marks: dict[str, int] = field(default_factory=dict)
     lease: float = 0.0
     fresh: bool = True
 
     def retired(self, episode: RolloutIdentity) -> bool:
         return episode.attempt <= self.marks.get(episode.rollout_id, -1)
+
+    def is_fenced(self, cid: str) -> bool:
+        return cid in self.fenced or cid in self.fenced_unopened
+
+    def fence_unopened(self, cid: str) -> None:
+        self.fenced_unopened[cid] = None
+        while len(self.fenced_unopened) > REMEMBERED_IDS:
+            self.fenced_unopened.popitem(last=False)
+
+    def renewed(self, expires_at: float) -> None:
+        """A renewal moves the lease later, never earlier."""
+        self.lease = max(self.lease, expires_at)
 
 
 class ParticipantMachine(RuleBasedStateMachine):
@@ -150,7 +198,7 @@ class ParticipantMachine(RuleBasedStateMachine):
 
     def expect_refusal(self, outcome: object, cid: str) -> bool:
         """Fencing common to every op; True when the outcome was a refusal the model predicts."""
-        if cid in self.model.fenced:
+        if self.model.is_fenced(cid):
             assert isinstance(outcome, StaleCheckpoint), outcome
             return True
         if self.model.open_id not in (None, cid):
@@ -163,12 +211,14 @@ class ParticipantMachine(RuleBasedStateMachine):
         self.model.open_id = cid
         self.model.ever_opened.add(cid)
         self.model.lease = self.deadline() + GRACE_S
+        self.model.commit_args, self.model.commit_refused = None, False
 
     def closed(self) -> None:
         cid = self.model.open_id
         assert cid is not None
         self.model.fenced.add(cid)
         self.model.open_id, self.model.phase = None, "idle"
+        self.model.commit_args, self.model.commit_refused = None, False
         if self.pending is not None and self.pending.checkpoint_id == cid:
             self._finish_stopped_commit()
 
@@ -181,13 +231,13 @@ class ParticipantMachine(RuleBasedStateMachine):
         # The export was held at its gate, so the write cannot have reached its commit point; the
         # request either saw the resume or had already run out of its own deadline.
         assert isinstance(outcome, StaleCheckpoint | DeadlineExceeded), outcome
-        self.never_manifest.add(pending.directory)
+        self.never_manifest.add(pending.args.directory)
         assert self.run(self.participant.wait_idle(10))
 
     # ---- rules ------------------------------------------------------------------------------
 
-    @rule(rollout=ROLLOUTS, attempt=ATTEMPTS, value=st.integers(0, 9))
-    def request(self, rollout: str, attempt: int, value: int) -> None:
+    @rule(rollout=ROLLOUTS, attempt=ATTEMPTS, value=st.integers(0, 9), restart=st.booleans())
+    def request(self, rollout: str, attempt: int, value: int, restart: bool) -> None:
         episode = RolloutIdentity(rollout, attempt)
         task = self.loop.create_task(self.participant.admit(episode))
         self.drain()
@@ -195,7 +245,7 @@ class ParticipantMachine(RuleBasedStateMachine):
             assert task.done() and isinstance(task.exception(), StaleAttempt)
         elif self.model.phase == "idle":
             assert task.done() and task.exception() is None, "admission is closed while idle"
-            self.adapter.put(episode, {"v": value})
+            self.adapter.put(episode, {"v": value}, restart=restart)
             self.model.fresh = False
         else:
             assert not task.done(), "a request went through while a checkpoint was open"
@@ -213,79 +263,105 @@ class ParticipantMachine(RuleBasedStateMachine):
         if self.model.open_id is None:
             self.opened(cid)
             self.model.phase = "prepared"
-        self.model.lease = self.deadline() + GRACE_S
+        self.model.renewed(self.deadline() + GRACE_S)
 
-    @rule(cid=IDS, hold=st.booleans())
-    def commit(self, cid: str, hold: bool) -> None:
+    def commit_args(self, cid: str, stop: bool, name_restarts: bool) -> CommitArgs:
+        """A scope naming every session when there are restarts to name; else no scope."""
+        episodes = tuple(session.episode for session in self.adapter.sessions.values())
+        restarts = any(session.restart for session in self.adapter.sessions.values())
+        return CommitArgs(self.directory(cid), episodes if name_restarts and restarts else None, stop)
+
+    @rule(cid=IDS, hold=st.booleans(), stop=st.booleans(), name_restarts=st.booleans(), stop_fails=st.booleans())
+    def commit(self, cid: str, hold: bool, stop: bool, name_restarts: bool, stop_fails: bool) -> None:
         if self.pending is not None:
             return
-        directory = self.directory(cid)
-        snapshot = self.adapter.snapshot()
-        exports = self.adapter.exports
+        args = self.commit_args(cid, stop, name_restarts)
+        snapshot, exports, stops = self.adapter.snapshot(), self.adapter.exports, len(self.adapter.stops)
+        self.adapter.watch, self.adapter.stop_fails = Path(args.directory), stop_fails
         self.adapter.gate.clear() if hold else self.adapter.gate.set()
-        task = self.loop.create_task(
-            self.participant.commit(
-                CommitRequest(checkpoint_id=cid, deadline_ts=self.deadline(), checkpoint_dir=directory)
-            )
-        )
+        task = self.loop.create_task(self.participant.commit(args.request(cid, self.deadline())))
         self.drain()
-        if hold and not task.done() and self.model.phase == "prepared":
-            self.pending = Pending(cid, directory, task, snapshot, exports)
-            self.model.lease = self.deadline() + GRACE_S
+        if hold and not task.done() and self.model.phase == "prepared" and self.model.commit_args in (None, args):
+            # held at the export: past the restart check, so its scope names no restart
+            self.pending = Pending(cid, args, task, snapshot, exports, stops)
+            self.model.commit_args = args
+            self.model.renewed(self.deadline() + GRACE_S)
             return
         self.adapter.gate.set()
         outcome = self.attempt(task)
         if self.expect_refusal(outcome, cid):
             return
         event(f"commit in {self.model.phase}")
-        if self.model.phase == "prepared":
+        if self.model.commit_args not in (None, args):
+            assert isinstance(outcome, CheckpointConflict), outcome
+            return
+        if self.model.commit_refused or (self.model.phase == "prepared" and args.scope is not None):
+            event("a commit scope names a restart")
+            assert isinstance(outcome, RestartInScope), outcome  # and the refusal is that commit's answer
+            self.model.commit_args, self.model.commit_refused = args, True
+        elif self.model.phase == "prepared":
             assert isinstance(outcome, dict) and outcome["phase"] == "committed", outcome
             assert self.adapter.exports == exports + 1
-            self.committed[directory] = snapshot
-            self.model.phase = "committed"
+            assert self.adapter.stops[stops:] == ([True] if stop else []), "a stop frees once, after its manifest"
+            self.committed[args.directory] = snapshot
+            self.model.phase, self.model.commit_args = "committed", args
         elif self.model.phase == "committed":
             assert isinstance(outcome, dict) and self.adapter.exports == exports, "a second export"
+            assert len(self.adapter.stops) == stops, "a repeated stop commit freed again"
         else:
             assert isinstance(outcome, InvalidPhase), outcome
             return
-        self.model.lease = self.deadline() + GRACE_S
+        self.model.renewed(self.deadline() + GRACE_S)
 
-    @rule(cid=IDS, hold=st.booleans())
-    def checkpoint(self, cid: str, hold: bool) -> None:
+    @rule(cid=IDS, hold=st.booleans(), stop=st.booleans(), name_restarts=st.booleans())
+    def checkpoint(self, cid: str, hold: bool, stop: bool, name_restarts: bool) -> None:
         """Prepare then commit: the common path, so that deep sequences are frequent."""
         self.prepare(cid)
-        self.commit(cid, hold)
+        self.commit(cid, hold, stop, name_restarts, stop_fails=False)
+
+    @rule(cid=IDS, ahead=AHEAD)
+    def renew(self, cid: str, ahead: float) -> None:
+        outcome = self.attempt(self.participant.renew(ControlRequest(checkpoint_id=cid,
+                                                                     deadline_ts=self.clock.now() + ahead)))
+        if ahead > DEFAULT_MAX_DEADLINE_S:
+            assert isinstance(outcome, InvalidRequest), outcome  # before anything else: no call pauses for ever
+            return
+        if self.expect_refusal(outcome, cid):
+            return
+        if ahead <= 0:
+            assert isinstance(outcome, DeadlineExceeded), outcome
+            return
+        if self.model.open_id is None:
+            assert isinstance(outcome, InvalidPhase), outcome
+            return
+        event("a renew to an earlier expiry" if self.clock.now() + ahead + GRACE_S < self.model.lease else "a renew")
+        self.model.renewed(self.clock.now() + ahead + GRACE_S)
+        assert outcome == {"lease_expires_at": self.model.lease}, (outcome, self.model.lease)
 
     @precondition(lambda self: self.pending is not None)
     @rule()
     def release_the_export(self) -> None:
         pending, self.pending = self.pending, None
         assert pending is not None
-        retry = self.loop.create_task(
-            self.participant.commit(
-                CommitRequest(
-                    checkpoint_id=pending.checkpoint_id,
-                    deadline_ts=self.deadline(),
-                    checkpoint_dir=pending.directory,
-                )
-            )
-        )
+        retry = self.loop.create_task(self.participant.commit(pending.args.request(pending.checkpoint_id,
+                                                                                   self.deadline())))
         self.adapter.gate.set()
         event("a held commit is retried and released")
         first, again = self.attempt(pending.task), self.run(retry)
         assert again["phase"] == "committed" and self.adapter.exports == pending.exports + 1
+        assert self.adapter.stops[pending.stops:] == ([True] if pending.args.stop else [])
         if isinstance(first, DeadlineExceeded):  # time passed its deadline: the work went on
             event("the first commit request ran out of time; its retry got the same work")
         else:
             assert first == again
-        self.committed[pending.directory] = pending.snapshot
+        self.committed[pending.args.directory] = pending.snapshot
         self.model.phase = "committed"
-        self.model.lease = self.deadline() + GRACE_S
+        self.model.renewed(self.deadline() + GRACE_S)
 
     @rule(cid=IDS)
     def resume(self, cid: str) -> None:
         outcome = self.attempt(self.participant.resume(self.control(cid)))
-        if cid in self.model.fenced:
+        if self.model.is_fenced(cid):
             assert isinstance(outcome, dict) and outcome["idempotent"] is True, outcome
             return
         if self.model.open_id not in (None, cid):
@@ -293,9 +369,28 @@ class ParticipantMachine(RuleBasedStateMachine):
             return
         assert isinstance(outcome, dict) and outcome["idempotent"] is (self.model.open_id is None), outcome
         if self.model.open_id is None:
-            self.model.fenced.add(cid)
+            self.model.fence_unopened(cid)
         else:
             self.closed()
+
+    @rule(count=st.sampled_from([1, REMEMBERED_IDS + 1]), late=st.booleans())
+    def resume_made_up_ids(self, count: int, late: bool) -> None:
+        """Resumes of ids never opened (a past deadline or not): fenced apart, they never evict the
+        fence of an id that was opened (probed with a renew, which is stale only for fenced ids)."""
+        for _ in range(count):
+            self.steps += 1
+            made_up = f"u{self.steps}"
+            deadline = self.clock.now() - 5 if late else self.deadline()
+            outcome = self.attempt(self.participant.resume(ControlRequest(checkpoint_id=made_up,
+                                                                          deadline_ts=deadline)))
+            if self.model.open_id is not None:
+                assert isinstance(outcome, CheckpointConflict), outcome
+                continue
+            assert outcome == {"phase": "idle", "idempotent": True}, outcome  # never refused for its deadline
+            self.model.fence_unopened(made_up)
+        for cid in sorted(self.model.fenced):
+            probe = self.attempt(self.participant.renew(self.control(cid)))
+            assert isinstance(probe, StaleCheckpoint), f"the fence of {cid} was pushed out: {probe}"
 
     @rule(seconds=st.sampled_from([1.0, 30.0, 30.0, 150.0]))
     def time_passes(self, seconds: float) -> None:
@@ -323,7 +418,7 @@ class ParticipantMachine(RuleBasedStateMachine):
         assert outcome == {"retired": [RolloutIdentity(rollout, attempt).capture_key]}, outcome
         self.model.marks[rollout] = max(attempt, self.model.marks.get(rollout, -1))
         if self.model.open_id is not None:
-            self.model.lease = self.deadline() + GRACE_S
+            self.model.renewed(self.deadline() + GRACE_S)
 
     @precondition(lambda self: self.pending is None)
     @rule()

@@ -25,13 +25,17 @@ async def test_a_cycle_leaves_its_spans_and_metrics(
     server.adapter.put(RolloutIdentity("r1"), {"x": 1})
     later = clock.now() + 30
     async with client_of(server) as client:
-        for op, extra in (("prepare", {}), ("commit", {"checkpoint_dir": str(root / "ck")}), ("resume", {})):
+        for op, extra in (("prepare", {}), ("renew", {}), ("commit", {"checkpoint_dir": str(root / "ck")}),
+                          ("resume", {})):
             response = await client.post(
                 f"{CONTROL_PREFIX}/{op}", json={"checkpoint_id": "c1", "deadline_ts": later, **extra}
             )
             assert response.status_code == 200, response.text
         assert (
             await client.post(f"{CONTROL_PREFIX}/prepare", json={"checkpoint_id": "c1", "deadline_ts": later})
+        ).status_code == 409
+        assert (
+            await client.post(f"{CONTROL_PREFIX}/renew", json={"checkpoint_id": "c1", "deadline_ts": later})
         ).status_code == 409
         assert (
             await client.get(f"{CONTROL_PREFIX}/status", headers={"authorization": "Bearer x"})
@@ -62,6 +66,7 @@ async def test_a_cycle_leaves_its_spans_and_metrics(
         "install",
     ):
         assert f"gym.checkpoint.{name}" in names, name
+    assert "gym.checkpoint.renew" not in names  # as upstream: a renew is not spanned
     spans = {span.name: span for span in otel.spans.get_finished_spans()}
     commit = spans["gym.checkpoint.commit"].attributes
     assert commit[ATTR.ID] == "c1" and commit[ATTR.KIND] == "resources" and commit[ATTR.PHASE] == "committed"
@@ -74,20 +79,20 @@ async def test_a_cycle_leaves_its_spans_and_metrics(
     outcomes = {
         (p.attributes[ATTR.OPERATION], p.attributes[ATTR.OUTCOME]) for p in otel.points(METRIC.DURATION)
     }
-    assert {
+    assert outcomes == {  # upstream's outcomes: ok or error (the code is on the refused event); no renew
         ("prepare", "ok"),
         ("commit", "ok"),
         ("resume", "ok"),
         ("restore", "ok"),
-        ("prepare", "stale_checkpoint"),
-    } <= outcomes
+        ("prepare", "error"),
+    }
     records = {p.attributes[ATTR.OPERATION]: p.value for p in otel.points(METRIC.RECORDS)}
     assert records == {"commit": 1, "restore": 1}
     assert all(p.value > 0 for p in otel.points(METRIC.BYTES))
     events = {
         (p.attributes[ATTR.EVENT], p.attributes.get(ATTR.CODE)): p.value for p in otel.points(METRIC.EVENTS)
     }
-    assert events == {("refused", "stale_checkpoint"): 1, ("refused", "unauthorized"): 1}
+    assert events == {("refused", "stale_checkpoint"): 2, ("refused", "unauthorized"): 1}
 
 
 async def test_lease_expired_and_prepare_not_ready_are_events(
