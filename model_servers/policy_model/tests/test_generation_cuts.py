@@ -165,7 +165,8 @@ async def test_calls_name_themselves_and_their_lineage_only_with_cuts_on(policie
     assert "model_call" not in plain.worker.requests[0] and "continuation" not in policy.worker.requests[0]
 
 
-@pytest.mark.parametrize("failure", ["error", "late", "refused", "inventory", "missing_ticket", "identity"])
+@pytest.mark.parametrize("failure", ["error", "late", "refused", "inventory", "digest", "missing_ticket",
+                                     "duplicate_ticket", "unknown_field", "failure_with_evidence", "identity"])
 async def test_a_failed_or_late_cut_never_fails_the_checkpoint(
     policies: OpenPolicy, failure: str
 ) -> None:
