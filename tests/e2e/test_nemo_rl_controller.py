@@ -84,8 +84,6 @@ def calculator_rows() -> dict[str, dict[str, Any]]:
 KV_ROWS = {"kv-0": {"responses_create_params": {"input": [{"role": "user", "content": "Say hello."}]},
                     "expected_state": {}}}
 LONG = [f"long-{i}" for i in range(LONG_CALLS)]
-FIRST_WAVE = [*calculator_rows(), "kv-0"]  # started before rl-1
-SECOND_WAVE = LONG  # started between rl-1 and rl-2
 
 
 @pytest.fixture(params=[False, True], ids=["cuts-off", "cuts-on"])
@@ -210,10 +208,12 @@ async def commit_and_publish(
 async def first_checkpoint(
     mesh: CrashMesh, controller: NemoRlController, root: Path, tasks: Mapping[str, asyncio.Task[Any]],
 ) -> list[str]:
-    """``rl-1`` once kv-0's verify waits at the paused kv_store: a prepare with a short deadline that
-    kv-0 holds up at the environment stage, the kv_store going on, a second prepare of the same id,
-    renew, commit without ``stop``, resume with the worker paused: each calculator rollout still
-    running waits with its next model call at the worker, kv-0 verifies and ends."""
+    """``rl-1`` with kv-0's verify waiting at the paused kv_store and the calculator rollouts' first
+    model calls at the paused worker: a prepare with a short deadline that kv-0 holds up at the
+    environment stage, the kv_store going on, a second prepare of the same id, the worker answering
+    the calls (the policy model holds the replies), renew, commit without ``stop``, resume with the
+    worker paused: each calculator rollout makes its tool call and waits with its next model call
+    at the worker, kv-0 verifies and ends."""
     blocked = await controller.prepare("rl-1", time.time() + 1.0)
     assert not blocked.prepared and blocked.blockers() == ["kv-0"], blocked.replies
     assert set(blocked.replies) == {ENV, KV_ENV}  # the prepare stopped at the environment stage
@@ -222,6 +222,9 @@ async def first_checkpoint(
     deadline = time.time() + WAIT_S
     prepared = await controller.prepare("rl-1", deadline)  # the same id again: it goes on from there
     assert prepared.prepared and prepared.restarts() == set(), prepared.replies
+    mesh.proceed(WORKER)
+    await until(lambda: mesh.extras(MODEL), lambda m: m["held_responses"] == CALCULATOR,
+                "the calculator rollouts' first replies held by the policy model")
     await controller.renew("rl-1", deadline)
     _, staged = await commit_and_publish(controller, root, "rl-1", deadline, tasks, prepared, stop=False)
     mesh.pause(WORKER)
@@ -231,8 +234,8 @@ async def first_checkpoint(
         running = [r for r, task in tasks.items() if r != "kv-0" and not task.done()]
         return (await mesh.extras(MODEL))["active_calls"], len(running)
 
-    await until(waiting, lambda w: w[0] == w[1] and tasks["kv-0"].done(),
-                "every calculator rollout still running waiting with its next call at the paused worker")
+    await until(waiting, lambda w: w == (CALCULATOR, CALCULATOR) and tasks["kv-0"].done(),
+                "every calculator rollout waiting with its next call at the paused worker")
     return staged
 
 
@@ -307,17 +310,18 @@ async def test_a_nemo_rl_style_controller_checkpoints_crashes_restores_and_conti
             assert {m.name: m.kind for m in members} == MEMBERS  # the inference worker is no participant
             assert [m.kind for m in members] == sorted((m.kind for m in members), key=STAGE_ORDER.index)
 
-            references = await rollouts.admitted([*FIRST_WAVE, *SECOND_WAVE], "-ref")
+            references = await rollouts.admitted([*rollouts.rows[ENV], *KV_ROWS, *LONG], "-ref")
             mesh.proceed(WORKER)
             expected = {rollout_id: result_of(await task) for rollout_id, task in references.items()}
             await controller.forget("forget-ref", time.time() + WAIT_S, [f"{r}-ref" for r in expected])
 
-            tasks = await rollouts.admitted(FIRST_WAVE)
+            tasks = await rollouts.admitted(["kv-0"])
             mesh.pause(KV)  # kv-0's verify will wait there: the blocker of rl-1's first prepare
             mesh.proceed(WORKER)
             await until(lambda: mesh.extras(KV_ENV), lambda e: e["in_wait_step"] == 1, "kv-0's verify in flight")
+            tasks |= await rollouts.admitted(list(rollouts.rows[ENV]))
             staged_first = await first_checkpoint(mesh, controller, root, tasks)
-            tasks |= await rollouts.admitted(SECOND_WAVE)
+            tasks |= await rollouts.admitted(LONG)
             summary, staged = await second_checkpoint(mesh, controller, root, tasks)
             finished = {rollout_id: task for rollout_id, task in tasks.items() if task.done()}
             await mesh.crash()  # SIGKILL of every server, fresh processes on the same ports
