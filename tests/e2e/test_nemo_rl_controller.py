@@ -6,24 +6,30 @@ facts of NeMo RL's adapter and NeMo Gym's coordination and store; it shares noth
 the kv_store environment of ``tests/fixtures/kv_turn.yaml``, checkpointing on without a
 ``checkpoint.root`` (upstream's block has none), each server its own process. The rollouts: three
 calculator rows and one kv row through the environments' ``/run``, and two long chat calls on the
-policy model under ``/ng-rollout/<key>/`` (they are still generating when the commits cut them).
+policy model under ``/ng-rollout/<key>/`` (still generating when the second commit cuts them).
+Signals hold the mesh still (``tests/support/crash_scenarios.py``): SIGSTOP of the inference worker
+holds every admitted model call, SIGSTOP of the kv_store holds kv-0's verify (a ``wait`` step).
 
 1. discovery from the head's ``/global_config_dict_yaml``: every server but the inference worker;
-2. the uninterrupted run of the same rollouts (under other ids), its first model calls batched as
-   the checkpointed run's are;
-3. checkpoint ``rl-1`` while the rollouts run: with the kv verify held at a paused kv_store, a
-   prepare with a short deadline stops at the environment stage with ``kv-0`` as its blocker; the
-   kv_store goes on and a second prepare of the same id prepares everyone; renew; commit with
-   ``stop: false``; the adapter's checks, ``staging_keys_by_episode`` against the policy model's
-   records on disk; the outer ``gym_checkpoint.json`` written last; resume;
-4. checkpoint ``rl-2`` at once, committed with ``stop: true``; SIGKILL of every server, fresh
-   processes on the same ports;
+2. the uninterrupted run of the same rollouts under other ids, their first model calls in one batch;
+3. checkpoint ``rl-1``, kv-0 verifying at the paused kv_store, the calculator rollouts' first
+   model calls at the paused worker: a prepare with a short deadline stops at the environment
+   stage with ``kv-0`` its only blocker; the kv_store goes on and a second prepare of the same id
+   prepares everyone; the worker answers (the policy model holds the replies); renew; commit with
+   ``stop: false``; the adapter's checks, and ``staging_keys_by_episode`` against the policy model's
+   records on disk; the outer ``gym_checkpoint.json`` written after every participant's manifest;
+   resume with the worker paused: each calculator rollout makes its tool call and waits with its
+   next model call;
+4. the long calls admitted too; checkpoint ``rl-2``: prepare, the worker going on until the long
+   calls are past ``CUT_AFTER`` tokens, renew, commit with ``stop: true``, the same checks and
+   outer manifest; SIGKILL of every server, fresh processes on the same ports;
 5. restore from the outer manifest under a new id (every reply names ``rl-2`` as its source),
-   retire of the attempts N, resume; attempt N of a rollout is fenced (``stale_attempt``);
-6. every rollout of ``rl-2``'s scope continued as attempt N+1: each rollout finishes exactly once and
-   its row equals the uninterrupted run's (token arrays included, log probabilities to the
-   collector's tolerance); with cuts on, the long calls were cut and the restored worker served
-   their prefixes from staging, with cuts off nothing was staged.
+   retire of the attempts N, resume; attempt N is then fenced (``stale_attempt``);
+6. ``rl-2``'s episodes continue as attempts N+1, a rollout in flight that no record holds (a long
+   call with cuts off) starts afresh: each rollout finishes exactly once and its row equals the
+   uninterrupted run's (token arrays included, log probabilities to the collector's tolerance).
+   With cuts on the long calls were cut and the restored worker served their prefixes from
+   staging; with cuts off nothing was staged. Nothing is held anywhere after forget.
 """
 
 from __future__ import annotations
