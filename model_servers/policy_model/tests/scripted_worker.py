@@ -67,7 +67,7 @@ class CutScript:
     refuse: set[str] = field(default_factory=set)
     fail: WorkerFails | None = None
     gate: asyncio.Event | None = None
-    tamper: str | None = None  # "inventory", "missing_ticket" or "identity": a receipt that must be refused
+    tamper: str | None = None  # a receipt that must be refused (``_tampered`` names the ways)
 
 
 def staging_key(model_call_id: str, checkpoint_id: str) -> str:
@@ -112,11 +112,22 @@ def _ack(entry: dict[str, Any], checkpoint_id: str, script: CutScript) -> dict[s
 
 
 def _tampered(receipt: dict[str, Any], how: str) -> dict[str, Any]:
+    """``receipt`` changed so that upstream's ``GenerationCutReceipt`` (or its ``validate_for`` of the
+    inventory sent) refuses it."""
+    acks = receipt["prefixes"]
     if how == "inventory":
         return {**receipt, "inventory": {**receipt["inventory"], "server_name": "someone_else"}}
+    if how == "digest":
+        return {**receipt, "inventory_digest": upstream_digest("another", "policy_model", [])}
     if how == "missing_ticket":
-        return {**receipt, "prefixes": receipt["prefixes"][1:]}
-    return {**receipt, "prefixes": [{**ack, "attempt": ack["attempt"] + 1} for ack in receipt["prefixes"]]}
+        return {**receipt, "prefixes": acks[1:]}
+    if how == "duplicate_ticket":
+        return {**receipt, "prefixes": [*acks, acks[0]]}
+    if how == "unknown_field":
+        return {**receipt, "snapshot_path": "/tmp/elsewhere"}
+    if how == "failure_with_evidence":
+        return {**receipt, "prefixes": [{**ack, "disposition": "durable_failure"} for ack in acks]}
+    return {**receipt, "prefixes": [{**ack, "attempt": ack["attempt"] + 1} for ack in acks]}
 
 
 class ScriptedWorker:

@@ -165,7 +165,20 @@ async def test_calls_name_themselves_and_their_lineage_only_with_cuts_on(policie
     assert "model_call" not in plain.worker.requests[0] and "continuation" not in policy.worker.requests[0]
 
 
-@pytest.mark.parametrize("failure", ["error", "late", "refused", "inventory", "missing_ticket", "identity"])
+def test_the_stand_in_worker_digests_as_upstream_does() -> None:
+    """The scripted worker's digest is upstream's formula: the worked examples of its definition."""
+    unsorted = [
+        {"ticket_id": "t-b", "rollout_id": "r1", "attempt": 1, "model_call_id": "c7", "admitted_at": 1700000001.5},
+        {"ticket_id": "t-a", "rollout_id": "r0", "attempt": 0, "model_call_id": "c3", "admitted_at": 1700000000.25},
+    ]
+    assert upstream_digest("ckpt-1", "policy_model", unsorted) == (
+        "d95884b757f2cc5306dfc79063886e34e04d2a2524c686bdb6d430baf7dc0a7c")
+    assert upstream_digest("ckpt-1", "policy_model", []) == (
+        "8dfe19ef9ee10dfc1ff0435f67e0ce365f342bfbde2c4f64616ecfd4ecc1f0e8")
+
+
+@pytest.mark.parametrize("failure", ["error", "late", "refused", "inventory", "digest", "missing_ticket",
+                                     "duplicate_ticket", "unknown_field", "failure_with_evidence", "identity"])
 async def test_a_failed_or_late_cut_never_fails_the_checkpoint(
     policies: OpenPolicy, failure: str
 ) -> None:
