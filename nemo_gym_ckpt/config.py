@@ -76,6 +76,7 @@ __all__ = [
     "ServerInstance",
     "ServerRef",
     "ServerType",
+    "TelemetryConfig",
     "is_nemo_gym",
     "load_config",
     "load_config_dict",
@@ -99,8 +100,9 @@ OLD_TYPE_KEYS = {"model_servers": "responses_api_models", "agents": "responses_a
 """Type keys of this project before it took NeMo Gym's, and their names now."""
 HEAD_SERVER = "head_server"
 CHECKPOINT = "checkpoint"
+TELEMETRY = "telemetry"
 PORT_KEYS = ("port_range_low", "port_range_high", "disallowed_ports")
-KNOWN_TOP_LEVEL_KEYS = (HEAD_SERVER, CHECKPOINT, CONFIG_PATHS, "default_host", *PORT_KEYS)
+KNOWN_TOP_LEVEL_KEYS = (HEAD_SERVER, CHECKPOINT, TELEMETRY, CONFIG_PATHS, "default_host", *PORT_KEYS)
 """Top-level keys that are not server instances (besides values that some ``${...}`` names)."""
 NEMO_GYM_LAUNCHER_KEYS = frozenset({
     "entrypoint", "head_server_deps", "python_version", "pip_install_verbose", "use_absolute_ip",
@@ -108,7 +110,7 @@ NEMO_GYM_LAUNCHER_KEYS = frozenset({
     "server_spinup_timeout_seconds", "model_endpoint_readiness_timeout_seconds", "allow_openai_version_skew",
     "uv_cache_dir", "uv_lock_timeout_seconds", "uv_venv_dir", "results_dir", "cache_dir", "_inherit_from",
     "_copy", "nemo_gym_log_dir", "verbose", "json", "query", "observability_enabled", "model_call_capture_dir",
-    "token_id_capture", "component_name", "skip_verification", "skip_verification_reward", "telemetry",
+    "token_id_capture", "component_name", "skip_verification", "skip_verification_reward",
     "allow_unsupported_pairing", "environment_server_name", "environment_server_routes",
     "environment_routing_mode",
 })
@@ -134,6 +136,30 @@ class StrictModel(BaseModel):
 class HeadServerConfig(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(11000, ge=0, le=65535)
+
+
+class TelemetryConfig(StrictModel):
+    """The top-level ``telemetry:`` block (NeMo Gym's key; docs/protocol.md section 9).
+
+    Off by default, and then nothing is imported or paid. On, every server process (and the
+    collector) exports with the OpenTelemetry SDK (the ``otel`` extra): ``exporter: otlp`` to
+    ``otlp_endpoint`` (else ``OTEL_EXPORTER_OTLP_ENDPOINT``, else the SDK's default) over
+    ``http/protobuf``, or ``console``. Checkpoint spans are the opt-in span group ``checkpoint``:
+    ``span_groups: default,checkpoint``; the checkpoint metrics come whenever metrics are on.
+    """
+
+    enabled: bool = False
+    span_groups: str = Field("default", max_length=256, pattern=r"^[a-z_]+(,[a-z_]+)*$")
+    exporter: Literal["otlp", "console"] = "otlp"
+    otlp_endpoint: str | None = Field(None, pattern=r"^https?://", max_length=2048)
+    otlp_protocol: Literal["http/protobuf"] = "http/protobuf"
+    otlp_headers: dict[str, str] = Field(default_factory=dict, max_length=32)
+    traces_enabled: bool = True
+    metrics_enabled: bool = True
+    metrics_export_interval_s: float = Field(10.0, gt=0, le=3600)
+
+    def groups(self) -> frozenset[str]:
+        return frozenset(self.span_groups.split(","))
 
 
 class PortsConfig(StrictModel):
@@ -375,6 +401,7 @@ class MeshConfig:
     instances: dict[str, ServerInstance]
     raw: dict[str, Any]
     ports: PortsConfig = field(default_factory=lambda: PortsConfig.model_validate({}))
+    telemetry: TelemetryConfig = field(default_factory=lambda: TelemetryConfig.model_validate({}))
 
     def instance(self, name: str) -> ServerInstance:
         try:
@@ -462,6 +489,7 @@ def build_mesh(raw: dict[str, Any], origins: Mapping[tuple[str, ...], str]) -> M
                      origins)
     checkpoint = _validate(CheckpointConfig, raw.get(CHECKPOINT) or {}, (CHECKPOINT,), origins)
     ports = _validate(PortsConfig, {key: raw[key] for key in PORT_KEYS if key in raw}, (), origins)
+    telemetry = _validate(TelemetryConfig, raw.get(TELEMETRY) or {}, (TELEMETRY,), origins)
     instances = {}
     for name, block in raw.items():
         if name in KNOWN_TOP_LEVEL_KEYS:
@@ -474,7 +502,7 @@ def build_mesh(raw: dict[str, Any], origins: Mapping[tuple[str, ...], str]) -> M
     _check_refs(instances, origins)
     _check_in_mesh(instances, origins)
     _check_ports(head, instances, origins)
-    return MeshConfig(head, checkpoint, instances, raw, ports)
+    return MeshConfig(head, checkpoint, instances, raw, ports, telemetry)
 
 
 def _default_host(raw: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]) -> str:

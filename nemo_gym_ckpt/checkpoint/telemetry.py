@@ -12,13 +12,16 @@ Metrics: ``gym.checkpoint.operation.duration`` (ms, by operation, kind and outco
 with its code, ``lease_expired``, ``prepare_not_ready``, and ``generation_cut_failed`` with its code:
 a cut request that failed or ran late, so that commit went on without cuts). Providers are passed
 in (tests give SDK ones with in-memory exporters); by default the global API is used, which costs
-nothing until an SDK is configured.
+nothing until an SDK is configured (``checkpoint.otlp``, from the config's ``telemetry:`` block).
+Spans on the global API are upstream's opt-in span group ``checkpoint``: until
+``open_span_groups`` names it, a ``Telemetry`` without a tracer provider of its own traces nothing
+(its metrics still go to the global meter provider).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,10 +29,24 @@ from opentelemetry import metrics, trace
 
 from nemo_gym_ckpt.errors import GymError
 
-__all__ = ["ATTR", "METRIC", "Telemetry"]
+__all__ = ["ATTR", "CHECKPOINT_SPAN_GROUP", "METRIC", "Telemetry", "open_span_groups"]
 
 SCOPE = "nemo_gym_ckpt.checkpoint"
 PREFIX = "nemo.gym.checkpoint."
+CHECKPOINT_SPAN_GROUP = "checkpoint"
+_OPEN_SPAN_GROUPS: set[str] = set()
+
+
+def open_span_groups(groups: Iterable[str]) -> None:
+    """The span groups this process traces on the global API (the config's ``span_groups``)."""
+    _OPEN_SPAN_GROUPS.clear()
+    _OPEN_SPAN_GROUPS.update(groups)
+
+
+def _tracer_of(tracer_provider: Any) -> trace.Tracer:
+    if tracer_provider is None and CHECKPOINT_SPAN_GROUP not in _OPEN_SPAN_GROUPS:
+        return trace.NoOpTracer()
+    return trace.get_tracer(SCOPE, tracer_provider=tracer_provider)
 
 
 class ATTR:
@@ -58,7 +75,7 @@ class Telemetry:
     def __init__(self, kind: str, instance: str, *, tracer_provider: Any = None, meter_provider: Any = None):
         self.kind = kind
         self.instance = instance
-        self.tracer = trace.get_tracer(SCOPE, tracer_provider=tracer_provider)
+        self.tracer = _tracer_of(tracer_provider)
         meter = metrics.get_meter(SCOPE, meter_provider=meter_provider)
         self._duration = meter.create_histogram(METRIC.DURATION, unit="ms")
         self._records = meter.create_counter(METRIC.RECORDS)

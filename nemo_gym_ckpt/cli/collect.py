@@ -58,6 +58,7 @@ from typing import Any, Literal
 import httpx
 
 from nemo_gym_ckpt.checkpoint.coordinator import CONFIG_ROUTE, Coordinator, global_config_of
+from nemo_gym_ckpt.checkpoint.otlp import install_telemetry
 from nemo_gym_ckpt.cli.exit_codes import ExitCode, exit_code_for
 from nemo_gym_ckpt.cli.run import stop_on_signals
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings
@@ -460,6 +461,8 @@ def main(args: argparse.Namespace) -> ExitCode:
     try:
         _check_flags(args)
         mesh = load_config(args.config, args.overrides) if args.config else None
+        if mesh is not None:  # the SDK providers flush at exit by themselves
+            install_telemetry(mesh.telemetry, "collector")
         if args.head or mesh is None:
             return _with_head(args, mesh)
         return _with_launched_mesh(args, mesh)

@@ -13,9 +13,11 @@ from typing import cast
 
 import uvicorn
 
+from nemo_gym_ckpt.checkpoint.otlp import install_telemetry
 from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.launch.child import PARENT_ENV, SERVE_MODULE, build_app, exit_orphaned, load_mesh, watch_parent
+from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = ["SERVER_KEEPALIVE_S", "main"]
 
@@ -35,10 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         mesh = load_mesh()
         instance = mesh.instance(args.instance)
+        exporting = install_telemetry(mesh.telemetry, args.instance)
     except ConfigError as error:
         logger.error("config error: %s", error)
         raise SystemExit(ExitCode.USAGE) from None
     app = build_app(mesh, args.instance)
+    if exporting is not None:  # what the exporters hold goes out as the app shuts down
+        close_on_shutdown(app, exporting.aclose)
     uvicorn.run(
         app,
         host=instance.settings.host,
