@@ -7,12 +7,17 @@ loopback, see docs/benchmarks.md) or ``httpx`` (httpcore). Behaviour the rest of
 - the request's rollout identity is passed on: calls made while serving ``/ng-rollout/<key>/...``
   go to ``/ng-rollout/<key>/...`` on the peer too (or to an explicit ``identity``);
 - idempotent calls (GET, or a POST marked ``idempotent=True``) are retried a bounded number of
-  times on connection failures and 502/503/504; nothing else is ever retried;
+  times on connection failures and 502/503/504; any call is sent again when it was provably never
+  sent (no connection could be made, or the pooled connection was found closed before the request
+  was written: the peer cannot have run it); nothing else is ever retried;
 - every call has an overall deadline, retries included;
 - cookies are never stored: a call sends only the cookies it is given (a session cookie of one
   rollout must never ride along on another rollout's call);
 - failures are mapped here, once: transport errors become ``Unavailable`` or ``UpstreamTimeout``,
-  a peer's ``{"error": ...}`` reply becomes the matching ``GymError`` class.
+  a peer's ``{"error": ...}`` reply becomes the matching ``GymError`` class;
+- ``reserved(n)`` is a client with a connection pool of its own (``n`` connections) for control
+  calls, so they never queue behind the data calls that hold this client's connections (a client
+  over a given transport, such as an in-process one, shares that transport: it has no pool).
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from typing import Any, Literal
 import httpx
 import orjson
 
-from nemo_gym_ckpt.errors import Unavailable, UpstreamError, UpstreamTimeout, error_from_body
+from nemo_gym_ckpt.errors import Overloaded, Unavailable, UpstreamError, UpstreamTimeout, error_from_body
 from nemo_gym_ckpt.identity import ROLLOUT_PREFIX, RolloutIdentity, current_identity
 
 __all__ = [
     "DEFAULT_TRANSPORT",
+    "KEEPALIVE_S",
+    "UNSENT_EXTRA",
     "MeshClient",
     "TransportName",
     "decode_json",
@@ -50,6 +57,12 @@ IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 # (which reuses its oldest idle connection first) wrote requests into connections the server had just
 # closed ("Can not write request body": a non-idempotent call then fails) with 256 rollouts in flight.
 KEEPALIVE_S = 2.0
+UNSENT_EXTRA = 3
+"""Extra sends of a call found never sent: each may meet another closed pooled connection."""
+
+
+class _NotSent(Unavailable):
+    """The request never reached the peer (a new connection failed, or a pooled one was closed)."""
 
 
 def with_rollout_prefix(url: str, identity: RolloutIdentity | None) -> str:
@@ -94,6 +107,7 @@ class MeshClient:
         retries: int = 2,
         backoff_s: float = 0.05,
     ) -> None:
+        self._transport_name = transport if isinstance(transport, str) else None
         if isinstance(transport, str):
             transport = _make_transport(transport, max_connections)
         self._http = httpx.AsyncClient(
@@ -105,6 +119,15 @@ class MeshClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    def for_control(self, max_connections: int) -> MeshClient:
+        """A client for control calls, with a pool of its own (``max_connections``) over the same kind
+        of transport, so they never wait behind this client's data calls; the caller closes it. A
+        client built over a transport object (an in-process one: no pool) answers itself."""
+        if self._transport_name is None:
+            return self
+        return MeshClient(transport=self._transport_name, max_connections=max_connections,
+                          timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s)
 
     async def __aenter__(self) -> MeshClient:
         return self
@@ -153,10 +176,19 @@ class MeshClient:
         cookies: Mapping[str, str] | None, retry: bool,
     ) -> httpx.Response:
         attempts = 1 + (self.retries if retry else 0)
-        for attempt in range(attempts):
+        unsent_retries = 0 if retry else self.retries + UNSENT_EXTRA  # never sent: sent again, whatever it is
+        attempt = 0
+        while True:
             last = attempt == attempts - 1
             try:
                 response = await self._send_once(method, url, content, headers, cookies)
+            except _NotSent as not_sent:
+                if unsent_retries > 0:
+                    unsent_retries -= 1
+                    await asyncio.sleep(self.backoff_s)
+                    continue
+                if last:  # callers see the public class (a failure row names it)
+                    raise Unavailable(not_sent.detail) from not_sent
             except Unavailable:
                 if last:
                     raise
@@ -164,7 +196,7 @@ class MeshClient:
                 if last or response.status_code not in RETRYABLE_STATUS:
                     return response
             await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")  # the loop returns or raises on its last attempt
+            attempt += 1
 
     async def _send_once(
         self, method: str, url: str, content: bytes | None, headers: dict[str, str],
@@ -175,9 +207,9 @@ class MeshClient:
             request.headers["cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
         try:
             return await self._http.send(request)
-        except httpx.ConnectTimeout as error:
+        except (httpx.ConnectTimeout, httpx.ConnectError) as error:
             # Not sent: httpx-aiohttp also reports a dropped keep-alive connection this way.
-            raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
+            raise _NotSent(f"{method} {url}: {type(error).__name__}: {error}") from error
         except httpx.TimeoutException as error:
             raise UpstreamTimeout(f"{method} {url}: {type(error).__name__}") from error
         except httpx.TransportError as error:
@@ -231,7 +263,19 @@ def raise_for_error(response: httpx.Response) -> None:
         body = orjson.loads(response.content)
     except orjson.JSONDecodeError:
         body = None
-    raise error_from_body(response.status_code, body)
+    error = error_from_body(response.status_code, body)
+    if isinstance(error, Overloaded):
+        error.fields["retry_after_s"] = _retry_after(response.headers.get("retry-after"))
+    raise error
+
+
+def _retry_after(value: str | None) -> float:
+    """A ``Retry-After`` in seconds, bounded to 1-60 (1 when missing or not a number)."""
+    try:
+        seconds = float(value) if value is not None else 1.0
+    except ValueError:
+        seconds = 1.0
+    return min(max(seconds, 1.0), 60.0) if seconds == seconds else 1.0
 
 
 def decode_json(response: httpx.Response) -> Any:

@@ -1,19 +1,20 @@
-"""Typed mesh config: YAML files merged, ``${...}`` interpolated, ``key=value`` overrides, validated.
+"""Typed mesh config in NeMo Gym's shape: sources merged (``config_sources``), interpolated, validated.
 
-Shape (docs/architecture.md section 3)::
+Shape (docs/architecture.md section 3, docs/nemo-gym.md)::
 
-    policy_model:                  # instance name
-      model_servers:               # server type key: a top-level folder
-        policy_model:              # implementation: a folder under it
-          worker: {type: model_servers, name: inference_worker}
+    policy_model:                      # instance name
+      responses_api_models:            # server type key (folder model_servers/)
+        policy_model:                  # implementation: the folder model_servers/policy_model/
+          entrypoint: app.py           # the file in that folder that declares Config and create_app
+          worker: {type: responses_api_models, name: inference_worker}
     head_server: {host: 127.0.0.1, port: 11000}
     checkpoint: {enabled: false}
 
-Files merge in order (later wins), then ``a.b.c=value`` overrides apply (values parsed as YAML).
-``${a.b}`` refers to another value, ``${oc.env:VAR}`` / ``${oc.env:VAR,default}`` to the
-environment, and ``???`` marks a required value. Each implementation validates its block with the
-``Config`` class of its ``app`` module; a typo is an error. Every error is a ``ConfigError`` naming
-the file and the key.
+The four type keys are NeMo Gym's; two of them live in folders named otherwise
+(``responses_api_models`` in ``model_servers/``, ``responses_api_agents`` in ``agents/``). Each
+implementation validates its block with the ``Config`` class of its entrypoint; a typo is an error,
+and so is an unknown top-level key. A config in the old keys (``model_servers:``, ``agents:``) gets
+an error naming the new one. Every error is a ``ConfigError`` naming the file and the key.
 
 A resources instance whose block says ``package: nemo_gym`` is NeMo Gym's own server of that name
 (``resources_servers/<implementation>/<entrypoint>`` of the installed ``nemo_gym`` package, run in
@@ -25,50 +26,105 @@ references to other servers) and refuses the checkpoint declaration keys, which 
 from __future__ import annotations
 
 import importlib
-import os
-import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, cast
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from nemo_gym_ckpt.config_sources import (
+    CONFIG_PATHS,
+    PROJECT_ROOT,
+    Origins,
+    deep_copy,
+    interpolation_roots,
+    origin_of,
+    parse_overrides,
+    read_sources,
+    resolve_interpolations,
+)
 from nemo_gym_ckpt.errors import ConfigError
 
 __all__ = [
+    "FOLDER_OF_TYPE",
+    "KNOWN_TOP_LEVEL_KEYS",
+    "NEMO_GYM_LAUNCHER_KEYS",
+    "OLD_TYPE_KEYS",
     "PROJECT_ROOT",
     "SERVER_TYPES",
     "TOKEN_ENV",
+    "BenchmarkDatasetConfig",
     "CheckpointConfig",
     "DatasetConfig",
+    "Domain",
     "HeadServerConfig",
     "MeshConfig",
     "NemoGymServerConfig",
+    "PortsConfig",
     "ServerConfig",
     "ServerInstance",
     "ServerRef",
+    "ServerType",
     "is_nemo_gym",
     "load_config",
     "load_config_dict",
     "parse_overrides",
 ]
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-"""The folder holding ``configs/`` and the server folders: the checkout, or site-packages when installed."""
 TOKEN_ENV = "GYM_CKPT_TOKEN"
 """Where the commands read a running mesh's control token (the configs interpolate it too)."""
-SERVER_TYPES = ("model_servers", "environment_servers", "agents", "resources_servers")
-ServerType = Literal["model_servers", "environment_servers", "agents", "resources_servers"]
+ServerType = Literal["responses_api_models", "responses_api_agents", "environment_servers", "resources_servers"]
+SERVER_TYPES: tuple[ServerType, ...] = (
+    "responses_api_models", "responses_api_agents", "environment_servers", "resources_servers",
+)
+FOLDER_OF_TYPE: dict[str, str] = {
+    "responses_api_models": "model_servers",
+    "responses_api_agents": "agents",
+    "environment_servers": "environment_servers",
+    "resources_servers": "resources_servers",
+}
+"""The folder that holds the implementations of each type key."""
+OLD_TYPE_KEYS = {"model_servers": "responses_api_models", "agents": "responses_api_agents"}
+"""Type keys of this project before it took NeMo Gym's, and their names now."""
+HEAD_SERVER = "head_server"
+CHECKPOINT = "checkpoint"
+PORT_KEYS = ("port_range_low", "port_range_high", "disallowed_ports")
+KNOWN_TOP_LEVEL_KEYS = (HEAD_SERVER, CHECKPOINT, CONFIG_PATHS, "default_host", *PORT_KEYS)
+"""Top-level keys that are not server instances (besides values that some ``${...}`` names)."""
+NEMO_GYM_LAUNCHER_KEYS = frozenset({
+    "entrypoint", "head_server_deps", "python_version", "pip_install_verbose", "use_absolute_ip",
+    "uv_pip_set_python", "skip_venv_if_present", "hf_token", "ray_head_node_address", "dry_run",
+    "server_spinup_timeout_seconds", "model_endpoint_readiness_timeout_seconds", "allow_openai_version_skew",
+    "uv_cache_dir", "uv_lock_timeout_seconds", "uv_venv_dir", "results_dir", "cache_dir", "_inherit_from",
+    "_copy", "nemo_gym_log_dir", "verbose", "json", "query", "observability_enabled", "model_call_capture_dir",
+    "token_id_capture", "component_name", "skip_verification", "skip_verification_reward", "telemetry",
+    "allow_unsupported_pairing", "environment_server_name", "environment_server_routes",
+    "environment_routing_mode",
+})
+"""NeMo Gym's reserved top-level keys that this launcher does not take (docs/nemo-gym.md says why)."""
 NEMO_GYM_PACKAGE = "nemo_gym"
 NEMO_GYM_PYTHON_ENV = "NEMO_GYM_PYTHON"
 """The interpreter of the NeMo Gym environment, for instances that do not name one (``python:``)."""
 DECLARATION_KEYS = ("checkpoint_mode", "checkpoint_verify")
 MISSING = "???"
-COMMAND_LINE = "<command line>"
+DEFAULT_ENTRYPOINT = "app.py"
 _M = TypeVar("_M", bound=BaseModel)
-_INTERPOLATION = re.compile(r"\$\{([^${}]+)\}")
+
+
+DEFAULT_MAX_DEADLINE_SECONDS = 24 * 3600.0
+MAX_DEADLINE_SECONDS_BOUND = 365 * 24 * 3600.0
+DEFAULT_MAX_RECORD_BYTES = 64 * 1024 * 1024
 
 
 class StrictModel(BaseModel):
@@ -80,13 +136,37 @@ class HeadServerConfig(StrictModel):
     port: int = Field(11000, ge=0, le=65535)
 
 
+class PortsConfig(StrictModel):
+    """Where the launcher picks the ports nobody set: the top-level keys of the same names."""
+
+    port_range_low: int = Field(10001, ge=1, le=65535)
+    port_range_high: int = Field(20000, ge=1, le=65535)
+    disallowed_ports: list[int] = Field(default_factory=list)
+
+    @field_validator("port_range_high")
+    @classmethod
+    def _ordered(cls, high: int, info: ValidationInfo) -> int:
+        low = info.data.get("port_range_low")
+        if low is not None and low > high:
+            raise ValueError(f"port_range_low {low} is above port_range_high {high}")
+        return high
+
+
 class CheckpointConfig(StrictModel):
-    """The top-level ``checkpoint:`` block (docs/protocol.md section 2)."""
+    """The top-level ``checkpoint:`` block (docs/protocol.md section 2).
+
+    ``enabled``, ``control_auth_token`` and ``lease_grace_seconds`` are upstream's keys; the others
+    are this project's: ``root`` (optional; when set, every ``checkpoint_dir`` must resolve inside
+    it, else any absolute one is accepted), ``max_deadline_seconds`` (how far ahead of the server's
+    clock a ``deadline_ts`` may be) and ``max_record_bytes`` (the largest record line a restore reads).
+    """
 
     enabled: bool = False
     control_auth_token: SecretStr | None = None
-    lease_grace_seconds: float = Field(600.0, gt=0)
-    root: Path = Path("./checkpoints")
+    lease_grace_seconds: float = Field(600.0, gt=0, le=MAX_DEADLINE_SECONDS_BOUND)
+    root: Path | None = None
+    max_deadline_seconds: float = Field(default=DEFAULT_MAX_DEADLINE_SECONDS, gt=0, le=MAX_DEADLINE_SECONDS_BOUND)
+    max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1024, le=1 << 40)
 
     @model_validator(mode="after")
     def _token_when_enabled(self) -> CheckpointConfig:
@@ -96,25 +176,122 @@ class CheckpointConfig(StrictModel):
 
 
 class ServerRef(StrictModel):
-    """A reference from one server to another by instance name."""
+    """A reference from one server to another: the instance's type key and name."""
 
     type: ServerType
     name: str
 
 
+class Domain(StrEnum):
+    """What a server trains or evaluates (NeMo Gym's values; a resources server declares one)."""
+
+    MATH = "math"
+    CODING = "coding"
+    AGENT = "agent"
+    KNOWLEDGE = "knowledge"
+    INSTRUCTION_FOLLOWING = "instruction_following"
+    LONG_CONTEXT = "long_context"
+    SAFETY = "safety"
+    GAMES = "games"
+    TRANSLATION = "translation"
+    E2E = "e2e"
+    RLHF = "rlhf"
+    OTHER = "other"
+
+
+DatasetLicense = Literal[
+    "Apache 2.0", "MIT", "Creative Commons Attribution 4.0 International",
+    "Creative Commons Attribution-ShareAlike 4.0 International", "CC BY-SA 4.0", "CC BY-NC 3.0",
+    "NVIDIA Internal Use Only, Do Not Distribute", "NVIDIA Evaluation Dataset License Agreement", "TBD",
+    "GNU General Public License v3.0",
+]
+
+
+class GitlabIdentifier(StrictModel):
+    dataset_name: str
+    version: str
+    artifact_fpath: str
+
+
+class HuggingFaceIdentifier(StrictModel):
+    repo_id: str
+    artifact_fpath: str | None = None
+
+
+class GitlabSource(GitlabIdentifier):
+    type: Literal["gitlab"]
+
+
+class HuggingFaceSource(HuggingFaceIdentifier):
+    type: Literal["huggingface"]
+
+
 class DatasetConfig(StrictModel):
+    """A dataset of task rows (NeMo Gym's fields). Only ``jsonl_fpath`` is read here: the collector's
+    default input; sources and prepare scripts are for NeMo Gym's own download and prepare commands."""
+
     name: str
-    type: Literal["train", "validation", "example", "benchmark"] = "example"
+    type: Literal["train", "validation", "example"]
     jsonl_fpath: Path
-    license: str | None = None
+    license: DatasetLicense | None = None
+    prepare_script: Path | None = None
+    prepare_dependencies: list[str] = Field(default_factory=list)
+    taskset: str | None = Field(None, min_length=1)
+    num_repeats: int = Field(1, ge=1)
+    source: Annotated[GitlabSource | HuggingFaceSource, Field(discriminator="type")] | None = None
+    gitlab_identifier: GitlabIdentifier | None = None
+    huggingface_identifier: HuggingFaceIdentifier | None = None
+
+    @model_validator(mode="after")
+    def _licensed_when_trained_on(self) -> DatasetConfig:
+        if self.type in ("train", "validation") and self.license is None:
+            raise ValueError(f"a {self.type} dataset needs a license (NeMo Gym requires one)")
+        if self.source is not None and (self.gitlab_identifier or self.huggingface_identifier):
+            raise ValueError("set source or the older gitlab_identifier/huggingface_identifier, not both")
+        return self
+
+
+class BenchmarkDatasetConfig(StrictModel):
+    """A benchmark dataset (NeMo Gym's ``type: benchmark``), prepared by its script."""
+
+    name: str
+    type: Literal["benchmark"]
+    jsonl_fpath: Path
+    prepare_script: Path
+    prompt_config: Path | None = None
+    prepare_dependencies: list[str] = Field(default_factory=list)
+    taskset: str | None = Field(None, min_length=1)
+    num_repeats: int = Field(1, ge=1)
+    agent: str | None = None
+
+
+AnyDataset = Annotated[DatasetConfig | BenchmarkDatasetConfig, Field(discriminator="type")]
 
 
 class ServerConfig(StrictModel):
-    """Base of every implementation's settings; subclasses add their own fields."""
+    """Base of every implementation's settings (NeMo Gym's common keys); subclasses add their own fields.
 
+    ``renamed_keys`` maps a key an implementation once had to its name now: the old key is an error
+    that names the new one.
+    """
+
+    renamed_keys: ClassVar[Mapping[str, str]] = {}
+
+    entrypoint: str = DEFAULT_ENTRYPOINT
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=0, le=65535)
-    datasets: list[DatasetConfig] = Field(default_factory=list)
+    num_workers: Literal[1] | None = None
+    """NeMo Gym runs that many worker processes; here a server is one process (1 or unset)."""
+    domain: Domain | None = None
+    verified: bool = False
+    verified_url: str | None = None
+    description: str | None = None
+    value: str | None = None
+    datasets: list[AnyDataset] = Field(default_factory=list)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1 << 32)  # larger request bodies: 413
+
+    def validate_in_mesh(self, instances: Mapping[str, ServerInstance]) -> None:
+        """Checks that need the other instances; raise ``ValueError`` (named after this block)."""
 
 
 class NemoGymServerConfig(ServerConfig):
@@ -148,7 +325,8 @@ class NemoGymServerConfig(ServerConfig):
 
     def nemo_gym_settings(self) -> dict[str, Any]:
         """The block as NeMo Gym's server reads it: its own keys, without ours (``package``, ``python``)."""
-        return self.model_dump(mode="json", exclude={"package", "python", "datasets"}, exclude_none=True)
+        ours = {"package", "python", "datasets", "max_body_bytes"}
+        return self.model_dump(mode="json", exclude=ours, exclude_none=True)
 
 
 def _as_refs(value: Any) -> Any:
@@ -175,8 +353,13 @@ class ServerInstance:
     settings: ServerConfig
 
     @property
+    def folder(self) -> str:
+        """The implementation's folder, e.g. ``model_servers/policy_model``."""
+        return f"{FOLDER_OF_TYPE[self.type]}/{self.implementation}"
+
+    @property
     def module(self) -> str:
-        return f"{self.type}.{self.implementation}.app"
+        return entrypoint_module(self.type, self.implementation, self.settings.entrypoint)
 
     @property
     def url(self) -> str:
@@ -191,6 +374,7 @@ class MeshConfig:
     checkpoint: CheckpointConfig
     instances: dict[str, ServerInstance]
     raw: dict[str, Any]
+    ports: PortsConfig = field(default_factory=lambda: PortsConfig.model_validate({}))
 
     def instance(self, name: str) -> ServerInstance:
         try:
@@ -210,13 +394,13 @@ class MeshConfig:
 
     def with_ports(self, ports: Mapping[str, int], head_port: int | None = None) -> MeshConfig:
         """A copy with the given instance ports (and the head port) filled in (the launcher's)."""
-        raw = _deep_copy(self.raw)
+        raw = deep_copy(self.raw)
         for name, port in ports.items():
             inst = self.instances[name]
             block = raw[name][inst.type]
             block[inst.implementation] = {**(block[inst.implementation] or {}), "port": port}
         if head_port is not None:
-            raw["head_server"] = {**(raw.get("head_server") or {}), "port": head_port}
+            raw[HEAD_SERVER] = {**(raw.get(HEAD_SERVER) or {}), "port": head_port}
         return build_mesh(raw, origins={})
 
 
@@ -224,173 +408,48 @@ class MeshConfig:
 
 
 def load_config(paths: Sequence[str | Path], overrides: Sequence[str] = ()) -> MeshConfig:
-    """Load, merge, override, interpolate and validate the config files."""
-    raw, origins = merge_sources(paths, overrides)
+    """Read the files (and their ``config_paths``), apply overrides and directives, interpolate, validate."""
+    raw, origins = read_sources(paths, overrides)
+    variables = _variables(raw, origins)
     resolved = resolve_interpolations(raw, origins)
+    for name in variables:
+        del resolved[name]
     return build_mesh(resolved, origins)
 
 
 def load_config_dict(raw: Mapping[str, Any]) -> MeshConfig:
     """Validate an already resolved config dict (what the launcher hands its children)."""
-    return build_mesh(_deep_copy(dict(raw)), origins={})
+    return build_mesh(deep_copy(dict(raw)), origins={})
 
 
-def merge_sources(
-    paths: Sequence[str | Path], overrides: Sequence[str]
-) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
-    merged: dict[str, Any] = {}
-    origins: dict[tuple[str, ...], str] = {}
-    if not paths:
-        raise ConfigError("no config file given")
-    for path in paths:
-        _merge_into(merged, _read_yaml(Path(path)), str(path), origins, ())
-    for key, value in parse_overrides(overrides):
-        _set_path(merged, key, value, origins)
-    return merged, origins
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError("file not found", file=str(path)) from None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"not valid YAML: {error}".replace("\n", " "), file=str(path)) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError("expected a mapping at the top level", file=str(path))
-    return data
-
-
-def _merge_into(
-    dst: dict[str, Any], src: Mapping[str, Any], origin: str, origins: dict[tuple[str, ...], str],
-    prefix: tuple[str, ...],
-) -> None:
-    for key, value in src.items():
-        key = str(key)
-        path = (*prefix, key)
-        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
-            origins.setdefault(path, origin)
-            _merge_into(dst[key], value, origin, origins, path)
+def _variables(raw: Mapping[str, Any], origins: Origins) -> list[str]:
+    """Top-level keys that only hold values for ``${...}``: kept while interpolating, then dropped."""
+    named = interpolation_roots(raw)
+    variables = []
+    for key, value in raw.items():
+        if key in KNOWN_TOP_LEVEL_KEYS or _looks_like_a_server(value):
             continue
-        dst[key] = _deep_copy(value)
-        for sub in _leaf_paths(value, path):
-            origins[sub] = origin
+        if key not in named:
+            _refuse_top_level_key(key, value, origins)
+        variables.append(key)
+    return variables
 
 
-def _leaf_paths(value: Any, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
-    yield path
-    if isinstance(value, Mapping):
-        for key, sub in value.items():
-            yield from _leaf_paths(sub, (*path, str(key)))
+def _looks_like_a_server(value: Any) -> bool:
+    return isinstance(value, dict) and any(key in value for key in (*SERVER_TYPES, *OLD_TYPE_KEYS))
 
 
-def parse_overrides(overrides: Sequence[str]) -> list[tuple[tuple[str, ...], Any]]:
-    """``a.b=1`` -> ((a, b), 1); a leading ``+`` (Hydra style) is accepted and ignored."""
-    parsed = []
-    for item in overrides:
-        key, eq, text = item.lstrip("+").partition("=")
-        if not eq or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override {item!r} is not key=value", file=COMMAND_LINE)
-        try:
-            value = yaml.safe_load(text) if text else ""
-        except yaml.YAMLError:
-            value = text
-        parsed.append((tuple(key.split(".")), value))
-    return parsed
-
-
-def _set_path(
-    tree: dict[str, Any], path: tuple[str, ...], value: Any, origins: dict[tuple[str, ...], str]
-) -> None:
-    node = tree
-    for depth, part in enumerate(path[:-1]):
-        if node.get(part) is None:
-            node[part] = {}
-        child = node[part]
-        if not isinstance(child, dict):
-            where = ".".join(path[: depth + 1])
-            raise ConfigError(f"cannot set {'.'.join(path)}: {where} is not a mapping", file=COMMAND_LINE)
-        node = child
-    node[path[-1]] = value
-    for sub in _leaf_paths(value, path):
-        origins[sub] = COMMAND_LINE
-
-
-# ---- interpolation -------------------------------------------------------------------------------
-
-
-def resolve_interpolations(raw: dict[str, Any], origins: dict[tuple[str, ...], str]) -> dict[str, Any]:
-    resolver = _Resolver(raw, origins)
-    return {key: resolver.value(value, (key,)) for key, value in raw.items()}
-
-
-class _Resolver:
-    def __init__(self, root: dict[str, Any], origins: dict[tuple[str, ...], str]) -> None:
-        self.root = root
-        self.origins = origins
-        self.active: list[tuple[str, ...]] = []
-
-    def value(self, value: Any, path: tuple[str, ...]) -> Any:
-        if isinstance(value, dict):
-            return {k: self.value(v, (*path, str(k))) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self.value(v, (*path, str(i))) for i, v in enumerate(value)]
-        if isinstance(value, str):
-            return self.string(value, path)
-        return value
-
-    def string(self, text: str, path: tuple[str, ...]) -> Any:
-        whole = _INTERPOLATION.fullmatch(text)
-        if whole:
-            return self.expression(whole[1], path)
-        return _INTERPOLATION.sub(lambda m: str(self.expression(m[1], path)), text)
-
-    def expression(self, expr: str, path: tuple[str, ...]) -> Any:
-        expr = expr.strip()
-        if expr.startswith("oc.env:"):
-            name, comma, default = expr[len("oc.env:") :].partition(",")
-            value = os.environ.get(name.strip())
-            if value is None and not comma:
-                self.fail(f"environment variable {name.strip()} is not set", path)
-            return value if value is not None else _yaml_scalar(default.strip())
-        target = tuple(expr.split("."))
-        if target in self.active:
-            self.fail(f"interpolation cycle through ${{{expr}}}", path)
-        node: Any = self.root
-        for part in target:
-            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-                continue
-            if not isinstance(node, dict) or part not in node:
-                self.fail(f"${{{expr}}} refers to a key that does not exist", path)
-            node = node[part]
-        self.active.append(target)
-        try:
-            return self.value(node, target)
-        finally:
-            self.active.pop()
-
-    def fail(self, message: str, path: tuple[str, ...]) -> None:
-        raise ConfigError(message, file=origin_of(self.origins, path), key=".".join(path))
-
-
-def _yaml_scalar(text: str) -> Any:
-    try:
-        return yaml.safe_load(text) if text else ""
-    except yaml.YAMLError:
-        return text
-
-
-def origin_of(origins: Mapping[tuple[str, ...], str], path: Sequence[str]) -> str | None:
-    """The file that set ``path`` (or its nearest ancestor)."""
-    key = tuple(path)
-    while key:
-        if key in origins:
-            return origins[key]
-        key = key[:-1]
-    return None
+def _refuse_top_level_key(key: str, value: Any, origins: Mapping[tuple[str, ...], str]) -> None:
+    file = origin_of(origins, (key,))
+    if key in NEMO_GYM_LAUNCHER_KEYS:
+        raise ConfigError("a NeMo Gym launcher setting that this launcher does not take (docs/nemo-gym.md)",
+                          file=file, key=key)
+    got = f"; got a mapping with {sorted(value)}" if isinstance(value, dict) else ""
+    raise ConfigError(
+        f"unknown top-level key: expected a server instance (a mapping with one type key, one of "
+        f"{', '.join(SERVER_TYPES)}), one of {', '.join(KNOWN_TOP_LEVEL_KEYS)}, or a value some ${{...}} "
+        f"names{got}", file=file, key=key,
+    )
 
 
 # ---- validation ----------------------------------------------------------------------------------
@@ -398,25 +457,39 @@ def origin_of(origins: Mapping[tuple[str, ...], str], path: Sequence[str]) -> st
 
 def build_mesh(raw: dict[str, Any], origins: Mapping[tuple[str, ...], str]) -> MeshConfig:
     _refuse_missing(raw, origins, ())
-    head = _validate(HeadServerConfig, raw.get("head_server") or {}, ("head_server",), origins)
-    checkpoint = _validate(CheckpointConfig, raw.get("checkpoint") or {}, ("checkpoint",), origins)
+    default_host = _default_host(raw, origins)
+    head = _validate(HeadServerConfig, {"host": default_host, **(raw.get(HEAD_SERVER) or {})}, (HEAD_SERVER,),
+                     origins)
+    checkpoint = _validate(CheckpointConfig, raw.get(CHECKPOINT) or {}, (CHECKPOINT,), origins)
+    ports = _validate(PortsConfig, {key: raw[key] for key in PORT_KEYS if key in raw}, (), origins)
     instances = {}
     for name, block in raw.items():
-        if name in ("head_server", "checkpoint") or not isinstance(block, dict):
+        if name in KNOWN_TOP_LEVEL_KEYS:
             continue
-        instances[name] = _build_instance(name, block, origins)
+        if not _looks_like_a_server(block):
+            _refuse_top_level_key(name, block, origins)
+        instances[name] = _build_instance(name, block, default_host, origins)
     if not instances:
         raise ConfigError("the config defines no server instance")
     _check_refs(instances, origins)
+    _check_in_mesh(instances, origins)
     _check_ports(head, instances, origins)
-    return MeshConfig(head, checkpoint, instances, raw)
+    return MeshConfig(head, checkpoint, instances, raw, ports)
+
+
+def _default_host(raw: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]) -> str:
+    host = raw.get("default_host") or "127.0.0.1"
+    if not isinstance(host, str):
+        raise ConfigError(f"expected a host name, got {host!r}", file=origin_of(origins, ("default_host",)),
+                          key="default_host")
+    return host
 
 
 def _refuse_missing(node: Any, origins: Mapping[tuple[str, ...], str], path: tuple[str, ...]) -> None:
     if node == MISSING:
-        raise ConfigError(
-            "required value is missing (???)", file=origin_of(origins, path), key=".".join(path)
-        )
+        override = f"++{'.'.join(path)}=<value>"
+        raise ConfigError(f"required value is missing (???): set it, e.g. {override}",
+                          file=origin_of(origins, path), key=".".join(path))
     if isinstance(node, dict):
         for key, value in node.items():
             _refuse_missing(value, origins, (*path, str(key)))
@@ -426,9 +499,13 @@ def _refuse_missing(node: Any, origins: Mapping[tuple[str, ...], str], path: tup
 
 
 def _build_instance(
-    name: str, block: dict[str, Any], origins: Mapping[tuple[str, ...], str]
+    name: str, block: dict[str, Any], default_host: str, origins: Mapping[tuple[str, ...], str]
 ) -> ServerInstance:
     file = origin_of(origins, (name,))
+    for old, new in OLD_TYPE_KEYS.items():
+        if old in block:
+            raise ConfigError(f"{old!r} is the old type key: write {new!r} (NeMo Gym's name; the folder "
+                              f"{FOLDER_OF_TYPE[new]}/ keeps its name)", file=file, key=f"{name}.{old}")
     if len(block) != 1 or next(iter(block)) not in SERVER_TYPES:
         raise ConfigError(
             f"expected exactly one server type key, one of {', '.join(SERVER_TYPES)}; got {sorted(block)}",
@@ -439,31 +516,84 @@ def _build_instance(
         raise ConfigError("expected exactly one implementation block", file=file, key=f"{name}.{server_type}")
     implementation, settings = next(iter(impls.items()))
     path = (name, server_type, implementation)
-    settings = settings or {}
-    if isinstance(settings, dict) and "package" in settings:
+    settings = {"host": default_host, **(settings or {})}
+    _refuse_old_refs(settings, path, origins)
+    config_class: type[ServerConfig]
+    if "package" in settings:
         if server_type != "resources_servers":
             raise ConfigError(f"only resources servers of the {NEMO_GYM_PACKAGE} package run in this mesh",
                               file=file, key=".".join((*path, "package")))
-        config_class: type[ServerConfig] = NemoGymServerConfig
+        config_class = NemoGymServerConfig
     else:
-        config_class = config_class_for(server_type, implementation, file, ".".join(path))
+        entrypoint = settings.get("entrypoint", DEFAULT_ENTRYPOINT)
+        config_class = config_class_for(server_type, implementation, entrypoint, origins, path)
+    _refuse_renamed_keys(config_class, settings, path, origins)
     validated = _validate(config_class, settings, path, origins)
     return ServerInstance(name, cast(ServerType, server_type), implementation, validated)
 
 
-def config_class_for(server_type: str, implementation: str, file: str | None, key: str) -> type[ServerConfig]:
-    """The ``Config`` class declared by ``<server_type>/<implementation>/app.py``."""
-    module_name = f"{server_type}.{implementation}.app"
+def _refuse_old_refs(node: Any, path: tuple[str, ...], origins: Mapping[tuple[str, ...], str]) -> None:
+    if isinstance(node, dict):
+        old = node.get("type")
+        if set(node) == {"type", "name"} and isinstance(old, str) and old in OLD_TYPE_KEYS:
+            key = (*path, "type")
+            raise ConfigError(f"reference type {old!r} is the old type key: write type: {OLD_TYPE_KEYS[old]}",
+                              file=origin_of(origins, key), key=".".join(key))
+        for key, value in node.items():
+            _refuse_old_refs(value, (*path, str(key)), origins)
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            _refuse_old_refs(value, (*path, str(index)), origins)
+
+
+def _refuse_renamed_keys(config_class: type[ServerConfig], settings: Mapping[str, Any], path: tuple[str, ...],
+                         origins: Mapping[tuple[str, ...], str]) -> None:
+    for old, new in config_class.renamed_keys.items():
+        if old in settings:
+            key = (*path, old)
+            raise ConfigError(f"{old!r} is now {new!r} (NeMo Gym's name)", file=origin_of(origins, key),
+                              key=".".join(key))
+
+
+def entrypoint_module(server_type: str, implementation: str, entrypoint: str) -> str:
+    """The module of ``<folder>/<implementation>/<entrypoint>``, e.g. ``agents.simple_agent.app``."""
+    parts = PurePosixPath(entrypoint).with_suffix("").parts
+    return ".".join((FOLDER_OF_TYPE[server_type], implementation, *parts))
+
+
+def _entrypoint_problem(entrypoint: Any) -> str | None:
+    if not isinstance(entrypoint, str):
+        return f"expected a file name such as app.py, got {entrypoint!r}"
+    path = PurePosixPath(entrypoint)
+    if path.is_absolute() or path.suffix != ".py" or any(not p.isidentifier() for p in path.with_suffix("").parts):
+        return (f"expected a .py file inside the implementation folder (e.g. app.py), got {entrypoint!r}")
+    return None
+
+
+def config_class_for(
+    server_type: str, implementation: str, entrypoint: Any, origins: Mapping[tuple[str, ...], str],
+    path: tuple[str, ...],
+) -> type[ServerConfig]:
+    """The ``Config`` class declared by ``<folder>/<implementation>/<entrypoint>``."""
+    file = origin_of(origins, (*path, "entrypoint")) or origin_of(origins, path)
+    problem = _entrypoint_problem(entrypoint)
+    if problem:
+        raise ConfigError(problem, file=file, key=".".join((*path, "entrypoint")))
+    folder = f"{FOLDER_OF_TYPE[server_type]}/{implementation}"
+    module_name = entrypoint_module(server_type, implementation, entrypoint)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         if error.name and (module_name == error.name or module_name.startswith(error.name + ".")):
-            raise ConfigError(f"unknown implementation {implementation!r} under {server_type}", file=file,
-                              key=key) from None
+            if error.name.count(".") >= 2:
+                raise ConfigError(f"no entrypoint {entrypoint} in {folder}/", file=file,
+                                  key=".".join((*path, "entrypoint"))) from None
+            raise ConfigError(f"unknown implementation {implementation!r} under {server_type} (no folder "
+                              f"{folder}/)", file=file, key=".".join(path)) from None
         raise
     config_class = getattr(module, "Config", None)
     if not (isinstance(config_class, type) and issubclass(config_class, ServerConfig)):
-        raise ConfigError(f"{module_name} declares no Config(ServerConfig) class", file=file, key=key)
+        raise ConfigError(f"{module_name} declares no Config(ServerConfig) class", file=file, key=".".join(path))
     return config_class
 
 
@@ -475,10 +605,19 @@ def _validate(
     except ValidationError as error:
         first = error.errors()[0]
         loc = tuple(str(part) for part in first["loc"])
-        full = (*path, *loc)
+        if first["type"] == "union_tag_not_found":  # the discriminator (a dataset's type) is missing
+            loc, first = (*loc, "type"), {**first, "type": "missing"}
+        full = (*path, *_without_union_tags(loc))
         raise ConfigError(
             _describe(first), file=origin_of(origins, full) or origin_of(origins, path), key=".".join(full)
         ) from None
+
+
+def _without_union_tags(loc: tuple[str, ...]) -> tuple[str, ...]:
+    """Pydantic names the union member in a location (``datasets.0.example.license``); the key has none."""
+    tags = {"train", "validation", "example", "benchmark", "gitlab", "huggingface"}
+    return tuple(part for index, part in enumerate(loc)
+                 if not (part in tags and index and (loc[index - 1].isdigit() or loc[index - 1] == "source")))
 
 
 def _describe(error: Any) -> str:
@@ -486,7 +625,8 @@ def _describe(error: Any) -> str:
         return "unknown key"
     if error["type"] == "missing":
         return "required value is missing"
-    return f"{error['msg']} (got {error.get('input')!r})"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{message} (got {error.get('input')!r})"
 
 
 def _check_refs(instances: dict[str, ServerInstance], origins: Mapping[tuple[str, ...], str]) -> None:
@@ -502,11 +642,20 @@ def _check_refs(instances: dict[str, ServerInstance], origins: Mapping[tuple[str
                                   file=origin_of(origins, path), key=".".join(path))
 
 
+def _check_in_mesh(instances: dict[str, ServerInstance], origins: Mapping[tuple[str, ...], str]) -> None:
+    for inst in instances.values():
+        path = (inst.name, inst.type, inst.implementation)
+        try:
+            inst.settings.validate_in_mesh(instances)
+        except ValueError as error:
+            raise ConfigError(str(error), file=origin_of(origins, path), key=".".join(path)) from None
+
+
 def _check_ports(
     head: HeadServerConfig, instances: dict[str, ServerInstance], origins: Mapping[tuple[str, ...], str]
 ) -> None:
     """Two servers never share a port (0 or unset: the launcher picks a free one)."""
-    owners = {head.port: "head_server"} if head.port else {}
+    owners = {head.port: HEAD_SERVER} if head.port else {}
     for inst in instances.values():
         port = inst.settings.port
         if not port:
@@ -532,11 +681,3 @@ def _refs_in(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...
     elif isinstance(value, dict):
         for key, item in value.items():
             yield from _refs_in(item, (*path, str(key)))
-
-
-def _deep_copy(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _deep_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
-    return value

@@ -20,6 +20,7 @@ one line (never sent over HTTP); ``nemo_gym_ckpt.cli.exit_codes`` maps both tree
     │   ├── InvalidPhase              409 invalid_phase
     │   ├── DeadlineExceeded          409 deadline_exceeded
     │   ├── StaleAttempt              409 stale_attempt
+    │   ├── RestartInScope            409 restart_in_scope
     │   ├── ActivationOutOfOrder      409 activation_out_of_order
     │   └── RequestConflict           409 request_conflict      (a server's own state refuses it now)
     ├── StorageError                  checkpoint files: what was read is unusable
@@ -28,6 +29,7 @@ one line (never sent over HTTP); ``nemo_gym_ckpt.cli.exit_codes`` maps both tree
     │   ├── UpstreamError             502 upstream_error        (a peer answered something unusable)
     │   ├── CoordinatorUnavailable    503 checkpoint_coordinator_unavailable
     │   ├── Unavailable               503 unavailable           (a peer, or the disk, could not be reached)
+    │   ├── Overloaded                429 capacity_exceeded     (refused up front, nothing started: retry later)
     │   └── UpstreamTimeout           504 upstream_timeout      (a deadline ran out while waiting on a peer)
     └── InternalError                 500 internal_error        (a bug; never for bad input)
 
@@ -72,9 +74,11 @@ __all__ = [
     "MeshCrashed",
     "MethodNotAllowed",
     "NotFound",
+    "Overloaded",
     "PayloadTooLarge",
     "PeerError",
     "RequestConflict",
+    "RestartInScope",
     "RolloutIdRequired",
     "StaleAttempt",
     "StaleCheckpoint",
@@ -103,6 +107,10 @@ class GymError(Exception):
 
     def to_body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "detail": self.detail}}
+
+    def headers(self) -> dict[str, str]:
+        """Headers of the error reply (``Overloaded`` adds ``Retry-After``)."""
+        return {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.detail!r})"
@@ -172,6 +180,12 @@ class StaleAttempt(StateConflict):
     code, status = "stale_attempt", 409
 
 
+class RestartInScope(StateConflict):
+    """A commit scope names an episode this participant reports as a restart (it cannot be exported)."""
+
+    code, status = "restart_in_scope", 409
+
+
 class ActivationOutOfOrder(StateConflict):
     code, status = "activation_out_of_order", 409
 
@@ -205,6 +219,21 @@ class CoordinatorUnavailable(PeerError):
 
 class Unavailable(PeerError):
     code, status = "unavailable", 503
+
+
+class Overloaded(PeerError):
+    """Refused before anything started (no state exists): send the same request again after
+    ``retry_after_s`` seconds (the reply's ``Retry-After``)."""
+
+    code, status = "capacity_exceeded", 429
+
+    @property
+    def retry_after_s(self) -> float:
+        value = self.fields.get("retry_after_s")
+        return float(value) if isinstance(value, int | float) else 1.0
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(max(1, round(self.retry_after_s)))}
 
 
 class UpstreamTimeout(PeerError):
@@ -266,6 +295,7 @@ ERROR_CODES: dict[str, type[GymError]] = {
         InvalidPhase,
         DeadlineExceeded,
         StaleAttempt,
+        RestartInScope,
         ActivationOutOfOrder,
         RequestConflict,
         PayloadTooLarge,
@@ -274,6 +304,7 @@ ERROR_CODES: dict[str, type[GymError]] = {
         UpstreamError,
         CoordinatorUnavailable,
         Unavailable,
+        Overloaded,
         UpstreamTimeout,
     )
 }

@@ -10,6 +10,13 @@ produce a 500; a 500 means a bug and is logged with its traceback.
 the lifespan the app had so far has ended (or failed to start). Each server's ``create_app`` closes
 its context's client this way, so an app closes its client wherever it runs (uvicorn, or a test
 entering its lifespan over ``httpx.ASGITransport``).
+
+Every request body is capped (``BodyLimitMiddleware``: 413 ``payload_too_large`` once more than the
+limit has arrived, or at once when ``Content-Length`` says so; ``DEFAULT_MAX_BODY_BYTES``, set per
+server with ``set_max_body_bytes`` from its ``max_body_bytes`` setting). A 405 names the allowed
+methods in ``Allow``. The OpenAPI document declares, on every operation, the structured error
+replies (``ErrorBody``) instead of FastAPI's default 422, and the body of each route that reads it
+itself (``declare_body``).
 """
 
 from __future__ import annotations
@@ -22,9 +29,11 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nemo_gym_ckpt.errors import (
     GymError,
@@ -37,18 +46,32 @@ from nemo_gym_ckpt.errors import (
 from nemo_gym_ckpt.identity import CURRENT_IDENTITY, split_rollout_path
 
 __all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "ERROR_STATUSES",
+    "BodyLimitMiddleware",
     "OrjsonResponse",
     "RolloutPrefixMiddleware",
     "close_on_shutdown",
     "create_app",
+    "declare_body",
     "error_response",
     "install_error_handlers",
+    "set_max_body_bytes",
     "sse_event",
 ]
 
 logger = logging.getLogger(__name__)
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+ERROR_STATUSES = (400, 401, 404, 405, 409, 413, 422, 500, 502, 503, 504)
+ERROR_SCHEMA = "ErrorBody"
+_ERROR_BODY_SCHEMA: dict[str, Any] = {
+    "title": ERROR_SCHEMA, "type": "object", "required": ["error"], "additionalProperties": False,
+    "properties": {"error": {
+        "type": "object", "required": ["code", "detail"], "additionalProperties": False,
+        "properties": {"code": {"type": "string"}, "detail": {"type": "string"}}}},
+}
 
 
 class OrjsonResponse(JSONResponse):
@@ -59,7 +82,7 @@ class OrjsonResponse(JSONResponse):
 
 
 def error_response(error: GymError) -> OrjsonResponse:
-    return OrjsonResponse(error.to_body(), status_code=error.status)
+    return OrjsonResponse(error.to_body(), status_code=error.status, headers=error.headers() or None)
 
 
 def sse_event(payload: Any) -> bytes:
@@ -94,6 +117,99 @@ class RolloutPrefixMiddleware:
             CURRENT_IDENTITY.reset(token)
 
 
+class _BodyLimit:
+    """The body limit of one app (changed with ``set_max_body_bytes``)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+
+
+class BodyLimitMiddleware:
+    """413 once a request body exceeds the app's limit: at once when ``Content-Length`` says so, else
+    when the bytes received pass it (the handler's read of the body fails there, nothing more is held)."""
+
+    def __init__(self, app: ASGIApp, limit: _BodyLimit) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit.max_bytes
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            await error_response(PayloadTooLarge(_too_large(limit)))(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise StarletteHTTPException(413, _too_large(limit))
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _too_large(limit: int) -> str:
+    return f"request bodies are limited to {limit} bytes (max_body_bytes)"
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            text = value.decode("latin-1").strip()
+            return int(text) if text.isdigit() and len(text) < 20 else None
+    return None
+
+
+def set_max_body_bytes(app: FastAPI, max_bytes: int) -> None:
+    """Set the body limit of an app made by ``create_app``."""
+    if max_bytes < 1:
+        raise ValueError("max_body_bytes must be >= 1")
+    app.state.body_limit.max_bytes = max_bytes
+
+
+def declare_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` of a route that reads and validates its body itself, as ``model``."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _declared(schema: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI document with every operation's structured errors, and the ``$defs`` of declared
+    bodies moved to the components (where their references point)."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    components[ERROR_SCHEMA] = _ERROR_BODY_SCHEMA
+    error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_SCHEMA}"}}}}
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            for status in ERROR_STATUSES:
+                responses[str(status)] = {"description": "a structured error", **error}
+            body = operation.get("requestBody", {}).get("content", {}).get("application/json", {})
+            defs = body.get("schema", {}).pop("$defs", None) if isinstance(body.get("schema"), dict) else None
+            components.update(defs or {})
+    return schema
+
+
+def _with_declared_errors(app: FastAPI) -> None:
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _declared(generate())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def _validation_detail(error: RequestValidationError) -> str:
     parts = []
     for item in error.errors()[:5]:
@@ -119,11 +235,27 @@ async def _on_http_error(request: Request, error: Exception) -> Response:
         mapped = NotFound(f"no route {request.method} {request.url.path}")
     elif error.status_code == 405:
         mapped = MethodNotAllowed(f"{request.method} not allowed on {request.url.path}")
+        return OrjsonResponse(mapped.to_body(), status_code=405, headers=_allow_header(request, error))
     elif error.status_code == 413:
         mapped = PayloadTooLarge(str(error.detail))
     else:
         mapped = InvalidRequest(str(error.detail))
     return error_response(mapped)
+
+
+def _allow_header(request: Request, error: StarletteHTTPException) -> dict[str, str]:
+    """``Allow``: the methods of every route whose path matches the request's (a path may have
+    several routes, one per method)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        allowed = getattr(route, "methods", None)
+        if match is not Match.NONE and allowed:
+            methods.update(allowed)
+    given = (error.headers or {}).get("Allow")
+    if not methods and given:
+        methods.update(method.strip() for method in given.split(","))
+    return {"Allow": ", ".join(sorted(methods))} if methods else {}
 
 
 async def _on_unexpected(request: Request, error: Exception) -> Response:
@@ -139,11 +271,17 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _on_unexpected)
 
 
-def create_app(name: str, *, lifespan: Lifespan | None = None, version: str = "0.1.0") -> FastAPI:
+def create_app(
+    name: str, *, lifespan: Lifespan | None = None, version: str = "0.1.0",
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """A FastAPI app for one mesh server instance called ``name``."""
     app = FastAPI(title=name, version=version, lifespan=lifespan, default_response_class=OrjsonResponse)
     install_error_handlers(app)
+    app.state.body_limit = limit = _BodyLimit(max_body_bytes)
     app.add_middleware(RolloutPrefixMiddleware)
+    app.add_middleware(BodyLimitMiddleware, limit=limit)
+    _with_declared_errors(app)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -11,6 +11,18 @@ Routes (also under ``/ng-rollout/<capture_key>/``, where the capture key names t
   ``usage`` is summed; the resources cookies as they stand after the last tool call come back as
   ``Set-Cookie``. The header ``x-ng-agent-activation: <n>`` (1-based) numbers the calls of one
   episode.
+- ``POST /training-token-capture/v1/responses`` (NeMo Gym's training-capture path, under the
+  rollout prefix): the same activation, token ids asked for even without ``return_token_ids``.
+- ``POST /run`` (what NeMo Gym's ``legacy_agent`` relays; its rollout named by the prefix or the
+  row's ``_ng_task_index``/``_ng_rollout_index``/``_ng_attempt_index``): one whole rollout of a
+  task row: resources ``/seed_session`` with the row, the loop, ``/verify`` with the row and the
+  response, ``/close_session`` (a failed close is logged only); answers the verified row (the task
+  row, the verifier's fields, ``response``, ``reward``). Needs a ``resources_server``.
+- ``POST /v1/agent_sessions`` and ``POST /v1/agent_sessions/close``: NeMo Gym's agent sessions
+  (``agent_sessions.py``): a session names its episode and, in a ``direct_http`` tool access, the
+  resources server and cookies its activations use; the close answers the resources cookies after
+  the last activation and ends the episode's activation session.
+- ``POST /aggregate_metrics``: NeMo Gym's ``AggregateMetrics`` of the rows sent.
 - ``POST /close``: frees the session of the request's capture key (idempotent).
 - ``POST /v1/responses/refill``: ``{"items": [...]}`` (output items of this rollout that an
   environment kept, e.g. at a boundary restored from a checkpoint) answered as ``{"items",
@@ -19,6 +31,10 @@ Routes (also under ``/ng-rollout/<capture_key>/``, where the capture key names t
   environment may have closed it before the checkpoint), changes nothing and never waits for a
   checkpoint (only a retired attempt is refused); with checkpointing or ``return_token_ids`` off it
   answers the items unchanged.
+
+The answer's ``metadata.policy_versions`` lists each model call's policy version (JSON text) when
+the calls carried one: NeMo Gym's response model drops the items' ``policy_version`` but keeps
+``metadata``.
 
 Checkpointing (``docs/participants.md``, "Agents"): with the mesh's ``checkpoint:`` block on, the
 agent is a participant of kind ``agent`` over ``nemo_gym_ckpt.agent.sessions.AgentSessions``: the
@@ -34,6 +50,9 @@ run's, token arrays included. If the policy model cannot answer, the loop goes o
 (logged); the policy model still splices the next prompt from the ids it restored. A restored
 completed reply invoked again is refilled the same way before it is answered (``AgentSessions``'
 ``refill`` hook), so a re-invoked activation answers its reply token arrays included.
+A ``/run`` is its session's activation 1: seed and verify are gated like tool calls (a prepare
+waits for them; after a restore the continued activation seeds no more), and a ``/run`` or an
+agent-session seed or close arriving while a checkpoint is open waits for its resume.
 ``checkpoint_sessions`` (a class attribute, not config) says
 whether the implementation captures its sessions; ``agents/restart_only_agent`` is the same loop
 with it off. With checkpointing off the activation header is only recorded.
@@ -43,13 +62,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Any, ClassVar
 
+import orjson
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from agents.simple_agent.agent_sessions import AgentSession as NgAgentSession
+from agents.simple_agent.agent_sessions import (
+    AgentSessionTable,
+    CloseAgentSession,
+    SeedAgentSession,
+    agent_cookie_name,
+)
 from agents.simple_agent.loop import (
     LoopCalls,
     LoopState,
@@ -60,6 +87,8 @@ from agents.simple_agent.loop import (
 )
 from agents.simple_agent.restored_tokens import missing_calls, reattach, refill
 from nemo_gym_ckpt.agent.sessions import ActivationReply, AgentSessions, Turn
+from nemo_gym_ckpt.aggregate_metrics import mount_aggregate_metrics
+from nemo_gym_ckpt.bounds import MAX_ITEMS, Text
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.headers import ACTIVATION_HEADER, RESTART_HEADER
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
@@ -68,9 +97,16 @@ from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment.base import REFILL_PATH, cookies_of, lacks_token_arrays
 from nemo_gym_ckpt.errors import GymError, InvalidRequest, UpstreamError
-from nemo_gym_ckpt.identity import current_identity
+from nemo_gym_ckpt.identity import (
+    current_identity,
+    identity_of_episode_id,
+    identity_of_row,
+    request_identity,
+    serving_as,
+    without_dispatch_keys,
+)
 from nemo_gym_ckpt.responses import normalize_input
-from nemo_gym_ckpt.server import OrjsonResponse, close_on_shutdown
+from nemo_gym_ckpt.server import OrjsonResponse, close_on_shutdown, declare_body
 from nemo_gym_ckpt.server import create_app as create_app_base
 
 __all__ = [
@@ -110,8 +146,8 @@ class AgentRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    input: str | list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
+    input: Text | Annotated[list[dict[str, Any]], Field(max_length=MAX_ITEMS)]
+    tools: Annotated[list[dict[str, Any]], Field(max_length=1024)] | None = None
     stream: bool | None = None
 
 
@@ -120,7 +156,7 @@ class RefillRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    items: list[dict[str, Any]]
+    items: Annotated[list[dict[str, Any]], Field(max_length=MAX_ITEMS)]
 
 
 def parse_activation(value: str | None) -> int | None:
@@ -148,9 +184,11 @@ class HttpCalls:
     settings: Config
     model_url: str
     resources_url: str | None
+    token_ids: bool = False
+    """Ask for token ids even when ``return_token_ids`` is off (NeMo Gym's training-capture path)."""
 
     async def call_model(self, body: dict[str, Any], cookies: dict[str, str]) -> ModelReply:
-        if self.settings.return_token_ids:
+        if self.settings.return_token_ids or self.token_ids:
             body = {**body, "return_token_ids": True}
         reply = await self.client.request(
             "POST", f"{self.model_url}/v1/responses", json=body, cookies=cookies,
@@ -217,6 +255,8 @@ class SimpleAgent:
         )
         self.sessions: dict[str, AgentSession] = {}
         self.checkpoint: AgentSessions | None = None
+        self.agent_sessions = AgentSessionTable()
+        self.agent_cookie = agent_cookie_name(ctx.name)
 
     def session(self, activation: int | None) -> AgentSession | None:
         """The request's session (created at its first call); None outside a rollout."""
@@ -233,37 +273,156 @@ class SimpleAgent:
         return LoopState(normalize_input(body.input), params, self.settings.max_steps, cookies=dict(cookies))
 
     async def responses(self, body: AgentRequest, request: Request) -> OrjsonResponse:
+        return await self._responses(body, request, token_ids=False)
+
+    async def capture_responses(self, body: AgentRequest, request: Request) -> OrjsonResponse:
+        """NeMo Gym's training-capture path: the same activation, token ids asked for."""
+        return await self._responses(body, request, token_ids=True)
+
+    async def _responses(self, body: AgentRequest, request: Request, *, token_ids: bool) -> OrjsonResponse:
         if body.stream:
             raise InvalidRequest("the simple agent does not stream; send stream: false")
         activation = parse_activation(request.headers.get(ACTIVATION_HEADER))
-        cookies = dict(request.cookies)
+        session = self.agent_sessions.find(request.cookies.get(self.agent_cookie))
+        calls, cookies = self._calls_for(session, request, token_ids)
         if self.checkpoint is None:
-            reply = await self._plain(activation, body, cookies)
+            reply = await self._plain(activation, body, cookies, calls)
         else:
             request_json = body.model_dump(mode="json")
             reply = await self.checkpoint.activate(activation, request_json,
-                                                   lambda turn: self._turn(turn, body, cookies))
+                                                   lambda turn: self._turn(turn, body, cookies, calls))
+        if session is not None:
+            session.cookies = dict(reply.cookies)
         return self._http_reply(reply)
 
+    def _calls_for(
+        self, session: NgAgentSession | None, request: Request, token_ids: bool
+    ) -> tuple[HttpCalls, dict[str, str]]:
+        """The calls and resources cookies of an activation: an agent session's tools when it names some."""
+        cookies = {name: value for name, value in request.cookies.items() if name != self.agent_cookie}
+        calls = replace(self.calls, token_ids=True) if token_ids else self.calls
+        if session is None:
+            return calls, cookies
+        identity = current_identity()
+        if identity is not None and identity != session.identity:
+            raise InvalidRequest(f"agent session {session.seed.agent_session_id!r} belongs to episode "
+                                 f"{session.identity.capture_key}, not {identity.capture_key}")
+        if session.tools_url is not None:
+            calls = replace(calls, resources_url=session.tools_url)
+        return calls, {**cookies, **session.cookies}
+
     async def _plain(
-        self, activation: int | None, body: AgentRequest, cookies: dict[str, str]
+        self, activation: int | None, body: AgentRequest, cookies: dict[str, str], calls: LoopCalls
     ) -> ActivationReply:
         session = self.session(activation)
         state = self.fresh_state(body, cookies)
         if session is not None:
             session.loop = state
-        await run_loop(state, self.calls)
+        await run_loop(state, calls)
         return ActivationReply(response_object(state), dict(state.cookies))
 
-    async def _turn(self, turn: Turn, body: AgentRequest, cookies: dict[str, str]) -> ActivationReply:
+    async def _turn(
+        self, turn: Turn, body: AgentRequest, cookies: dict[str, str], calls: LoopCalls
+    ) -> ActivationReply:
         """One checkpointed activation: the loop from its restored state, or afresh."""
         resume = turn.resume
         state = LoopState.from_json(resume) if resume is not None else self.fresh_state(body, cookies)
         turn.track(state.to_json)
         if resume is not None and self.settings.return_token_ids:
             await self._reattach_tokens(state)
-        await run_loop(state, GatedCalls(self.calls, turn))
+        await run_loop(state, GatedCalls(calls, turn))
         return ActivationReply(response_object(state), dict(state.cookies))
+
+    # ---- NeMo Gym's agent /run: seed, the loop, verify, close -------------------------------
+
+    async def run(self, request: Request) -> OrjsonResponse:
+        """``POST /run``: one whole rollout of a task row, answered as its verified row."""
+        body = await read_object(request)
+        identity = request_identity(identity_of_row(body))
+        row = without_dispatch_keys(body)
+        params = _run_params(row)
+        if self.calls.resources_url is None:
+            raise InvalidRequest("this agent has no resources_server: /run seeds and verifies there")
+        with serving_as(identity):
+            if self.checkpoint is None:
+                reply = await self._run_work(None, row, params)
+            else:
+                reply = await self.checkpoint.activate(RUN_ACTIVATION, row,
+                                                       lambda turn: self._run_work(turn, row, params))
+        return self._http_reply(reply)
+
+    async def _run_work(self, turn: Turn | None, row: dict[str, Any], params: AgentRequest) -> ActivationReply:
+        """Seed, loop, verify, close; under a checkpoint every call is a gated boundary (a restored
+        activation continues its loop and does not seed again)."""
+        resume = turn.resume if turn is not None else None
+        if resume is None:
+            async with _gate(turn):
+                cookies = await self._seed(row)
+            state = self.fresh_state(params, cookies)
+        else:
+            state = LoopState.from_json(resume)
+        if turn is not None:
+            turn.track(state.to_json)
+            if resume is not None and self.settings.return_token_ids:
+                await self._reattach_tokens(state)
+        await run_loop(state, GatedCalls(self.calls, turn) if turn is not None else self.calls)
+        response = response_object(state)
+        async with _gate(turn):
+            verdict = await self._verify(row, response, state.cookies)
+        await self._close_resources(state.cookies)
+        result = {**row, **verdict, "response": response, "reward": float(verdict["reward"])}
+        return ActivationReply(result, dict(state.cookies))
+
+    async def _seed(self, row: dict[str, Any]) -> dict[str, str]:
+        reply = await self.calls.client.request("POST", f"{self.calls.resources_url}/seed_session", json=row,
+                                                timeout_s=self.settings.tool_timeout_s)
+        return cookies_of(reply)
+
+    async def _verify(self, row: dict[str, Any], response: dict[str, Any], cookies: dict[str, str]) -> dict[str, Any]:
+        verdict = await self.calls.client.post_json(
+            f"{self.calls.resources_url}/verify", json={**row, "response": response}, cookies=cookies,
+            timeout_s=self.settings.tool_timeout_s)
+        reward = verdict.get("reward") if isinstance(verdict, dict) else None
+        if not isinstance(reward, int | float) or isinstance(reward, bool):
+            raise UpstreamError("the resources server's /verify answered no numeric reward")
+        return dict(verdict)
+
+    async def _close_resources(self, cookies: dict[str, str]) -> None:
+        """Close the resources session (NeMo Gym's body); a failed close is logged, never the rollout's."""
+        identity = current_identity()
+        body: dict[str, Any] = {"resources_session_id": next(iter(cookies.values()), "")}
+        if identity is not None:
+            body["episode_id"] = identity.to_json()
+        try:
+            await self.calls.client.request("POST", f"{self.calls.resources_url}/close_session", json=body,
+                                            cookies=cookies, idempotent=True, timeout_s=self.settings.tool_timeout_s)
+        except GymError as error:
+            logger.warning("could not close the resources session: %s: %s", error.code, error.detail)
+
+    # ---- NeMo Gym's agent sessions ----------------------------------------------------------
+
+    async def seed_agent_session(self, body: SeedAgentSession) -> OrjsonResponse:
+        """``POST /v1/agent_sessions``: a session of one episode, with the tools it may use."""
+        identity = request_identity(identity_of_episode_id(body.episode_id))
+        assert identity is not None  # an episode id always names one
+        with serving_as(identity):
+            if self.checkpoint is not None:
+                await self.checkpoint.admitted()
+            session = self.agent_sessions.seed(body, identity)
+        reply = OrjsonResponse({"agent_session_id": session.seed.agent_session_id})
+        reply.set_cookie(self.agent_cookie, session.seed.agent_session_id, httponly=True, samesite="lax")
+        return reply
+
+    async def close_agent_session(self, body: CloseAgentSession) -> OrjsonResponse:
+        """``POST /v1/agent_sessions/close``: the session's resources cookies; its activations end."""
+        identity = request_identity(identity_of_episode_id(body.episode_id))
+        assert identity is not None
+        with serving_as(identity):
+            if self.checkpoint is not None:
+                await self.checkpoint.close()
+            else:
+                self.sessions.pop(identity.capture_key, None)
+        return OrjsonResponse(self.agent_sessions.close(body, identity))
 
     async def _reattach_tokens(self, state: LoopState) -> None:
         """Put the token arrays of the calls made before the checkpoint back on their output items."""
@@ -287,8 +446,11 @@ class SimpleAgent:
         return {"items": items, "refilled": stamped}
 
     async def refill_reply(self, reply: ActivationReply) -> ActivationReply:
-        """A restored completed reply with its token arrays put back (logged when they cannot be)."""
-        output = reply.response.get("output")
+        """A restored completed reply with its token arrays put back (logged when they cannot be); a
+        ``/run`` reply (a row) has them put back on its ``response``."""
+        nested = isinstance(reply.response.get("response"), dict) and "output" not in reply.response
+        response = reply.response["response"] if nested else reply.response
+        output = response.get("output")
         if not self.settings.return_token_ids or not isinstance(output, list) or not lacks_token_arrays(output):
             return reply
         try:
@@ -297,7 +459,10 @@ class SimpleAgent:
             logger.warning("restored reply: token arrays not put back (%s: %s)", error.code, error.detail)
             return reply
         items, stamped = refill(output, calls)
-        return ActivationReply({**reply.response, "output": items}, reply.cookies) if stamped else reply
+        if not stamped:
+            return reply
+        refilled = {**response, "output": items}
+        return ActivationReply({**reply.response, "response": refilled} if nested else refilled, reply.cookies)
 
     def _http_reply(self, reply: ActivationReply) -> OrjsonResponse:
         response = OrjsonResponse(reply.response)
@@ -330,9 +495,56 @@ def build_app(agent: SimpleAgent, ctx: ServerContext[Config], *, clock: Clock = 
     if participant is not None:
         sessions.participant, agent.checkpoint = participant, sessions
     app.add_api_route("/v1/responses", agent.responses, methods=["POST"])
+    app.add_api_route(f"/{TOKEN_CAPTURE_SEGMENT}/v1/responses", agent.capture_responses, methods=["POST"])
     app.add_api_route("/close", agent.close, methods=["POST"])
     app.add_api_route(REFILL_PATH, agent.refill, methods=["POST"])
+    app.add_api_route("/run", agent.run, methods=["POST"], openapi_extra=declare_body(RunRow))
+    app.add_api_route("/v1/agent_sessions", agent.seed_agent_session, methods=["POST"])
+    app.add_api_route("/v1/agent_sessions/close", agent.close_agent_session, methods=["POST"])
+    mount_aggregate_metrics(app)
     return app
+
+
+RUN_ACTIVATION = 1
+"""A ``/run`` is its session's one activation."""
+TOKEN_CAPTURE_SEGMENT = "training-token-capture"
+"""NeMo Gym's path segment (after the rollout prefix) of an activation whose token ids are captured."""
+
+
+def _gate(turn: Turn | None) -> AbstractAsyncContextManager[None]:
+    """A seed or verify of ``/run``: a call a checkpoint waits for (none without checkpointing)."""
+    return turn.call("tool") if turn is not None else nullcontext()
+
+
+class RunRow(BaseModel):
+    """What ``POST /run`` reads (declared in the OpenAPI document): a task row, its
+    ``responses_create_params`` the agent request; the row's other keys go to the resources server."""
+
+    model_config = ConfigDict(extra="allow")
+
+    responses_create_params: AgentRequest
+
+
+def _run_params(row: dict[str, Any]) -> AgentRequest:
+    params = row.get("responses_create_params")
+    if not isinstance(params, dict):
+        raise InvalidRequest("a /run row carries responses_create_params (an object)")
+    try:
+        return AgentRequest.model_validate(params)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise InvalidRequest(f"responses_create_params.{where}: {first['msg']}") from None
+
+
+async def read_object(request: Request) -> dict[str, Any]:
+    try:
+        data = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as error:
+        raise InvalidRequest(f"request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the request body is a JSON object")
+    return data
 
 
 def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:

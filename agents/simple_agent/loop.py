@@ -32,11 +32,13 @@ from nemo_gym_ckpt.errors import UpstreamError
 from nemo_gym_ckpt.responses import add_usage
 
 __all__ = [
+    "POLICY_VERSIONS",
     "LoopCalls",
     "LoopState",
     "ModelReply",
     "StopReason",
     "advance",
+    "call_policy_versions",
     "check_loop_state",
     "response_object",
     "run_loop",
@@ -181,6 +183,38 @@ async def _next_tool_call(state: LoopState, calls: LoopCalls) -> None:
         state.stop_reason = "max_steps"
 
 
+POLICY_VERSIONS = "policy_versions"
+"""The ``metadata`` key of the agent's answer listing each model call's policy version (JSON text)."""
+
+
 def response_object(state: LoopState) -> dict[str, Any]:
-    """The agent's answer: the last model response with the whole trajectory and the summed usage."""
-    return {**(state.last_response or {}), "output": state.outputs, "usage": state.usage}
+    """The agent's answer: the last model response with the whole trajectory and the summed usage.
+
+    When its model calls carried ``policy_version``, ``metadata.policy_versions`` lists them, one per
+    call in order, as JSON text: NeMo Gym's response model keeps ``metadata`` (string values) and
+    drops unknown item fields, so this is where a row keeps its versions for NeMo Gym's readers.
+    """
+    answer = {**(state.last_response or {}), "output": state.outputs, "usage": state.usage}
+    versions = call_policy_versions(state.outputs)
+    if versions is not None:
+        metadata = answer.get("metadata")
+        answer["metadata"] = {**(metadata if isinstance(metadata, dict) else {}),
+                              POLICY_VERSIONS: json.dumps(versions, separators=(",", ":"))}
+    return answer
+
+
+def call_policy_versions(outputs: list[dict[str, Any]]) -> list[Any] | None:
+    """Each model call's ``policy_version`` (a call is a run of items between tool outputs); None when
+    no item carries one."""
+    versions: list[Any] = []
+    in_call = False
+    for item in outputs:
+        if item.get("type") == "function_call_output":
+            in_call = False
+            continue
+        if not in_call:
+            versions.append(None)
+            in_call = True
+        if "policy_version" in item and versions[-1] is None:
+            versions[-1] = item["policy_version"]
+    return versions if any("policy_version" in item for item in outputs) else None

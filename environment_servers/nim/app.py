@@ -77,12 +77,12 @@ class Nim:
 
     def __init__(self, ctx: ServerContext[Config]) -> None:
         self.settings = ctx.settings
-        self.agent = AgentClient(ctx.client, ctx.url_of(ctx.settings.agent), ctx.settings)
+        self.agent = AgentClient(ctx.client, ctx.url_of(ctx.settings.agent_server), ctx.settings)
         self.program = Program.of(
             [
                 Step("start", self.start, "replay"),
-                Step("act", self.act, "replay"),
-                Step("close_agent", self.close_agent, "wait"),
+                Step("act", self.act, "replay", stage="agent"),
+                Step("close_agent", self.close_agent, "wait", stage="agent"),
                 Step("return", self.finish, "replay"),
             ],
             cleanup=self.cleanup,

@@ -53,9 +53,9 @@ class NimRules(BaseModel):
 
     stones: int = Field(ge=1, le=1000)
     max_take: int = Field(3, ge=1, le=100)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     opponent_skill: float = Field(0.5, ge=0.0, le=1.0)
-    max_invalid: int = Field(3, ge=1)
+    max_invalid: int = Field(3, ge=1, le=1000)
 
     @model_validator(mode="after")
     def _bounded(self) -> NimRules:

@@ -3,19 +3,22 @@
 ``POST /run`` (under ``/ng-rollout/<capture_key>/``) takes a task row and runs these steps
 (``nemo_gym_ckpt.environment.episode``; the mode says what a checkpoint does with a step in flight):
 
-- ``seed`` (replay): resources ``POST /seed_session`` with the row; keeps its cookies and its
+- ``seed`` (replay): resources ``POST /seed_session`` with the row (NeMo Gym's seed of an agent's
+  ``/run``); keeps its cookies, the ``resources_session_id`` it answers and its
   ``x-ng-checkpoint-verify`` and ``x-ng-checkpoint-restart`` answers;
 - ``invoke_agent`` (replay): agent ``POST /v1/responses`` as activation 1, the body the row's
   ``responses_create_params``, the resources cookies passed explicitly;
 - ``close_agent`` (wait): agent ``POST /close``, which frees the agent session;
 - ``verify`` (the mode the seed reply announced; default wait): resources ``POST /verify`` with the
   row and ``response``;
-- ``close_session`` (replay): resources ``POST /close_session`` (idempotent) with NeMo Gym's body
-  ``{resources_session_id, episode_id}`` (the session id the seed answered, else the capture key);
+- ``close_session`` (replay): resources ``POST /close_session`` with NeMo Gym's body
+  ``{resources_session_id, episode_id}`` (idempotent); a close that fails is logged and never fails
+  the finished rollout;
 - ``return`` (replay): the rollout row: the task row, ``response``, ``reward``, the verifier's fields.
 
 A failed step answers its error with the step named in the detail; the agent session and the
-resources session are closed on the way out.
+resources session are closed on the way out. Each step names its NeMo Gym failure stage (``seed``,
+``agent``, ``verification``, ``cleanup``), which an episode request's ``failure`` reply carries.
 
 Checkpointing (``docs/participants.md``, "Environment servers"): with the mesh's ``checkpoint:``
 block on, the server is a participant of kind ``environment``. The boundary after ``seed`` holds
@@ -32,9 +35,11 @@ restart-only agent).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
+import httpx
 from fastapi import FastAPI
 
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
@@ -71,18 +76,19 @@ def verify_mode(state: Mapping[str, Any]) -> StepMode:
 class SingleAgentTurn:
     """The steps of one episode, bound to this server's clients and settings."""
 
-    def __init__(self, ctx: ServerContext[Config]) -> None:
+    def __init__(self, ctx: ServerContext[Any], resources: ServerRef | None = None) -> None:
+        """``resources``: where seed and verify go (default: the settings' ``resources_server``)."""
         self.client = ctx.client
         self.settings = ctx.settings
-        self.resources_url = ctx.url_of(ctx.settings.resources_server)
-        self.agent = AgentClient(ctx.client, ctx.url_of(ctx.settings.agent), ctx.settings)
+        self.resources_url = ctx.url_of(resources or ctx.settings.resources_server)
+        self.agent = AgentClient(ctx.client, ctx.url_of(ctx.settings.agent_server), ctx.settings)
         self.program = Program.of(
             [
-                Step("seed", self.seed, "replay"),
-                Step("invoke_agent", self.invoke_agent, "replay"),
-                Step("close_agent", self.close_agent, "wait"),
-                Step("verify", self.verify, verify_mode),
-                Step("close_session", self.close_session, "replay"),
+                Step("seed", self.seed, "replay", stage="seed"),
+                Step("invoke_agent", self.invoke_agent, "replay", stage="agent"),
+                Step("close_agent", self.close_agent, "wait", stage="agent"),
+                Step("verify", self.verify, verify_mode, stage="verification"),
+                Step("close_session", self.close_session, "replay", stage="cleanup"),
                 Step("return", self.finish, "replay"),
             ],
             cleanup=self.cleanup,
@@ -99,7 +105,7 @@ class SingleAgentTurn:
         reply = await self._resources(episode, "/seed_session", episode.task)
         restart = reply.headers.get(RESTART_HEADER) == "1"
         episode.state["resources"] = {
-            "session_id": _session_id_of(decode_json(reply), episode.identity.capture_key),
+            "session_id": _session_id_of(reply),
             "cookies": cookies_of(reply),
             "verify_mode": "replay" if reply.headers.get(VERIFY_HEADER) == "replay" else "wait",
             "restart": restart,
@@ -141,9 +147,17 @@ class SingleAgentTurn:
         return "close_session"
 
     async def close_session(self, episode: Episode) -> str:
-        await self._resources(episode, "/close_session", _close_body(episode), idempotent=True)
+        """Close the resources session; a failed close is logged and never fails the finished rollout."""
+        await _best_effort(self._close_resources(episode), "close the resources session")
         episode.state["resources"]["closed"] = True
         return "return"
+
+    def _close_resources(self, episode: Episode) -> Any:
+        """``/close_session`` with NeMo Gym's body ``{resources_session_id, episode_id}``."""
+        resources = episode.state.get("resources", {})
+        body = {"resources_session_id": resources.get("session_id") or _fallback_session_id(episode),
+                "episode_id": episode.identity.to_json()}
+        return self._resources(episode, "/close_session", body, idempotent=True)
 
     async def finish(self, episode: Episode) -> None:
         await self._response(episode)
@@ -160,24 +174,25 @@ class SingleAgentTurn:
             await _best_effort(self.agent.close(episode.identity), "close the agent session")
         resources = state.get("resources")
         if resources and not resources.get("closed"):
-            closing = self._resources(episode, "/close_session", _close_body(episode), idempotent=True)
-            await _best_effort(closing, "close the resources session")
+            await _best_effort(self._close_resources(episode), "close the resources session")
 
 
-def _session_id_of(reply: Any, fallback: str) -> str:
-    """The session id a seed reply names (ours: ``session_id``; NeMo Gym's: ``resources_session_id``)."""
-    if isinstance(reply, dict):
-        for key in ("resources_session_id", "session_id"):
-            if isinstance(reply.get(key), str) and reply[key]:
-                return str(reply[key])
-    return fallback
+def _session_id_of(reply: httpx.Response) -> str | None:
+    """The session id a seed reply names (``resources_session_id``, or our ``session_id``; NeMo Gym's legacy
+    seed answers ``{}``: none)."""
+    try:
+        body = reply.json()
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    found = (body.get(key) for key in ("resources_session_id", "session_id"))
+    return next((value for value in found if isinstance(value, str) and value), None)
 
 
-def _close_body(episode: Episode) -> dict[str, Any]:
-    """NeMo Gym's close body: the session and the episode it belongs to (our servers read the cookie)."""
-    resources = episode.state.get("resources", {})
-    session_id = resources.get("session_id") or episode.identity.capture_key
-    return {"resources_session_id": session_id, "episode_id": episode.identity.to_json()}
+def _fallback_session_id(episode: Episode) -> str:
+    """The id a close names when the seed reply named none (the cookie names the session then)."""
+    return "resources-session-" + re.sub(r"[^A-Za-z0-9_-]", "_", episode.identity.capture_key)
 
 
 async def _best_effort(call: Any, what: str) -> None:

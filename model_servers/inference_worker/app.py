@@ -50,6 +50,7 @@ from model_servers.inference_worker.sampling import derive_seed
 from model_servers.inference_worker.script_engine import ScriptRule
 from model_servers.inference_worker.staging import StagingStore
 from model_servers.inference_worker.tokenize_routes import make_tokenize_router
+from nemo_gym_ckpt.bounds import MAX_INT64
 from nemo_gym_ckpt.config import CheckpointConfig, ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import GymError, InvalidRequest, NotFound, Unavailable
@@ -60,6 +61,7 @@ from nemo_gym_ckpt.server import create_app as create_app_base
 __all__ = ["Config", "EngineFactory", "PolicyVersionBody", "create_app", "load_engine", "staging_dir"]
 
 logger = logging.getLogger(__name__)
+DEFAULT_STAGING_BASE = Path("./checkpoints")
 
 
 class Config(ServerConfig):
@@ -70,7 +72,7 @@ class Config(ServerConfig):
     served_model_name: str = Field("nemo-gym-ckpt-tiny", min_length=1)
     max_batch_size: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=2)
-    policy_version: int = Field(0, ge=0)
+    policy_version: int = Field(0, ge=0, le=MAX_INT64)
     seed: int = 0
     logprobs_mode: Literal["raw", "processed"] = "raw"
     torch_threads: int | None = Field(None, ge=1)
@@ -103,7 +105,7 @@ class Config(ServerConfig):
 class PolicyVersionBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    policy_version: StrictInt = Field(ge=0)
+    policy_version: StrictInt = Field(ge=0, le=MAX_INT64)  # a 64-bit version: a larger one breaks every reply
 
 
 EngineFactory = Callable[[Config], Awaitable[Engine]]
@@ -317,7 +319,8 @@ def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig)
 
 def staging_dir(ctx: ServerContext[Config]) -> Path:
     """Where this worker stages generation cuts: ``staging_dir``, else ``<root>.generation-cuts/<instance>``
-    beside the checkpoint root (``./checkpoints`` -> ``./checkpoints.generation-cuts/inference_worker``).
+    beside the checkpoint root (``./checkpoints`` -> ``./checkpoints.generation-cuts/inference_worker``;
+    without a root, as if it were ``./checkpoints``).
 
     Never inside the root: the controller owns it and every ``checkpoint_dir`` in it (it creates,
     lists and deletes them), and gym servers write only under ``<checkpoint_dir>/gym/<kind>/<instance>/``
@@ -328,7 +331,7 @@ def staging_dir(ctx: ServerContext[Config]) -> Path:
     configured = ctx.settings.staging_dir
     if configured is not None:
         return configured
-    root = ctx.mesh.checkpoint.root
+    root = ctx.mesh.checkpoint.root or DEFAULT_STAGING_BASE
     return root.parent / f"{root.name}.generation-cuts" / ctx.name
 
 

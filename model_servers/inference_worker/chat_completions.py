@@ -27,7 +27,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
@@ -49,6 +49,7 @@ from model_servers.inference_worker.completions import (
 )
 from model_servers.inference_worker.engine import ChatTemplateRequest
 from model_servers.policy_model.tool_calls import parse_turn
+from nemo_gym_ckpt.bounds import MAX_TOKEN_ID, Name, Seed, TokenLimit
 from nemo_gym_ckpt.errors import InvalidRequest
 
 __all__ = ["ChatCompletionRequest", "ChatView"]
@@ -77,21 +78,23 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
+    model: Name | None = None
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    max_tokens: TokenLimit | None = None
+    max_completion_tokens: TokenLimit | None = None
+    temperature: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    seed: Seed | None = None
+    stop: Annotated[StrictStr, Field(max_length=256)] | Annotated[
+        list[Annotated[StrictStr, Field(max_length=256)]], Field(max_length=16)] | None = None
+    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]],
+                              Field(max_length=1024)] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=128)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool | None = None

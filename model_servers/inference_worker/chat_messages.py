@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StrictStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
 from model_servers.inference_worker.engine import ChatTemplateRequest
+from nemo_gym_ckpt.bounds import LogProb, TokenId
 from nemo_gym_ckpt.errors import InvalidRequest
 
 __all__ = [
@@ -48,7 +49,7 @@ RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "
                              "padding", "truncation", "max_length", "tokenizer_kwargs"})
 
 Text = Annotated[StrictStr, Field(max_length=MAX_TEXT)]
-TokenIds = Annotated[list[NonNegativeInt], Field(max_length=MAX_TOKEN_IDS)]
+TokenIds = Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS)]
 
 
 class _Lenient(BaseModel):
@@ -96,7 +97,7 @@ class ChatMessage(_Lenient):
     reasoning: Text | None = None
     prompt_token_ids: TokenIds | None = None
     generation_token_ids: TokenIds | None = None
-    generation_log_probs: Annotated[list[float], Field(max_length=MAX_TOKEN_IDS)] | None = None
+    generation_log_probs: Annotated[list[LogProb], Field(max_length=MAX_TOKEN_IDS)] | None = None
 
     @field_validator("content")
     @classmethod

@@ -16,12 +16,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from model_servers.inference_worker.cut_models import ContinuationRef, ModelCall
 from model_servers.inference_worker.engine import Engine, EngineTokenizer, GenerationRequest, TokenStep
+from nemo_gym_ckpt.bounds import MAX_TEXT, MAX_TOKEN_ID, MAX_TOKENS, Name, Seed
 from nemo_gym_ckpt.errors import InternalError, InvalidRequest, NotFound
 
 __all__ = [
@@ -75,25 +76,28 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
-    prompt: StrictStr | list[StrictInt]
-    max_tokens: int | None = Field(16, ge=1)
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    model: Name | None = None
+    prompt: Annotated[StrictStr, Field(max_length=MAX_TEXT)] | Annotated[  # the vocabulary is checked later
+        list[Annotated[StrictInt, Field(ge=-MAX_TOKEN_ID, le=MAX_TOKEN_ID)]], Field(max_length=MAX_TOKENS)]
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
+    temperature: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    seed: Seed | None = None
+    stop: Annotated[StrictStr, Field(max_length=256)] | Annotated[
+        list[Annotated[StrictStr, Field(max_length=256)]], Field(max_length=16)] | None = None
+    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]],
+                              Field(max_length=1024)] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=1024)
     return_token_ids: bool = False
     #: vLLM: logprob tokens written as ``token_id:<id>`` instead of their text.
     return_tokens_as_token_ids: bool | None = None
     #: vLLM: a text prompt is tokenized with the tokenizer's special tokens (e.g. a BOS) unless false.
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=128)
     #: Generation cuts (checkpointing on only, see ``cut_models``): the policy model's call, and a
     #: staged prefix to continue.
     model_call: ModelCall | None = None

@@ -10,19 +10,20 @@ On ``POST /v1/completions`` (checkpointing on only):
   effective_output_limit}`` asks to continue a staged prefix instead of starting afresh (it needs
   ``model_call``).
 
-On ``POST /ng-control/v1/generation-cut``: ``CutRequest``; on ``.../generation-cut/keep``:
-``KeepRequest``. Bodies reject unknown fields; a bad body is 400 ``invalid_request``.
+On ``POST /ng-control/v1/generation-cut``: upstream's ``GenerationCutInventory``
+(``nemo_gym_ckpt.checkpoint.cut_wire``; ``CutRequest`` and ``ActivePrefix`` here are its names in the
+worker); on ``.../generation-cut/keep``: ``KeepRequest`` (this project's settling of a cut). Bodies
+reject unknown fields; a bad body is 400 ``invalid_request``.
 """
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any, TypeVar
+from typing import Annotated, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from model_servers.inference_worker.staging import CALL_ID_PATTERN
-from nemo_gym_ckpt.canonical import canonical_json
+from nemo_gym_ckpt.checkpoint.cut_wire import MAX_TOKENS, GenerationCutInventory, GenerationCutPrefix
 from nemo_gym_ckpt.checkpoint.models import CHECKPOINT_ID_PATTERN
 from nemo_gym_ckpt.errors import InvalidRequest
 
@@ -33,14 +34,15 @@ __all__ = [
     "CutRequest",
     "KeepRequest",
     "ModelCall",
-    "inventory_digest",
     "parse_strict",
 ]
 
 MAX_PREFIXES = 100_000
 M = TypeVar("M", bound=BaseModel)
 _DIGEST = r"^[0-9a-f]{64}$"
-_SERVER = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+StagingKey = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
 class _Body(BaseModel):
@@ -50,42 +52,26 @@ class _Body(BaseModel):
 class ModelCall(_Body):
     model_call_id: str = Field(pattern=CALL_ID_PATTERN)
     parent_call_id: str | None = Field(None, pattern=CALL_ID_PATTERN)
-    previous_length: int = Field(0, ge=0)
+    previous_length: int = Field(0, ge=0, le=MAX_TOKENS)
     constrained: bool = False
 
 
 class ContinuationRef(_Body):
-    staging_keys: list[str] = Field(min_length=1, max_length=1)
+    staging_keys: list[StagingKey] = Field(min_length=1, max_length=1)
     source_call_id: str = Field(pattern=CALL_ID_PATTERN)
-    prefix_token_count: int = Field(ge=1)
+    prefix_token_count: int = Field(ge=1, le=MAX_TOKENS)
     prefix_digest: str = Field(pattern=_DIGEST)
-    effective_output_limit: int = Field(ge=0)
+    effective_output_limit: int = Field(ge=1, le=MAX_TOKENS)  # the call's whole output budget
 
 
-class ActivePrefix(_Body):
-    ticket_id: str = Field(min_length=1, max_length=200)
-    rollout_id: str = Field(min_length=1, max_length=200)
-    attempt: int = Field(ge=0)
-    model_call_id: str = Field(pattern=CALL_ID_PATTERN)
-    admitted_at: float = Field(allow_inf_nan=False)
-
-
-class CutRequest(_Body):
-    checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
-    server_name: str = Field(pattern=_SERVER)
-    active_prefixes: list[ActivePrefix] = Field(max_length=MAX_PREFIXES)
-    inventory_digest: str = Field(pattern=_DIGEST)
+ActivePrefix = GenerationCutPrefix
+CutRequest = GenerationCutInventory
 
 
 class KeepRequest(_Body):
     checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
-    server_name: str = Field(pattern=_SERVER)
-    staging_keys: list[str] = Field(max_length=MAX_PREFIXES)
-
-
-def inventory_digest(active_prefixes: list[dict[str, Any]]) -> str:
-    """SHA-256 of the ``active_prefixes`` list as compact JSON with sorted keys."""
-    return hashlib.sha256(canonical_json(active_prefixes)).hexdigest()
+    server_name: str = Field(min_length=1, max_length=256)
+    staging_keys: list[StagingKey] = Field(max_length=MAX_PREFIXES)
 
 
 def parse_strict(model: type[M], content: bytes) -> M:

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from model_servers.inference_worker.cut_models import CutRequest, KeepRequest, parse_strict
 from model_servers.inference_worker.generation_cuts import GenerationCuts
 from nemo_gym_ckpt.errors import PayloadTooLarge, Unauthorized
-from nemo_gym_ckpt.server import OrjsonResponse
+from nemo_gym_ckpt.server import OrjsonResponse, declare_body
 
 __all__ = ["CUT_PREFIX", "MAX_BODY_BYTES", "check_bearer", "make_cut_router"]
 
@@ -52,12 +52,12 @@ def make_cut_router(cuts: GenerationCuts, token: str) -> APIRouter:
     expected = token.encode()
     router = APIRouter(prefix=CUT_PREFIX, default_response_class=OrjsonResponse)
 
-    @router.post("")
+    @router.post("", openapi_extra=declare_body(CutRequest))
     async def cut(request: Request) -> dict[str, Any]:
         check_bearer(request, expected)
         return await cuts.cut(parse_strict(CutRequest, await _body(request)))
 
-    @router.post("/keep")
+    @router.post("/keep", openapi_extra=declare_body(KeepRequest))
     async def keep(request: Request) -> dict[str, Any]:
         check_bearer(request, expected)
         return await cuts.keep(parse_strict(KeepRequest, await _body(request)))

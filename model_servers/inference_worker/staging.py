@@ -67,6 +67,7 @@ __all__ = [
     "Finish",
     "KeepResult",
     "StagedPrefix",
+    "StagedPrefixMissing",
     "StagedSampling",
     "StagingStore",
     "batch_content",
@@ -111,6 +112,10 @@ class StagedSampling(_Strict):
     skip_special_tokens: bool
 
 
+class StagedPrefixMissing(InvalidCheckpointState):
+    """The key names no prefix staged here (evicted, deleted, or staged on another host): not a mismatch."""
+
+
 class StagedPrefix(_Strict):
     """One cut: a generation's tokens up to a token boundary and what they must be continued with.
 
@@ -121,8 +126,8 @@ class StagedPrefix(_Strict):
 
     schema_version: int = SCHEMA_VERSION
     checkpoint_id: str = Field(min_length=1, max_length=128)
-    server_name: str = Field(min_length=1, max_length=200)
-    ticket_id: str = Field(min_length=1, max_length=200)
+    server_name: str = Field(min_length=1, max_length=256)
+    ticket_id: str = Field(min_length=1, max_length=256)
     source_call_id: str = Field(pattern=CALL_ID_PATTERN)
     rollout_id: str = Field(min_length=1, max_length=200)
     attempt: int = Field(ge=0)
@@ -160,10 +165,9 @@ class StagedPrefix(_Strict):
 
     @property
     def effective_output_limit(self) -> int:
-        """Tokens a continuation may still generate (none after a terminal completion)."""
-        if self.cut_kind == "terminal_completion":
-            return 0
-        return self.sampling.max_tokens - self.prefix_token_count
+        """The call's whole output budget (its ``max_tokens``), as upstream's receipts carry it; a
+        continuation generates at most this minus the prefix."""
+        return self.sampling.max_tokens
 
 
 def batch_content(keys: Sequence[str], lines: Sequence[bytes]) -> bytes:
@@ -384,13 +388,13 @@ class StagingStore:
         if where is None and self._scan_new():
             where = self._locate(key)
         if where is None:
-            raise InvalidCheckpointState(f"staging key {key} not found (deleted, or never staged here)")
+            raise StagedPrefixMissing(f"staging key {key} not found (deleted, or never staged here)")
         name, number = where
         try:
             with self.ops.open_read(self._path(name)) as file:
                 content = file.read(MAX_FILE_BYTES + 1)
         except FileNotFoundError:
-            raise InvalidCheckpointState(f"staging key {key} not found (its file {name} is gone)") from None
+            raise StagedPrefixMissing(f"staging key {key} not found (its file {name} is gone)") from None
         except OSError as error:
             raise InvalidCheckpointState(f"staged prefix {key} cannot be read: {error.strerror}") from None
         lines = content.split(b"\n")

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictStr, ValidationError
 
 from model_servers.inference_worker.chat_messages import (
     MAX_MESSAGES,
@@ -36,7 +36,9 @@ from model_servers.inference_worker.chat_messages import (
 from model_servers.inference_worker.chat_prompt import chat_prompt
 from model_servers.inference_worker.completions import check_token_ids
 from model_servers.inference_worker.engine import Engine
+from nemo_gym_ckpt.bounds import MAX_TOKEN_ID, Name
 from nemo_gym_ckpt.errors import InvalidRequest, NotFound
+from nemo_gym_ckpt.server import declare_body
 
 __all__ = ["DetokenizeRequest", "TokenizeChatRequest", "TokenizeTextRequest", "make_tokenize_router"]
 
@@ -46,14 +48,14 @@ class _Strict(BaseModel):
 
 
 class TokenizeTextRequest(_Strict):
-    model: str | None = None
+    model: Name | None = None
     prompt: StrictStr = Field(max_length=MAX_TEXT)
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
 
 class TokenizeChatRequest(_Strict):
-    model: str | None = None
+    model: Name | None = None
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     add_generation_prompt: bool = True
@@ -67,8 +69,12 @@ class TokenizeChatRequest(_Strict):
 
 
 class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[int] = Field(max_length=MAX_TOKEN_IDS)
+    model: Name | None = None
+    tokens: list[Annotated[int, Field(ge=-MAX_TOKEN_ID, le=MAX_TOKEN_ID)]] = Field(max_length=MAX_TOKEN_IDS)
+
+
+class TokenizeBody(RootModel[TokenizeChatRequest | TokenizeTextRequest]):
+    """What ``/tokenize`` reads: a chat (``messages``) or a text (``prompt``)."""
 
 
 def _validation_detail(error: ValidationError) -> str:
@@ -116,7 +122,7 @@ def make_tokenize_router(engine: Callable[[], Engine], served_model: str) -> API
     """The two routes; ``engine`` gives the loaded engine (503 while it is not)."""
     router = APIRouter()
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", openapi_extra=declare_body(TokenizeBody))
     async def tokenize(request: Request) -> dict[str, Any]:
         data = await _json_body(request)
         kind: type[TokenizeTextRequest | TokenizeChatRequest] = (
@@ -129,7 +135,7 @@ def make_tokenize_router(engine: Callable[[], Engine], served_model: str) -> API
         strings = [loaded.tokenizer.token_text(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": loaded.context_length, "tokens": ids, "token_strs": strings}
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", openapi_extra=declare_body(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, str]:
         body: DetokenizeRequest = _parsed(DetokenizeRequest, await _json_body(request))
         _check_model(body.model, served_model)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from model_servers.policy_model.backend import Backend
 from model_servers.policy_model.call_params import Defaults
+from model_servers.policy_model.capture_memory import CaptureMemory
 from model_servers.policy_model.participant import mount_policy_participant
 from model_servers.policy_model.routes import make_router
 from model_servers.policy_model.upstream_backend import UpstreamBackend
@@ -56,14 +57,19 @@ class Config(ServerConfig):
     request_timeout_s: float = Field(600.0, gt=0)
     checkpoint_policy: bool = False  # the one policy participant of the mesh (docs/protocol.md section 2)
     generation_cuts: bool = False  # cut the generations in flight at a checkpoint (needs the worker)
+    # where the worker serves /ng-control/v1/generation-cut when not at its own URL (a NeMo RL-hosted engine)
+    generation_cut_url: str | None = Field(None, pattern=r"^https?://", max_length=2048)
+    # token lines the capture ledger holds in memory before it spills them (capture_memory.py)
+    capture_memory_max_bytes: int = Field(256 * 1024 * 1024, ge=0, le=1 << 40)
+    capture_spill_dir: str | None = None
 
     @model_validator(mode="after")
     def _one_backend(self) -> Config:
         if (self.worker is None) == (self.upstream is None):
             raise ValueError("set exactly one of worker (our inference worker) or upstream (an external "
                              "server)")
-        if self.worker is not None and self.worker.type != "model_servers":
-            raise ValueError(f"worker must be a model_servers instance, got {self.worker.type}")
+        if self.worker is not None and self.worker.type != "responses_api_models":
+            raise ValueError(f"worker must be a responses_api_models instance, got {self.worker.type}")
         if self.upstream is not None and self.tokenizer_path is not None:
             raise ValueError("tokenizer_path is only used with worker (the upstream server tokenizes)")
         return self
@@ -130,8 +136,10 @@ def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> Fa
     policy = None
     if settings.checkpoint_policy:
         worker_url = ctx.url_of(settings.worker) if settings.worker is not None else None
+        memory = CaptureMemory(settings.capture_memory_max_bytes, settings.capture_spill_dir)
         policy = mount_policy_participant(
-            app, ctx, backend, worker_url=worker_url, generation_cuts=settings.generation_cuts, clock=clock
+            app, ctx, backend, worker_url=worker_url, generation_cuts=settings.generation_cuts,
+            cut_control_url=settings.generation_cut_url, clock=clock, capture_memory=memory,
         )
     app.include_router(make_router(policy.backend if policy else backend, defaults))
     return close_on_shutdown(app, ctx.aclose)

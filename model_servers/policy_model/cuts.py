@@ -1,10 +1,16 @@
 """Generation cuts on the policy model's side (docs/protocol.md section 8, second half).
 
 At commit, before the export, ``GenerationCutter.cut`` takes per episode in scope the latest
-admitted call still generating (``ActiveCalls.cut_candidates``) and posts their inventory to the
-worker's ``/ng-control/v1/generation-cut`` with **half of the remaining commit deadline**. Each
-``durable_prefix`` receipt becomes a ``CutRecord`` in that episode's ledger record: coordinates and
-digests only (staging keys, counts, digests, lineage), never token arrays. A cut that fails, is
+admitted call still generating (``ActiveCalls.cut_candidates``) and posts their inventory, upstream's
+``GenerationCutInventory`` (``nemo_gym_ckpt.checkpoint.cut_wire``), to its backend's cut endpoint
+with **half of the remaining commit deadline**: ``<control url>/ng-control/v1/generation-cut``,
+the control url being the worker's URL without a ``/v1`` suffix unless the server's
+``generation_cut_url`` names another (a backend that serves cuts elsewhere, as a NeMo RL-hosted
+engine does), over a connection pool of its own, so a cut never queues behind the generations it
+cuts. The receipt must answer exactly that inventory (``GenerationCutReceipt.validate_for``), or
+every ticket counts as failed. Each ``durable_prefix`` ack becomes a ``CutRecord`` in that
+episode's ledger record: coordinates and digests only (staging keys, counts, digests, lineage),
+never token arrays. A cut that fails, is
 late, or is refused for a ticket never fails the checkpoint: that call is simply generated again
 after a restore. A cut whose call's lineage moved since admission (another call of the rollout was
 delivered in between) is dropped too: it could not be continued consistently.
@@ -32,54 +38,38 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from model_servers.policy_model.active_calls import ActiveCalls, Ticket
 from model_servers.policy_model.generation import CutContinuation
-from model_servers.policy_model.ids import sha256_of
 from nemo_gym_ckpt.checkpoint.clock import Clock
+from nemo_gym_ckpt.checkpoint.cut_wire import (
+    CUT_ROUTE,
+    MAX_STAGING_KEYS,
+    GenerationCutInventory,
+    GenerationCutPrefix,
+    GenerationCutPrefixAck,
+    GenerationCutReceipt,
+)
 from nemo_gym_ckpt.checkpoint.records import Scope
 from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
 from nemo_gym_ckpt.client import MeshClient
-from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, UpstreamError
+from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, NotFound, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["CUT_FIELDS", "CUT_PATH", "CutClient", "CutRecord", "GenerationCutter", "Lineage", "LineageOf",
-           "Receipt"]
+__all__ = ["CUT_FIELDS", "CUT_PATH", "CutClient", "CutRecord", "GenerationCutter", "Lineage", "LineageOf"]
 
 logger = logging.getLogger(__name__)
 
-CUT_PATH = "/ng-control/v1/generation-cut"
+CUT_PATH = CUT_ROUTE
 CANCEL_WAIT_S = 5.0
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _CALL_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-_KEY = re.compile(r"[A-Za-z0-9_-]{1,128}\.[0-9a-f]{64}")
+_KEY = re.compile(r"[\x21-\x7e]{1,1024}")  # any printable key: a NeMo RL engine's keys are paths
 Lineage = tuple[str | None, int]  # (parent call id, previous length) of a rollout's ledger
 LineageOf = Callable[[RolloutIdentity], Lineage]
-
-
-class Receipt(BaseModel):
-    """One ticket's acknowledgement from the worker (fields the model server uses)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    ticket_id: str
-    disposition: Literal["durable_prefix", "durable_failure"]
-    cut_kind: Literal["active_prefix", "terminal_completion"] | None = None
-    staging_keys: list[str] = []
-    prefix_token_count: int = 0
-    prefix_digest: str | None = None
-    effective_output_limit: int | None = None
-    terminal_finish_reason: Literal["stop", "length"] | None = None
-    detail: str | None = None
-
-
-class _CutReply(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    receipts: list[Receipt]
 
 
 @dataclass(frozen=True)
@@ -102,15 +92,13 @@ class CutRecord:
         return self.parent_call_id, self.previous_length
 
     @classmethod
-    def of(cls, ticket: Ticket, receipt: Receipt) -> CutRecord | None:
-        """The record of a durable receipt (``None`` for a failure or an unusable receipt)."""
-        durable = receipt.disposition == "durable_prefix"
-        if not durable or receipt.cut_kind is None or receipt.prefix_digest is None:
+    def of(cls, ticket: Ticket, ack: GenerationCutPrefixAck) -> CutRecord | None:
+        """The record of a durable ack (``None`` for a failure or an unusable ack)."""
+        if ack.disposition != "durable_prefix" or ack.cut_kind is None or ack.prefix_digest is None:
             return None
         record = cls(ticket.model_call_id, ticket.conversation_digest, ticket.parent_call_id,
-                     ticket.previous_length, receipt.cut_kind, tuple(receipt.staging_keys),
-                     receipt.prefix_token_count, receipt.prefix_digest, receipt.effective_output_limit or 0,
-                     receipt.terminal_finish_reason)
+                     ticket.previous_length, ack.cut_kind, tuple(ack.staging_keys), ack.prefix_token_count or 0,
+                     ack.prefix_digest, ack.effective_output_limit or 0, ack.terminal_finish_reason)
         return record if _valid(record.to_json()) else None
 
     def to_json(self) -> dict[str, Any]:
@@ -150,11 +138,11 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "parent_call_id": lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 200),
     "previous_length": _count,
     "cut_kind": lambda v: v in ("active_prefix", "terminal_completion"),
-    "staging_keys": lambda v: isinstance(v, list) and len(v) == 1
+    "staging_keys": lambda v: isinstance(v, list) and 0 < len(v) <= MAX_STAGING_KEYS and len(set(v)) == len(v)
     and all(isinstance(k, str) and _KEY.fullmatch(k) for k in v),
     "prefix_token_count": lambda v: _count(v) and v > 0,
     "prefix_digest": lambda v: isinstance(v, str) and _DIGEST.fullmatch(v) is not None,
-    "effective_output_limit": _count,
+    "effective_output_limit": lambda v: _count(v) and v > 0,
     "terminal_finish_reason": lambda v: v in (None, "stop", "length"),
 }
 
@@ -168,31 +156,41 @@ def _valid(data: dict[str, Any]) -> bool:
 
 
 class CutClient:
-    """The worker's generation-cut routes, called with the mesh's control token."""
+    """A backend's generation-cut routes under ``control_url``, called with the mesh's control token
+    over ``client`` (a pool reserved for control calls)."""
 
-    def __init__(self, client: MeshClient, worker_url: str, token: str, server_name: str) -> None:
+    def __init__(self, client: MeshClient, control_url: str, token: str, server_name: str) -> None:
         self._client = client
-        self._url = worker_url.rstrip("/") + CUT_PATH
+        self.url = control_url.rstrip("/") + CUT_PATH
         self._headers = {"authorization": f"Bearer {token}"}
         self.server_name = server_name
 
     async def cut(
-        self, checkpoint_id: str, inventory: list[dict[str, Any]], timeout_s: float
-    ) -> list[Receipt]:
-        body = {"checkpoint_id": checkpoint_id, "server_name": self.server_name,
-                "active_prefixes": inventory, "inventory_digest": sha256_of(inventory)}
-        reply = await self._client.post_json(self._url, body, headers=self._headers, idempotent=True,
-                                             timeout_s=timeout_s, rollout_prefix=False)
+        self, checkpoint_id: str, prefixes: list[GenerationCutPrefix], timeout_s: float
+    ) -> list[GenerationCutPrefixAck]:
+        """The acks of a receipt checked against the inventory sent (``UpstreamError`` otherwise)."""
+        inventory = GenerationCutInventory.build(checkpoint_id, self.server_name, prefixes)
+        reply = await self._client.post_json(self.url, inventory.model_dump(mode="json"), headers=self._headers,
+                                             idempotent=True, timeout_s=timeout_s, rollout_prefix=False)
         try:
-            return _CutReply.model_validate(reply).receipts
+            receipt = GenerationCutReceipt.model_validate(reply)
+            receipt.validate_for(inventory)
         except ValidationError as error:
-            detail = f"the worker answered an unusable generation-cut reply: {error.errors()[0]}"
+            detail = f"the backend answered an unusable generation-cut receipt: {error.errors()[0]['msg']}"
             raise UpstreamError(detail) from None
+        except ValueError as error:
+            detail = f"the backend's generation-cut receipt does not answer the inventory: {error}"
+            raise UpstreamError(detail) from None
+        return receipt.prefixes
 
     async def keep(self, checkpoint_id: str, keys: Sequence[str], timeout_s: float) -> None:
+        """Settle a cut (this project's route; a backend without it answers 404: nothing to settle)."""
         body = {"checkpoint_id": checkpoint_id, "server_name": self.server_name, "staging_keys": list(keys)}
-        await self._client.post_json(self._url + "/keep", body, headers=self._headers, idempotent=True,
-                                     timeout_s=timeout_s, rollout_prefix=False)
+        try:
+            await self._client.post_json(self.url + "/keep", body, headers=self._headers, idempotent=True,
+                                         timeout_s=timeout_s, rollout_prefix=False)
+        except NotFound:
+            logger.info("the backend at %s settles no cuts (no /keep route); nothing to settle", self.url)
 
 
 class GenerationCutter:
@@ -225,16 +223,16 @@ class GenerationCutter:
         self._unsettled.setdefault(checkpoint_id, [])
         with self.telemetry.span("generation_cut", **{ATTR.ID: checkpoint_id}) as span:
             try:
-                inventory = [ticket.inventory_entry() for ticket in tickets]
+                inventory = [GenerationCutPrefix(**ticket.inventory_entry()) for ticket in tickets]
                 posted = time.perf_counter()
-                receipts = await self.client.cut(checkpoint_id, inventory, timeout_s)
+                acks = await self.client.cut(checkpoint_id, inventory, timeout_s)
                 self.timings["cut_request_ms"] = _ms_since(posted)
             except GymError as error:
                 logger.warning("generation cut of checkpoint %s failed; its %d calls in flight will be "
                                "generated again after a restore: %s", checkpoint_id, len(tickets), error)
                 self.telemetry.event("generation_cut_failed", code=error.code)
                 return {}
-            cuts = _cut_records(tickets, receipts, lineage_of)
+            cuts = _cut_records(tickets, acks, lineage_of)
             span.set_attribute(ATTR.RECORDS, len(cuts))
         self.timings["cut_ms"] = _ms_since(began)
         return cuts
@@ -289,13 +287,13 @@ def _ms_since(began: float) -> float:
 
 
 def _cut_records(
-    tickets: Sequence[Ticket], receipts: Sequence[Receipt], lineage_of: LineageOf
+    tickets: Sequence[Ticket], acks: Sequence[GenerationCutPrefixAck], lineage_of: LineageOf
 ) -> dict[RolloutIdentity, CutRecord]:
-    by_ticket = {receipt.ticket_id: receipt for receipt in receipts}
+    by_ticket = {ack.ticket_id: ack for ack in acks}
     cuts = {}
     for ticket in tickets:
-        receipt = by_ticket.get(ticket.ticket_id)
-        record = CutRecord.of(ticket, receipt) if receipt is not None else None
+        ack = by_ticket.get(ticket.ticket_id)
+        record = CutRecord.of(ticket, ack) if ack is not None else None
         if record is None:
             continue
         if lineage_of(ticket.episode) != record.lineage:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from model_servers.policy_model.active_calls import Ticket
+from model_servers.policy_model.capture_memory import CaptureMemory
 from model_servers.policy_model.cuts import CutRecord, Lineage
 from model_servers.policy_model.generation import ChatResult
 from model_servers.policy_model.token_sidecar import TOKEN_DIGEST, CallTokens, TokenedRecord
@@ -150,6 +151,7 @@ class Ledger:
     source: Record | None = None  # the record it was restored from
     restored_cut: CutRecord | None = None  # a cut to continue, until the next delivered call
     tokens: dict[str, CallTokens] = field(default_factory=dict)  # by call id: calls that delivered ids
+    _encoded: tuple[int, CutRecord | None, Record] | None = field(default=None, repr=False)
 
     @property
     def head(self) -> str | None:
@@ -168,9 +170,9 @@ class Ledger:
     def lineage(self) -> Lineage:
         return self.head, len(self)
 
-    def token_lines(self) -> list[bytes]:
+    def token_lines(self) -> list[CallTokens]:
         """The sidecar lines of this ledger's calls, in lineage order (restored ones as read)."""
-        return [self.tokens[row.call_id].line for row in (*self.inherited, *self.rows) if row.token_digest]
+        return [self.tokens[row.call_id] for row in (*self.inherited, *self.rows) if row.token_digest]
 
     def restored_prefixes(self) -> list[list[int]]:
         """Prompt + generation ids of the calls of earlier attempts that delivered ids, latest first."""
@@ -198,7 +200,16 @@ class Ledger:
             return source
         if scope is not None and self.episode not in scope:
             return None
-        return ledger_record(self.episode, (*self.inherited, *self.rows), cut or self.restored_cut)
+        return self._encoded_record(cut or self.restored_cut)
+
+    def _encoded_record(self, cut: CutRecord | None) -> Record:
+        """The record, built once per state (rows delivered, cut): a ledger that did not move since
+        the last commit costs a lookup, and its bytes are that commit's."""
+        encoded = self._encoded
+        if encoded is None or encoded[0] != len(self.rows) or encoded[1] is not cut:
+            record = Record.from_data(ledger_record(self.episode, (*self.inherited, *self.rows), cut))
+            encoded = self._encoded = (len(self.rows), cut, record)
+        return encoded[2]
 
 
 def ledger_record(
@@ -211,10 +222,11 @@ def ledger_record(
 
 
 class LedgerBook:
-    """Every ledger of this server, by capture key."""
+    """Every ledger of this server, by capture key; ``memory`` bounds the token lines held in memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory: CaptureMemory | None = None) -> None:
         self._ledgers: dict[str, Ledger] = {}
+        self.memory = memory
 
     def __len__(self) -> int:
         return len(self._ledgers)
@@ -242,7 +254,8 @@ class LedgerBook:
         ledger = self._ledgers.get(ticket.episode.capture_key)
         if ledger is None:
             ledger = self._ledgers[ticket.episode.capture_key] = Ledger(ticket.episode)
-        tokens = CallTokens.of(ticket.model_call_id, result.capture) if result.capture is not None else None
+        capture = result.capture
+        tokens = CallTokens.of(ticket.model_call_id, capture, self.memory) if capture is not None else None
         row = LedgerRow.delivered(ticket, result, ledger.head, tokens)
         ledger.rows.append(row)
         if tokens is not None:
@@ -262,15 +275,16 @@ class LedgerBook:
                 exported.append(ledger_record(episode, (), cut))
         return [item for item in exported if item is not None]
 
-    def token_lines(self, items: Sequence[ExportItem]) -> list[bytes]:
+    def token_lines(self, items: Sequence[ExportItem]) -> list[CallTokens]:
         """The sidecar lines of the ledgers exported as ``items`` (each line once)."""
         exported = {_episode_of(item) for item in items}
-        lines: dict[bytes, None] = {}
+        lines: dict[str, CallTokens] = {}
         for ledger in self._ledgers.values():
             source = ledger.source.episode if ledger.source is not None else None
             if ledger.episode in exported or source in exported:
-                lines.update(dict.fromkeys(ledger.token_lines()))
-        return list(lines)
+                for tokens in ledger.token_lines():
+                    lines.setdefault(tokens.digest, tokens)
+        return list(lines.values())
 
     def restored_prefixes(self, episode: RolloutIdentity) -> list[list[int]]:
         ledger = self.get(episode)
@@ -308,7 +322,8 @@ class LedgerBook:
 
     def _drop(self, doomed: Callable[[Ledger], bool]) -> None:
         for key in [key for key, ledger in self._ledgers.items() if doomed(ledger)]:
-            del self._ledgers[key]
+            for tokens in self._ledgers.pop(key).tokens.values():
+                tokens.forget()
 
 
 def restored_ledger(record: Record) -> Ledger:

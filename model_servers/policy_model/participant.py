@@ -34,7 +34,13 @@ Generation cuts (``generation_cuts: true``, see ``cuts``): at commit, before the
 (``before_export``, which gets the commit's deadline), the calls in flight are cut on the worker;
 each durable cut goes into its episode's record; ``committed`` answers the kept ``staging_keys``
 (those of every exported record, restored cuts included) and starts the settling of the cut with
-the worker, which the commit's reply does not wait for.
+the worker, which the commit's reply does not wait for. The cuts go over a client of their own
+(``CONTROL_CONNECTIONS`` connections), never the data pool the generations being cut hold.
+
+The commit reply carries what NeMo RL's adapter checks: ``staging_keys`` (sorted, unique) and
+``staging_keys_by_episode``: one entry per exported record, by the capture key of its
+``episode_id`` (the checkpointed attempt), with the sorted staging keys of its cut (``[]`` for a
+record without one); the union of its lists is exactly ``staging_keys``.
 """
 
 from __future__ import annotations
@@ -49,23 +55,27 @@ from fastapi import FastAPI
 
 from model_servers.policy_model.active_calls import ActiveCalls, CallState
 from model_servers.policy_model.backend import Backend
+from model_servers.policy_model.capture_memory import CaptureMemory
 from model_servers.policy_model.custody import Custody, CustodyBackend
 from model_servers.policy_model.cuts import CutClient, CutRecord, GenerationCutter
 from model_servers.policy_model.ledger import CUT_KEY, LedgerBook
-from model_servers.policy_model.token_sidecar import SidecarStore
+from model_servers.policy_model.token_sidecar import CallTokens, SidecarStore
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
+from nemo_gym_ckpt.checkpoint.cut_wire import control_root
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.participant import Participant
-from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.checkpoint.records import Record, Scope, episode_of
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import RolloutIdRequired
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+from nemo_gym_ckpt.server import close_on_shutdown
 
-__all__ = ["CAPTURE_TOKENS_PATH", "PolicyAdapter", "PolicyParticipant", "kept_staging_keys",
-           "mount_policy_participant"]
+__all__ = ["CAPTURE_TOKENS_PATH", "CONTROL_CONNECTIONS", "PolicyAdapter", "PolicyParticipant",
+           "kept_staging_keys", "mount_policy_participant", "staging_keys_by_episode"]
 
 CAPTURE_TOKENS_PATH = "/v1/capture/tokens"
+CONTROL_CONNECTIONS = 8
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +93,8 @@ class PolicyAdapter:
         self.cutter = cutter
         self._commit: tuple[str, float] | None = None  # (checkpoint id, deadline) of the commit running
         self._cuts: dict[RolloutIdentity, CutRecord] = {}
-        self._kept: list[str] = []
-        self._token_lines: list[bytes] = []  # the sidecar lines of the commit being written
+        self._kept: dict[str, list[str]] = {}  # capture key of each exported record -> its staging keys
+        self._token_lines: list[CallTokens] = []  # the sidecar lines of the commit being written
         self._exported = 0.0  # when the export of the commit being written began (perf_counter)
 
     def counts(self) -> dict[str, int]:
@@ -94,6 +104,8 @@ class PolicyAdapter:
             "delivering_streams": self.calls.count(CallState.DELIVERING),
             "ledgers": len(self.ledgers),
             "rows": self.ledgers.row_count,
+            "token_bytes_in_memory": self.ledgers.memory.held if self.ledgers.memory else 0,
+            "token_lines_spilled": self.ledgers.memory.spilled if self.ledgers.memory else 0,
         }
 
     async def readiness(self) -> Readiness:
@@ -108,7 +120,7 @@ class PolicyAdapter:
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
         began = time.perf_counter()
         items = self.ledgers.records(scope, self._cuts)
-        self._kept = kept_staging_keys(items)
+        self._kept = staging_keys_by_episode(items)
         self._token_lines = self.ledgers.token_lines(items)
         if self.cutter is not None:
             self.cutter.timings["records_ms"] = round(1000 * (time.perf_counter() - began), 3)
@@ -120,13 +132,14 @@ class PolicyAdapter:
         if self.cutter is not None:  # from the export's start: the records built and written
             self.cutter.timings["export_and_write_ms"] = round(1000 * (time.perf_counter() - self._exported), 3)
         self.ledgers.drop_restored_outside(scope)
-        kept, commit = sorted(set(self._kept)), self._commit
-        self._commit, self._cuts, self._kept, self._token_lines = None, {}, [], []
+        by_episode, commit = self._kept, self._commit
+        kept = sorted({key for keys in by_episode.values() for key in keys})
+        self._commit, self._cuts, self._kept, self._token_lines = None, {}, {}, []
         if self.cutter is not None and commit is not None:
             self.cutter.settle(commit[0], kept, commit[1])  # in the background: the reply does not wait
-        return {"staging_keys": kept}
+        return {"staging_keys": kept, "staging_keys_by_episode": by_episode}
 
-    def sidecar_lines(self) -> list[bytes]:
+    def sidecar_lines(self) -> list[CallTokens]:
         """What the commit being written puts in its token sidecar (set by ``export``)."""
         return self._token_lines
 
@@ -147,13 +160,20 @@ class PolicyAdapter:
 
 def kept_staging_keys(items: Sequence[ExportItem]) -> list[str]:
     """The staging keys the cuts of exported records name."""
-    keys: list[str] = []
+    return [key for keys in staging_keys_by_episode(items).values() for key in keys]
+
+
+def staging_keys_by_episode(items: Sequence[ExportItem]) -> dict[str, list[str]]:
+    """Capture key of each record's ``episode_id`` -> the sorted staging keys of its cut (``[]``)."""
+    by_episode: dict[str, set[str]] = {}
     for item in items:
         data = item.data if isinstance(item, Record) else item
+        episode = item.episode if isinstance(item, Record) else episode_of(item)
+        keys = by_episode.setdefault(episode.capture_key, set())
         cut = data.get(CUT_KEY)
         if isinstance(cut, dict):
-            keys.extend(cut["staging_keys"])
-    return keys
+            keys.update(cut["staging_keys"])
+    return {key: sorted(keys) for key, keys in by_episode.items()}
 
 
 @dataclass
@@ -172,13 +192,17 @@ def mount_policy_participant(
     *,
     worker_url: str | None = None,
     generation_cuts: bool = False,
+    cut_control_url: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    capture_memory: CaptureMemory | None = None,
 ) -> PolicyParticipant | None:
     """Mount the model participant on ``app`` (``None``, nothing mounted, with checkpointing off).
 
-    With ``generation_cuts``, ``worker_url`` is the inference worker the cuts are posted to.
+    With ``generation_cuts``, the cuts go to ``cut_control_url`` (default: ``worker_url`` without its
+    ``/v1``) over a client of their own (``CONTROL_CONNECTIONS``): a cut never waits behind the calls
+    generating on that worker. ``capture_memory`` bounds the token lines the ledgers hold in memory.
     """
-    calls, ledgers = ActiveCalls(), LedgerBook()
+    calls, ledgers = ActiveCalls(), LedgerBook(capture_memory)
     adapter = PolicyAdapter(calls, ledgers, generation_cuts=generation_cuts)
     participant = mount_checkpointing(app, ctx, adapter, kind="model", clock=clock)
     if participant is None:
@@ -186,11 +210,15 @@ def mount_policy_participant(
     participant.store = SidecarStore(participant.store, adapter.sidecar_lines)
     _mount_capture_route(app, participant, ledgers)
     if generation_cuts:
-        if worker_url is None:
-            raise ValueError("generation cuts need the inference worker's url")
+        if worker_url is None and cut_control_url is None:
+            raise ValueError("generation cuts need the inference worker's url (or a cut control url)")
         token = ctx.mesh.checkpoint.control_auth_token
         assert token is not None  # the config refuses checkpointing without a token
-        client = CutClient(ctx.client, worker_url, token.get_secret_value(), ctx.name)
+        control = ctx.client.for_control(CONTROL_CONNECTIONS)
+        if control is not ctx.client:
+            close_on_shutdown(app, control.aclose)
+        url = cut_control_url or control_root(worker_url or "")
+        client = CutClient(control, url, token.get_secret_value(), ctx.name)
         adapter.cutter = GenerationCutter(calls, client, participant.clock, participant.telemetry)
     custody = Custody(participant, calls, ledgers, generation_cuts=generation_cuts)
     return PolicyParticipant(participant, adapter, CustodyBackend(backend, custody))

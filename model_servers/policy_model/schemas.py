@@ -11,7 +11,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from nemo_gym_ckpt.bounds import (
+    MAX_ITEMS,
+    MAX_TOKENS,
+    Id,
+    LogProb,
+    Name,
+    PolicyVersion,
+    Seed,
+    Text,
+    TokenId,
+    TokenLimit,
+)
 
 __all__ = [
     "ChatCompletionRequest",
@@ -32,7 +45,12 @@ __all__ = [
 ToolChoice = Literal["auto", "none", "required"] | dict[str, Any]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
-PositiveInt = Annotated[int, Field(ge=1)]
+PositiveInt = TokenLimit
+Choices = Annotated[int, Field(ge=1, le=128)]
+TokenIds = Annotated[list[TokenId], Field(max_length=MAX_TOKENS)]
+LogProbs = Annotated[list[LogProb], Field(max_length=MAX_TOKENS)]
+Stop = Name | Annotated[list[Name], Field(max_length=16)]
+Metadata = Annotated[dict[Name, Annotated[str, Field(max_length=4096)]], Field(max_length=64)]
 _FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
 
 
@@ -47,10 +65,10 @@ class _Lenient(BaseModel):
 class TokenFields(BaseModel):
     """The four token capture fields; prompt and generation ids come together or not at all."""
 
-    prompt_token_ids: list[NonNegativeInt] | None = None
-    generation_token_ids: list[NonNegativeInt] | None = None
-    generation_log_probs: list[float] | None = None
-    policy_version: int | str | None = None
+    prompt_token_ids: TokenIds | None = None
+    generation_token_ids: TokenIds | None = None
+    generation_log_probs: LogProbs | None = None
+    policy_version: PolicyVersion | None = None
 
     @model_validator(mode="after")
     def _ids_together(self) -> TokenFields:
@@ -61,10 +79,10 @@ class TokenFields(BaseModel):
 
 class TextPart(_Lenient):
     type: Literal["text", "input_text", "output_text"]
-    text: str
+    text: Text
 
 
-Content = str | list[TextPart]
+Content = Text | Annotated[list[TextPart], Field(max_length=MAX_ITEMS)]
 
 
 def text_of(content: Content | None) -> str | None:
@@ -75,8 +93,8 @@ def text_of(content: Content | None) -> str | None:
 
 
 class FunctionSpec(_Lenient):
-    name: str = Field(pattern=_FUNCTION_NAME)
-    description: str | None = None
+    name: str = Field(pattern=_FUNCTION_NAME, max_length=64)
+    description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
@@ -87,12 +105,12 @@ class ChatTool(_Lenient):
 
 
 class _CalledFunction(_Lenient):
-    name: str
-    arguments: str
+    name: Name
+    arguments: Text
 
 
 class MessageToolCall(_Lenient):
-    id: str
+    id: Id
     type: Literal["function"] = "function"
     function: _CalledFunction
 
@@ -100,9 +118,9 @@ class MessageToolCall(_Lenient):
 class ChatMessage(TokenFields, _Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
-    name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None
-    tool_call_id: str | None = None
+    name: Name | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=1024)] | None = None
+    tool_call_id: Id | None = None
 
     @model_validator(mode="after")
     def _content_where_needed(self) -> ChatMessage:
@@ -118,30 +136,30 @@ class StreamOptions(_Lenient):
 
 
 class ChatCompletionRequest(_Strict):
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[ChatTool] | None = None
+    model: Name | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS)
+    tools: Annotated[list[ChatTool], Field(max_length=1024)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: PositiveInt | None = None
+    n: Choices | None = None
     return_token_ids: bool | None = None
-    user: str | None = None
-    metadata: dict[str, str] | None = None
+    user: Name | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
 
 
 class ResponsesTool(_Lenient):
     type: Literal["function"]
-    name: str = Field(pattern=_FUNCTION_NAME)
-    description: str | None = None
+    name: str = Field(pattern=_FUNCTION_NAME, max_length=64)
+    description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
@@ -150,7 +168,7 @@ class InputMessage(TokenFields, _Lenient):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: Content
-    id: str | None = None
+    id: Id | None = None
 
     @model_validator(mode="after")
     def _tokens_on_assistant_only(self) -> InputMessage:
@@ -161,15 +179,15 @@ class InputMessage(TokenFields, _Lenient):
 
 class FunctionCallItem(TokenFields, _Lenient):
     type: Literal["function_call"]
-    call_id: str = Field(min_length=1)
-    name: str
-    arguments: str
-    id: str | None = None
+    call_id: str = Field(min_length=1, max_length=512)
+    name: Name
+    arguments: Text
+    id: Id | None = None
 
 
 class FunctionCallOutputItem(_Lenient):
     type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1)
+    call_id: str = Field(min_length=1, max_length=512)
     output: Content
 
 
@@ -189,20 +207,20 @@ InputItem = Annotated[
 
 
 class ResponsesRequest(_Strict):
-    model: str | None = None
-    input: str | list[InputItem]
-    instructions: str | None = None
-    tools: list[ResponsesTool] | None = None
+    model: Name | None = None
+    input: Text | Annotated[list[InputItem], Field(max_length=MAX_ITEMS)]
+    instructions: Text | None = None
+    tools: Annotated[list[ResponsesTool], Field(max_length=1024)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     max_output_tokens: PositiveInt | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool | None = None
     return_token_ids: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
-    user: str | None = None
+    user: Name | None = None
     truncation: Literal["disabled"] | None = None
     previous_response_id: None = None

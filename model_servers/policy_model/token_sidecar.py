@@ -38,16 +38,18 @@ import hashlib
 import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from model_servers.policy_model.capture_memory import CaptureMemory, LineFile
 from model_servers.policy_model.generation import TokenCapture
 from model_servers.policy_model.ids import sha256_of
 from nemo_gym_ckpt.capture import TOKEN_ARRAYS
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
+from nemo_gym_ckpt.checkpoint.incremental import KEEP_RATIO, link_files
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import (
     CheckpointStore,
@@ -55,6 +57,7 @@ from nemo_gym_ckpt.checkpoint.store import (
     ReadResult,
     RecordWriter,
     StopSignal,
+    read_bounded_lines,
     write_errors,
 )
 from nemo_gym_ckpt.errors import InvalidCheckpointState
@@ -63,47 +66,109 @@ __all__ = [
     "SIDECAR_NAME",
     "TOKEN_DIGEST",
     "CallTokens",
+    "SidecarIndex",
     "SidecarStore",
+    "SidecarWrite",
     "SidecarWriter",
     "TokenedRecord",
     "needed_digests",
     "sidecar_name",
     "write_sidecar",
+    "write_sidecars",
 ]
 
 SIDECAR_NAME = re.compile(r"tokens-([0-9a-f]{64})\.jsonl")
 TOKEN_DIGEST = "token_digest"
 _LINE_KEYS = ("call_id", *TOKEN_ARRAYS)
-SidecarLines = Callable[[], Sequence[bytes]]
+SidecarLines = Callable[[], Sequence["CallTokens"]]
 
 
 def sidecar_name(digest: str) -> str:
     return f"tokens-{digest}.jsonl"
 
 
-@dataclass(frozen=True, slots=True)
 class CallTokens:
-    """The token arrays of one delivered call and the exact sidecar line that holds them."""
+    """The token arrays of one delivered call, as the exact sidecar line that holds them.
 
-    call_id: str
-    prompt_token_ids: list[int]
-    generation_token_ids: list[int]
-    generation_log_probs: list[float]
-    line: bytes  # compact JSON, no newline: what ``digest`` hashes
-    digest: str  # hex SHA-256 of ``line`` (the row's ``token_digest``), computed once
+    The line is in memory, or at an offset of a file (a spill file, or the sidecar of a committed
+    checkpoint: ``capture_memory``); ``line`` reads it back (checked against ``digest``) wherever
+    it is. The arrays are parsed from the line when asked for.
+    """
+
+    __slots__ = ("_file", "_line", "_memory", "_offset", "call_id", "digest", "size")
+
+    def __init__(self, call_id: str, line: bytes, digest: str, memory: CaptureMemory | None = None) -> None:
+        self.call_id = call_id
+        self.digest = digest  # hex SHA-256 of the line (the row's ``token_digest``), computed once
+        self.size = len(line)
+        self._line: bytes | None = line  # compact JSON, no newline
+        self._memory = memory  # set when the line counts against the memory bound
+        self._file: LineFile | None = None
+        self._offset = 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CallTokens) and (self.call_id, self.digest) == (other.call_id, other.digest)
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    @property
+    def line(self) -> bytes:
+        line = self._line
+        if line is not None:
+            return line
+        assert self._file is not None
+        return self._file.read(self._offset, self.size, self.digest)
+
+    @property
+    def in_memory(self) -> bool:
+        return self._line is not None
+
+    def kept_at(self, file: LineFile, offset: int) -> None:
+        """The line is at ``offset`` in ``file`` (durable, or spilled): it leaves memory."""
+        self._file, self._offset = file, offset
+        self._line = None
+        self.forget()
+
+    def forget(self) -> None:
+        """Stop counting this line against the memory bound (it left memory, or its ledger is gone)."""
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            memory.release(self.size)
+
+    def _arrays(self) -> dict[str, Any]:
+        data: dict[str, Any] = orjson.loads(self.line)
+        return data
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        ids: list[int] = self._arrays()["prompt_token_ids"]
+        return ids
+
+    @property
+    def generation_token_ids(self) -> list[int]:
+        ids: list[int] = self._arrays()["generation_token_ids"]
+        return ids
 
     @property
     def prefix(self) -> list[int]:
         """The ids of the conversation up to the end of this call: prompt then generation."""
-        return [*self.prompt_token_ids, *self.generation_token_ids]
+        data = self._arrays()
+        return [*data["prompt_token_ids"], *data["generation_token_ids"]]
 
     @classmethod
-    def of(cls, call_id: str, capture: TokenCapture) -> CallTokens:
-        prompt, generation = list(capture.prompt_token_ids), list(capture.generation_token_ids)
-        log_probs = list(capture.generation_log_probs)
-        line = orjson.dumps({"call_id": call_id, "prompt_token_ids": prompt, "generation_token_ids": generation,
-                             "generation_log_probs": log_probs})
-        return cls(call_id, prompt, generation, log_probs, line, hashlib.sha256(line).hexdigest())
+    def of(cls, call_id: str, capture: TokenCapture, memory: CaptureMemory | None = None) -> CallTokens:
+        """The line of a call being delivered; past ``memory``'s bound it goes to a spill file."""
+        line = orjson.dumps({"call_id": call_id, "prompt_token_ids": list(capture.prompt_token_ids),
+                             "generation_token_ids": list(capture.generation_token_ids),
+                             "generation_log_probs": list(capture.generation_log_probs)})
+        tokens = cls(call_id, line, hashlib.sha256(line).hexdigest())
+        if memory is not None:
+            if memory.take(tokens.size):
+                tokens._memory = memory
+            else:
+                tokens.kept_at(*memory.spill(line))
+        return tokens
 
     @classmethod
     def parse(cls, line: bytes, where: str, digest: str | None = None) -> CallTokens:
@@ -119,20 +184,22 @@ class CallTokens:
         if not (_ints(prompt) and _ints(generation) and isinstance(log_probs, list)
                 and all(type(value) in (int, float) for value in log_probs) and len(log_probs) == len(generation)):
             raise InvalidCheckpointState(f"{where}: the token arrays of {data['call_id']} are malformed")
-        return cls(data["call_id"], prompt, generation, log_probs, line, digest or hashlib.sha256(line).hexdigest())
+        return cls(data["call_id"], line, digest or hashlib.sha256(line).hexdigest())
 
     def check(self, call_id: str, prompt_digest: str, output_digest: str, where: str) -> None:
         """The line belongs to the row: same call, and its ids hash to the row's digests."""
         if self.call_id != call_id:
             raise InvalidCheckpointState(f"{where}: the sidecar line is for {self.call_id}, expected {call_id}")
-        if sha256_of(self.prompt_token_ids) != prompt_digest or sha256_of(self.generation_token_ids) != output_digest:
+        data = self._arrays()
+        if (sha256_of(data["prompt_token_ids"]) != prompt_digest
+                or sha256_of(data["generation_token_ids"]) != output_digest):
             raise InvalidCheckpointState(f"{where}: the sidecar's token ids of {call_id} do not match the "
                                          "ledger row's prompt or output digest")
 
     def to_fields(self) -> dict[str, Any]:
         """The token fields of an output item (``policy_version`` is the row's)."""
-        return {"prompt_token_ids": self.prompt_token_ids, "generation_token_ids": self.generation_token_ids,
-                "generation_log_probs": self.generation_log_probs}
+        data = self._arrays()
+        return {key: data[key] for key in TOKEN_ARRAYS}
 
 
 def _ints(value: Any) -> bool:
@@ -158,6 +225,16 @@ def needed_digests(record: Record) -> dict[str, str]:
     return found
 
 
+@dataclass
+class SidecarIndex:
+    """The token lines of this participant's previous committed (or restored-from) checkpoint: for
+    each line digest, the sidecar file and offset holding it; each file's size."""
+
+    directory: Path
+    where: dict[str, tuple[str, int]] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+
+
 def write_sidecar(ops: FileOps, directory: Path, lines: Sequence[bytes], stop: StopSignal) -> str:
     """Write ``lines`` durably as ``tokens-<sha256>.jsonl`` (temp, fsync, rename, fsync dir): its name."""
     content = b"\n".join(lines) + b"\n"
@@ -171,21 +248,81 @@ def write_sidecar(ops: FileOps, directory: Path, lines: Sequence[bytes], stop: S
     return name
 
 
-class SidecarWriter(RecordWriter):
-    """A records writer that makes the token sidecar durable before it seals the records."""
+@dataclass
+class SidecarWrite:
+    """What one commit did with its token lines: files linked from the base, the new file, bytes."""
 
-    def __init__(self, ops: FileOps, directory: Path, stop: StopSignal, lines: SidecarLines) -> None:
+    linked: list[str]
+    written: str | None
+    bytes_written: int
+    index: SidecarIndex
+    placed: list[tuple[CallTokens, str, int]]  # each line: the file (of this directory) and offset
+
+
+def write_sidecars(
+    ops: FileOps, directory: Path, tokens: Sequence[CallTokens], base: SidecarIndex | None, stop: StopSignal
+) -> SidecarWrite:
+    """Make every line of ``tokens`` durable in ``directory``: base files still at least half in use
+    are hard-linked (docs/protocol.md section 6.1), the other lines go to one new sidecar file."""
+    linked: set[str] = set()
+    if base is not None:
+        live: dict[str, int] = {}
+        for line in tokens:
+            found = base.where.get(line.digest)
+            if found is not None:
+                live[found[0]] = live.get(found[0], 0) + line.size + 1
+        keep = [name for name, size in live.items() if size >= KEEP_RATIO * base.sizes.get(name, 0)]
+        with write_errors(directory, "token sidecar link"):
+            stop.check()
+            linked = link_files(ops, base.directory, base.sizes, keep, directory)
+    index = SidecarIndex(directory, sizes={name: base.sizes[name] for name in linked} if base else {})
+    placed: list[tuple[CallTokens, str, int]] = []
+    fresh: list[CallTokens] = []
+    for line in tokens:
+        found = base.where.get(line.digest) if base is not None else None
+        if found is not None and found[0] in linked:
+            index.where[line.digest] = found
+            placed.append((line, *found))
+        else:
+            fresh.append(line)
+    written, size = None, 0
+    if fresh:
+        lines = [line.line for line in fresh]
+        written = write_sidecar(ops, directory, lines, stop)
+        offset = 0
+        for line, body in zip(fresh, lines, strict=True):
+            index.where[line.digest] = (written, offset)
+            placed.append((line, written, offset))
+            offset += len(body) + 1
+        size = offset
+        index.sizes[written] = size
+    return SidecarWrite(sorted(linked), written, size, index, placed)
+
+
+class SidecarWriter(RecordWriter):
+    """A records writer that makes the token sidecar durable before it seals the records; once the
+    manifest is linked, the lines it holds leave memory (``capture_memory``)."""
+
+    def __init__(self, ops: FileOps, directory: Path, stop: StopSignal, lines: SidecarLines,
+                 store: SidecarStore) -> None:
         super().__init__(ops, directory, stop)
         self._sidecar_ops, self._sidecar_stop, self._lines = ops, stop, lines
+        self._store = store
         self.sidecar: str | None = None
         self.sidecar_bytes = 0
+        self.sidecar_linked: list[str] = []
 
     def finish(self, kind: str, instance: str, checkpoint_id: str) -> Manifest:
-        lines = self._lines()
-        if lines:
-            self.sidecar = write_sidecar(self._sidecar_ops, self.directory, lines, self._sidecar_stop)
-            self.sidecar_bytes = sum(len(line) + 1 for line in lines)
-        return super().finish(kind, instance, checkpoint_id)
+        tokens = self._lines()
+        done = None
+        if tokens:
+            base = self._store.sidecar_base if self.base is not None else None
+            done = write_sidecars(self._sidecar_ops, self.directory, tokens, base, self._sidecar_stop)
+            self.sidecar, self.sidecar_bytes, self.sidecar_linked = done.written, done.bytes_written, done.linked
+        manifest = super().finish(kind, instance, checkpoint_id)
+        if done is not None:
+            self._store.sidecar_committed(done)
+        return manifest
 
 
 class SidecarStore(CheckpointStore):
@@ -195,12 +332,27 @@ class SidecarStore(CheckpointStore):
     """
 
     def __init__(self, base: CheckpointStore, lines: SidecarLines) -> None:
-        super().__init__(base.root, base.ops)
+        super().__init__(base.root, base.ops, max_record_bytes=base.max_record_bytes)
         self._lines = lines
+        self.sidecar_base: SidecarIndex | None = None
 
     def new_writer(self, directory: Path, stop: StopSignal) -> RecordWriter:
         """The base store's writer, with the sidecar made durable before the records are sealed."""
-        return SidecarWriter(self.ops, directory, stop, self._lines)
+        return SidecarWriter(self.ops, directory, stop, self._lines, self)
+
+    def sidecar_committed(self, done: SidecarWrite) -> None:
+        """The lines are durable: the next commit links them, and they leave memory."""
+        self.sidecar_base = done.index
+        files: dict[str, LineFile] = {}
+        for line, name, offset in done.placed:
+            if not line.in_memory:
+                continue
+            if name not in files:
+                try:
+                    files[name] = LineFile.open(done.index.directory / name)
+                except OSError:
+                    continue  # stays in memory; a later commit tries again
+            line.kept_at(files[name], offset)
 
     def read(self, checkpoint_dir: Path, kind: str, instance: str, scope: Scope) -> ReadResult:
         result = super().read(checkpoint_dir, kind, instance, scope)
@@ -230,22 +382,26 @@ class SidecarStore(CheckpointStore):
             raise InvalidCheckpointState(f"the ledger records name token arrays but {directory} has no token "
                                          "sidecar (tokens-<sha256>.jsonl)")
         found: dict[str, CallTokens] = {}
+        index = SidecarIndex(directory)
         size = 0
         for name in names:
-            size += self._read_sidecar(directory / name, wanted, found)
+            index.sizes[name] = self._read_sidecar(directory / name, wanted, found, index)
+            size += index.sizes[name]
+        self.sidecar_base = index
         return found, size
 
-    def _read_sidecar(self, path: Path, wanted: set[str], found: dict[str, CallTokens]) -> int:
+    def _read_sidecar(self, path: Path, wanted: set[str], found: dict[str, CallTokens], index: SidecarIndex) -> int:
         whole, kept, size = hashlib.sha256(), [], 0
         try:
             with self.ops.open_read(path) as file:
-                for line in file:
+                for line in read_bounded_lines(file, None, self.max_record_bytes, path.name):
                     whole.update(line)
-                    size += len(line)
                     body = line[:-1] if line.endswith(b"\n") else line
                     digest = hashlib.sha256(body).hexdigest()
                     if digest in wanted:
                         kept.append((digest, body))
+                        index.where[digest] = (path.name, size)
+                    size += len(line)
         except OSError as error:
             raise InvalidCheckpointState(f"cannot read the token sidecar {path.name}: {error.strerror}") from None
         match = SIDECAR_NAME.fullmatch(path.name)

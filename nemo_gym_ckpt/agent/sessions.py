@@ -125,6 +125,7 @@ class Activation:
     resume: dict[str, Any] | None = None
     snapshot: Callable[[], dict[str, Any]] | None = None
     task: asyncio.Task[ActivationReply] | None = None
+    version: int = 0  # bumped as each of its calls starts and ends (the only times its state changes)
 
     def state(self) -> dict[str, Any] | None:
         """The work's state at its last boundary (evaluated now), or the restored one."""
@@ -148,6 +149,7 @@ class AgentSession:
     parked: bool = False
     restored: Record | None = None
     from_checkpoint: bool = False
+    _encoded: tuple[int, ActivationReply | None, Activation | None, int, Record] | None = None
 
     @property
     def key(self) -> str:
@@ -167,8 +169,18 @@ class AgentSession:
         if self.restored is not None and (scope is None or self.restored.episode in scope):
             return self.restored
         if scope is None or self.identity in scope:
-            return self.record()
+            return self.encoded()
         return None
+
+    def encoded(self) -> Record:
+        """The record, built again only when the session moved: an activation completed, or a call
+        of the running one started or ended (a work changes its state only around its calls)."""
+        running, cached = self.running, self._encoded
+        version = running.version if running is not None else -1
+        if (cached is None or cached[0] != self.completed or cached[1] is not self.reply
+                or cached[2] is not running or cached[3] != version):
+            cached = self._encoded = (self.completed, self.reply, running, version, Record.from_data(self.record()))
+        return cached[4]
 
 
 Work = Callable[["Turn"], Awaitable[ActivationReply]]
@@ -195,18 +207,23 @@ class Turn:
         return self.activation.resume
 
     def track(self, snapshot: Callable[[], dict[str, Any]]) -> None:
-        """Register the function answering the work's JSON state at its last boundary."""
+        """Register the function answering the work's JSON state at its last boundary. The work
+        changes that state only around its calls (``call``), so a record taken between two of them
+        is built once."""
         self.activation.snapshot = snapshot
+        self.activation.version += 1
 
     @asynccontextmanager
     async def call(self, kind: CallKind) -> AsyncIterator[None]:
         """One outside call: parks first while a checkpoint is open, and is counted once it completed."""
         await self._sessions.park(self.session)
         self.session.call = kind
+        self.activation.version += 1
         try:
             yield
             self._sessions.completed_calls[kind] += 1
         finally:
+            self.activation.version += 1
             self.session.call = None
             self._sessions.notify()
 
@@ -256,6 +273,11 @@ class AgentSessions:
             raise RolloutIdRequired("checkpointing is on: this agent call needs /ng-rollout/<key>/")
         _check_marks(self._participant(), identity)
         return identity
+
+    async def admitted(self) -> RolloutIdentity:
+        """Admission of a request that starts or ends an episode's work without an activation (NeMo
+        Gym's agent-session seed and close): waits while a checkpoint is open."""
+        return await self._admit()
 
     async def close(self) -> bool:
         """``/close``: stop the request's session (its running activation too) and drop it."""

@@ -78,9 +78,9 @@ def cut_mesh_config(
         "head_server": {"port": 0},
         "checkpoint": {"enabled": True, "control_auth_token": TOKEN, "root": str(root),
                        "lease_grace_seconds": 120},
-        "inference_worker": {"model_servers": {"inference_worker": worker or {}}},
-        "policy_model": {"model_servers": {"policy_model": {
-            "worker": {"type": "model_servers", "name": "inference_worker"}, "return_token_ids": True,
+        "inference_worker": {"responses_api_models": {"inference_worker": worker or {}}},
+        "policy_model": {"responses_api_models": {"policy_model": {
+            "worker": {"type": "responses_api_models", "name": "inference_worker"}, "return_token_ids": True,
             "temperature": 1.0, "max_tokens": MAX_TOKENS, "checkpoint_policy": True,
             "generation_cuts": generation_cuts}}},
     }

@@ -104,7 +104,7 @@ class MeshUrls:
 def mesh_urls(mesh: MeshConfig) -> MeshUrls:
     """The quickstart's hops, found by following the environment's references."""
     (environment,) = mesh.of_type("environment_servers")
-    agent = mesh.instance(environment.settings.agent.name)  # type: ignore[attr-defined]
+    agent = mesh.instance(environment.settings.agent_server.name)  # type: ignore[attr-defined]
     policy = mesh.instance(agent.settings.model_server.name)  # type: ignore[attr-defined]
     worker = mesh.instance(policy.settings.worker.name)  # type: ignore[attr-defined]
     resources = mesh.url_of(environment.settings.resources_server)  # type: ignore[attr-defined]

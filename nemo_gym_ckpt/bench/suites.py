@@ -24,6 +24,9 @@ Suites (``--only`` picks some):
   several rounds; the median per-round ratio, and off over off as the noise floor.
 - ``generation_cuts``: the checkpoint pause with 8 and 64 long generations in flight, and the tokens
   generated again after a crash mid-generation, with cuts against without (``cuts.py``).
+- ``scale``: pause, commit, bytes written and restore time with 256 to 10,000 rollouts in flight,
+  full against incremental checkpoints side by side, and a crash with every rollout finished once
+  (``scale.py``; its plots ``scale_*.png``).
 
 ``--quick`` (or ``--duration-s`` under 3) runs every suite at its smallest size: the smoke-test form.
 """
@@ -39,7 +42,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_ckpt.bench import checkpoints, cuts, protocol, rollouts
+from nemo_gym_ckpt.bench import checkpoints, cuts, protocol, rollouts, scale
 from nemo_gym_ckpt.bench.stats import percentile
 from nemo_gym_ckpt.client import MeshClient, TransportName
 from nemo_gym_ckpt.config import load_config_dict
@@ -52,6 +55,7 @@ __all__ = [
     "bench_generation_cuts",
     "bench_prepare_latency",
     "bench_rollouts",
+    "bench_scale",
     "run_closed_loop",
     "run_suites",
 ]
@@ -175,9 +179,9 @@ async def _policy_against_worker(worker_url: str, policy_url: str, model: str, d
 def bench_policy(duration_s: float) -> Result:
     mesh = load_config_dict({
         "head_server": {"port": 0},
-        "inference_worker": {"model_servers": {"inference_worker": {}}},
-        "policy_model": {"model_servers": {"policy_model": {
-            "worker": {"type": "model_servers", "name": "inference_worker"}}}},
+        "inference_worker": {"responses_api_models": {"inference_worker": {}}},
+        "policy_model": {"responses_api_models": {"policy_model": {
+            "worker": {"type": "responses_api_models", "name": "inference_worker"}}}},
     })
     with MeshLauncher(mesh, on_line=_quiet) as launcher:
         launcher.start(ready_timeout_s=120)
@@ -208,6 +212,10 @@ def bench_generation_cuts(duration_s: float) -> Result:
     return cuts.run_all(quick=duration_s < 3)
 
 
+def bench_scale(duration_s: float) -> Result:
+    return scale.scale(quick=duration_s < 3)
+
+
 SUITES: dict[str, Callable[[float], Result]] = {
     "client": bench_client,
     "worker": bench_worker,
@@ -217,6 +225,7 @@ SUITES: dict[str, Callable[[float], Result]] = {
     "prepare_latency": bench_prepare_latency,
     "checkpoint_overhead": bench_checkpoint_overhead,
     "generation_cuts": bench_generation_cuts,
+    "scale": bench_scale,
 }
 
 
@@ -263,9 +272,12 @@ def run_suites(names: Sequence[str], duration_s: float, out: Path) -> str:
         began = time.perf_counter()
         results[name] = SUITES[name](duration_s)
         results[name]["elapsed_s"] = round(time.perf_counter() - began, 1)
+    if "scale" in results:
+        results["scale"]["plots"] = scale.plot_scale(results["scale"], out)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     markdown = _markdown(results)
     (out / "results.md").write_text(markdown)
     if "client" in results:
         _plot_client(results["client"], out)
+
     return markdown

@@ -24,6 +24,11 @@ Optional (``BeforeExport``): ``before_export(checkpoint_id, scope, deadline_ts)`
 commit, after the readiness check and before ``export``, with the commit's deadline; the model uses
 it to cut the generations in flight within half of the time left. It must not fail the commit for
 work it can do without (a failed generation cut is only logged).
+
+Optional (``StopCommitted``): ``stop_committed(scope)`` runs after ``committed`` of a commit sent
+with ``stop: true`` (the controller stops the mesh next): free what the records do not hold
+(sandboxes, child processes, connections). Bounded by the commit's deadline; a failure is logged
+and the commit still succeeds.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["MAX_BLOCKERS", "BeforeExport", "ExportItem", "ParticipantAdapter", "Readiness"]
+__all__ = ["MAX_BLOCKERS", "BeforeExport", "ExportItem", "ParticipantAdapter", "Readiness", "StopCommitted"]
 
 MAX_BLOCKERS = 100
 ExportItem = Record | Mapping[str, Any]
@@ -85,3 +90,10 @@ class BeforeExport(Protocol):
     """An adapter that works once per commit before its export, knowing the commit's deadline."""
 
     async def before_export(self, checkpoint_id: str, scope: Scope | None, deadline_ts: float) -> None: ...
+
+
+@runtime_checkable
+class StopCommitted(Protocol):
+    """An adapter that frees what its records do not hold once a ``stop`` commit is durable."""
+
+    async def stop_committed(self, scope: Scope | None) -> None: ...

@@ -1,7 +1,10 @@
 """The coordinator: drives every participant of a mesh through one checkpoint (docs/protocol.md section 5).
 
-Discovery asks the head server for ``GET /servers`` and each server for its checkpoint ``/status``
-(``NotFound`` means "not a participant"). Orders:
+Discovery reads the mesh the NeMo Gym way: the head server's ``GET /global_config_dict_yaml`` (a
+JSON string holding the YAML of the resolved config), then every top-level entry shaped like a
+server instance (instance -> its first server type key -> its first implementation -> settings with
+``host`` and ``port``; the type keys are not looked at by name), then each server's checkpoint
+``/status`` (``NotFound`` means "not a participant"). Orders:
 
 - prepare: environment -> model -> agent -> resources, one stage at a time; stop at the first
   stage not ready;
@@ -10,9 +13,12 @@ Discovery asks the head server for ``GET /servers`` and each server for its chec
 - resume: resources -> agent -> model -> environment, going on past failures, then raise;
 - retire, forget: environment, then agent, then model and resources together.
 
-Each call's timeout is the remaining deadline + 5 s. Calls are fanned out in a task group; a
-participant's failure is the ``GymError`` the client mapped, kept per participant in the result,
-and raised as the same class naming the participant (``error.fields["result"]`` holds the result).
+Each call's timeout is the remaining deadline + 5 s. The coordinator's calls go over a client of
+its own (a pool of ``CONTROL_CONNECTIONS``), so a controller that also sends rollouts never queues a
+control call behind them; a ``client`` passed in should be one kept for control calls too. Calls
+are fanned out in a task group; a participant's failure is the ``GymError`` the client mapped,
+kept per participant in the result, and raised as the same class naming the participant
+(``error.fields["result"]`` holds the result).
 """
 
 from __future__ import annotations
@@ -21,9 +27,12 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
+import yaml
 
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
@@ -44,13 +53,17 @@ __all__ = [
     "PrepareResult",
     "RestoreResult",
     "StagedResult",
+    "servers_in_config",
 ]
 
 logger = logging.getLogger(__name__)
 
 CALL_GRACE_S = 5.0
+CONTROL_CONNECTIONS = 64
 CLEANUP_MIN_S = 30.0
 DISCOVERY_TIMEOUT_S = 60.0
+CONFIG_ROUTE = "/global_config_dict_yaml"
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
 RETIRE_BATCH = 1024
 PREPARE_STAGES: tuple[tuple[str, ...], ...] = (("environment",), ("model",), ("agent",), ("resources",))
 RESUME_STAGES: tuple[tuple[str, ...], ...] = tuple(reversed(PREPARE_STAGES))
@@ -183,7 +196,8 @@ class Coordinator:
         self.head_url = head_url.rstrip("/")
         self._headers = {"authorization": f"Bearer {token}"}
         self._own_client = client is None
-        self.client = client or MeshClient()
+        # control calls over a pool of their own: never queued behind a controller's data calls
+        self.client = client or MeshClient(max_connections=CONTROL_CONNECTIONS)
         self.required_kinds = tuple(required_kinds)
         self.telemetry = telemetry or Telemetry("controller", "coordinator")
         self._participants: list[ParticipantRef] | None = None
@@ -220,9 +234,9 @@ class Coordinator:
         return {ref.name: reply for ref, reply in statuses}
 
     async def _statuses(self) -> list[tuple[ParticipantRef, dict[str, Any]]]:
-        servers = await self.client.get_json(f"{self.head_url}/servers", rollout_prefix=False,
-                                             timeout_s=DISCOVERY_TIMEOUT_S)
-        listing = _server_list(servers)
+        reply = await self.client.request("GET", f"{self.head_url}{CONFIG_ROUTE}", rollout_prefix=False,
+                                          timeout_s=DISCOVERY_TIMEOUT_S)
+        listing = servers_in_config(_config_of(reply.content))
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(self._status_of(server)) for server in listing]
         found = []
@@ -265,10 +279,14 @@ class Coordinator:
 
     async def commit(
         self, checkpoint_id: str, *, deadline_ts: float, checkpoint_dir: str,
-        episode_ids: Sequence[RolloutIdentity] | None = None,
+        episode_ids: Sequence[RolloutIdentity] | None = None, stop: bool = False, incremental: bool = True,
     ) -> CommitResult:
+        """Commit everywhere; ``stop``: the mesh is stopped next (participants free what their records
+        do not hold once the write is durable). The body always carries ``stop``, as upstream's does."""
         body: dict[str, Any] = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts,
-                                "checkpoint_dir": checkpoint_dir}
+                                "checkpoint_dir": checkpoint_dir, "stop": stop}
+        if not incremental:  # sent only to turn it off: the default body stays upstream's
+            body["incremental"] = False
         if episode_ids is not None:
             body["episode_ids"] = [episode.to_json() for episode in episode_ids]
         result = CommitResult("commit", checkpoint_id)
@@ -388,13 +406,45 @@ def _raise_first(result: StagedResult) -> None:
                                 result=result) from first.error
 
 
-def _server_list(servers: Any) -> list[dict[str, str]]:
-    def usable(server: Any) -> bool:
-        return isinstance(server, dict) and all(isinstance(server.get(k), str) for k in ("name", "url"))
+def _config_of(content: bytes) -> Any:
+    """The global config a head's ``/global_config_dict_yaml`` reply holds (a JSON string of YAML)."""
+    if len(content) > MAX_CONFIG_BYTES:
+        raise UpstreamError(f"the head's {CONFIG_ROUTE} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        text = orjson.loads(content)
+        if not isinstance(text, str):
+            raise UpstreamError(f"the head's {CONFIG_ROUTE} is not a JSON string")
+        return yaml.safe_load(text)
+    except (orjson.JSONDecodeError, yaml.YAMLError) as error:
+        raise UpstreamError(f"the head's {CONFIG_ROUTE} is not a JSON string of YAML: {error}") from None
 
-    if not isinstance(servers, list) or not all(usable(server) for server in servers):
-        raise UpstreamError("the head's /servers is not a list of {name, type, implementation, url}")
+
+def servers_in_config(config: Any) -> list[dict[str, str]]:
+    """``[{name, url}]`` of every entry of a global config shaped like a server instance: instance ->
+    first key (its server type) -> first key (its implementation) -> settings with host and port."""
+    if not isinstance(config, Mapping):
+        raise UpstreamError(f"the head's {CONFIG_ROUTE} does not hold a mapping")
+    servers = []
+    for name, block in config.items():
+        settings = _first_mapping(_first_mapping(block))
+        url = _address(settings) if isinstance(settings, Mapping) else None
+        if url is not None:
+            servers.append({"name": str(name), "url": url})
     return servers
+
+
+def _first_mapping(value: Any) -> Any:
+    if not isinstance(value, Mapping) or not value:
+        return None
+    first = next(iter(value.values()))
+    return first if isinstance(first, Mapping) else None
+
+
+def _address(settings: Mapping[str, Any]) -> str | None:
+    host, port = settings.get("host"), settings.get("port")
+    if not isinstance(host, str) or not host or type(port) is not int or not 0 < port < 65536:
+        return None
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _batches(items: list[Any], size: int) -> list[list[Any]]:

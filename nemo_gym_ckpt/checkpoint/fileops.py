@@ -6,19 +6,35 @@ directory fsync): the checkpoint store's manifests, the policy model's token sid
 worker's staged prefixes and the collector's published files all write through it, so the crash
 tests (``nemo_gym_ckpt.testing.crashfs``: a subclass that fails or "crashes" at any one operation
 and models what a power loss keeps) cover every one of them.
+
+Reading: ``open_read`` opens only regular files. It never follows a symlink and opens without
+blocking, so a FIFO (which would block the opening thread until a writer came), a device or a
+socket put where a checkpoint file belongs is refused (``NotRegularFile``, an ``OSError``) before
+anything is read; ``size`` is the opened file's size, for bounds checked before reading.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["FileOps"]
+__all__ = ["FileOps", "NotRegularFile", "file_size"]
 
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+
+
+class NotRegularFile(OSError):
+    """A checkpoint file that is a FIFO, a device, a socket or a directory: never read."""
+
+
+def file_size(file: BinaryIO) -> int:
+    """The size in bytes of an open file (its ``fstat``)."""
+    return os.fstat(file.fileno()).st_size
 
 
 class FileOps:
@@ -86,6 +102,21 @@ class FileOps:
             self.fsync_dir(final.parent)
 
     def open_read(self, path: Path) -> BinaryIO:
-        """Open a regular file for reading without following a symlink."""
-        fd = os.open(path, _READ_FLAGS)
+        """Open a regular file for reading without following a symlink (``NotRegularFile`` for
+        anything else, found by ``fstat`` right after a non-blocking open)."""
+        fd = os.open(path, _READ_FLAGS | os.O_NONBLOCK)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise NotRegularFile(errno.EINVAL, f"not a regular file ({_kind_of(mode)})", str(path))
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
         return os.fdopen(fd, "rb")
+
+
+def _kind_of(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
+    return next((name for test, name in kinds if test(mode)), "not a plain file")

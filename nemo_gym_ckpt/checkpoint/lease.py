@@ -1,6 +1,9 @@
 """The lease of an open checkpoint (docs/protocol.md section 4).
 
-It expires at ``deadline_ts + lease_grace_seconds`` of the last control call for the open id.
+It expires at ``deadline_ts + lease_grace_seconds``; every control call for the open id moves the
+expiry to the later of the current one and its own ``deadline_ts + lease_grace_seconds``, so a
+renewal never shortens the lease (a controller that renews with an earlier deadline keeps the
+later expiry, as upstream's lease does).
 Expiry is derived, never stored: ``expired`` is ``expires_at <= clock.now()``. ``watch`` sleeps on
 the clock until the lease runs out (following renewals) and then calls ``on_expiry`` once, so a
 dead controller never leaves a participant paused.
@@ -27,8 +30,9 @@ class Lease:
         return cls(clock, grace_s, deadline_ts + grace_s)
 
     def renew(self, deadline_ts: float) -> float:
-        """Renew to this call's ``deadline_ts + grace`` and return the new expiry."""
-        self.expires_at = deadline_ts + self.grace_s
+        """Extend to this call's ``deadline_ts + grace`` unless the lease already runs longer; return
+        the expiry (never earlier than before)."""
+        self.expires_at = max(self.expires_at, deadline_ts + self.grace_s)
         return self.expires_at
 
     @property

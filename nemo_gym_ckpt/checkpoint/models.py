@@ -1,32 +1,47 @@
-"""Request bodies of the control routes (docs/protocol.md section 3): strict, unknown fields refused.
+"""Request bodies of the control routes (docs/protocol.md section 3): strict, every field bounded.
 
 A body that fails validation is 400 ``invalid_request``. ``checkpoint_id`` is 1-128 characters,
 first an ASCII letter or digit, then letters, digits, ``.``, ``_``, ``-``; ``deadline_ts`` is
-absolute Unix seconds and finite.
+absolute Unix seconds and finite (how far ahead it may be is the participant's check, against its
+own clock: ``checkpoint.max_deadline_seconds``). Rollout ids follow ``nemo_gym_ckpt.identity``;
+every list holds at most ``MAX_LIST_ITEMS`` entries and every string has a length bound, so no
+body can make a participant hold more than the body's own (bounded) size.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_gym_ckpt.errors import InvalidRequest
-from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.identity import (
+    MAX_ATTEMPT,
+    MAX_ROLLOUT_ID_LENGTH,
+    ROLLOUT_ID_PATTERN,
+    RolloutIdentity,
+    rollout_id_problem,
+)
 
 __all__ = [
     "CHECKPOINT_ID_PATTERN",
+    "MAX_ATTEMPT",
+    "MAX_CHECKPOINT_DIR_LENGTH",
+    "MAX_LIST_ITEMS",
     "CommitRequest",
     "ControlRequest",
     "EpisodeId",
     "ForgetRequest",
     "RestoreRequest",
     "RetireRequest",
+    "RolloutId",
     "parse_body",
 ]
 
 CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-MAX_ATTEMPT = 999_999_999
+MAX_CHECKPOINT_DIR_LENGTH = 4096
+MAX_LIST_ITEMS = 100_000
+MAX_TIMESTAMP = 1e11  # Unix seconds (year 5138): a wider bound than any deadline the horizon lets through
 
 
 class _Body(BaseModel):
@@ -36,8 +51,23 @@ class _Body(BaseModel):
 M = TypeVar("M", bound=_Body)
 
 
+def _valid_rollout_id(value: str) -> str:
+    problem = rollout_id_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+RolloutId = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_ROLLOUT_ID_LENGTH, pattern=ROLLOUT_ID_PATTERN),
+    AfterValidator(_valid_rollout_id),
+]
+"""A rollout id as a body field: the pattern, the length bound and no ``-a<digits>`` ending."""
+
+
 class EpisodeId(_Body):
-    rollout_id: str = Field(min_length=1, max_length=200)
+    rollout_id: RolloutId
     attempt: int = Field(0, ge=0, le=MAX_ATTEMPT)
 
     def identity(self) -> RolloutIdentity:
@@ -47,32 +77,39 @@ class EpisodeId(_Body):
 class ControlRequest(_Body):
     """Every POST: prepare, renew and resume carry only these."""
 
-    checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
-    deadline_ts: float = Field(allow_inf_nan=False)
+    checkpoint_id: str = Field(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN)
+    deadline_ts: float = Field(ge=0, le=MAX_TIMESTAMP, allow_inf_nan=False)
+
+
+EpisodeList = Annotated[list[EpisodeId], Field(max_length=MAX_LIST_ITEMS)]
 
 
 class _Scoped(ControlRequest):
-    episode_ids: list[EpisodeId] | None = None
+    episode_ids: EpisodeList | None = None
 
     def episodes(self) -> list[RolloutIdentity] | None:
         return None if self.episode_ids is None else [episode.identity() for episode in self.episode_ids]
 
 
 class CommitRequest(_Scoped):
-    checkpoint_dir: str = Field(min_length=1, max_length=4096)
+    checkpoint_dir: str = Field(min_length=1, max_length=MAX_CHECKPOINT_DIR_LENGTH)
+    stop: bool = False
+    """The controller stops this mesh after the commit: once the write is durable the participant
+    frees what it holds outside its records (a failure to do so never fails the commit)."""
+    incremental: bool = True  # reference what did not change since the previous commit (section 6.1)
 
 
 class RestoreRequest(_Scoped):
-    checkpoint_dir: str = Field(min_length=1, max_length=4096)
-    episode_ids: list[EpisodeId]
+    checkpoint_dir: str = Field(min_length=1, max_length=MAX_CHECKPOINT_DIR_LENGTH)
+    episode_ids: EpisodeList
 
 
 class RetireRequest(_Scoped):
-    episode_ids: list[EpisodeId] = Field(min_length=1)
+    episode_ids: list[EpisodeId] = Field(min_length=1, max_length=MAX_LIST_ITEMS)
 
 
 class ForgetRequest(ControlRequest):
-    rollout_ids: list[str] = Field(min_length=1)
+    rollout_ids: list[RolloutId] = Field(min_length=1, max_length=MAX_LIST_ITEMS)
 
 
 def parse_body(model: type[M], content: bytes) -> M:
@@ -80,11 +117,9 @@ def parse_body(model: type[M], content: bytes) -> M:
     try:
         body = model.model_validate_json(content)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(part) for part in item['loc']) or 'body'}: {item['msg']}"
-            for item in error.errors()[:5]
-        )
-        raise InvalidRequest(problems or "request body failed validation") from None
-    if isinstance(body, _Scoped):
-        body.episodes()  # rollout ids must be valid identities
+        raise InvalidRequest(_problems(error.errors()[:5]) or "request body failed validation") from None
     return body
+
+
+def _problems(errors: list[Any]) -> str:
+    return "; ".join(f"{'.'.join(str(part) for part in item['loc']) or 'body'}: {item['msg']}" for item in errors)

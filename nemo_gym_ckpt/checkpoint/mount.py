@@ -2,8 +2,9 @@
 
 With checkpointing off (no ``checkpoint:`` block, or ``enabled: false``) it does nothing at all and
 returns ``None``: no route (``/status`` answers 404), no participant, no waiting. With it on, it
-builds the ``Participant`` over the server's adapter, mounts the control router and closes the
-participant's background work when the app shuts down. When the app starts, the control routes are
+builds the ``Participant`` over the server's adapter, mounts the control router, puts
+``ControlFirst`` in front of the app (control calls served ahead of data requests on a busy server)
+and closes the participant's background work when the app shuts down. When the app starts, the control routes are
 moved after every other route: servers add their own routes after mounting, and routes are tried in
 order, so each data request would otherwise try the control routes first (about 15 us of CPU each).
 Servers keep the returned participant and call ``participant.admit(identity)`` on rollout-scoped
@@ -23,6 +24,7 @@ from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.participant import Participant
+from nemo_gym_ckpt.checkpoint.priority import ControlFirst
 from nemo_gym_ckpt.checkpoint.router import make_router
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
 from nemo_gym_ckpt.checkpoint.telemetry import Telemetry
@@ -60,13 +62,15 @@ def mount_checkpointing(
         kind=kind,
         instance=name,
         adapter=adapter,
-        store=CheckpointStore(config.root, file_ops),
+        store=CheckpointStore(config.root, file_ops, max_record_bytes=config.max_record_bytes),
         lease_grace_s=config.lease_grace_seconds,
         clock=clock,
         telemetry=telemetry.for_participant(kind, name) if telemetry else None,
+        max_deadline_s=config.max_deadline_seconds,
     )
     before = {id(route) for route in app.router.routes}
     app.include_router(make_router(participant, config.control_auth_token.get_secret_value()))
+    app.add_middleware(ControlFirst)  # control calls ahead of data requests on a busy server
     _last_once_started(app, [route for route in app.router.routes if id(route) not in before])
     close_on_shutdown(app, participant.aclose)
     return participant

@@ -2,14 +2,22 @@
 
 Generic over a ``ParticipantAdapter`` (the kind-specific part). docs/protocol.md section 4:
 
-- one checkpoint id open at a time (another one: ``checkpoint_conflict``); the last 64 resumed
-  ids are fenced (``stale_checkpoint``), and a resume of an unknown id while idle fences it too;
+- one checkpoint id open at a time (another one: ``checkpoint_conflict``); the last 64 ids it
+  opened and then closed are fenced (``stale_checkpoint``); a resume of an id it never opened, while
+  idle, fences that id too, in a second list of 64 kept apart, so such resumes can never push out
+  the fence of an id that was opened;
+- every ``deadline_ts`` is at most ``max_deadline_s`` (24 h by default) ahead of the clock, else
+  ``invalid_request``, so no call can pause a participant for ever; a resume is never refused
+  because its deadline has passed (it is the way out of every open phase);
 - prepare, commit and restore are stored with their arguments: the same call again gets the
   stored reply (or awaits the same work), other arguments get ``checkpoint_conflict``;
 - one export task and one write task per checkpoint id, started by the first commit and
   outliving its request; a resume before the write's commit point means no manifest, ever;
-- the lease expires at ``deadline_ts + lease_grace_seconds`` of the last call for the open id;
-  then the participant resumes itself and emits ``lease_expired``;
+- the lease expires at ``deadline_ts + lease_grace_seconds``, moved later (never earlier) by each
+  call for the open id; then the participant resumes itself and emits ``lease_expired``;
+- a commit whose scope names a restart is ``restart_in_scope``; a commit with ``stop`` frees, once
+  its write is durable, what the adapter holds outside its records (``StopCommitted``); a failure
+  there is logged and never fails the commit;
 - data-plane requests wait (``admit``) while a checkpoint is open; retired attempts are refused.
 
 All state changes happen in synchronous code between awaits, so no lock is needed; every wait is
@@ -27,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nemo_gym_ckpt.checkpoint.adapter import BeforeExport, ParticipantAdapter, Readiness
+from nemo_gym_ckpt.checkpoint.adapter import BeforeExport, ParticipantAdapter, Readiness, StopCommitted
 from nemo_gym_ckpt.checkpoint.admission import RetireMarks, Signal
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock, wait_until
 from nemo_gym_ckpt.checkpoint.lease import Lease
@@ -47,20 +55,24 @@ from nemo_gym_ckpt.errors import (
     CheckpointConflict,
     DeadlineExceeded,
     GymError,
-    InvalidCheckpointState,
     InvalidPhase,
+    InvalidRequest,
+    RestartInScope,
     RolloutIdRequired,
     StaleCheckpoint,
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["KINDS", "REMEMBERED_IDS", "Participant"]
+__all__ = ["DEFAULT_MAX_DEADLINE_S", "KINDS", "REMEMBERED_IDS", "Participant"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 KINDS = ("environment", "model", "agent", "resources")
 REMEMBERED_IDS = 64
+DEFAULT_MAX_DEADLINE_S = 24 * 3600.0
+# What a failing StopCommitted hook may raise: logged, and the stop commit still succeeds.
+_STOP_FAILURES = (GymError, OSError, RuntimeError, ValueError, TimeoutError)
 READINESS_POLL_S = 1.0
 _INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 Work = Coroutine[Any, Any, dict[str, Any]]
@@ -101,21 +113,23 @@ class Participant:
         lease_grace_s: float,
         clock: Clock = SYSTEM_CLOCK,
         telemetry: Telemetry | None = None,
+        max_deadline_s: float = DEFAULT_MAX_DEADLINE_S,
     ) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         if not _INSTANCE.fullmatch(instance):
             raise ValueError(f"instance name {instance!r} is not a safe directory name")
-        if lease_grace_s <= 0:
-            raise ValueError("lease_grace_s must be > 0")
+        if lease_grace_s <= 0 or max_deadline_s <= 0:
+            raise ValueError("lease_grace_s and max_deadline_s must be > 0")
         self.kind, self.instance, self.adapter, self.store = kind, instance, adapter, store
-        self.lease_grace_s, self.clock = lease_grace_s, clock
+        self.lease_grace_s, self.clock, self.max_deadline_s = lease_grace_s, clock, max_deadline_s
         self.telemetry = telemetry or Telemetry(kind, instance)
         self.phase = Phase.IDLE
         self.marks = RetireMarks()
         self.signal = Signal()
         self._open: _Open | None = None
-        self._fenced: OrderedDict[str, None] = OrderedDict()
+        self._fenced: OrderedDict[str, None] = OrderedDict()  # ids opened here, then closed
+        self._fenced_unopened: OrderedDict[str, None] = OrderedDict()  # ids only named by a resume
         self._served = False
         self._installed = False
         self._waiting = 0
@@ -151,12 +165,14 @@ class Participant:
 
     async def prepare(self, request: ControlRequest) -> dict[str, Any]:
         with self.telemetry.operation(Op.PREPARE, request.checkpoint_id) as span:
+            self._check_horizon(request.deadline_ts)
             reply = await self._prepare(request)
             span.set_attribute(ATTR.PHASE, self.phase)
             return reply
 
     async def renew(self, request: ControlRequest) -> dict[str, Any]:
         with self.telemetry.operation(Op.RENEW, request.checkpoint_id):
+            self._check_horizon(request.deadline_ts)
             open_ = self._enter(request.checkpoint_id)
             self._check_deadline(request.deadline_ts)
             advance(self.phase, Op.RENEW)
@@ -165,22 +181,26 @@ class Participant:
 
     async def commit(self, request: CommitRequest) -> dict[str, Any]:
         with self.telemetry.operation(Op.COMMIT, request.checkpoint_id) as span:
+            self._check_horizon(request.deadline_ts)
             reply = await self._commit(request)
             span.set_attribute(ATTR.PHASE, self.phase)
             return reply
 
     async def restore(self, request: RestoreRequest) -> dict[str, Any]:
         with self.telemetry.operation(Op.RESTORE, request.checkpoint_id) as span:
+            self._check_horizon(request.deadline_ts)
             reply = await self._restore(request)
             span.set_attribute(ATTR.PHASE, self.phase)
             return reply
 
     async def resume(self, request: ControlRequest) -> dict[str, Any]:
         with self.telemetry.operation(Op.RESUME, request.checkpoint_id):
+            self._check_horizon(request.deadline_ts)
             return self._resume(request)
 
     async def retire(self, request: RetireRequest) -> dict[str, Any]:
         with self.telemetry.operation(Op.RETIRE, request.checkpoint_id):
+            self._check_horizon(request.deadline_ts)
             episodes = request.episodes() or []
             self._enter_housekeeping(request, Op.RETIRE)
             self.marks.retire(episodes)
@@ -190,6 +210,7 @@ class Participant:
 
     async def forget(self, request: ForgetRequest) -> dict[str, Any]:
         with self.telemetry.operation(Op.FORGET, request.checkpoint_id):
+            self._check_horizon(request.deadline_ts)
             self._enter_housekeeping(request, Op.FORGET)
             self.marks.forget(request.rollout_ids)
             await self._bounded(self.adapter.forget(request.rollout_ids), request.deadline_ts, "forget")
@@ -269,7 +290,8 @@ class Participant:
         directory = self.store.locate(request.checkpoint_dir)
         episodes = request.episodes()
         scope = None if episodes is None else frozenset(episodes)
-        job = self._stored_job(open_, Op.COMMIT, (directory, scope), request.deadline_ts)
+        args = (directory, scope, request.stop, request.incremental)
+        job = self._stored_job(open_, Op.COMMIT, args, request.deadline_ts)
         if job is None:
             self._check_deadline(request.deadline_ts)
             advance(self.phase, Op.COMMIT)
@@ -277,26 +299,47 @@ class Participant:
             for episode in episodes or ():
                 self.marks.check(episode)
             open_.lease.renew(request.deadline_ts)
-            work = self._run_commit(open_, directory, scope, request.deadline_ts)
-            job = self._start_job(open_, Op.COMMIT, (directory, scope), work)
+            work = self._run_commit(open_, directory, scope, request.deadline_ts, stop=request.stop,
+                                    incremental=request.incremental)
+            job = self._start_job(open_, Op.COMMIT, args, work)
         return await self._await_job(job, request.deadline_ts, request.checkpoint_id)
 
     async def _run_commit(
-        self, open_: _Open, directory: Path, scope: Scope | None, deadline_ts: float
+        self, open_: _Open, directory: Path, scope: Scope | None, deadline_ts: float, *, stop: bool,
+        incremental: bool,
     ) -> dict[str, Any]:
         _check_committable(await self.adapter.readiness(), scope)
         if isinstance(self.adapter, BeforeExport):
             await self.adapter.before_export(open_.checkpoint_id, scope, deadline_ts)
         open_writer = self.store.open_writer
-        writer = await asyncio.to_thread(open_writer, directory, self.kind, self.instance, open_.stop)
+        writer = await asyncio.to_thread(open_writer, directory, self.kind, self.instance, open_.stop,
+                                         incremental=incremental)
         open_.pipeline = ExportPipeline(self.adapter, scope, self.telemetry, open_.checkpoint_id)
         with self.telemetry.span("write", **{ATTR.ID: open_.checkpoint_id}) as span:
             manifest, exported = await open_.pipeline.run(writer, self.kind, self.instance)
             self.telemetry.moved(Op.COMMIT, span, writer.count, writer.bytes)
         extras = await self.adapter.committed(scope)
+        if stop:
+            await self._free_after_stop(open_.checkpoint_id, scope, deadline_ts)
         if self._open is open_:
             self.phase = advance(self.phase, Op.COMMIT)
         return {"phase": Phase.COMMITTED, "manifest": manifest.to_json(), "episode_ids": exported, **extras}
+
+    async def _free_after_stop(self, checkpoint_id: str, scope: Scope | None, deadline_ts: float) -> None:
+        """A stop commit is durable: let the adapter free what its records do not hold (bounded by the
+        commit's deadline; a failure or a timeout is logged and the commit still succeeds)."""
+        if not isinstance(self.adapter, StopCommitted):
+            return
+        try:
+            done, _ = await wait_until(self.clock, self.adapter.stop_committed(scope), deadline_ts)
+        except _STOP_FAILURES as error:
+            logger.warning("checkpoint %s: freeing after the stop commit failed (the commit stands): %s",
+                           checkpoint_id, error)
+            self.telemetry.event("stop_release_failed", code=getattr(error, "code", type(error).__name__))
+            return
+        if not done:
+            logger.warning("checkpoint %s: freeing after the stop commit ran past the deadline", checkpoint_id)
+            self.telemetry.event("stop_release_failed", code=DeadlineExceeded.code)
 
     # ---- restore ----------------------------------------------------------------------------
 
@@ -339,10 +382,11 @@ class Participant:
         self._expire_if_due()
         if request.checkpoint_id in self._fenced:
             return {"phase": self.phase, "idempotent": True}
+        if request.checkpoint_id in self._fenced_unopened:
+            return {"phase": self.phase, "idempotent": True}
         open_ = self._enter(request.checkpoint_id)
-        self._check_deadline(request.deadline_ts)
         if open_ is None:
-            self._fence(request.checkpoint_id)
+            self._fence(request.checkpoint_id, opened=False)
             return {"phase": self.phase, "idempotent": True}
         self._close(open_)
         return {"phase": self.phase, "idempotent": False}
@@ -387,12 +431,20 @@ class Participant:
     def _enter(self, checkpoint_id: str) -> _Open | None:
         """Fencing common to every op: a resumed id is stale; another open id is a conflict."""
         self._expire_if_due()
-        if checkpoint_id in self._fenced:
+        if checkpoint_id in self._fenced or checkpoint_id in self._fenced_unopened:
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} was already resumed")
         open_ = self._open
         if open_ is not None and open_.checkpoint_id != checkpoint_id:
             raise CheckpointConflict(f"checkpoint {open_.checkpoint_id} is open, got {checkpoint_id}")
         return open_
+
+    def _check_horizon(self, deadline_ts: float) -> None:
+        """No ``deadline_ts`` may be more than ``max_deadline_s`` ahead: a paused participant always
+        comes back (by its lease) within a bounded time."""
+        ahead = deadline_ts - self.clock.now()
+        if ahead > self.max_deadline_s:
+            raise InvalidRequest(f"deadline_ts is {ahead:.0f} s ahead; at most {self.max_deadline_s:.0f} s "
+                                 "(checkpoint.max_deadline_seconds) is allowed")
 
     def _check_deadline(self, deadline_ts: float) -> None:
         late = self.clock.now() - deadline_ts
@@ -439,11 +491,13 @@ class Participant:
         self.phase = advance(self.phase, Op.RESUME)
         self.signal.notify()
 
-    def _fence(self, checkpoint_id: str) -> None:
-        self._fenced[checkpoint_id] = None
-        self._fenced.move_to_end(checkpoint_id)
-        while len(self._fenced) > REMEMBERED_IDS:
-            self._fenced.popitem(last=False)
+    def _fence(self, checkpoint_id: str, *, opened: bool = True) -> None:
+        """Fence an id: opened ones and ones only named by a resume are remembered apart (64 each)."""
+        fences = self._fenced if opened else self._fenced_unopened
+        fences[checkpoint_id] = None
+        fences.move_to_end(checkpoint_id)
+        while len(fences) > REMEMBERED_IDS:
+            fences.popitem(last=False)
 
     # ---- jobs -------------------------------------------------------------------------------
 
@@ -491,4 +545,4 @@ def _check_committable(readiness: Readiness, scope: Scope | None) -> None:
         restarts = {episode.capture_key for episode in scope} & set(readiness.restarts)
         if restarts:
             listed = sorted(restarts)[:10]
-            raise InvalidCheckpointState(f"restart episodes cannot be in a commit scope: {listed}")
+            raise RestartInScope(f"restart episodes cannot be in a commit scope: {listed}")

@@ -1,11 +1,15 @@
-"""The commit's work: one export task feeding one write task (docs/protocol.md sections 4 and 6).
+"""The commit's work: capture the records in memory, then write them in one go (docs/protocol.md
+sections 4 and 6).
 
-The export task iterates the adapter's records (keeping those in scope), encodes them and hands
-batches of about 1 MB to the write task through a bounded queue; the write task appends each
-batch in a worker thread (hashing and counting) and finally seals the records and links the
-manifest. Either failing stops the other; a failure that is not a protocol error is a bug and
-propagates as such. ``cancel_export`` stops the export at once (a resume must not let it read the
-adapter's state again).
+The capture runs on the event loop and only collects: it iterates the adapter's records (keeping
+those in scope) into one list. A record the adapter hands back unchanged (a ``Record`` it kept) costs
+nothing here; a new one is encoded once (``Record.from_data``: orjson, and a byte search for token
+arrays). The write then runs in one worker thread, once: references to what the previous committed
+checkpoint already holds (``incremental``), the other records inline, hashed and written in chunks
+of about 4 MiB, then the records sealed and the manifest linked. One thread hand-off per commit,
+whatever the number of records. ``cancel_export`` stops the capture at once (a resume must not let
+it read the adapter's state again); a write already in its thread stops at its next chunk through
+the store's ``StopSignal``. A failure that is not a protocol error is a bug and propagates as such.
 """
 
 from __future__ import annotations
@@ -13,20 +17,16 @@ from __future__ import annotations
 import asyncio
 
 from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter
+from nemo_gym_ckpt.checkpoint.incremental import refuse_reserved
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import Manifest, RecordWriter
 from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
-from nemo_gym_ckpt.errors import GymError
 
-__all__ = ["BATCH_BYTES", "QUEUED_BATCHES", "ExportPipeline"]
-
-BATCH_BYTES = 1 << 20
-QUEUED_BATCHES = 4
-Batches = asyncio.Queue[list[bytes] | None]
+__all__ = ["ExportPipeline"]
 
 
 class ExportPipeline:
-    """Export and write of one checkpoint, run once."""
+    """Capture and write of one checkpoint, run once."""
 
     def __init__(
         self, adapter: ParticipantAdapter, scope: Scope | None, telemetry: Telemetry, checkpoint_id: str
@@ -37,7 +37,7 @@ class ExportPipeline:
             telemetry,
             checkpoint_id,
         )
-        self._export: asyncio.Task[list[str]] | None = None
+        self._export: asyncio.Task[list[Record]] | None = None
 
     def cancel_export(self) -> None:
         if self._export is not None:
@@ -45,49 +45,29 @@ class ExportPipeline:
 
     async def run(self, writer: RecordWriter, kind: str, instance: str) -> tuple[Manifest, list[str]]:
         """The manifest written and the capture keys exported; on failure the writer is aborted."""
-        queue: Batches = asyncio.Queue(QUEUED_BATCHES)
         finished = False
         try:
-            async with asyncio.TaskGroup() as group:
-                export = self._export = group.create_task(self._produce(queue))
-                write = group.create_task(self._consume(queue, writer, kind, instance))
+            self._export = asyncio.ensure_future(self._capture())
+            records = await self._export
+            manifest = await asyncio.to_thread(self._write, writer, records, kind, instance)
             finished = True
-        except ExceptionGroup as failure:
-            raise _first_gym_error(failure) from None
         finally:
             if not finished:
                 await asyncio.to_thread(writer.abort)
-        return write.result(), export.result()
+        return manifest, list(dict.fromkeys(record.episode.capture_key for record in records))
 
-    async def _produce(self, queue: Batches) -> list[str]:
+    async def _capture(self) -> list[Record]:
         with self.telemetry.span("export", **{ATTR.ID: self.checkpoint_id}) as span:
-            keys: dict[str, None] = {}
-            batch: list[bytes] = []
-            size = 0
+            records = []
             async for item in self.adapter.export(self.scope):
                 record = item if isinstance(item, Record) else Record.from_data(item)
                 if self.scope is not None and record.episode not in self.scope:
                     continue
-                keys.setdefault(record.episode.capture_key)
-                batch.append(record.raw)
-                size += len(record.raw)
-                if size >= BATCH_BYTES:
-                    await queue.put(batch)
-                    batch, size = [], 0
-            await queue.put(batch)
-            await queue.put(None)
-            span.set_attribute(ATTR.RECORDS, len(keys))
-            return list(keys)
+                refuse_reserved(record)
+                records.append(record)
+            span.set_attribute(ATTR.RECORDS, len({record.episode for record in records}))
+            return records
 
-    async def _consume(self, queue: Batches, writer: RecordWriter, kind: str, instance: str) -> Manifest:
-        while (batch := await queue.get()) is not None:
-            await asyncio.to_thread(writer.write_lines, batch)
-        return await asyncio.to_thread(writer.finish, kind, instance, self.checkpoint_id)
-
-
-def _first_gym_error(group: ExceptionGroup[Exception]) -> Exception:
-    """The first protocol error of a failed task group; the group itself if it holds only bugs."""
-    matched: BaseException | None = group.subgroup(lambda error: isinstance(error, GymError))
-    while isinstance(matched, BaseExceptionGroup):
-        matched = matched.exceptions[0]
-    return matched if isinstance(matched, Exception) else group
+    def _write(self, writer: RecordWriter, records: list[Record], kind: str, instance: str) -> Manifest:
+        writer.write_records(records)
+        return writer.finish(kind, instance, self.checkpoint_id)

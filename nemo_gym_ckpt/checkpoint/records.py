@@ -4,7 +4,9 @@ Every record names its episode in ``episode_id: {rollout_id, attempt}``; that is
 restore keeps only the records in its scope. A ``Record`` keeps the exact bytes it was read from,
 so content restored and not changed is exported again byte for byte (an adapter yields the same
 ``Record`` back). Token arrays never appear in records: a record carrying one of
-``TOKEN_ARRAY_KEYS`` is refused when it is encoded.
+``TOKEN_ARRAY_KEYS`` is refused when it is encoded or read. The check looks at the bytes first
+(``_may_hold_token_arrays``): only a record whose bytes could hold such a key is walked, so the
+common record costs a few substring searches instead of a walk over every value.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ Scope = frozenset[RolloutIdentity]
 
 TOKEN_ARRAY_KEYS = RECORD_FORBIDDEN_KEYS
 _TOKEN_KEYS = frozenset(TOKEN_ARRAY_KEYS)
+_KEY_MARKS = tuple(f'{key}"'.encode() for key in TOKEN_ARRAY_KEYS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +46,8 @@ class Record:
             episode = episode_of(data)
         except (TypeError, GymError) as error:
             raise InternalError(f"adapter exported an unusable record: {error}") from error
-        _refuse_token_arrays(data, InternalError)
+        if _may_hold_token_arrays(raw):
+            _refuse_token_arrays(data, InternalError)
         return cls(raw, data if isinstance(data, dict) else dict(data), episode)
 
     @classmethod
@@ -55,7 +59,8 @@ class Record:
             raise InvalidCheckpointState(f"a record is not valid JSON: {error}") from None
         if not isinstance(data, dict):
             raise InvalidCheckpointState("a record is not a JSON object")
-        _refuse_token_arrays(data, InvalidCheckpointState)
+        if _may_hold_token_arrays(raw):
+            _refuse_token_arrays(data, InvalidCheckpointState)
         try:
             return cls(raw, data, episode_of(data))
         except GymError as error:
@@ -75,6 +80,15 @@ def episode_of(data: Mapping[str, Any]) -> RolloutIdentity:
 
 def scope_of(episodes: list[RolloutIdentity] | None) -> Scope | None:
     return None if episodes is None else frozenset(episodes)
+
+
+def _may_hold_token_arrays(raw: bytes) -> bool:
+    """Whether JSON bytes may hold a forbidden key; ``False`` proves they hold none.
+
+    A key is written ``"name"`` (then optional whitespace and ``:``), so its bytes hold ``name"``;
+    inside a string every quote is escaped (``\\"``), so string text never does. Only a ``\\u``
+    escape could spell a key otherwise (orjson writes none in keys; a file read back may)."""
+    return b"\\u" in raw or any(mark in raw for mark in _KEY_MARKS)
 
 
 def _refuse_token_arrays(data: Any, error: type[GymError]) -> None:

@@ -25,7 +25,7 @@ from nemo_gym_ckpt.checkpoint.models import (
 )
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.errors import PayloadTooLarge, Unauthorized
-from nemo_gym_ckpt.server import OrjsonResponse
+from nemo_gym_ckpt.server import OrjsonResponse, declare_body
 
 __all__ = ["CONTROL_PREFIX", "MAX_BODY_BYTES", "make_router"]
 
@@ -57,7 +57,8 @@ def make_router(participant: Participant, auth_token: str) -> APIRouter:
         ("forget", ForgetRequest, participant.forget),
     ]
     for name, model, operation in routes:
-        router.add_api_route(f"/{name}", _post(authorize, model, operation), methods=["POST"], name=name)
+        router.add_api_route(f"/{name}", _post(authorize, model, operation), methods=["POST"], name=name,
+                             openapi_extra=declare_body(model))
     return router
 
 

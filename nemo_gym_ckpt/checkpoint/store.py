@@ -12,8 +12,11 @@ Write, per participant, under ``<checkpoint_dir>/gym/<kind>/<instance>/``:
 The link is the commit point. It runs under a ``StopSignal``: a checkpoint resumed before that
 point never gets a manifest. Read streams the records file once, checking the manifest's digest
 and count and keeping only the records in scope; any inconsistency is ``InvalidCheckpointState``.
-``checkpoint_dir`` must resolve inside the store's root (no ``..``, no symlink escape); like any path,
-a relative one resolves against the process's working directory.
+Reads are bounded before they happen: files are opened only when they are regular files
+(``FileOps.open_read``), a records file larger than its manifest's ``record_count`` lines of at most
+``max_record_bytes`` each is refused before its first byte is read, every line is read with that
+bound, and nothing past the manifest's count is read. With a root, ``checkpoint_dir`` must resolve
+inside it (no ``..``, no symlink escape); without one (``root=None``) any absolute path is accepted.
 """
 
 from __future__ import annotations
@@ -27,11 +30,20 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePath
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import orjson
 
-from nemo_gym_ckpt.checkpoint.fileops import FileOps
+from nemo_gym_ckpt.checkpoint.fileops import FileOps, file_size
+from nemo_gym_ckpt.checkpoint.incremental import (
+    BaseIndex,
+    IndexBuilder,
+    index_inline,
+    link_files,
+    plan,
+    reference_line,
+    resolve,
+)
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.errors import (
     CheckpointConflict,
@@ -42,6 +54,7 @@ from nemo_gym_ckpt.errors import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_RECORD_BYTES",
     "MANIFEST_NAME",
     "SCHEMA_VERSION",
     "CheckpointStore",
@@ -50,13 +63,16 @@ __all__ = [
     "RecordWriter",
     "StopSignal",
     "WriteStopped",
+    "read_bounded_lines",
     "write_errors",
 ]
 
 T = TypeVar("T")
+CHUNK_BYTES = 4 << 20
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024
+DEFAULT_MAX_RECORD_BYTES = 64 * 1024 * 1024
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -150,7 +166,12 @@ class ReadResult:
 
 
 class RecordWriter:
-    """One participant's write of one checkpoint; its methods run in a worker thread, in order."""
+    """One participant's write of one checkpoint; its methods run in a worker thread, in order.
+
+    ``base`` (set by the store) is the previous committed checkpoint: ``write_records`` references
+    what did not change since (``incremental``). Once the manifest is linked, ``on_commit`` gets the
+    index of this checkpoint, the base of the next one.
+    """
 
     def __init__(self, ops: FileOps, directory: Path, stop: StopSignal) -> None:
         self._ops = ops
@@ -160,8 +181,40 @@ class RecordWriter:
         self._hash = hashlib.sha256()
         self.count = 0
         self.bytes = 0
+        self.referenced = 0
+        self.linked: list[str] = []
         self._fd: int | None = None
         self._temps: list[Path] = []
+        self.base: BaseIndex | None = None
+        self.on_commit: Callable[[BaseIndex], None] | None = None
+        self._index = IndexBuilder(directory)
+
+    def write_records(self, records: Sequence[Record]) -> None:
+        """Write every record of this commit: inline, or as a reference into a linked base file
+        (docs/protocol.md section 6.1), in chunks of about 4 MiB."""
+        base = self.base
+        decided = plan(records, base)
+        if base is not None and decided.links:
+            with self._lock, write_errors(self.directory):
+                self._stop.check()
+                linked = link_files(self._ops, base.directory, base.sizes, decided.links, self.directory)
+            self.linked = sorted(linked)
+        chunk: list[bytes] = []
+        size = 0
+        for record, where in zip(records, decided.references, strict=True):
+            if where is not None and base is not None and where.records_file in self.linked:
+                line = reference_line(record, where)
+                self._index.referenced(record.raw, where, base.sizes[where.records_file])
+                self.referenced += 1
+            else:
+                line = record.raw
+                self._index.inline(line)
+            chunk.append(line)
+            size += len(line) + 1
+            if size >= CHUNK_BYTES:
+                self.write_lines(chunk)
+                chunk, size = [], 0
+        self.write_lines(chunk)
 
     def start(self) -> None:
         with self._lock, write_errors(self.directory):
@@ -197,7 +250,9 @@ class RecordWriter:
             _quietly(self._ops.unlink, temp)  # a leftover temporary file is harmless; the link counts
             self._temps.remove(temp)
             self._ops.fsync_dir(self.directory)
-            return manifest
+        if self.on_commit is not None:
+            self.on_commit(self._index.finish(manifest.records_file, self.bytes))
+        return manifest
 
     def abort(self) -> None:
         """Close and remove the temporary files (never a renamed records file or a manifest)."""
@@ -239,28 +294,43 @@ class RecordWriter:
 
 
 class CheckpointStore:
-    """Writes and reads participant checkpoints under ``root`` (the configured checkpoint root)."""
+    """Writes and reads participant checkpoints under ``root`` (the configured checkpoint root, or
+    ``None``: then any absolute ``checkpoint_dir``)."""
 
-    def __init__(self, root: Path, ops: FileOps | None = None) -> None:
-        self.root = Path(root)
+    def __init__(
+        self, root: Path | None, ops: FileOps | None = None, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    ) -> None:
+        self.root = None if root is None else Path(root)
         self.ops = ops or FileOps()
+        self.max_record_bytes = max_record_bytes
+        self.base: BaseIndex | None = None  # the previous committed (or restored-from) checkpoint
+
+    def remember(self, index: BaseIndex) -> None:
+        """The checkpoint just committed (or restored from) is the base of the next commit."""
+        self.base = index
 
     def locate(self, checkpoint_dir: str) -> Path:
         """The resolved ``checkpoint_dir``, confined to the root (a relative path resolves against the
-        working directory, as any path does: controllers should send absolute paths)."""
+        working directory, as any path does: controllers should send absolute paths). Without a
+        root, the path must be absolute."""
         return _confine(self.root, checkpoint_dir)
 
     def instance_dir(self, checkpoint_dir: Path, kind: str, instance: str) -> Path:
         return checkpoint_dir / "gym" / kind / instance
 
-    def open_writer(self, checkpoint_dir: Path, kind: str, instance: str, stop: StopSignal) -> RecordWriter:
-        """Create the instance directory (durably) and start a writer in it."""
+    def open_writer(
+        self, checkpoint_dir: Path, kind: str, instance: str, stop: StopSignal, *, incremental: bool = True
+    ) -> RecordWriter:
+        """Create the instance directory (durably) and start a writer in it; with ``incremental``
+        it references what did not change since the previous committed checkpoint."""
         directory = self.instance_dir(checkpoint_dir, kind, instance)
         _check_inside(self.root, directory)  # before creating anything: no symlink leads out
         with write_errors(directory):
             self._makedirs(directory)
         _check_inside(self.root, directory)
         writer = self.new_writer(directory, stop)
+        writer.base = self.base if incremental and self.base is not None and self.base.directory != directory else None
+        writer.on_commit = self.remember
         writer.start()
         return writer
 
@@ -277,6 +347,8 @@ class CheckpointStore:
             raise InvalidCheckpointState(f"manifest is for {manifest.kind}/{manifest.instance}, "
                                          f"expected {kind}/{instance}")
         records, size = self._read_records(directory / manifest.records_file, manifest, scope)
+        records, index = resolve(self.ops, directory, records, manifest.records_file)
+        self.remember(index_inline(index, records, manifest.records_file, size))
         return ReadResult(manifest, records, size)
 
     def _read_manifest(self, directory: Path) -> Manifest:
@@ -292,7 +364,8 @@ class CheckpointStore:
         digest, count, size, kept = hashlib.sha256(), 0, 0, []
         try:
             with self.ops.open_read(path) as file:
-                for line in file:
+                _check_records_size(file_size(file), manifest, self.max_record_bytes, path.name)
+                for line in read_bounded_lines(file, manifest.record_count, self.max_record_bytes, path.name):
                     digest.update(line)
                     count, size = count + 1, size + len(line)
                     record = _parse_line(line, count)
@@ -319,6 +392,33 @@ class CheckpointStore:
             self.ops.fsync_dir(path.parent)
 
 
+def _check_records_size(size: int, manifest: Manifest, max_record_bytes: int, name: str) -> None:
+    """Refuse, before reading it, a records file longer than its manifest allows."""
+    allowed = manifest.record_count * (max_record_bytes + 1)
+    if size > allowed:
+        raise InvalidCheckpointState(f"records {name} hold {size} bytes, more than {manifest.record_count} "
+                                     f"records of at most {max_record_bytes} bytes each (the bound)")
+
+
+def read_bounded_lines(file: BinaryIO, max_lines: int | None, max_line_bytes: int, name: str) -> Iterator[bytes]:
+    """The lines of ``file`` (each with its newline, the last maybe without), each read with the
+    bound ``max_line_bytes`` (without its newline): a longer line is ``InvalidCheckpointState`` once
+    ``max_line_bytes + 1`` of its bytes are in memory, never more. After ``max_lines`` lines (when
+    given) one more byte is looked at: a file going on is refused there, unread."""
+    number = 0
+    while max_lines is None or number < max_lines:
+        line = file.readline(max_line_bytes + 2)
+        if not line:
+            return
+        number += 1
+        body = len(line) - 1 if line.endswith(b"\n") else len(line)
+        if body > max_line_bytes:
+            raise InvalidCheckpointState(f"{name}: line {number} is longer than the bound of {max_line_bytes} bytes")
+        yield line
+    if file.read(1):
+        raise InvalidCheckpointState(f"{name} goes on past the {max_lines} lines its manifest counts")
+
+
 def _parse_line(line: bytes, number: int) -> Record:
     if not line.endswith(b"\n"):
         raise InvalidCheckpointState(f"record {number} is truncated (no newline)")
@@ -333,15 +433,19 @@ def _read_manifest_bytes(ops: FileOps, path: Path) -> bytes:
     return content
 
 
-def _confine(root: Path, checkpoint_dir: str) -> Path:
+def _confine(root: Path | None, checkpoint_dir: str) -> Path:
     if not checkpoint_dir or "\x00" in checkpoint_dir:
         raise InvalidRequest("checkpoint_dir must be a non-empty path")
     if ".." in PurePath(checkpoint_dir).parts:
         raise InvalidRequest(f"checkpoint_dir {checkpoint_dir!r} must not contain '..'")
+    if root is None and not PurePath(checkpoint_dir).is_absolute():
+        raise InvalidRequest(f"checkpoint_dir {checkpoint_dir!r} must be an absolute path")
     return _check_inside(root, Path(checkpoint_dir))
 
 
-def _check_inside(root: Path, path: Path) -> Path:
+def _check_inside(root: Path | None, path: Path) -> Path:
+    if root is None:
+        return path.resolve()
     resolved_root, resolved = root.resolve(), path.resolve()
     if resolved == resolved_root or not resolved.is_relative_to(resolved_root):
         raise InvalidRequest(f"checkpoint_dir must resolve inside the checkpoint root {resolved_root}")

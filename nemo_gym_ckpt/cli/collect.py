@@ -12,11 +12,20 @@ through ``GET {head}/servers``. The environment server is the config's (or the h
 (relative paths are tried against the working directory, then the project root).
 
 Each task row is dispatched ``--num-repeats`` times as ``POST {environment}/ng-rollout/<key>/run``
-with rollout id ``"{task_index}-{rollout_index}"``, at most ``--concurrency`` at a time. Finished
-rows are appended to the output as they come (``rollouts.py``); failures go to
-``<output>_failures.jsonl`` with their reason. Rollouts already in the output are never run again; a
-run with nothing left exits 0 at once and starts nothing. At the end the mean reward and the mean of
-every numeric field the rollouts added are printed and written to ``<output>_aggregate_metrics.json``.
+with rollout id ``"{task_index}-{rollout_index}"``, at most ``--concurrency`` at a time, its body
+the row as NeMo Gym's collector sends it (``agent_ref``, ``_ng_task_index``, ``_ng_rollout_index``,
+``_ng_attempt_index`` from attempt 1 on). Files are NeMo Gym's (``collect/rows.py``): every
+dispatched row in ``<output>_materialized_inputs.jsonl`` before the first ``/run``, finished rows
+appended to the output as they come, failures in ``<output>_failures.jsonl`` with NeMo Gym's
+failure fields, and at the end ``<output>_aggregate_metrics.json`` in its ``AggregateMetrics``
+shape. Rollouts already in the output are never run again; a run with nothing left exits 0 at once
+and starts nothing. The mean reward and the mean of every numeric field the rollouts added are
+printed.
+
+Exit status: 0 only when every rollout has its row; 1 with one line naming how many failed and why
+(their error codes) when some did; the finished rows are kept and a run with the same arguments
+dispatches the rest. With a launched mesh, a server process that exits during the collection stops
+it: the mesh is stopped and the line names the server and its exit status (exit 1).
 
 With ``--checkpoint-dir DIR`` the collector is the mesh's checkpoint controller
 (``collection_control``; files: ``collection_checkpoint``). A mesh it launches gets
@@ -53,7 +62,7 @@ import httpx
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
 from nemo_gym_ckpt.cli.exit_codes import ExitCode, exit_code_for
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings
-from nemo_gym_ckpt.collect.dispatch import CollectionStartFailed, Plan, Summary, done_keys, run_plan
+from nemo_gym_ckpt.collect.dispatch import CollectionStartFailed, Plan, Summary, Watch, done_keys, run_plan
 from nemo_gym_ckpt.collect.published import (
     RunIdentity,
     check_same_run,
@@ -61,10 +70,10 @@ from nemo_gym_ckpt.collect.published import (
     find_latest,
     input_digest,
 )
-from nemo_gym_ckpt.collect.rows import failures_path, metrics_path
+from nemo_gym_ckpt.collect.rows import failures_path, materialized_path, metrics_path
 from nemo_gym_ckpt.collect.tasks import default_input, read_tasks, resolve_input
 from nemo_gym_ckpt.collect.triggers import Triggers, hold_signals
-from nemo_gym_ckpt.config import TOKEN_ENV, MeshConfig, load_config
+from nemo_gym_ckpt.config import TOKEN_ENV, MeshConfig, ServerConfig, ServerRef, load_config
 from nemo_gym_ckpt.errors import CollectFailed, UsageError
 from nemo_gym_ckpt.launch.launcher import LaunchError, MeshLauncher, StopRequested
 
@@ -147,18 +156,35 @@ def head_servers(head: str) -> list[dict[str, str]]:
     return [entry for entry in servers if isinstance(entry, dict)]
 
 
-def build_plan(args: argparse.Namespace, mesh: MeshConfig | None, urls: dict[str, str]) -> Plan:
-    """The plan, given the config (if any) and the environment servers' URLs by name."""
-    environment = pick_environment(sorted(urls), args.environment)
+@dataclass(frozen=True)
+class EnvironmentServer:
+    """What the collector knows of one environment server: where it is and what its rows are stamped with."""
+
+    url: str
+    implementation: str | None = None
+    agent_ref: dict[str, str] | None = None
+
+
+def build_plan(args: argparse.Namespace, mesh: MeshConfig | None, servers: dict[str, EnvironmentServer]) -> Plan:
+    """The plan, given the config (if any) and the environment servers by name."""
+    environment = pick_environment(sorted(servers), args.environment)
+    server = servers[environment]
     source = resolve_input(args.input if args.input is not None else default_input(mesh, environment))
     return Plan(
-        environment, urls[environment], read_tasks(source, args.limit), args.output,
-        args.num_repeats, args.concurrency, args.rollout_timeout_s,
+        environment, server.url, read_tasks(source, args.limit), args.output,
+        args.num_repeats, args.concurrency, args.rollout_timeout_s, server.implementation, server.agent_ref,
     )
 
 
-def environment_urls(mesh: MeshConfig) -> dict[str, str]:
-    return {inst.name: inst.url for inst in mesh.of_type(ENVIRONMENT_TYPE)}
+def agent_ref_of(settings: ServerConfig) -> dict[str, str] | None:
+    """The ``{type, name}`` of the agent an environment server's settings name, if they name one."""
+    ref = getattr(settings, "agent", None)
+    return {"type": ref.type, "name": ref.name} if isinstance(ref, ServerRef) else None
+
+
+def environment_servers(mesh: MeshConfig) -> dict[str, EnvironmentServer]:
+    return {inst.name: EnvironmentServer(inst.url, inst.implementation, agent_ref_of(inst.settings))
+            for inst in mesh.of_type(ENVIRONMENT_TYPE)}
 
 
 def nothing_left(plan: Plan) -> bool:
@@ -201,6 +227,8 @@ def checkpoint_overrides(mesh: MeshConfig, directory: Path) -> list[str]:
     """What a launched mesh needs to checkpoint into ``directory`` (nothing when its config does)."""
     block = mesh.checkpoint
     if block.enabled:
+        if block.root is None:  # no root: any absolute directory is accepted
+            return []
         root = block.root.absolute().resolve()
         if not directory.resolve().is_relative_to(root) or directory.resolve() == root:
             raise UsageError(f"--checkpoint-dir {directory} is not inside the config's "
@@ -247,34 +275,49 @@ def _report(plan: Plan, summary: Summary) -> None:
         print(f"mean reward {reward:.4f} over {count} rollouts in {plan.output}")
     for name, mean in metrics.get("means", {}).items():
         print(f"  {name}: {mean:.4g}")
-    wrote = [plan.output, metrics_path(plan.output)]
+    wrote = [plan.output, materialized_path(plan.output), metrics_path(plan.output)]
     wrote += [failures_path(plan.output)] if summary.failed else []
     print("wrote " + ", ".join(str(path) for path in wrote))
 
 
-def _exit_status(summary: Summary) -> ExitCode:
-    if summary.stopped_by is not None:
-        left = summary.planned - summary.skipped - summary.finished - summary.failed
+def _exit_status(plan: Plan, summary: Summary) -> ExitCode:
+    """0 only when every rollout of the plan has its row; else 1 (or 75, 130) with one line saying why."""
+    left = summary.planned - summary.skipped - summary.finished - summary.failed
+    rerun = "run again with the same arguments to continue"
+    if summary.stopped_by in ("SIGTERM", "SIGINT"):
         if summary.stopped_by == "SIGTERM" and summary.stop_checkpointed:
-            print(f"{PROG}: checkpointed and stopped by SIGTERM; {left} rollouts left: run again with the "
-                  "same arguments to continue", file=sys.stderr)
+            print(f"{PROG}: checkpointed and stopped by SIGTERM; {left} rollouts left: {rerun}", file=sys.stderr)
             return ExitCode.CHECKPOINTED
         print(f"{PROG}: stopped by {summary.stopped_by}; {left} rollouts not run", file=sys.stderr)
         return ExitCode.INTERRUPTED if summary.stopped_by == "SIGINT" else ExitCode.FAILURE
-    if summary.failed and not summary.finished:
-        print(f"{PROG}: every rollout failed; reasons in the failures file", file=sys.stderr)
+    if summary.stopped_by is not None:  # a server of the mesh exited
+        failed = f", {_failures_line(summary)}" if summary.failed else ""
+        print(f"{PROG}: {summary.stopped_by} during the collection: stopped the mesh; {left} rollouts not run"
+              f"{failed}; the {summary.finished} finished ones are kept in {plan.output}: {rerun}", file=sys.stderr)
+        return ExitCode.FAILURE
+    if summary.failed:
+        print(f"{PROG}: {_failures_line(summary)}; the {summary.finished} finished ones are kept in {plan.output}: "
+              f"run again with the same arguments to retry the failed ones (reasons in "
+              f"{failures_path(plan.output)})", file=sys.stderr)
         return ExitCode.FAILURE
     return ExitCode.OK
 
 
+def _failures_line(summary: Summary) -> str:
+    ran = summary.finished + summary.failed
+    codes = ", ".join(f"{count} {code}" for code, count in summary.failure_codes.most_common())
+    return f"{summary.failed} of {ran} rollouts failed ({codes})"
+
+
 async def _collect(
-    plan: Plan, head_url: str | None, checkpoint: CheckpointSetup | None, triggers: Triggers | None
+    plan: Plan, head_url: str | None, checkpoint: CheckpointSetup | None, triggers: Triggers | None,
+    watch: Watch | None,
 ) -> Summary:
     if checkpoint is None or head_url is None:
-        return await run_plan(plan)
+        return await run_plan(plan, watch=watch)
     control = checkpoint.control(head_url)
     try:
-        return await run_plan(plan, control=control, triggers=triggers or checkpoint.triggers())
+        return await run_plan(plan, control=control, triggers=triggers or checkpoint.triggers(), watch=watch)
     finally:
         control.close()
         await control.coordinator.aclose()
@@ -282,16 +325,16 @@ async def _collect(
 
 def _collect_and_report(
     plan: Plan, head_url: str | None = None, checkpoint: CheckpointSetup | None = None,
-    triggers: Triggers | None = None,
+    triggers: Triggers | None = None, watch: Watch | None = None,
 ) -> ExitCode:
     print(f"collecting {len(plan.rollouts())} rollouts of {len(plan.tasks)} tasks on {plan.environment} "
           f"({plan.environment_url}), concurrency {plan.concurrency}", file=sys.stderr)
     try:
-        summary = asyncio.run(_collect(plan, head_url, checkpoint, triggers))
+        summary = asyncio.run(_collect(plan, head_url, checkpoint, triggers, watch))
     except CollectionStartFailed as error:
         raise CollectFailed(f"cannot restore and fence before dispatching: {error}") from None
     _report(plan, summary)
-    return _exit_status(summary)
+    return _exit_status(plan, summary)
 
 
 class _LogFile:
@@ -318,14 +361,14 @@ def _launch_setup(args: argparse.Namespace, mesh: MeshConfig) -> tuple[MeshConfi
         return mesh, None
     directory = args.checkpoint_dir.absolute()
     mesh = load_config(args.config, [*args.overrides, *checkpoint_overrides(mesh, directory)])
-    plan = build_plan(args, mesh, environment_urls(mesh))
+    plan = build_plan(args, mesh, environment_servers(mesh))
     setup = CheckpointSetup(directory, _token_of(mesh), run_identity(mesh.raw, plan),
                             args.checkpoint_every_s, args.checkpoint_timeout_s)
     return mesh, setup
 
 
 def _with_launched_mesh(args: argparse.Namespace, mesh: MeshConfig) -> ExitCode:
-    plan = build_plan(args, mesh, environment_urls(mesh))  # fail on usage before starting anything
+    plan = build_plan(args, mesh, environment_servers(mesh))  # fail on usage before starting anything
     mesh, checkpoint = _launch_setup(args, mesh)
     if checkpoint is not None:
         checkpoint.check_latest()
@@ -339,8 +382,8 @@ def _with_launched_mesh(args: argparse.Namespace, mesh: MeshConfig) -> ExitCode:
         if status is not None:
             return status
         print(f"mesh up, head server {launcher.head_url}; server logs in {log.path}", file=sys.stderr)
-        plan = build_plan(args, mesh, environment_urls(launcher.mesh))
-        return _collect_and_report(plan, launcher.head_url, checkpoint, triggers)
+        plan = build_plan(args, mesh, environment_servers(launcher.mesh))
+        return _collect_and_report(plan, launcher.head_url, checkpoint, triggers, launcher.exited)
 
 
 def _start(
@@ -379,8 +422,13 @@ def _stop_on_signals(launcher: MeshLauncher, stopped_by: list[str]) -> Iterator[
 
 def _with_head(args: argparse.Namespace, mesh: MeshConfig | None) -> ExitCode:
     servers = head_servers(args.head)
-    urls = {entry["name"]: entry["url"] for entry in servers if entry.get("type") == ENVIRONMENT_TYPE}
-    plan = build_plan(args, mesh, urls)
+    known = environment_servers(mesh) if mesh is not None else {}
+    environments = {
+        entry["name"]: EnvironmentServer(entry["url"], entry.get("implementation"),
+                                         known[entry["name"]].agent_ref if entry["name"] in known else None)
+        for entry in servers if entry.get("type") == ENVIRONMENT_TYPE
+    }
+    plan = build_plan(args, mesh, environments)
     checkpoint = None
     if args.checkpoint_dir is not None:
         listing = [{k: v for k, v in entry.items() if k != "url"} for entry in servers]

@@ -17,7 +17,9 @@ from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.launch.child import PARENT_ENV, SERVE_MODULE, build_app, exit_orphaned, load_mesh, watch_parent
 
-__all__ = ["main"]
+__all__ = ["SERVER_KEEPALIVE_S", "main"]
+
+SERVER_KEEPALIVE_S = 60
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,10 @@ def main(argv: list[str] | None = None) -> None:
         http="httptools",
         log_level="warning",
         timeout_graceful_shutdown=5,
+        # The mesh client drops an idle pooled connection after KEEPALIVE_S (2 s); a server that
+        # closed idle ones after uvicorn's 5 s left a starved client (an event loop seconds late on
+        # 2 busy cores) reusing connections already closed: the scale bench lost rollouts that way.
+        timeout_keep_alive=SERVER_KEEPALIVE_S,
     )
 
 

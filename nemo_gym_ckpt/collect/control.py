@@ -199,14 +199,15 @@ class CollectionControl:
     # ---- checkpoints --------------------------------------------------------------------------
 
     async def checkpoint(
-        self, in_flight: Callable[[], list[RolloutIdentity]], rows_done: Callable[[], int]
+        self, in_flight: Callable[[], list[RolloutIdentity]], rows_done: Callable[[], int], *, stop: bool = False
     ) -> Published | None:
-        """Take, publish and resume one checkpoint; ``None`` (logged) if it was not published."""
+        """Take, publish and resume one checkpoint; ``None`` (logged) if it was not published. With
+        ``stop`` the commit tells the participants the mesh is stopped next."""
         checkpoint_id, deadline = new_checkpoint_id(), self._deadline()
         started = time.monotonic()
         resume = True
         try:
-            manifest = await self._take(checkpoint_id, deadline, in_flight, rows_done)
+            manifest = await self._take(checkpoint_id, deadline, in_flight, rows_done, stop)
             taken = None if manifest is None else Published(manifest, _elapsed_ms(started))
             if taken is not None and self.after_publish is not None:
                 resume = False
@@ -226,7 +227,7 @@ class CollectionControl:
 
     async def _take(
         self, checkpoint_id: str, deadline: float, in_flight: Callable[[], list[RolloutIdentity]],
-        rows_done: Callable[[], int],
+        rows_done: Callable[[], int], stop: bool = False,
     ) -> CollectionManifest | None:
         started = time.monotonic()
         try:
@@ -242,7 +243,7 @@ class CollectionControl:
             scope = prepared.continued(episodes)
             committed = await self.coordinator.commit(
                 checkpoint_id, deadline_ts=deadline, checkpoint_dir=str(self.directory / checkpoint_id),
-                episode_ids=scope)
+                episode_ids=scope, stop=stop)
             stats = {"prepare_ms": prepare_ms, "commit_ms": round(_elapsed_ms(started) - prepare_ms, 1)}
             manifest = self._manifest(checkpoint_id, scope, episodes, rows_done(), committed, stats)
             publish(self.directory, manifest)

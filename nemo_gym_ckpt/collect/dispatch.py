@@ -1,10 +1,16 @@
 """One collection run: rollouts dispatched at bounded concurrency, rows written, checkpoints taken.
 
-``run_plan(plan, client, stream, control=..., triggers=...)`` collects every rollout of the plan not
-yet in its output. Each is one ``POST {environment}/ng-rollout/<capture key>/run`` of its task row
-with NeMo Gym's ``_ng_task_index`` and ``_ng_rollout_index`` added, as NeMo Gym's collector sends
-them (a grouped verifier such as genrm_compare finds its cohort by them);
-the reply becomes an output row (``rollouts.output_row``, with its attempt), an error a failure row.
+``run_plan(plan, client, stream, control=..., triggers=..., watch=...)`` collects every rollout of
+the plan not yet in its output. First every rollout of the plan is written, as dispatched, to
+``<output>_materialized_inputs.jsonl``. Each rollout is then one ``POST
+{environment}/ng-rollout/<capture key>/run`` of its dispatched row (``rows.dispatch_body``: the task
+row, ``agent_ref``, ``_ng_task_index``, ``_ng_rollout_index``, and ``_ng_attempt_index`` from attempt
+1 on, as NeMo Gym's collector sends it); the reply becomes an output row (``rows.output_row``), an
+error or a reply carrying ``_ng_failure_class`` a failure row (``rows.failure_row``). At the end the
+aggregate metrics file is written over every row of the output.
+
+``watch`` is polled while the rollouts run: when it answers a reason (the launcher's "a server
+exited"), the run stops as on SIGINT, with ``Summary.stopped_by`` set to that reason.
 
 Without ``control`` a rollout is dispatched as attempt 0 and SIGINT or SIGTERM cancels the run. With
 a ``CollectionControl`` (``collection_control``) the run begins with its restore and fencing (the
@@ -20,39 +26,51 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections import deque
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import httpx
 import orjson
 
-from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.client import MeshClient, raise_for_error
 from nemo_gym_ckpt.collect.control import CollectionControl, Published
 from nemo_gym_ckpt.collect.progress import Progress
+from nemo_gym_ckpt.collect.published import write_atomic
 from nemo_gym_ckpt.collect.rows import (
+    FAILURE_CLASS,
     JsonlAppender,
     RolloutKey,
-    aggregate,
+    RunFailure,
+    Stamps,
+    aggregate_entry,
+    dispatch_body,
+    dispatch_row,
     failure_row,
     failures_path,
+    materialized_path,
     metrics_path,
     output_row,
     read_jsonl,
     rollout_id,
     rollout_key,
+    summarize,
 )
 from nemo_gym_ckpt.collect.triggers import SIGTERM, STOP, Triggers, install_signals
-from nemo_gym_ckpt.errors import CollectionStartFailed, GymError, UpstreamError
+from nemo_gym_ckpt.errors import CollectionStartFailed, GymError, Overloaded, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["HOUSEKEEPING_TICK_S", "CollectionStartFailed", "Dispatcher", "HeldBack", "Plan", "Summary", "done_keys",
-           "run_plan"]
+__all__ = ["HOUSEKEEPING_TICK_S", "CollectionStartFailed", "Dispatcher", "HeldBack", "Plan", "Summary", "Watch",
+           "done_keys", "run_plan", "write_materialized"]
 
 HOUSEKEEPING_TICK_S = 1.0
+WATCH_TICK_S = 0.5
 Work = list[tuple[RolloutKey, RolloutIdentity]]
+Watch = Callable[[], str | None]
+"""Answers why the run must stop (a server exited), or None while it may go on."""
 
 
 @dataclass(frozen=True)
@@ -66,9 +84,21 @@ class Plan:
     num_repeats: int = 1
     concurrency: int = 8
     rollout_timeout_s: float = 3600.0
+    result_type: str | None = None
+    """The environment server's implementation (``_ng_result_type`` on every row)."""
+    agent_ref: Mapping[str, Any] | None = None
+    """The agent the environment server fronts (``agent_ref`` on rows whose task names none)."""
 
     def rollouts(self) -> list[RolloutKey]:
         return [(task, rollout) for task in range(len(self.tasks)) for rollout in range(self.num_repeats)]
+
+    @property
+    def stamps(self) -> Stamps:
+        return Stamps(self.environment, self.result_type, self.agent_ref)
+
+    def dispatched(self, key: RolloutKey) -> dict[str, Any]:
+        """The rollout's row as dispatched (its line of the materialized inputs)."""
+        return dispatch_row(self.tasks[key[0]], *key, self.stamps)
 
 
 def done_keys(output: Path) -> set[RolloutKey]:
@@ -90,8 +120,12 @@ class Summary:
     checkpoints: list[Published] = field(default_factory=list)
     continued: int = 0
     """Rollouts that went on from a restored checkpoint."""
+    refused: int = 0
+    """``/run`` calls refused up front (``capacity_exceeded``) and sent again after their ``Retry-After``."""
     stop_checkpointed: bool = False
     """After SIGTERM: whether the checkpoint before stopping was published."""
+    failure_codes: Counter[str] = field(default_factory=Counter)
+    """The failed rollouts of this run by error code (what the collector's exit line names)."""
 
 
 @dataclass(frozen=True)
@@ -156,36 +190,80 @@ class Dispatcher:
         if self.control is not None:
             self.control.dispatching(identity)
         self._in_flight[identity.capture_key] = identity
+        dispatched = self.plan.dispatched(key)
         try:
-            reply = await self._send(key, identity)
-        except GymError as error:
-            self._failed(key, identity, error)
+            reply = await self._send(dispatch_body(dispatched, identity.attempt), identity)
+        except _RunFailed as failed:
+            self._failed(identity, failure_row(failed.failure, dispatched, identity.attempt, self.plan.stamps),
+                         failed.failure.error.code)
             return
         finally:
             self._in_flight.pop(identity.capture_key, None)
-        self.sinks.rows.append(output_row(reply, *key, attempt=identity.attempt))
+        row = output_row(reply, dispatched, identity.attempt, self.plan.stamps)
+        if FAILURE_CLASS in reply:  # the environment reports the rollout failed, NeMo Gym's way
+            self._failed(identity, row, str(reply[FAILURE_CLASS]))
+            return
+        self.sinks.rows.append(row)
         self.summary.finished += 1
         if self.control is not None:
             self.control.finished(identity)
         reward = reply.get("reward")
         self.sinks.progress.advance(reward=float(reward) if isinstance(reward, int | float) else None)
 
-    async def _send(self, key: RolloutKey, identity: RolloutIdentity) -> dict[str, Any]:
-        body = {**self.plan.tasks[key[0]], "_ng_task_index": key[0], "_ng_rollout_index": key[1]}
-        reply = await self.client.post_json(f"{self.plan.environment_url}/run", json=body,
-                                            identity=identity, timeout_s=self.plan.rollout_timeout_s)
+    async def _send(self, body: dict[str, Any], identity: RolloutIdentity) -> dict[str, Any]:
+        """The environment's reply to one ``/run``; ``_RunFailed`` with what came back otherwise. A
+        refusal up front (``Overloaded``: nothing started) is sent again after its ``Retry-After``,
+        until the rollout's own timeout has passed."""
+        give_up = time.monotonic() + self.plan.rollout_timeout_s
+        while True:
+            try:
+                response = await self.client.request(
+                    "POST", f"{self.plan.environment_url}/run", json=body, identity=identity,
+                    timeout_s=self.plan.rollout_timeout_s, check=False,
+                )
+            except GymError as error:
+                raise _RunFailed(RunFailure(error)) from None
+            status, content = response.status_code, response.content
+            refused = _error_of(response)
+            if not isinstance(refused, Overloaded) or time.monotonic() + refused.retry_after_s >= give_up:
+                break
+            self.summary.refused += 1
+            await asyncio.sleep(refused.retry_after_s)
+        if refused is not None:
+            raise _RunFailed(RunFailure(refused, status, content))
+        try:
+            reply = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            reply = None
         if not isinstance(reply, dict):
-            raise UpstreamError("the environment answered something other than a row")
+            unusable = UpstreamError("the environment answered something other than a row")
+            raise _RunFailed(RunFailure(unusable, status, content))
         return reply
 
-    def _failed(self, key: RolloutKey, identity: RolloutIdentity, error: GymError) -> None:
-        task = self.plan.tasks[key[0]]
-        row = failure_row(task, *key, error.code, error.detail, attempt=identity.attempt)
+    def _failed(self, identity: RolloutIdentity, row: dict[str, Any], code: str) -> None:
         self.sinks.failures.append(row)
         self.summary.failed += 1
+        self.summary.failure_codes[code] += 1
         if self.control is not None:
             self.control.failed(identity)
         self.sinks.progress.advance(failed=True)
+
+
+def _error_of(response: httpx.Response) -> GymError | None:
+    """The error a ``/run`` reply stands for (``Overloaded`` with its ``Retry-After``), or None."""
+    try:
+        raise_for_error(response)
+    except GymError as error:
+        return error
+    return None
+
+
+class _RunFailed(Exception):
+    """A ``/run`` without a row (internal to the dispatcher)."""
+
+    def __init__(self, failure: RunFailure) -> None:
+        super().__init__(failure.error.detail)
+        self.failure = failure
 
 
 # ---- running with and without a controller -------------------------------------------------------
@@ -193,25 +271,37 @@ class Dispatcher:
 
 @contextmanager
 def _cancel_on(signums: tuple[int, ...], dispatcher: Dispatcher, work: asyncio.Task[None],
-               also: Triggers | None = None) -> Iterator[None]:
-    """While inside, each of ``signums`` cancels ``work`` (recorded in ``summary.stopped_by``; the
-    rollouts in flight then are kept in ``dispatcher.abandoned``)."""
+               also: Triggers | None = None, watch: Watch | None = None) -> Iterator[None]:
+    """While inside, each of ``signums`` (and a reason from ``watch``) cancels ``work``, recorded in
+    ``summary.stopped_by``; the rollouts in flight then are kept in ``dispatcher.abandoned``."""
     loop = asyncio.get_running_loop()
 
-    def stop(signum: int) -> None:
-        dispatcher.summary.stopped_by = signal.Signals(signum).name
+    def stop(reason: str) -> None:
+        if dispatcher.summary.stopped_by is not None:
+            return
+        dispatcher.summary.stopped_by = reason
         dispatcher.abandoned = dispatcher.in_flight()
         work.cancel()
         if also is not None:
             also.close()
 
     for signum in signums:
-        loop.add_signal_handler(signum, stop, signum)
+        loop.add_signal_handler(signum, stop, signal.Signals(signum).name)
+    watcher = asyncio.create_task(_watch(watch, stop)) if watch is not None else None
     try:
         yield
     finally:
         for signum in signums:
             loop.remove_signal_handler(signum)
+        if watcher is not None:
+            watcher.cancel()
+
+
+async def _watch(watch: Watch, stop: Callable[[str], None]) -> None:
+    """Poll ``watch`` until it answers a reason to stop."""
+    while (reason := watch()) is None:
+        await asyncio.sleep(WATCH_TICK_S)
+    stop(reason)
 
 
 async def _await_work(work: asyncio.Task[None], summary: Summary) -> None:
@@ -222,10 +312,10 @@ async def _await_work(work: asyncio.Task[None], summary: Summary) -> None:
             raise
 
 
-async def _uncontrolled(dispatcher: Dispatcher, work: Work) -> None:
+async def _uncontrolled(dispatcher: Dispatcher, work: Work, watch: Watch | None) -> None:
     task = asyncio.create_task(dispatcher.run(work))
     try:
-        with _cancel_on((signal.SIGINT, signal.SIGTERM), dispatcher, task):
+        with _cancel_on((signal.SIGINT, signal.SIGTERM), dispatcher, task, watch=watch):
             await _await_work(task, dispatcher.summary)
     finally:
         await _cancelled(task)
@@ -238,13 +328,13 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
 
 
 async def _controlled(
-    dispatcher: Dispatcher, work: Work, control: CollectionControl, triggers: Triggers
+    dispatcher: Dispatcher, work: Work, control: CollectionControl, triggers: Triggers, watch: Watch | None
 ) -> None:
     triggers.started()
     task = asyncio.create_task(dispatcher.run(work))
     task.add_done_callback(lambda _: triggers.close())
     try:
-        with _cancel_on((signal.SIGINT,), dispatcher, task, triggers):
+        with _cancel_on((signal.SIGINT,), dispatcher, task, triggers, watch):
             await _control_loop(dispatcher, control, triggers, task)
             await _await_work(task, dispatcher.summary)
     finally:
@@ -275,7 +365,7 @@ async def _checkpoint(
     triggers.started()
     dispatcher.pause()
     try:
-        published = await control.checkpoint(dispatcher.in_flight, dispatcher.rows_done)
+        published = await control.checkpoint(dispatcher.in_flight, dispatcher.rows_done, stop=keep_paused)
     finally:
         if not keep_paused:
             dispatcher.unpause()
@@ -322,8 +412,10 @@ async def run_plan(
     control: CollectionControl | None = None,
     triggers: Triggers | None = None,
     held_back: HeldBack | None = None,
+    watch: Watch | None = None,
 ) -> Summary:
     """Collect every rollout of ``plan`` not yet in its output; answers the summary (metrics written)."""
+    write_materialized(plan)
     own_client = client is None
     client = client or MeshClient(max_connections=max(64, 2 * plan.concurrency))
     rows = JsonlAppender(plan.output)  # cuts a torn tail before the finished rows are read
@@ -340,9 +432,9 @@ async def run_plan(
             progress = Progress(len(work), stream)
             dispatcher = Dispatcher(plan, client, _Sinks(rows, failures, progress), summary, control, held_back)
             if control is None:
-                await _uncontrolled(dispatcher, work)
+                await _uncontrolled(dispatcher, work, watch)
             else:
-                await _controlled(dispatcher, work, control, triggers)
+                await _controlled(dispatcher, work, control, triggers, watch)
     finally:
         summary.elapsed_s = time.monotonic() - started
         if progress is not None:
@@ -355,17 +447,28 @@ async def run_plan(
     return summary
 
 
+def write_materialized(plan: Plan) -> None:
+    """Every rollout of the plan as it is dispatched, in order (written whole, before any ``/run``)."""
+    lines = b"".join(orjson.dumps(plan.dispatched(key), option=orjson.OPT_NON_STR_KEYS) + b"\n"
+                     for key in plan.rollouts())
+    path = materialized_path(plan.output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, lines)
+
+
 def _write_metrics(plan: Plan, summary: Summary) -> dict[str, Any]:
+    """The aggregate metrics file (NeMo Gym's shape, over every row of the output); answers the summary."""
+    rows = list(read_jsonl(plan.output, complete_lines_only=True))
+    write_atomic(metrics_path(plan.output), _json([aggregate_entry(rows, plan.stamps)]))
     task_fields = {key for task in plan.tasks for key in task}
-    metrics = aggregate(read_jsonl(plan.output, complete_lines_only=True), task_fields, summary.failed)
+    metrics = summarize(rows, task_fields, summary.failed)
     ran = summary.finished + summary.failed
     metrics.update(
         environment=plan.environment, concurrency=plan.concurrency, elapsed_s=round(summary.elapsed_s, 3),
         rollouts_per_s=round(ran / summary.elapsed_s, 3) if summary.elapsed_s > 0 else None,
     )
-    metrics_path(plan.output).write_bytes(_json(metrics))
     return metrics
 
 
 def _json(value: Any) -> bytes:
-    return orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n"
+    return orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS) + b"\n"

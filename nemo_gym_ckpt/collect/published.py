@@ -35,12 +35,13 @@ import re
 import secrets
 import shutil
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from nemo_gym_ckpt.canonical import canonical_json
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
@@ -78,7 +79,8 @@ DISPATCH_LOG = "dispatched.jsonl"
 KEEP = 2
 _ID = re.compile(r"ckpt-\d{8}T\d{12}Z-[0-9a-f]{8}")
 _UNPORTABLE_KEYS = frozenset({"port", "control_auth_token", "api_key"})
-_RUN_KEYS = ("head_server", "checkpoint")
+_RUN_KEYS = ("head_server", "checkpoint", "config_paths", "port_range_low", "port_range_high", "disallowed_ports")
+"""Top-level keys that do not make two runs different (where the files were and which ports served)."""
 
 
 # ---- ids -----------------------------------------------------------------------------------------
@@ -141,44 +143,65 @@ class RunIdentity:
 # ---- collection.json -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CollectionManifest:
+class CollectionManifest(BaseModel):
     """``collection.json``: the collector's record of one published checkpoint.
 
     ``continued`` and ``restarted`` are capture keys of the rollouts in flight at the checkpoint:
     the ones the participants exported (a restore continues them as the next attempt) and the ones
     that start over. ``manifests`` maps each participant (server name) to its manifest, relative to
     the checkpoint's directory; ``stats`` holds measurements (``pause_ms``, ``bytes``, ...).
+
+    Read through this typed model, strictly: a missing or unknown field, a value of the wrong type
+    anywhere (a string for a number, a number for a list), a negative count or a manifest path
+    leading out of the checkpoint is ``CheckpointRefused``, one line naming the file and the field.
     """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     checkpoint_id: str
     run_id: str
     created_at: str
     continued: list[str]
     restarted: list[str]
-    rows_done: int
+    rows_done: int = Field(ge=0)
     config_digest: str
     input_digest: str
-    num_repeats: int
+    num_repeats: int = Field(ge=1)
     manifests: dict[str, str]
-    staging_keys: dict[str, list[str]] = field(default_factory=dict)
-    stats: dict[str, Any] = field(default_factory=dict)
+    staging_keys: dict[str, list[str]] = Field(default_factory=dict)
+    stats: dict[str, Any] = Field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
+    @field_validator("manifests")
+    @classmethod
+    def _inside_the_checkpoint(cls, manifests: dict[str, str]) -> dict[str, str]:
+        for name, path in manifests.items():
+            parts = Path(path).parts
+            if not parts or Path(path).is_absolute() or ".." in parts:
+                raise ValueError(f"the manifest path of {name} must stay inside the checkpoint, got {path!r}")
+        return manifests
+
     def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
+        return orjson.dumps(self.model_dump(mode="json"), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
 
     @classmethod
     def from_json(cls, data: bytes, where: Path) -> CollectionManifest:
         try:
             fields = orjson.loads(data)
-            manifest = cls(**fields)
-        except (orjson.JSONDecodeError, TypeError) as error:
-            raise CheckpointRefused(f"{where} is not a collection manifest: {error}") from None
-        if manifest.schema_version != SCHEMA_VERSION:
-            raise CheckpointRefused(f"{where}: schema_version {manifest.schema_version}, "
-                                    f"expected {SCHEMA_VERSION}")
-        return manifest
+        except orjson.JSONDecodeError as error:
+            raise CheckpointRefused(f"{where} is not a collection manifest: not JSON ({error})") from None
+        if not isinstance(fields, dict):
+            raise CheckpointRefused(f"{where} is not a collection manifest: not a JSON object")
+        if fields.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+            raise CheckpointRefused(f"{where}: schema_version {fields['schema_version']!r}, expected {SCHEMA_VERSION}")
+        try:
+            return cls.model_validate(fields)
+        except ValidationError as error:
+            first = error.errors()[0]
+            field_name = ".".join(str(part) for part in first["loc"]) or "the document"
+            more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+            detail = f"{field_name}: {first['msg']}{more}"
+            raise CheckpointRefused(f"{where} is not a collection manifest: {detail}") from None
 
     @property
     def identity(self) -> RunIdentity:
@@ -224,6 +247,8 @@ def load_published(checkpoint: Path) -> CollectionManifest | None:
         data = (checkpoint / COLLECTION_FILE).read_bytes()
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as error:
+        raise CheckpointRefused(f"cannot read {checkpoint / COLLECTION_FILE}: {error}") from None
     manifest = CollectionManifest.from_json(data, checkpoint / COLLECTION_FILE)
     if manifest.checkpoint_id != checkpoint.name:
         raise CheckpointRefused(f"{checkpoint / COLLECTION_FILE} names checkpoint {manifest.checkpoint_id}")
@@ -234,9 +259,11 @@ def load_published(checkpoint: Path) -> CollectionManifest | None:
 
 
 def _published(checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` is published; a damaged one is not (and is logged), never an error."""
     try:
         return load_published(checkpoint) is not None
-    except CheckpointRefused:
+    except CheckpointRefused as error:
+        logger.warning("not a published checkpoint: %s", error)
         return False
 
 

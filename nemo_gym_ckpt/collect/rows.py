@@ -1,17 +1,30 @@
-"""Rollout rows and the files of a collection (docs/architecture.md section 7).
+"""Rollout rows and the files of a collection, as NeMo Gym 0.7's collector writes them (docs/nemo-gym.md).
 
-A rollout is one dispatch of one task row: id ``"{task_index}-{rollout_index}"``. Files, for an
-output path ``out.jsonl``:
+A rollout is one dispatch of one task row: id ``"{task_index}-{rollout_index}"``. ``Stamps`` are
+what the collector puts on every row besides the indices: the environment server's name
+(``_ng_environment_server``), its implementation (``_ng_result_type``) and the agent it fronts
+(``agent_ref``, unless the task row names its own). Files, for an output path ``out.jsonl``:
 
-- ``out.jsonl``: one row per finished rollout: the environment's reply (the task row, ``response``,
-  ``reward``, the verifier's fields) plus ``_ng_task_index``, ``_ng_rollout_index`` and
-  ``_ng_attempt_index``;
-- ``out_failures.jsonl``: the task row, the same ``_ng_`` fields, ``_ng_failure_class`` (the error
-  code) and ``_ng_failure_reason``;
-- ``out_aggregate_metrics.json``: ``aggregate`` over the output rows.
+- ``out_materialized_inputs.jsonl``: every rollout of the collection as it is dispatched
+  (``dispatch_row``: the task row, ``agent_ref``, ``_ng_task_index``, ``_ng_rollout_index``),
+  written before the first ``/run``;
+- ``out.jsonl``: one row per finished rollout (``output_row``): the environment's reply (the task
+  row, ``response``, ``reward``, the verifier's fields) plus ``_ng_task_index``,
+  ``_ng_rollout_index``, ``agent_ref``, ``_ng_attempt_index``, ``_ng_environment_server`` and
+  ``_ng_result_type``;
+- ``out_failures.jsonl``: one row per failed ``/run`` (``failure_row``): ``_ng_failure_class``
+  (``agent_run_error`` when the environment answered and said no, ``agent_request_failed`` when it
+  answered 429/502/503/504 or not at all), ``_ng_failure_type`` (the error's class),
+  ``_ng_failure_message``, ``_ng_failure_http_status`` (or null), ``_ng_failure_response_body``
+  (the reply, cut to 2,000 characters, or null), then the stamps; no task fields and no reward. A
+  reply that carries ``_ng_failure_class`` itself is kept as it is, stamped, in this file too;
+- ``out_aggregate_metrics.json``: a list with one entry per environment server: ``agent_ref``
+  (``{"name"}``), ``_ng_environment_server`` and NeMo Gym's ``AggregateMetrics`` fields over the
+  output rows (``nemo_gym_ckpt.aggregate_metrics``).
 
-``compare_rows`` says whether two collections of the same tasks produced the same rows (what an
-interrupted and restored run must give against an uninterrupted one).
+``summarize`` is the short summary the collector prints (mean reward and the means of every numeric
+field the rollouts added). ``compare_rows`` says whether two collections of the same tasks produced
+the same rows (what an interrupted and restored run must give against an uninterrupted one).
 
 ``JsonlAppender`` appends each row with a single ``write`` on a file opened ``O_APPEND``, so a row
 is on disk whole or not at all as far as readers of this process go; a tail torn by a crash (a
@@ -29,29 +42,49 @@ from typing import Any
 
 import orjson
 
+from nemo_gym_ckpt.aggregate_metrics import aggregate_metrics
 from nemo_gym_ckpt.capture import GENERATION_LOG_PROBS, TOKEN_ARRAYS
+from nemo_gym_ckpt.errors import GymError
 
 __all__ = [
+    "AGENT_REQUEST_FAILED",
+    "AGENT_RUN_ERROR",
+    "FAILURE_BODY_CHARS",
     "LOGPROB_TOLERANCE",
     "JsonlAppender",
     "RolloutKey",
     "RowComparison",
-    "aggregate",
+    "RunFailure",
+    "Stamps",
+    "aggregate_entry",
     "compare_rows",
+    "dispatch_body",
+    "dispatch_row",
     "failure_row",
     "failures_path",
+    "materialized_path",
     "metrics_path",
     "output_row",
     "read_jsonl",
     "rollout_id",
     "rollout_key",
+    "summarize",
 ]
 
 RolloutKey = tuple[int, int]
 LOGPROB_TOLERANCE = 1e-4
+AGENT_RUN_ERROR = "agent_run_error"
+"""The environment answered the ``/run`` with an error: the rollout ran and broke."""
+AGENT_REQUEST_FAILED = "agent_request_failed"
+"""No answer, or a gateway status (429, 502, 503, 504): nothing says the rollout ran."""
+FAILURE_BODY_CHARS = 2000
+_GATEWAY_STATUSES = frozenset({429, 502, 503, 504})
 _LOGPROBS = GENERATION_LOG_PROBS
 _TOKEN_ARRAYS = frozenset(TOKEN_ARRAYS)
 _UNCOMPARED = frozenset({"created_at", "_ng_attempt_index"}) | _TOKEN_ARRAYS
+TASK_INDEX, ROLLOUT_INDEX, ATTEMPT_INDEX = "_ng_task_index", "_ng_rollout_index", "_ng_attempt_index"
+AGENT_REF, ENVIRONMENT_SERVER, RESULT_TYPE = "agent_ref", "_ng_environment_server", "_ng_result_type"
+FAILURE_CLASS = "_ng_failure_class"
 
 
 def rollout_id(task_index: int, rollout_index: int) -> str:
@@ -71,21 +104,103 @@ def metrics_path(output: Path) -> Path:
     return _sibling(output, "_aggregate_metrics.json")
 
 
-def _ng_fields(task_index: int, rollout_index: int, attempt: int) -> dict[str, int]:
-    return {"_ng_task_index": task_index, "_ng_rollout_index": rollout_index, "_ng_attempt_index": attempt}
+def materialized_path(output: Path) -> Path:
+    return _sibling(output, "_materialized_inputs.jsonl")
+
+
+@dataclass(frozen=True)
+class Stamps:
+    """What every row of one environment server carries besides its indices."""
+
+    environment: str
+    """The environment server's instance name (``_ng_environment_server``)."""
+    result_type: str | None = None
+    """Its implementation (``_ng_result_type``), e.g. ``single_agent_turn``."""
+    agent_ref: Mapping[str, Any] | None = None
+    """The agent it fronts, as a ``{type, name}`` reference; a task row's own ``agent_ref`` wins."""
+
+    def fields(self) -> dict[str, Any]:
+        stamps: dict[str, Any] = {ENVIRONMENT_SERVER: self.environment}
+        if self.result_type is not None:
+            stamps[RESULT_TYPE] = self.result_type
+        return stamps
+
+
+def dispatch_row(task: Mapping[str, Any], task_index: int, rollout_index: int, stamps: Stamps) -> dict[str, Any]:
+    """A rollout as dispatched (its line of the materialized inputs): the task row, ``agent_ref``, indices."""
+    row = dict(task)
+    if AGENT_REF not in row and stamps.agent_ref is not None:
+        row[AGENT_REF] = dict(stamps.agent_ref)
+    row[TASK_INDEX], row[ROLLOUT_INDEX] = task_index, rollout_index
+    return row
+
+
+def dispatch_body(dispatched: Mapping[str, Any], attempt: int) -> dict[str, Any]:
+    """The ``/run`` body of one attempt: the dispatched row, with ``_ng_attempt_index`` from attempt 1 on."""
+    return {**dispatched, ATTEMPT_INDEX: attempt} if attempt else dict(dispatched)
+
+
+def _row_stamps(dispatched: Mapping[str, Any], attempt: int, stamps: Stamps) -> dict[str, Any]:
+    found: dict[str, Any] = {TASK_INDEX: dispatched[TASK_INDEX], ROLLOUT_INDEX: dispatched[ROLLOUT_INDEX]}
+    if AGENT_REF in dispatched:
+        found[AGENT_REF] = dispatched[AGENT_REF]
+    found[ATTEMPT_INDEX] = attempt
+    return {**found, **stamps.fields()}
 
 
 def output_row(
-    reply: Mapping[str, Any], task_index: int, rollout_index: int, attempt: int = 0
+    reply: Mapping[str, Any], dispatched: Mapping[str, Any], attempt: int, stamps: Stamps
 ) -> dict[str, Any]:
-    return {**reply, **_ng_fields(task_index, rollout_index, attempt)}
+    """A finished rollout's row: the reply, then the collector's keys (a reply's own value is replaced)."""
+    return {**reply, **_row_stamps(dispatched, attempt, stamps)}
 
 
-def failure_row(
-    task: Mapping[str, Any], task_index: int, rollout_index: int, code: str, reason: str, attempt: int = 0
-) -> dict[str, Any]:
-    return {**task, **_ng_fields(task_index, rollout_index, attempt),
-            "_ng_failure_class": code, "_ng_failure_reason": reason}
+@dataclass(frozen=True)
+class RunFailure:
+    """A ``/run`` that came back without a row: the error, and the reply's status and body if any."""
+
+    error: GymError
+    status: int | None = None
+    body: bytes | None = None
+
+    @property
+    def failure_class(self) -> str:
+        answered = self.status is not None and self.status not in _GATEWAY_STATUSES
+        return AGENT_RUN_ERROR if answered else AGENT_REQUEST_FAILED
+
+
+def _cut_body(body: bytes | None) -> str | None:
+    if not body:
+        return None
+    text = body[: FAILURE_BODY_CHARS * 4].decode("utf-8", "replace")
+    return text[:FAILURE_BODY_CHARS] + ("…" if len(body) > FAILURE_BODY_CHARS else "")
+
+
+def failure_row(failure: RunFailure, dispatched: Mapping[str, Any], attempt: int, stamps: Stamps) -> dict[str, Any]:
+    """A failed ``/run``'s row for the failures file: NeMo Gym's failure fields, then the stamps."""
+    fields = {
+        FAILURE_CLASS: failure.failure_class,
+        "_ng_failure_type": type(failure.error).__name__,
+        "_ng_failure_message": failure.error.detail,
+        "_ng_failure_http_status": failure.status,
+        "_ng_failure_response_body": _cut_body(failure.body),
+    }
+    return {**fields, **_row_stamps(dispatched, attempt, stamps)}
+
+
+def aggregate_entry(rows: Iterable[Mapping[str, Any]], stamps: Stamps) -> dict[str, Any]:
+    """One environment server's entry of the aggregate metrics file (NeMo Gym's layout)."""
+    metrics = aggregate_metrics(list(rows))
+    label = stamps.agent_ref.get("name") if stamps.agent_ref is not None else None
+    entry: dict[str, Any] = {
+        AGENT_REF: {"name": label if isinstance(label, str) else stamps.environment},
+        ENVIRONMENT_SERVER: stamps.environment,
+        **{name: metrics[name] for name in ("agent_metrics", "key_metrics", "group_level_metrics",
+                                             "repeat_level_metrics")},
+    }
+    if metrics["perf_summary"] is not None:
+        entry["perf_summary"] = metrics["perf_summary"]
+    return entry
 
 
 def rollout_key(row: Mapping[str, Any]) -> RolloutKey | None:
@@ -166,7 +281,7 @@ def _numbers(row: Mapping[str, Any], skip: set[str]) -> Iterator[tuple[str, floa
             yield f"usage.{key}", float(value)
 
 
-def aggregate(
+def summarize(
     rows: Iterable[Mapping[str, Any]], task_fields: Iterable[str] = (), failures: int = 0
 ) -> dict[str, Any]:
     """Mean reward and the mean of every numeric field the rollouts added (task fields left out)."""
@@ -190,10 +305,10 @@ def aggregate(
 class RowComparison:
     """How the rows of a run compare with a reference run's.
 
-    ``token_arrays_compared``: model outputs whose token ids both rows carry (compared exactly, with
-    their logprobs within the tolerance); ``token_arrays_absent``: outputs whose token arrays only the
-    reference carries (a rollout continued from a checkpoint has none for its earlier calls: records
-    never carry token arrays, the trainer got them when the calls were made).
+    ``token_arrays_compared``: model outputs whose token arrays both rows carry (ids compared
+    exactly, logprobs within the tolerance); ``token_arrays_absent``: outputs whose token arrays only
+    one of the two rows carries. Each of those makes its rollout differ: a restored rollout must
+    give its trainer the same training data as an uninterrupted one.
     """
 
     compared: int
@@ -238,16 +353,18 @@ class _TokenTally:
     worst: float = 0.0
 
     def same(self, ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> bool:
-        """Token arrays where both rows have them: ids equal, logprobs within the tolerance."""
+        """Token arrays on the same objects of both rows: ids equal, logprobs within the tolerance.
+
+        An object carrying token arrays in one row only is a difference (counted in ``absent``):
+        a row without the training data of a call is not the same row."""
         mine, reference = dict(_token_holders(ours)), dict(_token_holders(theirs))
-        if mine.keys() - reference.keys():
-            return False
-        self.absent += len(reference.keys() - mine.keys())
-        for path in mine:
+        one_sided = mine.keys() ^ reference.keys()
+        self.absent += len(one_sided)
+        same = not one_sided
+        for path in mine.keys() & reference.keys():
             self.compared += 1
-            if not self._same_arrays(mine[path], reference[path]):
-                return False
-        return True
+            same = self._same_arrays(mine[path], reference[path]) and same
+        return same
 
     def _same_arrays(self, ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> bool:
         exact = {key: ours.get(key) for key in _TOKEN_ARRAYS - {_LOGPROBS}}
@@ -266,8 +383,8 @@ def compare_rows(
     *, logprob_tolerance: float = LOGPROB_TOLERANCE,
 ) -> RowComparison:
     """Rows equal to the reference's, key by key: every field but ``created_at`` and
-    ``_ng_attempt_index``; token ids equal and logprobs within ``logprob_tolerance`` (batching moves
-    their last bits) wherever both rows carry them."""
+    ``_ng_attempt_index``; the same objects carrying token arrays, their ids equal and their logprobs
+    within ``logprob_tolerance`` (batching moves their last bits)."""
     ours = {key: row for row in rows if (key := rollout_key(row)) is not None}
     theirs = {key: row for row in reference if (key := rollout_key(row)) is not None}
     tally = _TokenTally(tolerance=logprob_tolerance)

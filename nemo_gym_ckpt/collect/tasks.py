@@ -2,7 +2,7 @@
 
 ``--input`` paths are tried against the working directory, then the project root (so
 ``resources_servers/<name>/data/...`` works from anywhere); without ``--input`` the environment's
-first declared dataset is used.
+first declared dataset is used (or its agent's, where NeMo Gym's configs declare them).
 """
 
 from __future__ import annotations
@@ -36,9 +36,14 @@ def read_tasks(path: Path, limit: int | None) -> list[dict[str, Any]]:
     return tasks
 
 def default_input(mesh: MeshConfig | None, environment: str) -> Path:
+    """The first dataset of the environment server, else of its agent (where NeMo Gym's configs put them)."""
     if mesh is None:
         raise UsageError("pass --input, or --config so that the environment's dataset can be found")
-    datasets = mesh.instance(environment).settings.datasets
+    settings = mesh.instance(environment).settings
+    datasets = settings.datasets
+    agent = getattr(settings, "agent_server", None)
+    if not datasets and agent is not None and agent.name in mesh.instances:
+        datasets = mesh.instance(agent.name).settings.datasets
     if not datasets:
-        raise UsageError(f"environment {environment} declares no datasets; pass --input")
+        raise UsageError(f"environment {environment} (and its agent) declares no datasets; pass --input")
     return datasets[0].jsonl_fpath

@@ -185,6 +185,7 @@ class LiveEpisode:
     parked: bool = False
     restored: Record | None = None
     restored_boundary: Boundary | None = None
+    _encoded: tuple[Boundary, Record] | None = None  # the record of the boundary it was last built at
 
     @property
     def key(self) -> str:
@@ -201,8 +202,16 @@ class LiveEpisode:
         if unchanged is not None and (scope is None or unchanged.episode in scope):
             return unchanged
         if scope is None or self.episode.identity in scope:
-            return self.episode.record()
+            return self.encoded()
         return None
+
+    def encoded(self) -> Record:
+        """The episode's record, built once per boundary (boundaries never change: a commit of an
+        episode that did not move costs a lookup, and its bytes are the previous commit's)."""
+        boundary = self.episode.boundary
+        if self._encoded is None or self._encoded[0] is not boundary:
+            self._encoded = (boundary, Record.from_data(self.episode.record()))
+        return self._encoded[1]
 
 
 def stopped_or_result(task: asyncio.Task[dict[str, Any]], key: str) -> dict[str, Any]:

@@ -39,15 +39,16 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, ClassVar, Self, cast
 
 import httpx
 import orjson
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from nemo_gym_ckpt.aggregate_metrics import mount_aggregate_metrics
 from nemo_gym_ckpt.capture import TOKEN_ARRAYS, without_token_arrays
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.headers import ACTIVATION_HEADER, RESTART_HEADER
@@ -56,6 +57,7 @@ from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment.adapter import EpisodesAdapter, RunLimits
+from nemo_gym_ckpt.environment.capacity import DEFAULT_MAX_ROLLOUTS, RolloutCapacity
 from nemo_gym_ckpt.environment.episode import (
     NO_HOOKS,
     Episode,
@@ -64,45 +66,104 @@ from nemo_gym_ckpt.environment.episode import (
     StepBudget,
     run_episode,
 )
-from nemo_gym_ckpt.errors import GymError, InternalError, InvalidRequest, UpstreamError
-from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
-from nemo_gym_ckpt.server import OrjsonResponse
+from nemo_gym_ckpt.errors import BadInput, GymError, InternalError, InvalidRequest, StorageError, UpstreamError
+from nemo_gym_ckpt.identity import (
+    RolloutIdentity,
+    identity_of_episode_id,
+    identity_of_row,
+    request_identity,
+    without_dispatch_keys,
+)
+from nemo_gym_ckpt.server import OrjsonResponse, declare_body
 
 __all__ = [
+    "EPISODE_REQUEST_KEYS",
     "REFILL_PATH",
     "TOKEN_ARRAYS_NOTE",
     "AgentClient",
     "AgentReply",
     "EnvironmentConfig",
     "EpisodeTask",
+    "RunRequest",
+    "Runner",
     "cookies_of",
+    "episode_failure",
+    "episode_reply",
     "is_model_item",
     "lacks_token_arrays",
     "mount_environment",
     "mount_run",
     "note_token_arrays",
+    "read_run",
     "read_task",
+    "serve_run",
+    "task_row_of",
 ]
 
 logger = logging.getLogger(__name__)
 
+EPISODE_REQUEST_KEYS = frozenset({"episode_id", "task"})
+"""The keys of NeMo Gym's episode request (``BaseEpisodeRequest``), exactly."""
+TASK_DATA = "task_data"
+COLLECTOR_KEYS = frozenset({"ng_trajectory", "ng_model_call_capture", "ng_perf"})
+"""Keys NeMo Gym's collector writes itself (besides ``_ng_*``): never in an episode's result."""
+FAILURE_REASON_CHARS = 2000
 REFILL_PATH = "/v1/responses/refill"
 """The agent route that puts token arrays back on output items (rollout-scoped)."""
+AGENTS_TYPE = "responses_api_agents"
 TOKEN_ARRAYS_NOTE = "agent_token_arrays"
 """The state key ``note_token_arrays`` sets: the agent's items came with token arrays."""
 
 
 class EnvironmentConfig(ServerConfig):
-    """Settings every environment server has: its agent and its timeouts."""
+    """Settings every environment server has: its agent and its timeouts (NeMo Gym's names where it has them).
 
-    agent: ServerRef
-    episode_timeout_s: float | None = Field(3600.0, gt=0)
+    ``max_concurrent_episodes`` and ``queue_timeout_seconds`` are NeMo Gym's episode queue; here they
+    must stay unset (no queue: every ``/run`` starts at once).
+    """
+
+    renamed_keys: ClassVar[Mapping[str, str]] = {
+        "agent": "agent_server",
+        "episode_timeout_s": "default_episode_timeout_seconds",
+        "cleanup_timeout_s": "cleanup_timeout_seconds",
+    }
+
+    agent_server: ServerRef
+    """The agent instance (``type: responses_api_agents``, which may be left out as NeMo Gym allows)."""
+    default_episode_timeout_seconds: float | None = Field(3600.0, gt=0)
     """Time an episode may spend inside its steps (parked time is not charged); null: no limit."""
     call_timeout_s: float = Field(120.0, gt=0)
     """Deadline of each short call (seed, close, verify)."""
     agent_timeout_s: float = Field(3600.0, gt=0)
     """Deadline of one agent activation (a whole model/tool loop)."""
-    cleanup_timeout_s: float = Field(30.0, gt=0)
+    cleanup_timeout_seconds: float = Field(30.0, gt=0)
+    max_rollouts_in_flight: int | None = Field(DEFAULT_MAX_ROLLOUTS, ge=1, le=10_000_000)
+    """``/run`` calls run at once; the next is refused up front (429 ``capacity_exceeded``); null: no limit."""
+    overload_retry_after_s: float = Field(1.0, ge=1.0, le=60.0)
+    """The ``Retry-After`` of that refusal."""
+    max_concurrent_episodes: int | None = None
+    queue_timeout_seconds: float | None = None
+
+    @field_validator("agent_server", mode="before")
+    @classmethod
+    def _agent_type_by_default(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "type" not in value:
+            return {**value, "type": AGENTS_TYPE}
+        return value
+
+    @field_validator("agent_server")
+    @classmethod
+    def _an_agent(cls, ref: ServerRef) -> ServerRef:
+        if ref.type != AGENTS_TYPE:
+            raise ValueError(f"agent_server must be a {AGENTS_TYPE} instance, got {ref.type}")
+        return ref
+
+    @model_validator(mode="after")
+    def _no_episode_queue(self) -> Self:
+        if self.max_concurrent_episodes is not None or self.queue_timeout_seconds is not None:
+            raise ValueError("max_concurrent_episodes and queue_timeout_seconds (NeMo Gym's episode queue) are "
+                             "not supported here: leave them null")
+        return self
 
 
 class EpisodeTask(BaseModel):
@@ -120,21 +181,126 @@ class EpisodeTask(BaseModel):
         return value
 
 
-def read_task(raw: bytes, model: type[EpisodeTask]) -> dict[str, Any]:
-    """Validate a ``/run`` body; answers the row as sent (``InvalidRequest`` when it is not one)."""
+def _json_object(raw: bytes, what: str) -> dict[str, Any]:
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as error:
         raise InvalidRequest(f"request body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
-        raise InvalidRequest("a task row is a JSON object")
+        raise InvalidRequest(f"{what} is a JSON object")
+    return data
+
+
+def _check_task(data: dict[str, Any], model: type[EpisodeTask], where: str = "task row") -> None:
     try:
         model.model_validate(data)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise InvalidRequest(f"task row {where}: {first['msg']}") from None
+        loc = ".".join(str(part) for part in first["loc"]) or "body"
+        raise InvalidRequest(f"{where} {loc}: {first['msg']}") from None
+
+
+def read_task(raw: bytes, model: type[EpisodeTask]) -> dict[str, Any]:
+    """Validate a task row; answers the row as sent (``InvalidRequest`` when it is not one)."""
+    data = _json_object(raw, "a task row")
+    _check_task(data, model)
     return data
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One ``/run``: the rollout it is for, the task row, and the task id of an episode request."""
+
+    identity: RolloutIdentity | None
+    task: dict[str, Any]
+    task_id: dict[str, str] | None = None
+    """NeMo Gym's ``TaskId`` when the request was an episode request ``{episode_id, task}``."""
+
+
+def read_run(raw: bytes, model: type[EpisodeTask]) -> RunRequest:
+    """A ``/run`` body: a task row (NeMo Gym's dispatch keys read as its identity and left out of the
+    task) or NeMo Gym's episode request; the identity joined with the ``/ng-rollout/`` prefix."""
+    data = _json_object(raw, "a /run body")
+    if set(data) == EPISODE_REQUEST_KEYS:
+        return _episode_request(data, model)
+    task = without_dispatch_keys(data)
+    _check_task(task, model)
+    return RunRequest(request_identity(identity_of_row(data)), task)
+
+
+def _episode_request(data: dict[str, Any], model: type[EpisodeTask]) -> RunRequest:
+    identity = identity_of_episode_id(data["episode_id"])
+    task = data["task"]
+    if not isinstance(task, dict) or set(task) != {"task_id", "task_input"}:
+        raise InvalidRequest("an episode request's task is {task_id, task_input}")
+    task_id = task["task_id"]
+    if (not isinstance(task_id, dict) or set(task_id) != {"taskset", "task_id"}
+            or not all(isinstance(value, str) for value in task_id.values())):
+        raise InvalidRequest("task.task_id is {taskset, task_id}, two strings")
+    row = task_row_of(task["task_input"])
+    _check_task(row, model, "task.task_input")
+    return RunRequest(request_identity(identity), row, dict(task_id))
+
+
+def task_row_of(task_input: Any) -> dict[str, Any]:
+    """The task row of an episode's ``task_input``: the row itself, or NeMo Gym's single-agent form
+    ``{responses_create_params, task_data: {...}}`` with ``task_data``'s fields laid flat."""
+    if not isinstance(task_input, dict):
+        raise InvalidRequest("task.task_input is a JSON object")
+    data = task_input.get(TASK_DATA)
+    if data is None:
+        return dict(task_input)
+    if not isinstance(data, dict):
+        raise InvalidRequest("task.task_input.task_data is a JSON object")
+    return {**data, **{key: value for key, value in task_input.items() if key != TASK_DATA}}
+
+
+def _collector_key(key: str) -> bool:
+    return key.startswith("_ng_") or key in COLLECTOR_KEYS
+
+
+def episode_reply(run: RunRequest, outcome: dict[str, Any] | GymError, program: Program) -> dict[str, Any]:
+    """NeMo Gym's ``BaseEpisodeResponse``: ``{episode_id, task_id}`` and ``result`` or ``failure``."""
+    assert run.identity is not None and run.task_id is not None
+    reply: dict[str, Any] = {"episode_id": run.identity.to_json(), "task_id": run.task_id}
+    if isinstance(outcome, GymError):
+        reply["failure"] = episode_failure(outcome, program)
+    else:
+        reply["result"] = {key: value for key, value in outcome.items() if not _collector_key(key)}
+    return reply
+
+
+def episode_failure(error: GymError, program: Program) -> dict[str, Any]:
+    """NeMo Gym's ``EpisodeFailure`` of an error: its detail, whether a retry could help, its code, its stage."""
+    step = error.fields.get("step")
+    stage: str | None = "admission"  # an error of no step: the episode was not let in, or not continued
+    if isinstance(step, str):
+        stage = program.steps[step].stage if step in program.steps else None
+    failure: dict[str, Any] = {
+        "failure_reason": error.detail[:FAILURE_REASON_CHARS],
+        "terminal": isinstance(error, BadInput | StorageError | InternalError),
+        "failure_kind": error.code,
+    }
+    if stage is not None:
+        failure["stage"] = stage
+    return failure
+
+
+Runner = Callable[[RolloutIdentity | None, dict[str, Any]], Awaitable[Mapping[str, Any]]]
+"""Runs one episode for an identity and a task row; answers its final state."""
+
+
+async def serve_run(request: Request, task_model: type[EpisodeTask], program: Program, runner: Runner) -> Any:
+    """One ``/run``: a row's reply is the rollout row; an episode request's is a ``BaseEpisodeResponse``
+    (a failed episode answers 200 with its ``failure``; a body that is no request is still a 400)."""
+    run = read_run(await request.body(), task_model)
+    if run.task_id is None:
+        return OrjsonResponse(_result(await runner(run.identity, run.task)))
+    try:
+        outcome: dict[str, Any] | GymError = _result(await runner(run.identity, run.task))
+    except GymError as error:
+        outcome = error
+    return OrjsonResponse(episode_reply(run, outcome, program))
 
 
 def mount_run(
@@ -145,25 +311,32 @@ def mount_run(
     task_model: type[EpisodeTask] = EpisodeTask,
     hooks: EpisodeHooks = NO_HOOKS,
 ) -> None:
-    """Mount ``POST /run``: one episode of ``program`` per call, answering its ``result``."""
+    """Mount ``POST /run``: one episode of ``program`` per call, answering its ``result``; and
+    ``POST /aggregate_metrics``."""
 
-    async def run(request: Request) -> OrjsonResponse:
-        task = read_task(await request.body(), task_model)
-        identity = current_identity() or RolloutIdentity(f"anon-{uuid.uuid4().hex[:16]}")
+    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s)
+
+    async def runner(identity: RolloutIdentity | None, task: dict[str, Any]) -> Mapping[str, Any]:
+        identity = identity or RolloutIdentity(f"anon-{uuid.uuid4().hex[:16]}")
         episode = Episode.start(identity, task, program)
-        final = await run_episode(
-            program, episode, hooks=hooks, budget=StepBudget(settings.episode_timeout_s),
-            cleanup_timeout_s=settings.cleanup_timeout_s,
+        return await run_episode(
+            program, episode, hooks=hooks, budget=StepBudget(settings.default_episode_timeout_seconds),
+            cleanup_timeout_s=settings.cleanup_timeout_seconds,
         )
-        return _result(final)
 
-    app.add_api_route("/run", run, methods=["POST"])
+    async def run(request: Request) -> Any:
+        with capacity.admitted():
+            return await serve_run(request, task_model, program, runner)
+
+    app.add_api_route("/run", run, methods=["POST"], openapi_extra=declare_body(task_model))
+    mount_aggregate_metrics(app)
 
 
-def _result(final: Mapping[str, Any]) -> OrjsonResponse:
-    if not isinstance(final.get("result"), dict):
+def _result(final: Mapping[str, Any]) -> dict[str, Any]:
+    result = final.get("result")
+    if not isinstance(result, dict):
         raise InternalError("the episode ended without a result")
-    return OrjsonResponse(final["result"])
+    return result
 
 
 def mount_environment(
@@ -174,23 +347,27 @@ def mount_environment(
     task_model: type[EpisodeTask] = EpisodeTask,
     clock: Clock = SYSTEM_CLOCK,
 ) -> EpisodesAdapter | None:
-    """Mount ``POST /run`` for ``program``; a participant too when the mesh enables checkpointing.
+    """Mount ``POST /run`` for ``program`` and ``POST /aggregate_metrics``; a participant too when
+    the mesh enables checkpointing.
 
     Answers the adapter (``None`` when checkpointing is off and ``/run`` is plain ``mount_run``).
     """
     settings = cast(EnvironmentConfig, ctx.settings)
-    adapter = EpisodesAdapter(program, RunLimits(settings.episode_timeout_s, settings.cleanup_timeout_s))
+    limits = RunLimits(settings.default_episode_timeout_seconds, settings.cleanup_timeout_seconds)
+    adapter = EpisodesAdapter(program, limits)
     participant = mount_checkpointing(app, ctx, adapter, kind="environment", clock=clock)
     if participant is None:
         mount_run(app, program, settings, task_model=task_model)
         return None
     adapter.participant = participant
+    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s)
 
-    async def run(request: Request) -> OrjsonResponse:
-        task = read_task(await request.body(), task_model)
-        return _result(await adapter.run(current_identity(), task))
+    async def run(request: Request) -> Any:
+        with capacity.admitted():
+            return await serve_run(request, task_model, program, adapter.run)
 
-    app.add_api_route("/run", run, methods=["POST"])
+    app.add_api_route("/run", run, methods=["POST"], openapi_extra=declare_body(task_model))
+    mount_aggregate_metrics(app)
     return adapter
 
 

@@ -72,6 +72,7 @@ __all__ = [
     "Boundary",
     "Episode",
     "EpisodeHooks",
+    "FailureStage",
     "MonotonicClock",
     "Program",
     "Step",
@@ -86,6 +87,8 @@ logger = logging.getLogger(__name__)
 
 StepMode = Literal["wait", "replay"]
 STEP_MODES: tuple[StepMode, ...] = ("wait", "replay")
+FailureStage = Literal["admission", "seed", "agent", "verification", "cleanup"]
+"""Where an episode failed, in NeMo Gym's words (its ``EpisodeFailure.stage``)."""
 
 Action = Callable[["Episode"], Awaitable[str | None]]
 """A step's work: reads ``episode.task``, changes ``episode.state``, answers the next step's name."""
@@ -101,11 +104,14 @@ def task_digest(task: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Step:
-    """One named step: its action and its checkpoint mode (fixed, or derived from the state)."""
+    """One named step: its action, its checkpoint mode (fixed, or derived from the state) and the
+    stage NeMo Gym names when an episode fails in it (``seed``, ``agent``, ``verification``,
+    ``cleanup``; None: not said)."""
 
     name: str
     action: Action
     mode: StepMode | Callable[[Mapping[str, Any]], StepMode] = "wait"
+    stage: FailureStage | None = None
 
     def mode_for(self, state: Mapping[str, Any]) -> StepMode:
         mode = self.mode(state) if callable(self.mode) else self.mode
@@ -197,6 +203,7 @@ class Episode:
     current: Step | None = None
     current_mode: StepMode | None = None
     restart: bool = False
+    _task_digest: str | None = field(default=None, repr=False)
 
     @classmethod
     def start(cls, identity: RolloutIdentity, task: Mapping[str, Any], program: Program) -> Episode:
@@ -214,7 +221,10 @@ class Episode:
 
     @property
     def task_digest(self) -> str:
-        return task_digest(self.task)
+        """The task row's digest, computed once (the row never changes during an episode)."""
+        if self._task_digest is None:
+            self._task_digest = task_digest(self.task)
+        return self._task_digest
 
     @property
     def mode(self) -> StepMode | None:

@@ -32,7 +32,7 @@ from fastapi import FastAPI
 from nemo_gym_ckpt.config import MeshConfig, load_config_dict
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import ConfigError
-from nemo_gym_ckpt.server import close_on_shutdown
+from nemo_gym_ckpt.server import close_on_shutdown, set_max_body_bytes
 
 __all__ = [
     "BRIDGE_BOOT",
@@ -73,6 +73,8 @@ def build_app(mesh: MeshConfig, name: str) -> FastAPI:
     module = importlib.import_module(instance.module)
     ctx: ServerContext[Any] = ServerContext(name=name, settings=instance.settings, mesh=mesh)
     app = cast(FastAPI, module.create_app(ctx))
+    if hasattr(app.state, "body_limit"):  # an app of nemo_gym_ckpt.server.create_app
+        set_max_body_bytes(app, instance.settings.max_body_bytes)
     return close_on_shutdown(app, ctx.aclose)  # our servers close it already; a server of yours may not
 
 

@@ -1,7 +1,18 @@
 """The head server, and a uvicorn server run in a thread of this process.
 
-The head server is the mesh's directory for a second shell: ``GET /servers`` answers a JSON list of
-``{name, type, implementation, url}`` (docs/architecture.md section 4) and ``GET /health`` says it is up.
+The head server is the mesh's directory for a second shell and for controllers:
+
+- ``GET /servers``: a JSON list of ``{name, type, implementation, url}`` (docs/architecture.md
+  section 4);
+- ``GET /global_config_dict_yaml``: as NeMo Gym's head answers it, a JSON *string* whose content is
+  the YAML of the resolved global config, every instance with its ``host`` and ``port``; every
+  secret is redacted (the control token, API keys, any key named like a token, key, secret or
+  password, and any other value equal to one of those). NeMo Gym's ``ServerClient`` and NeMo RL's
+  adapter read the mesh from it (``json.loads``, then the YAML);
+- ``GET /server_instances``: NeMo Gym's list of ``ServerInstanceDisplayConfig`` objects
+  (``config_path``, ``dir_path``, ``entrypoint``, ``host``, ``name``, ``pid``, ``port``,
+  ``process_name``, ``server_type``, ``start_time``, ``status``, ``uptime_seconds``, ``url``);
+- ``GET /health``: it is up.
 It runs inside the launcher's process as a ``ThreadedServer``, which the tests use as well: the
 socket is bound before the thread starts (so port 0 picks a free port and the URL is known at once),
 ``start`` returns only once uvicorn has started, and ``stop`` is bounded.
@@ -10,24 +21,44 @@ socket is bound before the thread starts (so port 0 picks a free port and the UR
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
 import uvicorn
+import yaml
 from fastapi import FastAPI
 
-from nemo_gym_ckpt.config import MeshConfig
+from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig
 from nemo_gym_ckpt.server import create_app
 
-__all__ = ["HEAD_NAME", "ServerEntry", "ThreadedServer", "create_head_app", "server_entries"]
+__all__ = [
+    "HEAD_NAME",
+    "REDACTED",
+    "Processes",
+    "ServerEntry",
+    "ThreadedServer",
+    "create_head_app",
+    "global_config_yaml",
+    "redacted",
+    "server_entries",
+    "server_instances",
+]
 
 HEAD_NAME = "head_server"
 logger = logging.getLogger(__name__)
 
 ServerEntry = dict[str, str]
+Processes = Callable[[], Mapping[str, tuple[int, float]]]
+"""The running server processes: instance name -> (pid, start time in Unix seconds)."""
+REDACTED = "<redacted>"
+_SECRET_KEY = re.compile(r"(?:^|_)(?:token|auth_token|api_key|apikey|key|secret|secret_key|password|passwd|"
+                         r"credentials?)$", re.IGNORECASE)
+DEFAULT_ENTRYPOINT = "app.py"
 
 
 def server_entries(mesh: MeshConfig) -> list[ServerEntry]:
@@ -38,14 +69,98 @@ def server_entries(mesh: MeshConfig) -> list[ServerEntry]:
     ]
 
 
-def create_head_app(mesh: MeshConfig) -> FastAPI:
-    """The head server's app for a mesh whose ports are all assigned."""
+def redacted(value: Any, secrets: frozenset[str] = frozenset()) -> Any:
+    """``value`` with the value of every secret-named key, and every string in ``secrets``, replaced by
+    ``REDACTED`` (a plural like ``max_tokens`` is no secret; ``token``, ``api_key`` and
+    ``control_auth_token`` are)."""
+    if isinstance(value, Mapping):
+        return {key: REDACTED if _SECRET_KEY.search(str(key)) and value[key] is not None
+                else redacted(value[key], secrets) for key in value}
+    if isinstance(value, list):
+        return [redacted(item, secrets) for item in value]
+    if isinstance(value, str) and value in secrets:
+        return REDACTED
+    return value
+
+
+def _secret_values(value: Any) -> set[str]:
+    """Every string held under a secret-named key (so a copy of it elsewhere is redacted too)."""
+    found: set[str] = set()
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if _SECRET_KEY.search(str(key)) and isinstance(item, str) and item:
+                found.add(item)
+            else:
+                found |= _secret_values(item)
+    elif isinstance(value, list):
+        for item in value:
+            found |= _secret_values(item)
+    return found
+
+
+def _with_addresses(mesh: MeshConfig) -> dict[str, Any]:
+    """The resolved config with every instance's ``host`` and ``port`` written out."""
+    raw = {key: value for key, value in mesh.raw.items()}
+    for inst in mesh.instances.values():
+        given = raw.get(inst.name, {}).get(inst.type, {}).get(inst.implementation)
+        block = dict(given) if isinstance(given, Mapping) else inst.settings.model_dump(mode="json")
+        block.update(host=inst.settings.host, port=inst.settings.port)
+        raw[inst.name] = {inst.type: {inst.implementation: block}}
+    raw["head_server"] = {**(raw.get("head_server") or {}), "host": mesh.head_server.host,
+                          "port": mesh.head_server.port}
+    return raw
+
+
+def global_config_yaml(mesh: MeshConfig) -> str:
+    """The YAML text ``GET /global_config_dict_yaml`` carries (as a JSON string), secrets redacted."""
+    raw = _with_addresses(mesh)
+    token = mesh.checkpoint.control_auth_token
+    secrets = _secret_values(raw) | ({token.get_secret_value()} if token is not None else set())
+    return yaml.safe_dump(redacted(raw, frozenset(secrets - {""})), sort_keys=False, allow_unicode=False)
+
+
+def server_instances(mesh: MeshConfig, processes: Processes | None = None) -> list[dict[str, Any]]:
+    """What ``GET /server_instances`` answers: NeMo Gym's display config of each instance."""
+    running = processes() if processes is not None else {}
+    instances = []
+    for inst in mesh.instances.values():
+        pid, started = running.get(inst.name, (None, None))
+        instances.append({
+            "config_path": inst.name,
+            "dir_path": str(PROJECT_ROOT / inst.type / inst.implementation),
+            "entrypoint": getattr(inst.settings, "entrypoint", None) or DEFAULT_ENTRYPOINT,
+            "host": inst.settings.host,
+            "name": inst.implementation,
+            "pid": pid,
+            "port": inst.settings.port,
+            "process_name": inst.name,
+            "server_type": inst.type,
+            "start_time": started,
+            "status": None,
+            "uptime_seconds": None,
+            "url": inst.url,
+        })
+    return instances
+
+
+def create_head_app(mesh: MeshConfig, processes: Processes | None = None) -> FastAPI:
+    """The head server's app for a mesh whose ports are all assigned (``processes``: the running
+    children, for ``/server_instances``)."""
     entries = server_entries(mesh)
+    config_yaml = global_config_yaml(mesh)
     app = create_app(HEAD_NAME)
 
     @app.get("/servers")
     async def servers() -> list[ServerEntry]:
         return entries
+
+    @app.get("/global_config_dict_yaml")
+    async def global_config_dict_yaml() -> str:
+        return config_yaml
+
+    @app.get("/server_instances")
+    async def instances() -> list[dict[str, Any]]:
+        return server_instances(mesh, processes)
 
     return app
 

@@ -11,8 +11,9 @@
 An instance of NeMo Gym's own servers (``package: nemo_gym``) runs in NeMo Gym's environment: its
 ``python:`` or ``$NEMO_GYM_PYTHON`` (``nemo_gym_ckpt.launch.child.bridge_command``).
 
-Ports: instances without a port get a free one on their host (probe-bind in 10001-20000, never the
-head port or another instance's). Each child is ``python -m nemo_gym_ckpt.cli.serve <instance>`` with the
+Ports: instances without a port get a free one on their host (probe-bind in the config's
+``port_range_low``-``port_range_high``, default 10001-20000; never the head port, another instance's
+or one of ``disallowed_ports``). Each child is ``python -m nemo_gym_ckpt.cli.serve <instance>`` with the
 resolved config (ports filled in) as JSON in ``NEMO_GYM_CKPT_CONFIG`` and the launcher's pid in
 ``NEMO_GYM_CKPT_PARENT_PID``; it runs in its own process group (a terminal's Ctrl-C reaches only
 the launcher, which stops the children in order) and exits by itself when the launcher dies.
@@ -75,15 +76,18 @@ LineSink = Callable[[str, str], None]
 # ---- ports ---------------------------------------------------------------------------------------
 
 
-def find_free_port(host: str, avoid: Iterable[int] = (), *, rng: random.Random | None = None) -> int:
-    """A port of ``PORT_RANGE`` that ``host`` can bind now and that is not in ``avoid``."""
+def find_free_port(
+    host: str, avoid: Iterable[int] = (), *, rng: random.Random | None = None,
+    port_range: tuple[int, int] = PORT_RANGE,
+) -> int:
+    """A port of ``port_range`` that ``host`` can bind now and that is not in ``avoid``."""
     rng = rng or random.Random()
     avoid = set(avoid)
     for _ in range(200):
-        port = rng.randint(*PORT_RANGE)
+        port = rng.randint(*port_range)
         if port not in avoid and _can_bind(host, port):
             return port
-    raise LaunchError(f"found no free port on {host} in {PORT_RANGE[0]}-{PORT_RANGE[1]}")
+    raise LaunchError(f"found no free port on {host} in {port_range[0]}-{port_range[1]}")
 
 
 def _can_bind(host: str, port: int) -> bool:
@@ -97,15 +101,21 @@ def _can_bind(host: str, port: int) -> bool:
 
 
 def assign_ports(mesh: MeshConfig, *, rng: random.Random | None = None) -> MeshConfig:
-    """The mesh with every unset (or 0) port, head server included, replaced by a free one."""
+    """The mesh with every unset (or 0) port, head server included, replaced by a free one.
+
+    Free ports come from the config's ``port_range_low``..``port_range_high`` and are never one of
+    its ``disallowed_ports``.
+    """
+    port_range = (mesh.ports.port_range_low, mesh.ports.port_range_high)
     taken = {inst.settings.port for inst in mesh.instances.values() if inst.settings.port}
-    taken.add(mesh.head_server.port)
-    head_port = mesh.head_server.port or find_free_port(mesh.head_server.host, taken, rng=rng)
+    taken |= {mesh.head_server.port, *mesh.ports.disallowed_ports}
+    head_port = mesh.head_server.port or find_free_port(mesh.head_server.host, taken, rng=rng,
+                                                        port_range=port_range)
     taken.add(head_port)
     ports: dict[str, int] = {}
     for inst in mesh.instances.values():
         if not inst.settings.port:
-            ports[inst.name] = find_free_port(inst.settings.host, taken, rng=rng)
+            ports[inst.name] = find_free_port(inst.settings.host, taken, rng=rng, port_range=port_range)
             taken.add(ports[inst.name])
     return mesh.with_ports(ports, head_port=head_port)
 
@@ -148,6 +158,7 @@ class _Child:
     proc: subprocess.Popen[bytes]
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
+    started_at: float = field(default_factory=time.time)
 
     def start_reader(self, sink: LineSink) -> None:
         stream = self.proc.stdout
@@ -253,6 +264,10 @@ class MeshLauncher:
         """The pid of every server process started and not yet stopped."""
         return {name: child.proc.pid for name, child in self._children.items()}
 
+    def _processes(self) -> dict[str, tuple[int, float]]:
+        """Each running child's pid and start time (the head's ``/server_instances``)."""
+        return {name: (child.proc.pid, child.started_at) for name, child in dict(self._children).items()}
+
     def pid_of(self, name: str) -> int:
         return self._child(name).proc.pid
 
@@ -290,7 +305,8 @@ class MeshLauncher:
 
     def _start_head(self) -> None:
         head = self.mesh.head_server
-        server = ThreadedServer(create_head_app(self.mesh), head.host, head.port, name=HEAD_NAME)
+        app = create_head_app(self.mesh, processes=self._processes)
+        server = ThreadedServer(app, head.host, head.port, name=HEAD_NAME)
         try:
             server.start()
         except OSError as error:
@@ -368,6 +384,13 @@ class MeshLauncher:
                 if child.proc.poll() is not None:
                     return child.name
             time.sleep(poll_s)
+        return None
+
+    def exited(self) -> str | None:
+        """One line naming the first server process that has exited (None while every one runs)."""
+        for child in self._children.values():
+            if child.proc.poll() is not None:
+                return f"{child.name} exited with status {child.proc.returncode}"
         return None
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> bool:

@@ -14,9 +14,14 @@ nothing here runs. What it does, by the server's ``checkpoint_mode``:
   prepare; it never closes admission: new seeds and calls on existing sessions keep running while
   a checkpoint is open (a checkpoint has nothing of theirs to wait for).
 
-Data-plane requests go through ``admitted(route)``: it waits while a checkpoint is open (a
-restart-only server's requests only check the retire marks), refuses retired attempts with
-``stale_attempt`` and counts the request in flight. In-flight tool calls and, when the
+A commit sent with ``stop: true`` (the controller stops the mesh next) calls, once its write is
+durable, the server's ``release_session`` on every session (in any mode): what a session holds
+outside its JSON state (a child process, a sandbox) is freed. A failing release is logged and the
+others still run; the commit never fails for it.
+
+Data-plane requests go through ``admitted(route, identity)``: it waits while a checkpoint is open (a
+restart-only server's calls on existing sessions only check the retire marks), refuses retired
+attempts with ``stale_attempt`` and counts the request in flight. In-flight tool calls and, when the
 server declares ``checkpoint_verify = "wait"``, in-flight verifies block a prepare; a ``replay``
 verify never does (after a crash it simply runs again).
 
@@ -36,6 +41,7 @@ holds their cookies (this assumes an environment seeds one session per episode o
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -46,7 +52,7 @@ from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidPhase, RolloutIdRequired
-from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
+from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.resources.sessions import Session, SessionTable
 
 __all__ = [
@@ -66,6 +72,7 @@ CheckpointVerify = Literal["wait", "replay"]
 CHECKPOINT_MODES: tuple[str, ...] = ("stateless", "exported", "restart_only")
 CHECKPOINT_VERIFY_MODES: tuple[str, ...] = ("wait", "replay")
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+logger = logging.getLogger(__name__)
 
 
 class SessionHost(Protocol):
@@ -85,6 +92,8 @@ class SessionHost(Protocol):
     async def restore_session(self, state: Any) -> dict[str, Any]: ...
 
     async def park_session(self, session: Session) -> None: ...
+
+    async def release_session(self, session: Session) -> None: ...
 
     async def drop_session(self, session_id: str | None) -> bool: ...
 
@@ -117,12 +126,13 @@ class ResourcesAdapter:
 
     # ---- data plane -------------------------------------------------------------------------
 
-    def admitted(self, route: Route) -> _Admitted:
-        """Let one request in (waiting while a checkpoint is open) and count it while it runs."""
-        return _Admitted(self, route)
+    def admitted(self, route: Route, identity: RolloutIdentity | None) -> _Admitted:
+        """Let one request of ``identity`` in (waiting while a checkpoint is open) and count it while it
+        runs; the server resolves the identity (its ``/ng-rollout/`` prefix, its body, its session)."""
+        return _Admitted(self, route, identity)
 
-    async def _enter(self, route: Route) -> tuple[RolloutIdentity, bool]:
-        identity = await self._admit(route)
+    async def _enter(self, route: Route, named: RolloutIdentity | None) -> tuple[RolloutIdentity, bool]:
+        identity = await self._admit(route, named)
         if route == "seed" and self._installed:  # only a restored server holds restored sessions
             await self._drop_where(lambda owner: owner == identity, restored_only=True)
         blocking = self._blocks(route)
@@ -137,8 +147,7 @@ class ResourcesAdapter:
             _release(self._blocking, identity)
         self._participant().notify_changed()
 
-    async def _admit(self, route: Route) -> RolloutIdentity:
-        identity = current_identity()
+    async def _admit(self, route: Route, identity: RolloutIdentity | None) -> RolloutIdentity:
         participant = self._participant()
         if self.mode == "restart_only":
             _check_marks(participant, identity)
@@ -220,6 +229,14 @@ class ResourcesAdapter:
                 if restored is not None and restored.episode not in scope and session.identity not in scope:
                     await self.server.drop_session(session.session_id)
         return {}
+
+    async def stop_committed(self, scope: Scope | None) -> None:
+        """A stop commit is durable: free what every session holds outside its state."""
+        for session in list(self.server.sessions):
+            try:
+                await self.server.release_session(session)
+            except (GymError, OSError, RuntimeError, ValueError) as error:
+                logger.warning("releasing session %s after a stop commit failed: %s", session.session_id, error)
 
     # ---- restore ----------------------------------------------------------------------------
 
@@ -323,14 +340,14 @@ class _Admitted:
     """``async with adapter.admitted(route) as identity``: a plain class, cheaper than a generator-based
     context manager on a path every data-plane request takes."""
 
-    __slots__ = ("_adapter", "_entered", "_route")
+    __slots__ = ("_adapter", "_entered", "_identity", "_route")
 
-    def __init__(self, adapter: ResourcesAdapter, route: Route) -> None:
-        self._adapter, self._route = adapter, route
+    def __init__(self, adapter: ResourcesAdapter, route: Route, identity: RolloutIdentity | None) -> None:
+        self._adapter, self._route, self._identity = adapter, route, identity
         self._entered: tuple[RolloutIdentity, bool] | None = None
 
     async def __aenter__(self) -> RolloutIdentity:
-        self._entered = await self._adapter._enter(self._route)
+        self._entered = await self._adapter._enter(self._route, self._identity)
         return self._entered[0]
 
     async def __aexit__(self, *exc: object) -> None:

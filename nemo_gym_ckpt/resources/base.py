@@ -24,17 +24,22 @@ A resources server is a subclass of ``ResourcesServer`` plus a ``create_app`` of
 
 Routes (all also under ``/ng-rollout/<capture_key>/``):
 
-- ``POST /seed_session`` with the task row: opens a session, answers ``{"session_id"}``, sets the
-  session cookie (agents pass it back explicitly) and the checkpoint headers of docs/protocol.md
-  section 7: ``x-ng-checkpoint-verify: replay|wait`` and, for restart-only servers,
-  ``x-ng-checkpoint-restart: 1``;
+- ``POST /seed_session`` with the task row (an agent's ``/run`` sends its whole row: NeMo Gym's
+  ``_ng_`` keys name the rollout and stay out of the task), or with NeMo Gym's environment-server
+  form ``{resources_session_id, episode_id, task_id, task_data}`` (the caller names the session;
+  ``task_data`` is the task row; a repeat of the same id and episode answers the same session, an id
+  used by another episode or closed before is a 400): opens a session, answers NeMo Gym's
+  ``{"resources_session_id", "resources_tools": null, "sandbox_access": null}``, sets the session
+  cookie (agents pass it back explicitly) and the checkpoint headers of docs/protocol.md section 7:
+  ``x-ng-checkpoint-verify: replay|wait`` and, for restart-only servers, ``x-ng-checkpoint-restart: 1``;
 - ``POST /verify`` with the task row plus ``response`` (a Responses API object): answers the
   request fields plus ``reward`` plus the server's own fields (the ``Verdict``);
 - ``POST /<tool>`` per ``@tool`` method, its body the tool's arguments, its reply the tool's result
   as JSON text (the model reads it verbatim: a number is just ``5141``);
 - ``GET /tools``: the OpenAI function-tool definitions (Responses API shape; ``?shape=chat`` for
   the Chat Completions shape);
-- ``POST /close_session``: drops the session (idempotent);
+- ``POST /close_session`` with ``{}`` or NeMo Gym's ``{resources_session_id, episode_id}``: drops the
+  session the cookie (else the body) names and answers ``{"resources_session_id"}`` (idempotent).
 - ``POST /mcp``: the tools over MCP, when the settings (a ``ResourcesConfig``) say
   ``expose_tools_over_mcp: true`` (``nemo_gym_ckpt.resources.mcp``: covered like HTTP tool calls).
 
@@ -48,7 +53,9 @@ under another attempt of the same session is refused (409 ``stale_attempt``).
 
 Checkpointing (docs/protocol.md section 7; ``docs/participants.md``, "Resources servers"). With the
 mesh's ``checkpoint:`` block enabled, ``build_app`` mounts a participant (``ResourcesAdapter``):
-every rollout-scoped request (seed, tools, verify, close) then needs ``/ng-rollout/<key>/``, waits
+every rollout-scoped request (seed, tools, verify, close) then needs a rollout identity (its
+``/ng-rollout/<key>/``, else what its body names, else its session's: NeMo Gym's callers send no
+prefix), waits
 while a checkpoint is open and is refused ``stale_attempt`` for a retired attempt. The class
 declares ``checkpoint_mode`` (``stateless``: sessions are membership only; ``exported``: session
 state is saved through the hooks ``export_session``, ``restore_session``, ``park_session``;
@@ -71,19 +78,28 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar, cast, get_type_hint
 
 import orjson
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
+from nemo_gym_ckpt.bounds import MAX_ITEMS
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.headers import RESTART_HEADER, VERIFY_HEADER
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import InvalidRequest, StaleAttempt
-from nemo_gym_ckpt.identity import current_identity
+from nemo_gym_ckpt.identity import (
+    RolloutIdentity,
+    current_identity,
+    identity_of_episode_id,
+    identity_of_row,
+    request_identity,
+    without_dispatch_keys,
+)
 from nemo_gym_ckpt.resources.adapter import (
     CHECKPOINT_MODES,
     CHECKPOINT_VERIFY_MODES,
+    SESSION_ID,
     CheckpointMode,
     CheckpointVerify,
     ResourcesAdapter,
@@ -92,16 +108,19 @@ from nemo_gym_ckpt.resources.adapter import (
 from nemo_gym_ckpt.resources.mcp import McpExposure, McpTool
 from nemo_gym_ckpt.resources.sessions import Session, SessionTable, session_cookie_name
 from nemo_gym_ckpt.responses import last_message_text
-from nemo_gym_ckpt.server import OrjsonResponse, create_app
+from nemo_gym_ckpt.server import OrjsonResponse, create_app, declare_body
 
 __all__ = [
     "CHECKPOINT_MODES",
     "CHECKPOINT_VERIFY_MODES",
+    "EPISODE_SEED_KEYS",
     "EXPORTED_HOOKS",
     "RESTART_HEADER",
     "VERIFY_HEADER",
     "CheckpointMode",
     "CheckpointVerify",
+    "CloseRequest",
+    "EpisodeSeed",
     "ResourcesConfig",
     "ResourcesServer",
     "ResponseObject",
@@ -147,7 +166,7 @@ class ResponseObject(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    output: list[dict[str, Any]]
+    output: list[dict[str, Any]] = Field(max_length=MAX_ITEMS)
 
 
 class VerifyRequest(TaskRow):
@@ -160,6 +179,31 @@ class Verdict(BaseModel):
     """What ``verify`` decides: ``reward``; a server subclasses it to add its own typed fields."""
 
     reward: float
+
+
+EPISODE_SEED_KEYS = frozenset({"resources_session_id", "episode_id", "task_id", "task_data"})
+"""The fields of NeMo Gym's ``ResourcesSeedSessionRequest`` (an environment server's seed), exactly."""
+
+
+class EpisodeSeed(BaseModel):
+    """NeMo Gym's ``ResourcesSeedSessionRequest``: the caller names the session, its episode and task."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    resources_session_id: str = Field(pattern=f"^{SESSION_ID.pattern}$")
+    episode_id: dict[str, Any]
+    task_id: dict[str, str]
+    task_data: dict[str, Any]
+
+
+class CloseRequest(BaseModel):
+    """``/close_session``: NeMo Gym's ``{resources_session_id, episode_id}``, or nothing (the cookie names
+    the session)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    resources_session_id: str | None = Field(None, max_length=128)
+    episode_id: dict[str, Any] | None = None
 
 
 class ToolArgs(BaseModel):
@@ -260,16 +304,32 @@ def _tool_spec(name: str, func: Callable[..., Awaitable[Any]], owner: str) -> To
 _M = TypeVar("_M", bound=BaseModel)
 
 
+async def _read_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object (an empty body reads as ``{}``)."""
+    raw = await request.body()
+    try:
+        data = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as error:
+        raise InvalidRequest(f"request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the request body is a JSON object")
+    return data
+
+
+def _validated(model: type[_M], data: Any) -> _M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise InvalidRequest(_validation_detail(error)) from None
+
+
 async def _read_model(request: Request, model: type[_M]) -> _M:
     raw = await request.body()
     try:
         data = orjson.loads(raw) if raw.strip() else {}
     except orjson.JSONDecodeError as error:
         raise InvalidRequest(f"request body is not valid JSON: {error}") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        raise InvalidRequest(_validation_detail(error)) from None
+    return _validated(model, data)
 
 
 def _validation_detail(error: ValidationError) -> str:
@@ -332,7 +392,7 @@ class ResourcesServer(Generic[_C]):
     @classmethod
     def _check_hooks(cls) -> None:
         """Checkpoint hooks only where the mode uses them: they would silently never run."""
-        overridden = [name for name in (*EXPORTED_HOOKS, "retire_session")
+        overridden = [name for name in (*EXPORTED_HOOKS, "retire_session", "release_session")
                       if getattr(cls, name) is not getattr(ResourcesServer, name)]
         unused = overridden if not cls.keeps_sessions() else [
             name for name in overridden if name in EXPORTED_HOOKS and cls.checkpoint_mode != "exported"]
@@ -387,6 +447,12 @@ class ResourcesServer(Generic[_C]):
         consistent. Called once per checkpoint, at prepare, when no tool call of it is in flight;
         the session keeps being used after the checkpoint. The default has nothing to settle."""
 
+    async def release_session(self, session: Session) -> None:
+        """A commit with ``stop: true`` is durable and the mesh is about to stop: free what the session
+        holds outside its JSON state (its record already holds the rest). The session stays in the
+        table. The default does what ``retire_session`` does; a failure is logged, never fatal."""
+        await self.retire_session(session)
+
     async def retire_session(self, session: Session) -> None:
         """Free what the session holds outside its JSON state (a process, a file, a connection).
 
@@ -395,7 +461,8 @@ class ResourcesServer(Generic[_C]):
         holds nothing."""
 
     async def drop_session(self, session_id: str | None) -> bool:
-        """Remove a session and free it (``retire_session``); ``False`` when there was none."""
+        """Remove a session and free it (``retire_session``); ``False`` when there was none (a closed
+        session's id is remembered by ``/close_session`` itself)."""
         session = self.sessions.pop(session_id)
         if session is None:
             return False
@@ -407,14 +474,20 @@ class ResourcesServer(Generic[_C]):
     def build_app(self, *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
         """The server's app; a checkpoint participant too when the mesh enables checkpointing."""
         app = create_app(self.ctx.name, lifespan=self.lifespan)
-        app.add_api_route("/seed_session", self._seed_route, methods=["POST"])
-        app.add_api_route("/verify", self._verify_route, methods=["POST"])
+        app.add_api_route("/seed_session", self._seed_route, methods=["POST"],
+                          openapi_extra=declare_body(self.seed_signature.model))
+        app.add_api_route("/verify", self._verify_route, methods=["POST"],
+                          openapi_extra=declare_body(self.verify_signature.model))
         app.add_api_route("/close_session", self._close_route, methods=["POST"])
         app.add_api_route("/tools", self._tools_route, methods=["GET"])
         for spec in self.tool_specs.values():
-            app.add_api_route(f"/{spec.name}", self._tool_route(spec), methods=["POST"])
+            app.add_api_route(f"/{spec.name}", self._tool_route(spec), methods=["POST"],
+                              openapi_extra=declare_body(spec.args_model))
         if getattr(self.settings, "expose_tools_over_mcp", False):
-            McpExposure(self.ctx.name, self._mcp_tools(), self._mcp_call, lambda: self._entered("tool")).mount(app)
+            def admitted() -> AbstractAsyncContextManager[Any]:
+                return self._entered("tool", request_identity(None))
+
+            McpExposure(self.ctx.name, self._mcp_tools(), self._mcp_call, admitted).mount(app)
         adapter = ResourcesAdapter(self)
         participant = mount_checkpointing(app, self.ctx, adapter, kind="resources", clock=clock)
         if participant is not None:
@@ -433,35 +506,67 @@ class ResourcesServer(Generic[_C]):
 
     # -- routes
 
-    def _entered(self, route: Route) -> AbstractAsyncContextManager[Any]:
+    def _entered(self, route: Route, identity: RolloutIdentity | None) -> AbstractAsyncContextManager[Any]:
         """Admission of a rollout-scoped request: the participant's when checkpointing is on."""
-        return self.checkpoint.admitted(route) if self.checkpoint is not None else nullcontext()
+        return self.checkpoint.admitted(route, identity) if self.checkpoint is not None else nullcontext()
+
+    def _identity(self, request: Request, named: RolloutIdentity | None = None) -> RolloutIdentity | None:
+        """Who a request is for: its ``/ng-rollout/`` prefix, else what its body names, else its session's."""
+        identity = request_identity(named)
+        if identity is not None:
+            return identity
+        session = self.sessions.find(request.cookies.get(self.cookie_name))
+        return session.identity if session is not None else None
 
     async def _seed_route(self, request: Request) -> Response:
-        task = await _read_model(request, self.seed_signature.model)
-        async with self._entered("seed"):
-            if self.keeps_sessions() or self.checkpoint is not None:  # stateless: membership only
-                state = await self.initial_state(task)
-                session_id = self.sessions.open(current_identity(), state).session_id
-            else:
-                session_id = uuid.uuid4().hex
-        reply = OrjsonResponse({"session_id": session_id}, headers=self.checkpoint_headers())
+        body = await _read_body(request)
+        named: RolloutIdentity | None
+        session_id: str | None
+        if {"resources_session_id", "episode_id"} <= body.keys():  # NeMo Gym's environment-server form
+            seed = _validated(EpisodeSeed, body)
+            named, session_id, row = identity_of_episode_id(seed.episode_id), seed.resources_session_id, seed.task_data
+        else:  # the task row, as an agent's /run sends it
+            named, session_id, row = identity_of_row(body), None, without_dispatch_keys(body)
+        task = _validated(self.seed_signature.model, row)
+        identity = self._identity(request, named)
+        async with self._entered("seed", identity):
+            session_id = await self._open(task, identity, session_id)
+        reply = OrjsonResponse({"resources_session_id": session_id, "resources_tools": None, "sandbox_access": None},
+                               headers=self.checkpoint_headers())
         reply.set_cookie(self.cookie_name, session_id, httponly=True, samesite="lax")
         return reply
 
+    async def _open(self, task: BaseModel, identity: RolloutIdentity | None, session_id: str | None) -> str:
+        """The seeded session's id: a new session, or the one a repeated seed of the same id and episode names."""
+        if not (self.keeps_sessions() or self.checkpoint is not None):  # stateless: membership only
+            return session_id or uuid.uuid4().hex
+        existing = self.sessions.find(session_id)
+        if existing is not None:
+            if existing.identity != identity:
+                raise InvalidRequest(f"session {session_id!r} belongs to another episode")
+            return existing.session_id
+        return self.sessions.open(identity, await self.initial_state(task), session_id).session_id
+
     async def _verify_route(self, request: Request) -> Response:
         signature = self.verify_signature
-        task = await _read_model(request, signature.model)
-        async with self._entered("verify"):
+        body = await _read_body(request)
+        task = _validated(signature.model, without_dispatch_keys(body))
+        async with self._entered("verify", self._identity(request, identity_of_row(body))):
             args = (task, self._session(request)) if signature.takes_session else (task,)
             verdict = await signature.func(self, *args)
         row = task.model_dump(mode="json", exclude_unset=True)
         return OrjsonResponse({**row, **verdict.model_dump(mode="json")})
 
     async def _close_route(self, request: Request) -> Response:
-        async with self._entered("close"):
-            closed = await self.drop_session(request.cookies.get(self.cookie_name))
-        reply = OrjsonResponse({"closed": closed})
+        body = await _read_body(request)
+        close = _validated(CloseRequest, body)
+        session_id = request.cookies.get(self.cookie_name) or close.resources_session_id
+        named = identity_of_episode_id(close.episode_id) if close.episode_id is not None else None
+        async with self._entered("close", self._identity(request, named)):
+            await self.drop_session(session_id)
+        if session_id:
+            self.sessions.note_closed(session_id)
+        reply = OrjsonResponse({"resources_session_id": session_id or ""})
         reply.delete_cookie(self.cookie_name)
         return reply
 
@@ -473,7 +578,7 @@ class ResourcesServer(Generic[_C]):
 
         async def call_tool(request: Request) -> Response:
             args = await _read_model(request, spec.args_model)
-            async with self._entered("tool"):
+            async with self._entered("tool", self._identity(request)):
                 if spec.takes_session:
                     return _tool_output(await method(args, self._session(request)))
                 return _tool_output(await method(args))

@@ -3,12 +3,17 @@
 A ``Session`` is what the server keeps for one ``/seed_session``: its id (the cookie's value), the
 rollout identity it was opened under and its JSON state. ``SessionTable`` is the server's live set;
 the checkpoint adapter (``adapter.py``) reads, parks, exports and installs sessions through it.
+
+An id is the server's own (a fresh uuid) or the caller's (NeMo Gym's environment servers name it
+``resources_session_id``). The table remembers the last ``CLOSED_REMEMBERED`` ids closed, so that a
+seed arriving after the close of its id (a race NeMo Gym's contract rules out) cannot open it again.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +22,9 @@ from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.errors import InvalidRequest
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["Session", "SessionTable", "session_cookie_name"]
+__all__ = ["CLOSED_REMEMBERED", "Session", "SessionTable", "session_cookie_name"]
+
+CLOSED_REMEMBERED = 65536
 
 
 @dataclass
@@ -48,11 +55,35 @@ class SessionTable:
 
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
+        self._closed: deque[str] = deque(maxlen=CLOSED_REMEMBERED)
+        self._closed_set: set[str] = set()
 
-    def open(self, identity: RolloutIdentity | None, state: dict[str, Any]) -> Session:
-        session = Session(uuid.uuid4().hex, identity, state)
+    def open(self, identity: RolloutIdentity | None, state: dict[str, Any], session_id: str | None = None) -> Session:
+        """A new session under ``session_id`` (a fresh one when None); ``InvalidRequest`` for an id in use
+        or closed."""
+        session_id = session_id or uuid.uuid4().hex
+        if session_id in self._sessions or self.was_closed(session_id):
+            raise InvalidRequest(f"session {session_id!r} is in use or was closed")
+        session = Session(session_id, identity, state)
         self._sessions[session.session_id] = session
         return session
+
+    def was_closed(self, session_id: str) -> bool:
+        """Whether ``session_id`` is among the ids closed lately."""
+        return session_id in self._closed_set
+
+    def note_closed(self, session_id: str) -> None:
+        """Remember ``session_id`` as closed (the oldest remembered id is forgotten first)."""
+        if session_id in self._closed_set:
+            return
+        if len(self._closed) == self._closed.maxlen:
+            self._closed_set.discard(self._closed[0])
+        self._closed.append(session_id)
+        self._closed_set.add(session_id)
+
+    def find(self, session_id: str | None) -> Session | None:
+        """The session with this id, if there is one."""
+        return self._sessions.get(session_id or "")
 
     def get(self, session_id: str | None) -> Session:
         """The session with this id; ``InvalidRequest`` when there is none."""

@@ -185,6 +185,9 @@ class ResourcesShell:
     async def park_session(self, session: Session) -> None:
         """Nothing to settle: the server keeps no state a checkpoint holds."""
 
+    async def release_session(self, session: Session) -> None:
+        """After a stop commit: nothing to free, the shell holds nothing of the server's outside its records."""
+
     async def drop_session(self, session_id: str | None) -> bool:
         return self.sessions.pop(session_id) is not None
 
@@ -219,7 +222,7 @@ class ResourcesShell:
         inner_scope = scope if self.inner_strips_prefix else dict(scope, path=path, raw_path=path.encode())
         reply = _Reply(self, send, route, identity)
         try:
-            async with self._entered(route):
+            async with self._entered(route, identity):
                 cookie = _cookie(scope, self.cookie_name)
                 if route is not None:
                     self._check_session(cookie, identity)
@@ -238,10 +241,10 @@ class ResourcesShell:
                 raise
             await error_response(error)(scope, receive, send)
 
-    def _entered(self, route: Route | None) -> AbstractAsyncContextManager[Any]:
+    def _entered(self, route: Route | None, identity: RolloutIdentity | None) -> AbstractAsyncContextManager[Any]:
         if route is None or self.checkpoint is None:
             return nullcontext()
-        return self.checkpoint.admitted(route)
+        return self.checkpoint.admitted(route, identity)
 
     def _check_session(self, session_id: str | None, identity: RolloutIdentity | None) -> None:
         if session_id is None or session_id not in self.sessions:

@@ -223,7 +223,17 @@ def _bad_bodies(good: dict[str, Any]) -> list[tuple[str, Any]]:
         ("forget", {**good, "rollout_ids": []}),
         ("forget", {**good, "rollout_ids": [1]}),
         ("resume", {**good, "checkpoint_dir": "d"}),
+        ("commit", {**good, "checkpoint_dir": "d", "stop": "yes"}),
+        ("commit", {**good, "checkpoint_dir": "d", "stop": 1}),
     ]
+    # rollout ids: capture keys must be one-to-one, so no ':' and no ending that names an attempt
+    for bad in ("r:1", "r-a1", "r-a0", "r-a01", "x" * 201, "r\n", "_r"):
+        bodies += [
+            ("commit", {**good, "checkpoint_dir": "d", "episode_ids": [{"rollout_id": bad}]}),
+            ("retire", {**good, "episode_ids": [{"rollout_id": bad, "attempt": 1}]}),
+            ("forget", {**good, "rollout_ids": [bad]}),
+        ]
+    bodies.append(("retire", {**good, "episode_ids": [{"rollout_id": "r", "attempt": 10**9}]}))
     return bodies
 
 
@@ -233,7 +243,6 @@ async def deadline_in_the_past(make: MakeParticipant) -> None:
         past = pt.now() - 1
         for op, extra in (
             ("prepare", {}),
-            ("resume", {}),
             ("retire", {"episode_ids": [{"rollout_id": "r"}]}),
             ("forget", {"rollout_ids": ["r"]}),
             ("restore", {"checkpoint_dir": unique("d"), "episode_ids": [{"rollout_id": "r"}]}),
@@ -242,6 +251,70 @@ async def deadline_in_the_past(make: MakeParticipant) -> None:
                 "deadline_exceeded", op, {"checkpoint_id": "late", "deadline_ts": past, **extra}
             )
         assert (await control.status())["phase"] == "idle"
+
+
+async def resume_is_never_refused_for_its_deadline(make: MakeParticipant) -> None:
+    async with make() as pt:
+        control = Control(pt)
+        past = pt.now() - 3600
+        await control.ok("prepare", checkpoint_id="c1")
+        resumed = await control.ok("resume", checkpoint_id="c1", deadline_ts=past)
+        assert resumed == {"phase": "idle", "idempotent": False}
+        assert await control.ok("resume", checkpoint_id="c1", deadline_ts=past) == {
+            "phase": "idle", "idempotent": True}
+        assert await control.ok("resume", checkpoint_id="never-opened", deadline_ts=past) == {
+            "phase": "idle", "idempotent": True}
+
+
+async def deadlines_are_bounded(make: MakeParticipant) -> None:
+    ck = unique("ck")
+    async with make() as pt:
+        control = Control(pt)
+        for far in (control.deadline(2 * 24 * 3600), 1e300):
+            for op, extra in (
+                ("prepare", {}),
+                ("renew", {}),
+                ("commit", {"checkpoint_dir": ck}),
+                ("restore", {"checkpoint_dir": ck, "episode_ids": []}),
+                ("resume", {}),
+                ("retire", {"episode_ids": [{"rollout_id": "r"}]}),
+                ("forget", {"rollout_ids": ["r"]}),
+            ):
+                await control.refused("invalid_request", op, checkpoint_id="far", deadline_ts=far, **extra)
+        status = await control.status()
+        assert (status["phase"], status["checkpoint_id"]) == ("idle", None)
+        await control.ok("prepare", checkpoint_id="far")
+        await control.refused("invalid_request", "renew", checkpoint_id="far", deadline_ts=1e300)
+        assert (await control.status())["lease_expires_at"] < control.deadline(2 * 24 * 3600)
+        await control.ok("resume", checkpoint_id="far")
+
+
+async def unopened_fences_are_kept_apart(make: MakeParticipant) -> None:
+    async with make() as pt:
+        control = Control(pt)
+        await control.ok("prepare", checkpoint_id="old-1")
+        await control.ok("resume", checkpoint_id="old-1")
+        for n in range(70):
+            assert (await control.ok("resume", checkpoint_id=f"made-up-{n}"))["idempotent"] is True
+        await control.refused("stale_checkpoint", "prepare", checkpoint_id="old-1")
+        await control.refused("stale_checkpoint", "prepare", checkpoint_id="made-up-69")
+        assert (await control.status())["phase"] == "idle"
+
+
+async def commit_with_stop(make: MakeParticipant) -> None:
+    async with make() as pt:
+        control = Control(pt)
+        for cid, stop in (("c1", False), ("c2", True)):
+            ck = unique(cid)
+            await control.ok("prepare", checkpoint_id=cid)
+            committed = await control.ok("commit", checkpoint_id=cid, checkpoint_dir=ck, stop=stop)
+            assert committed["phase"] == "committed" and committed["manifest"]["checkpoint_id"] == cid
+            assert (located(pt, ck) / "gym").is_dir()
+            again = await control.ok("commit", checkpoint_id=cid, checkpoint_dir=ck, stop=stop)
+            assert again == committed
+            await control.refused("checkpoint_conflict", "commit", checkpoint_id=cid, checkpoint_dir=ck,
+                                  stop=not stop)
+            await control.ok("resume", checkpoint_id=cid)
 
 
 async def prepare_commit_resume(make: MakeParticipant) -> None:
@@ -376,6 +449,9 @@ async def renew_extends_the_lease(make: MakeParticipant) -> None:
         renewed = await control.ok("renew", checkpoint_id="c1", deadline_ts=first + 100)
         assert renewed == {"lease_expires_at": first + 100 + grace}
         assert (await control.status())["lease_expires_at"] == first + 100 + grace
+        earlier = await control.ok("renew", checkpoint_id="c1", deadline_ts=first + 10)
+        assert earlier == {"lease_expires_at": first + 100 + grace}, "a renew shortened the lease"
+        assert (await control.status())["lease_expires_at"] == first + 100 + grace
         await control.ok("resume", checkpoint_id="c1")
 
 
@@ -433,7 +509,8 @@ async def restored_content_is_exported_byte_for_byte(make: MakeParticipant) -> N
         scope = [e.to_json() for e in episodes]
         await control.ok("restore", checkpoint_id="r1", checkpoint_dir=ck1, episode_ids=scope)
         await control.ok("resume", checkpoint_id="r1")
-        again = await _checkpoint(fresh, "c2", ck2, episode_ids=scope)
+        # a full write (nothing referenced): the same bytes give the same records file
+        again = await _checkpoint(fresh, "c2", ck2, episode_ids=scope, incremental=False)
     assert again["manifest"]["records_sha256"] == first["manifest"]["records_sha256"]
     assert again["manifest"]["record_count"] == len(episodes)
 
@@ -660,6 +737,10 @@ CHECKS: dict[str, Check] = {
         auth_on_every_route,
         bodies_are_strict,
         deadline_in_the_past,
+        resume_is_never_refused_for_its_deadline,
+        deadlines_are_bounded,
+        unopened_fences_are_kept_apart,
+        commit_with_stop,
         prepare_commit_resume,
         retries_return_the_stored_reply,
         another_id_conflicts,

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+import yaml
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, SecretStr
 
@@ -210,15 +211,32 @@ def _data_routes(app: FastAPI, adapter: SessionsAdapter, participant: Participan
 
 
 def create_head_stub(servers: Sequence[Mapping[str, str]]) -> FastAPI:
-    """A stand-in for the head server: ``GET /servers`` lists ``{name, type, implementation, url}``."""
+    """A stand-in for the head server: ``GET /servers`` lists ``{name, type, implementation, url}``
+    and ``GET /global_config_dict_yaml`` answers them as NeMo Gym's head does (a JSON string of the
+    YAML ``name -> type -> implementation -> {host, port}``)."""
     app = create_app("head")
     listing = [dict(server) for server in servers]
+    config_yaml = yaml.safe_dump(_config_of_listing(listing), sort_keys=False)
 
     @app.get("/servers")
     async def list_servers() -> list[dict[str, str]]:
         return listing
 
+    @app.get("/global_config_dict_yaml")
+    async def global_config_dict_yaml() -> str:
+        return config_yaml
+
     return app
+
+
+def _config_of_listing(listing: Sequence[Mapping[str, str]]) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for server in listing:
+        url = httpx.URL(server["url"])
+        settings = {"host": url.host, "port": url.port or 80}
+        config[server["name"]] = {server.get("type", "resources_servers"): {
+            server.get("implementation", server["name"]): settings}}
+    return config
 
 
 class MinimalHooks:

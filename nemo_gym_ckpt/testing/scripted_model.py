@@ -106,7 +106,7 @@ class ScriptedModel:
         output = self.policy(body)
         if body.get("return_token_ids"):
             output = [{**item, **_token_fields(len(self.calls))} for item in output]
-        return _response(output, self.incomplete, len(self.calls))
+        return _response(output, self.incomplete, len(self.calls), body)
 
 
 def _token_fields(call: int) -> dict[str, Any]:
@@ -114,11 +114,17 @@ def _token_fields(call: int) -> dict[str, Any]:
             "generation_log_probs": [-0.5, -0.25], "policy_version": 0}
 
 
-def _response(output: list[dict[str, Any]], incomplete: bool, call: int) -> dict[str, Any]:
+def _response(output: list[dict[str, Any]], incomplete: bool, call: int, body: dict[str, Any]) -> dict[str, Any]:
+    """A whole Responses object (every field NeMo Gym's response model requires, as the policy model
+    answers them)."""
     return {
         "id": f"resp_{call}", "object": "response", "model": "scripted", "created_at": 0,
         "status": "incomplete" if incomplete else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "metadata": body.get("metadata") or {},
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "tool_choice": body.get("tool_choice") or "auto",
+        "tools": body.get("tools") or [],
         "output": output,
         "usage": {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 3,
                   "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 13},

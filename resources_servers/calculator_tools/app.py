@@ -15,6 +15,7 @@ from typing import Annotated
 from fastapi import FastAPI
 from pydantic import Field, StrictFloat, StrictInt, StrictStr, field_validator
 
+from nemo_gym_ckpt.bounds import MAX_INT64
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.resources.base import (
     ResourcesConfig,
@@ -54,7 +55,8 @@ class Operands(ToolArgs):
 
 
 class CalculatorTask(VerifyRequest):
-    expected_answer: StrictInt | StrictFloat | StrictStr
+    expected_answer: Annotated[StrictInt, Field(ge=-MAX_INT64 - 1, le=MAX_INT64)] | Annotated[
+        StrictFloat, Field(ge=-1e300, le=1e300)] | Annotated[StrictStr, Field(max_length=1000)]
 
     @field_validator("expected_answer")
     @classmethod

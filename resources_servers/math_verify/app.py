@@ -16,6 +16,7 @@ from typing import Annotated
 from fastapi import FastAPI
 from pydantic import Field, StrictFloat, StrictInt
 
+from nemo_gym_ckpt.bounds import MAX_INT64
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.resources.base import ResourcesServer, Verdict, VerifyRequest, final_text
@@ -34,7 +35,8 @@ class Config(ServerConfig):
 
 
 class MathVerifyTask(VerifyRequest):
-    expected_answer: ExpectedText | StrictInt | StrictFloat
+    expected_answer: ExpectedText | Annotated[StrictInt, Field(ge=-MAX_INT64 - 1, le=MAX_INT64)] | Annotated[
+        StrictFloat, Field(ge=-1e300, le=1e300)]
 
 
 class MathVerifyVerdict(Verdict):

@@ -1,10 +1,13 @@
 """mcqa: multiple choice; the reward is 1.0 when the chosen letter is the task's answer.
 
-The task row carries ``options`` (a list, lettered A, B, C, ... in order, or a dict letter ->
-text) and ``expected_answer`` (a letter). The chosen letter is read from the final assistant text,
-first match wins: the last "Answer: X" / "the answer is (X)"; the whole text being one letter
-("B", "(B)", "B."); the last "(X)"; the whole text being one option's text. Only letters of the
-task's options count. Stateless, and verify may simply run again.
+The task row is NeMo Gym's mcqa row: ``options`` in its format, a list of one-key objects
+``[{"A": "text"}, {"B": "text"}, ...]``, and ``expected_answer`` (a letter); its other fields
+(``uuid``, ``metadata``, ``grading_mode``, ``template_metadata``) pass through. The chosen letter is
+read from the final assistant text, first match wins: the letter in the last ``\\boxed{...}``; the
+last "Answer: X" / "the answer is (X)"; the whole text being one letter ("B", "(B)", "B."); the last
+"(X)"; the whole text being one option's text. Only letters of the task's options count. This is
+one lenient reading for every row: ``grading_mode`` is not interpreted (docs/nemo-gym.md). Stateless,
+and verify may simply run again.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from __future__ import annotations
 import re
 import string
 from collections.abc import Iterator
-from typing import Self
+from typing import Annotated, Self
 
 from fastapi import FastAPI
 from pydantic import Field, model_validator
 
+from nemo_gym_ckpt.bounds import MAX_TEXT
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.resources.base import ResourcesServer, Verdict, VerifyRequest, final_text
@@ -24,6 +28,7 @@ from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = ["Config", "Mcqa", "McqaTask", "McqaVerdict", "create_app", "extract_choice"]
 
+_BOXED = re.compile(r"\\boxed\{\s*(?:\\text\{\s*)?\(?([A-Z])\)?(?:\s*[:).][^{}]*)?\s*\}?\s*\}")
 _ANSWER_PHRASE = re.compile(r"(?i:\banswer(?:\s+is)?)[\s:*\-]*\(?([A-Z])\)?(?![A-Za-z])")
 _LONE_LETTER = re.compile(r"^\(?([A-Z])[).:]?$")
 _PAREN_LETTER = re.compile(r"\(([A-Z])\)")
@@ -35,12 +40,18 @@ class Config(ServerConfig):
 
 
 class McqaTask(VerifyRequest):
-    options: list[str] | dict[str, str] = Field(min_length=1, max_length=26)
-    expected_answer: str
+    options: list[dict[Annotated[str, Field(max_length=8)], Annotated[str, Field(max_length=MAX_TEXT)]]] = Field(
+        min_length=1, max_length=26)
+    """NeMo Gym's format: one object per option, its one key the letter."""
+    expected_answer: Annotated[str, Field(max_length=MAX_TEXT)]
 
     @model_validator(mode="after")
     def _answer_is_an_option(self) -> Self:
+        if any(len(option) != 1 for option in self.options):
+            raise ValueError('each option is an object with one key, its letter: [{"A": "..."}, ...]')
         letters = self.lettered()
+        if len(letters) != len(self.options):
+            raise ValueError("option letters must be distinct")
         if any(len(key) != 1 or key not in string.ascii_uppercase for key in letters):
             raise ValueError(f"option keys must be single capital letters, got {sorted(letters)}")
         if self.expected_answer.strip().upper() not in letters:
@@ -48,9 +59,7 @@ class McqaTask(VerifyRequest):
         return self
 
     def lettered(self) -> dict[str, str]:
-        if isinstance(self.options, dict):
-            return self.options
-        return dict(zip(string.ascii_uppercase, self.options, strict=False))
+        return {letter: text for option in self.options for letter, text in option.items()}
 
 
 class McqaVerdict(Verdict):
@@ -63,6 +72,7 @@ def _squash(text: str) -> str:
 
 def _candidates(text: str, options: dict[str, str]) -> Iterator[str]:
     """Letters the text may choose, most explicit first."""
+    yield from reversed(_BOXED.findall(text))
     yield from reversed(_ANSWER_PHRASE.findall(text))
     yield from _LONE_LETTER.findall(text.strip())
     yield from reversed(_PAREN_LETTER.findall(text))

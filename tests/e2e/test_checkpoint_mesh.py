@@ -77,7 +77,7 @@ class Mesh:
 
 def overrides(root: Path) -> list[str]:
     return ["head_server.port=0", "checkpoint.enabled=true", f"checkpoint.control_auth_token={TOKEN}",
-            f"checkpoint.root={root}", "policy_model.model_servers.policy_model.checkpoint_policy=true"]
+            f"checkpoint.root={root}", "policy_model.responses_api_models.policy_model.checkpoint_policy=true"]
 
 
 def task_rows() -> list[dict[str, Any]]:

@@ -29,33 +29,40 @@ LIMIT = 16
 MESH_YAML = """
 head_server: {port: 0}
 inference_worker:
-  model_servers:
+  responses_api_models:
     inference_worker:
+      entrypoint: app.py
       engine: transformers
 policy_model:
-  model_servers:
+  responses_api_models:
     policy_model:
-      worker: {type: model_servers, name: inference_worker}
+      entrypoint: app.py
+      worker: {type: responses_api_models, name: inference_worker}
       return_token_ids: true
       temperature: 0.0
       max_tokens: 64
 calculator_tools:
   resources_servers:
-    calculator_tools: {}
+    calculator_tools:
+      entrypoint: app.py
+      domain: math
 simple_agent:
-  agents:
+  responses_api_agents:
     simple_agent:
-      model_server: {type: model_servers, name: policy_model}
+      entrypoint: app.py
+      model_server: {type: responses_api_models, name: policy_model}
       resources_server: {type: resources_servers, name: calculator_tools}
       max_steps: 4
       return_token_ids: true
 single_agent_turn:
   environment_servers:
     single_agent_turn:
-      agent: {type: agents, name: simple_agent}
+      entrypoint: app.py
+      agent_server: {type: responses_api_agents, name: simple_agent}
       resources_server: {type: resources_servers, name: calculator_tools}
       datasets:
         - name: quickstart
+          type: example
           jsonl_fpath: resources_servers/calculator_tools/data/quickstart.jsonl
 """
 
@@ -128,6 +135,7 @@ def test_collect_is_stopped_by_ctrl_c_and_a_second_run_finishes(tmp_path: Path) 
         kinds = [item["type"] for item in row["response"]["output"]]
         assert kinds[:2] == ["function_call", "function_call_output"] and kinds[-1] == "message", kinds
         assert row["response"]["output"][0]["generation_token_ids"]  # token ids rode along
-    metrics = orjson.loads(metrics_path(output).read_bytes())
-    assert metrics["rollouts"] == LIMIT and metrics["mean_reward"] >= 0.75, metrics
-    assert f"mean reward {metrics['mean_reward']:.4f}" in second.stdout.decode()
+    (entry,) = orjson.loads(metrics_path(output).read_bytes())  # NeMo Gym's layout, over every row
+    reward = entry["agent_metrics"]["mean/reward"]
+    assert sum(group["num_rollouts"] for group in entry["group_level_metrics"]) == LIMIT and reward >= 0.75, entry
+    assert f"mean reward {reward:.4f} over {LIMIT} rollouts" in second.stdout.decode()

@@ -195,9 +195,12 @@ def test_restart_all_gives_fresh_processes_on_the_same_ports(launch_mesh: Launch
 def test_one_killed_server_can_be_restarted(launch_mesh: Launch) -> None:
     mesh = launch_mesh("string_match.yaml")
     url = mesh.url_of("sm")
+    assert mesh.exited() is None
     assert mesh.kill("sm")
     wait_until(lambda: mesh.returncode("sm") == -signal.SIGKILL, 5.0, "sm reaped after SIGKILL")
+    assert mesh.exited() == f"sm exited with status {-signal.SIGKILL}"  # what a collection stops on
     mesh.restart("sm", ready_timeout_s=20.0)
+    assert mesh.exited() is None
     assert mesh.url_of("sm") == url
     wait_for_health(url, timeout_s=1.0, name="sm")
     with pytest.raises(LaunchError, match="cannot restart running servers: sm"):

@@ -27,7 +27,7 @@ def test_the_openai_client_talks_to_the_quickstart_policy_model(
     mesh = launch_mesh("configs/quickstart.yaml", ready_timeout_s=120)
     servers = httpx.get(f"{mesh.head_url}/servers", timeout=10).json()
     policy = next(s for s in servers if s["name"] == "policy_model")
-    assert policy["type"] == "model_servers" and policy["implementation"] == "policy_model"
+    assert policy["type"] == "responses_api_models" and policy["implementation"] == "policy_model"
     client = openai.OpenAI(base_url=f"{policy['url']}/v1", api_key="unused", max_retries=0, timeout=60)
 
     models = [model.id for model in client.models.list()]

@@ -168,7 +168,7 @@ class _Borrowed(Engine):
 
 
 async def test_completions_route_over_vllm(engine: Engine) -> None:
-    mesh = load_config_dict({"w": {"model_servers": {"inference_worker": {"engine": "vllm"}}}})
+    mesh = load_config_dict({"w": {"responses_api_models": {"inference_worker": {"engine": "vllm"}}}})
     settings = mesh.instance("w").settings
     assert isinstance(settings, Config)
 
@@ -206,7 +206,7 @@ def _cut_app(engine: Engine, staging: Path) -> Any:
 
     mesh = load_config_dict({
         "checkpoint": {"enabled": True, "control_auth_token": TOKEN, "root": str(staging)},
-        "w": {"model_servers": {"inference_worker": {"engine": "vllm", "staging_dir": str(staging)}}},
+        "w": {"responses_api_models": {"inference_worker": {"engine": "vllm", "staging_dir": str(staging)}}},
     })
     settings = mesh.instance("w").settings
     assert isinstance(settings, Config)
@@ -231,12 +231,12 @@ async def _cut_case(http: httpx.AsyncClient, gated: Any, engine: Engine, tempera
                                               json={**body, "model_call": model_call(call)}))
     gated.release(CUT_AT)
     await until_tokens(http, call, CUT_AT)
-    receipt = (await cut(http, cut_body(f"c{n}", ("t", f"g{n}", 0, call))))["receipts"][0]
+    receipt = (await cut(http, cut_body(f"c{n}", ("t", f"g{n}", 0, call))))["prefixes"][0]
     gated.release(CUT_TOTAL - CUT_AT)  # exactly the rest: no permit is left for the next request
     uncut = (await running).json()["choices"][0]
     continuation = {"staging_keys": receipt["staging_keys"], "source_call_id": call,
                     "prefix_token_count": CUT_AT, "prefix_digest": receipt["prefix_digest"],
-                    "effective_output_limit": CUT_TOTAL - CUT_AT}
+                    "effective_output_limit": CUT_TOTAL}
     began = time.perf_counter()
     gated.release(CUT_TOTAL - CUT_AT)
     again = await http.post(f"/ng-rollout/g{n}-a1/v1/completions", json={

@@ -43,15 +43,6 @@ READY_TIMEOUT_S = 60.0
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
-@pytest.fixture(scope="module")
-def ng_python() -> str:
-    """The Python of a venv with ``nemo-gym==0.7.0`` (``NEMO_GYM_INTEROP_PYTHON``)."""
-    python = os.environ.get("NEMO_GYM_INTEROP_PYTHON", "/work/cache/ng07/bin/python")
-    if not Path(python).exists():
-        pytest.skip(f"no NeMo Gym venv at {python} (set NEMO_GYM_INTEROP_PYTHON)")
-    return python
-
-
 @dataclass
 class NgServer:
     """One NeMo Gym server process."""
@@ -78,13 +69,13 @@ class NgServer:
                 self.process.wait(timeout=10)
 
 
-def site_packages(python: str) -> Path:
+def site_packages(python: Path) -> Path:
     out = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                          capture_output=True, text=True, timeout=30, check=True)
     return Path(out.stdout.strip())
 
 
-def start_ng_server(python: str, site: Path, config: dict[str, Any], name: str, workdir: Path) -> NgServer:
+def start_ng_server(python: Path, site: Path, config: dict[str, Any], name: str, workdir: Path) -> NgServer:
     """``<type>/<impl>/app.py`` of instance ``name``, as ``gym env start`` runs it (cwd: ``workdir``)."""
     [(type_key, impls)] = [(k, v) for k, v in config[name].items()]
     [(impl, settings)] = list(impls.items())
@@ -148,7 +139,7 @@ class Front:
 
 
 @pytest.fixture(scope="module")
-def front(ng_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+def front(ng_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
     workdir = tmp_path_factory.mktemp("ng-front")
     site = site_packages(ng_python)
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -160,7 +151,9 @@ def front(ng_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         taken.add(ports[name])
     worker = MeshLauncher(load_config_dict({
         "head_server": {"port": 0},
-        "inference_worker": {"model_servers": {"inference_worker": {"port": ports["worker"], "torch_threads": 1}}},
+        "inference_worker": {
+            "responses_api_models": {"inference_worker": {"port": ports["worker"], "torch_threads": 1}},
+        },
     }))
     worker_url = f"http://{HOST}:{ports['worker']}"
     config = ng_config(worker_url, ports)

@@ -40,13 +40,13 @@ pytestmark = pytest.mark.sockets
 PROBLEMS = [make_problem(random.Random(500 + seed)) for seed in range(5)]
 TOOLS = [spec.definition() for spec in calculator_app.CalculatorTools.tool_specs.values()]
 SETTINGS: dict[str, tuple[Any, str, ServerConfig]] = {
-    "policy_model": ("model_servers", "scripted", ServerConfig()),
+    "policy_model": ("responses_api_models", "scripted", ServerConfig()),
     "calculator_tools": ("resources_servers", "calculator_tools", calculator_app.Config()),
-    "simple_agent": ("agents", "simple_agent", agent_app.Config(
-        model_server=ServerRef(type="model_servers", name="policy_model"),
+    "simple_agent": ("responses_api_agents", "simple_agent", agent_app.Config(
+        model_server=ServerRef(type="responses_api_models", name="policy_model"),
         resources_server=ServerRef(type="resources_servers", name="calculator_tools"))),
     "env": ("environment_servers", "single_agent_turn", env_app.Config(
-        agent=ServerRef(type="agents", name="simple_agent"),
+        agent_server=ServerRef(type="responses_api_agents", name="simple_agent"),
         resources_server=ServerRef(type="resources_servers", name="calculator_tools"))),
 }
 
@@ -108,7 +108,8 @@ def test_collect_against_a_running_mesh(
         (t, r) for t in range(4) for r in range(2)}
     assert "mean reward 1.0000 over 8 rollouts" in captured.out
     assert "8/8" in captured.err and "rollouts/s" in captured.err
-    assert orjson.loads(metrics_path(output).read_bytes())["mean_reward"] == 1.0
+    (entry,) = orjson.loads(metrics_path(output).read_bytes())
+    assert entry["key_metrics"]["mean/reward"] == 1.0 and entry["_ng_environment_server"] == "env"
     assert {call.capture_key for call in model.calls} == {f"{t}-{r}" for t in range(4) for r in range(2)}
     # a second run finds nothing left to do
     assert collect.main(args_for("--head", url, "--input", str(tasks), "--output", str(output),

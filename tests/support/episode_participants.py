@@ -85,11 +85,11 @@ def _env_module(implementation: str) -> Any:
 
 
 def _env_settings(implementation: str, **settings: Any) -> ServerConfig:
-    agent = Ref(type="agents", name="gate_agent")
+    agent = Ref(type="responses_api_agents", name="gate_agent")
     if implementation == "nim":
-        return nim_app.Config(agent=agent, **settings)
+        return nim_app.Config(agent_server=agent, **settings)
     resources = Ref(type="resources_servers", name="calculator_tools")
-    return sat_app.Config(agent=agent, resources_server=resources, **settings)
+    return sat_app.Config(agent_server=agent, resources_server=resources, **settings)
 
 
 @asynccontextmanager
@@ -106,7 +106,7 @@ async def env_stack(
         mesh = mesh_of([
             instance_at("env", "environment_servers", implementation,
                         _env_settings(implementation, **settings), "http://127.0.0.1:1"),
-            instance_at("gate_agent", "agents", "gate", ServerConfig(), agent_url),
+            instance_at("gate_agent", "responses_api_agents", "gate", ServerConfig(), agent_url),
             instance_at("calculator_tools", "resources_servers", "calculator_tools", calculator_app.Config(),
                       calculator_url),
         ], checkpoint)
@@ -136,11 +136,11 @@ async def agent_stack(
         model_url = await stack.enter_async_context(placement.run(model.app()))
         calculator_url = await stack.enter_async_context(_calculator(placement, HeldCalculator))
         agent_settings = agent_app.Config(
-            model_server=Ref(type="model_servers", name="policy_model"),
+            model_server=Ref(type="responses_api_models", name="policy_model"),
             resources_server=Ref(type="resources_servers", name="calculator_tools"), **settings)
         mesh = mesh_of([
-            instance_at("agent", "agents", implementation, agent_settings, "http://127.0.0.1:1"),
-            instance_at("policy_model", "model_servers", "scripted", ServerConfig(), model_url),
+            instance_at("agent", "responses_api_agents", implementation, agent_settings, "http://127.0.0.1:1"),
+            instance_at("policy_model", "responses_api_models", "scripted", ServerConfig(), model_url),
             instance_at("calculator_tools", "resources_servers", "calculator_tools", calculator_app.Config(),
                       calculator_url),
         ], checkpoint)

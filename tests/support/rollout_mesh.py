@@ -203,16 +203,16 @@ class RolloutMesh:
 
 
 def _env_settings(environment: str, env_settings: dict[str, Any]) -> ServerConfig:
-    agent = Ref(type="agents", name="agent")
+    agent = Ref(type="responses_api_agents", name="agent")
     if environment == "nim":
-        return nim_app.Config(agent=agent, **env_settings)
+        return nim_app.Config(agent_server=agent, **env_settings)
     resources = Ref(type="resources_servers", name="calculator_tools")
-    return sat_app.Config(agent=agent, resources_server=resources, **env_settings)
+    return sat_app.Config(agent_server=agent, resources_server=resources, **env_settings)
 
 
 def _agent_settings(environment: str) -> agent_app.Config:
     resources = None if environment == "nim" else Ref(type="resources_servers", name="calculator_tools")
-    return agent_app.Config(model_server=Ref(type="model_servers", name="policy_model"),
+    return agent_app.Config(model_server=Ref(type="responses_api_models", name="policy_model"),
                             resources_server=resources, max_steps=1 if environment == "nim" else 4,
                             return_token_ids=True)
 
@@ -233,11 +233,11 @@ async def rollout_mesh(
         urls["calculator_tools"] = await stack.enter_async_context(placement.run(calculator))
         urls["agent"], urls["env"] = placement.reserve(), placement.reserve()
         mesh = mesh_of([
-            instance_at("policy_model", "model_servers", "deterministic", ServerConfig(),
+            instance_at("policy_model", "responses_api_models", "deterministic", ServerConfig(),
                         urls["policy_model"]),
             instance_at("calculator_tools", "resources_servers", "calculator_tools", calculator_app.Config(),
                         urls["calculator_tools"]),
-            instance_at("agent", "agents", agent, _agent_settings(environment), urls["agent"]),
+            instance_at("agent", "responses_api_agents", agent, _agent_settings(environment), urls["agent"]),
             instance_at("env", "environment_servers", environment, _env_settings(environment, env_settings),
                         urls["env"]),
         ], config)

@@ -180,24 +180,25 @@ def verifier_mesh(instances: Sequence[str], root: Path, token: str, *, checkpoin
     del repeats
     judge = [{**rule, "delay_s": judge_delay_s} for rule in JUDGE_SCRIPT]
     raw: dict[str, Any] = {
-        "policy_worker": {"model_servers": {"inference_worker": {
+        "policy_worker": {"responses_api_models": {"inference_worker": {
             "engine": "script", "script": policy_script(instances), "script_default": "I do not know.",
             "max_model_len": CONTEXT}}},
-        "judge_worker": {"model_servers": {"inference_worker": {
+        "judge_worker": {"responses_api_models": {"inference_worker": {
             "engine": "script", "script": judge, "script_default": "[[A!=B]]", "max_model_len": CONTEXT}}},
-        "policy_model": {"model_servers": {"policy_model": {
-            "worker": {"type": "model_servers", "name": "policy_worker"}, "temperature": 0.0, "max_tokens": 512,
+        "policy_model": {"responses_api_models": {"policy_model": {
+            "worker": {"type": "responses_api_models", "name": "policy_worker"}, "temperature": 0.0, "max_tokens": 512,
             "checkpoint_policy": True}}},
-        "judge_model": {"model_servers": {"policy_model": {
-            "worker": {"type": "model_servers", "name": "judge_worker"}, "temperature": 0.0, "max_tokens": 512}}},
-        "simple_agent": {"agents": {"simple_agent": {
-            "model_server": {"type": "model_servers", "name": "policy_model"}, "max_steps": 2}}},
+        "judge_model": {"responses_api_models": {"policy_model": {
+            "worker": {"type": "responses_api_models", "name": "judge_worker"}, "temperature": 0.0,
+            "max_tokens": 512}}},
+        "simple_agent": {"responses_api_agents": {"simple_agent": {
+            "model_server": {"type": "responses_api_models", "name": "policy_model"}, "max_steps": 2}}},
     }
     for name in instances:
         instance = FAMILIES[name]
         raw[name] = instance.block()
         raw[f"env_{name}"] = {"environment_servers": {"single_agent_turn": {
-            "agent": {"type": "agents", "name": "simple_agent"},
+            "agent_server": {"type": "responses_api_agents", "name": "simple_agent"},
             "resources_server": {"type": "resources_servers", "name": name},
             "datasets": [{"name": name, "type": "example", "jsonl_fpath": str(instance.rows_path)}]}}}
     if checkpoint:

@@ -76,18 +76,18 @@ async def test_closes_run_when_startup_fails() -> None:
     assert events == ["startup", "client"]
 
 
-REFS = {"agent": {"type": "agents", "name": "agent"},
+REFS = {"agent_server": {"type": "responses_api_agents", "name": "agent"},
         "resources_server": {"type": "resources_servers", "name": "calculator_tools"},
-        "model_server": {"type": "model_servers", "name": "policy_model"}}
+        "model_server": {"type": "responses_api_models", "name": "policy_model"}}
 SERVERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "single_agent_turn": ("environment_servers", "single_agent_turn",
-                          {"agent": REFS["agent"], "resources_server": REFS["resources_server"]}),
-    "nim": ("environment_servers", "nim", {"agent": REFS["agent"]}),
-    "agent": ("agents", "simple_agent", {"model_server": REFS["model_server"]}),
-    "restart_only_agent": ("agents", "restart_only_agent", {"model_server": REFS["model_server"]}),
-    "policy_model": ("model_servers", "policy_model",
+                          {"agent_server": REFS["agent_server"], "resources_server": REFS["resources_server"]}),
+    "nim": ("environment_servers", "nim", {"agent_server": REFS["agent_server"]}),
+    "agent": ("responses_api_agents", "simple_agent", {"model_server": REFS["model_server"]}),
+    "restart_only_agent": ("responses_api_agents", "restart_only_agent", {"model_server": REFS["model_server"]}),
+    "policy_model": ("responses_api_models", "policy_model",
                      {"upstream": {"base_url": "http://127.0.0.1:9/v1", "model": "m"}}),
-    "inference_worker": ("model_servers", "inference_worker", {}),
+    "inference_worker": ("responses_api_models", "inference_worker", {}),
     **{name: ("resources_servers", name, {})
        for name in ("calculator_tools", "kv_store", "math_verify", "mcqa", "python_repl", "string_match")},
 }

@@ -22,10 +22,17 @@ from nemo_gym_ckpt.cli import collect
 from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.collect.dispatch import HeldBack
 from nemo_gym_ckpt.collect.progress import Progress, format_duration
-from nemo_gym_ckpt.collect.rows import JsonlAppender, aggregate, failures_path, metrics_path, read_jsonl
+from nemo_gym_ckpt.collect.rows import (
+    JsonlAppender,
+    failures_path,
+    materialized_path,
+    metrics_path,
+    read_jsonl,
+    summarize,
+)
 from nemo_gym_ckpt.collect.tasks import read_tasks, resolve_input
 from nemo_gym_ckpt.config import PROJECT_ROOT, DatasetConfig, ServerConfig, ServerRef
-from nemo_gym_ckpt.identity import current_identity
+from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.server import create_app
 from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, calculator_policy
 from nemo_gym_ckpt.testing.transports import InProcessMesh
@@ -43,25 +50,39 @@ def row(problem: dict[str, Any]) -> dict[str, Any]:
                                         "tools": TOOLS}, "expected_answer": problem["answer"]}
 
 
-def build_mesh() -> tuple[InProcessMesh, ScriptedModel]:
+def build_mesh(gate: asyncio.Event | None = None, **env_settings: Any) -> tuple[InProcessMesh, ScriptedModel]:
     model = ScriptedModel(calculator_policy({p["question"]: p for p in PROBLEMS}))
     mesh = InProcessMesh({
-        "policy_model": ("model_servers", "scripted", ServerConfig()),
+        "policy_model": ("responses_api_models", "scripted", ServerConfig()),
         "calculator_tools": ("resources_servers", "calculator_tools", calculator_app.Config()),
-        "simple_agent": ("agents", "simple_agent", agent_app.Config(
-            model_server=ServerRef(type="model_servers", name="policy_model"),
+        "simple_agent": ("responses_api_agents", "simple_agent", agent_app.Config(
+            model_server=ServerRef(type="responses_api_models", name="policy_model"),
             resources_server=ServerRef(type="resources_servers", name="calculator_tools"))),
         "env": ("environment_servers", "single_agent_turn", env_app.Config(
-            agent=ServerRef(type="agents", name="simple_agent"),
-            resources_server=ServerRef(type="resources_servers", name="calculator_tools"))),
+            agent_server=ServerRef(type="responses_api_agents", name="simple_agent"),
+            resources_server=ServerRef(type="resources_servers", name="calculator_tools"), **env_settings)),
     })
-    mesh.serve("policy_model", model.app())
+    mesh.serve("policy_model", model.app() if gate is None else _held_until(gate, model.app()))
     for name, module in (("calculator_tools", calculator_app), ("simple_agent", agent_app), ("env", env_app)):
         mesh.build(name, module.create_app)
     return mesh, model
 
 
+AGENT_REF = {"type": "responses_api_agents", "name": "simple_agent"}
+STAMPS = {"_ng_environment_server": "env", "_ng_result_type": "single_agent_turn"}
+
+
+def _held_until(gate: asyncio.Event, app: Any) -> Any:
+    async def held(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await asyncio.wait_for(gate.wait(), timeout=30)
+        await app(scope, receive, send)
+
+    return held
+
+
 def plan_for(mesh: InProcessMesh, tasks: list[dict[str, Any]], output: Path, **kwargs: Any) -> collect.Plan:
+    kwargs = {"result_type": "single_agent_turn", "agent_ref": AGENT_REF, **kwargs}
     return collect.Plan("env", mesh.url_of("env"), tasks, output, **kwargs)
 
 
@@ -79,27 +100,107 @@ async def test_every_task_and_repeat_is_collected_with_its_indices(tmp_path: Pat
     assert all(r["_ng_attempt_index"] == 0 and r["reward"] == 1.0 for r in rows)
     assert all(r["expected_answer"] == tasks[r["_ng_task_index"]]["expected_answer"] for r in rows)
     assert {call.capture_key for call in model.calls} == {f"{t}-{r}" for t in range(6) for r in range(2)}
-    metrics = orjson.loads(metrics_path(output).read_bytes())
+    assert all(r["agent_ref"] == AGENT_REF and r.items() >= STAMPS.items() for r in rows)
+    # the collector's keys come last, in NeMo Gym's order (agent_ref stays where the reply has it)
+    assert all(list(r)[-5:] == ["_ng_task_index", "_ng_rollout_index", "_ng_attempt_index", *STAMPS] for r in rows)
+    materialized = list(read_jsonl(materialized_path(output)))
+    assert materialized == [{**tasks[t], "agent_ref": AGENT_REF, "_ng_task_index": t, "_ng_rollout_index": r}
+                            for t in range(6) for r in range(2)]
+    (entry,) = orjson.loads(metrics_path(output).read_bytes())  # NeMo Gym's layout: one entry per server
+    assert list(entry) == ["agent_ref", "_ng_environment_server", "agent_metrics", "key_metrics",
+                           "group_level_metrics", "repeat_level_metrics"]
+    assert entry["agent_ref"] == {"name": "simple_agent"} and entry["_ng_environment_server"] == "env"
+    assert entry["key_metrics"]["mean/reward"] == 1.0 and entry["agent_metrics"]["num_repeats"] == 2
+    assert [g["_ng_task_index"] for g in entry["group_level_metrics"]] == list(range(6))
+    assert all(g["num_rollouts"] == 2 for g in entry["group_level_metrics"])
+    assert [r["_ng_rollout_index"] for r in entry["repeat_level_metrics"]] == [0, 1]
+    metrics = summary.metrics
     assert metrics["mean_reward"] == 1.0 and metrics["rollouts"] == 12 and metrics["failures"] == 0
     assert "expected_answer" not in metrics["means"] and metrics["means"]["usage.input_tokens"] == 20.0
     assert "extracted_answer" in metrics["means"] and metrics["concurrency"] == 3
     assert "12/12" in stream.getvalue() and "mean reward 1.000" in stream.getvalue()
     assert not failures_path(output).read_bytes()
+    assert collect._exit_status(plan_for(mesh, tasks, output), summary) == ExitCode.OK
     await mesh.aclose()
 
 
-async def test_failures_are_written_with_their_reason(tmp_path: Path) -> None:
+async def test_rollouts_past_the_capacity_are_refused_up_front_and_sent_again(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    mesh, model = build_mesh(gate, max_rollouts_in_flight=2)
+    client = mesh.client()
+    held = [asyncio.create_task(client.request("POST", mesh.url_of("env") + "/run", json=row(PROBLEMS[n]),
+                                                identity=RolloutIdentity(f"held-{n}"), check=False))
+            for n in range(3)]
+    done, _ = await asyncio.wait(held, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    [refused] = [task.result() for task in done]  # two run (held at the model), the third is refused
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "capacity_exceeded"
+    gate.set()
+    replies = await asyncio.gather(*held)
+    started = {f"held-{n}" for n, reply in enumerate(replies) if reply.status_code == 200}
+    assert len(started) == 2 and {call.capture_key for call in model.calls} == started  # nothing else started
+    output = tmp_path / "out.jsonl"
+    summary = await collect.run_plan(plan_for(mesh, [row(p) for p in PROBLEMS], output, concurrency=6),
+                                     client, io.StringIO())
+    assert summary.finished == 6 and summary.failed == 0 and summary.refused > 0
+    assert len(list(read_jsonl(output))) == 6
+
+
+FAILURE_KEYS = ["_ng_failure_class", "_ng_failure_type", "_ng_failure_message", "_ng_failure_http_status",
+                "_ng_failure_response_body", "_ng_task_index", "_ng_rollout_index", "agent_ref",
+                "_ng_attempt_index", "_ng_environment_server", "_ng_result_type"]
+
+
+async def test_failures_are_written_as_nemo_gym_writes_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     mesh, _ = build_mesh()
     output = tmp_path / "out.jsonl"
     tasks = [row(PROBLEMS[0]), {**row(PROBLEMS[1]), "expected_answer": "many"}, {"no": "params"}]
-    summary = await collect.run_plan(plan_for(mesh, tasks, output), mesh.client(), io.StringIO())
+    plan = plan_for(mesh, tasks, output)
+    summary = await collect.run_plan(plan, mesh.client(), io.StringIO())
     assert summary.finished == 1 and summary.failed == 2
     failures = sorted(read_jsonl(failures_path(output)), key=lambda r: r["_ng_task_index"])
+    assert [list(f) for f in failures] == [FAILURE_KEYS, FAILURE_KEYS]  # no task fields, no reward
     assert [f["_ng_task_index"] for f in failures] == [1, 2]
-    assert failures[0]["_ng_failure_class"] == "invalid_request"
-    assert failures[0]["_ng_failure_reason"].startswith("step verify failed")
-    assert failures[1]["no"] == "params" and "responses_create_params" in failures[1]["_ng_failure_reason"]
-    assert collect._exit_status(summary) == 0
+    first, second = failures
+    assert (first["_ng_failure_class"], first["_ng_failure_type"], first["_ng_failure_http_status"]) == (
+        "agent_run_error", "InvalidRequest", 400)
+    assert first["_ng_failure_message"].startswith("step verify failed")
+    assert orjson.loads(first["_ng_failure_response_body"])["error"]["code"] == "invalid_request"
+    assert "responses_create_params" in second["_ng_failure_message"]
+    assert collect._exit_status(plan, summary) == ExitCode.FAILURE
+    line = capsys.readouterr().err.strip()
+    assert "2 of 3 rollouts failed (2 invalid_request)" in line and "1 finished" in line and "\n" not in line
+    await mesh.aclose()
+
+
+async def test_an_unreachable_environment_and_a_reported_failure_are_failure_rows(tmp_path: Path) -> None:
+    """No reply at all: ``agent_request_failed`` with no status; a 200 reply naming ``_ng_failure_class``
+    is a failure too, kept as the environment wrote it."""
+    mesh, _ = build_mesh()
+    env = create_app("env")
+
+    @env.post("/run")
+    async def run(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        if body["_ng_task_index"] == 0:
+            return {"_ng_failure_class": "environment_server_failed", "_ng_failure_message": "no"}
+        return {**body, "reward": 1.0}
+
+    mesh.serve("env", env)
+    output = tmp_path / "out.jsonl"
+    summary = await collect.run_plan(plan_for(mesh, [row(PROBLEMS[0]), row(PROBLEMS[1])], output),
+                                     mesh.client(), io.StringIO())
+    assert summary.finished == 1 and dict(summary.failure_codes) == {"environment_server_failed": 1}
+    (reported,) = read_jsonl(failures_path(output))
+    assert reported["_ng_failure_message"] == "no" and reported["_ng_environment_server"] == "env"
+    gone = collect.Plan("env", "http://127.0.0.1:9", [row(PROBLEMS[0])], tmp_path / "gone.jsonl")
+    summary = await collect.run_plan(gone, stream=io.StringIO())
+    (failure,) = read_jsonl(failures_path(tmp_path / "gone.jsonl"))
+    assert (failure["_ng_failure_class"], failure["_ng_failure_type"]) == ("agent_request_failed", "Unavailable")
+    assert failure["_ng_failure_http_status"] is None and failure["_ng_failure_response_body"] is None
+    assert "agent_ref" not in failure and summary.failure_codes == {"unavailable": 1}
     await mesh.aclose()
 
 
@@ -153,8 +254,41 @@ async def test_sigint_stops_dispatch_cancels_in_flight_and_keeps_rows(tmp_path: 
     assert summary.stopped_by == "SIGINT" and sorted(cancelled) == ["0-0", "2-0"]
     assert arrived == ["0-0", "1-0", "2-0"]  # dispatch stopped
     assert summary.finished == 1 and [r["_ng_task_index"] for r in read_jsonl(output)] == [1]
-    assert collect._exit_status(summary) == ExitCode.INTERRUPTED
+    assert collect._exit_status(plan_for(mesh, tasks, output), summary) == ExitCode.INTERRUPTED
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+async def test_a_watch_reason_stops_the_run_and_names_itself(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a launched collection does when a server dies: ``watch`` (the launcher's ``exited``) answers
+    a reason, the rollouts in flight are cancelled, the rows kept, and the exit line names the server."""
+    mesh, _ = build_mesh()
+    gate = asyncio.Event()
+    env = create_app("env")
+
+    @env.post("/run")
+    async def run(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        if body["_ng_task_index"] == 0:
+            gate.set()
+            return {**body, "reward": 1.0}
+        await asyncio.sleep(30)
+        return {}
+
+    mesh.serve("env", env)
+    output = tmp_path / "out.jsonl"
+    plan = plan_for(mesh, [row(p) for p in PROBLEMS], output, concurrency=2)
+    async with asyncio.timeout(10):
+        summary = await collect.run_plan(plan, mesh.client(), io.StringIO(),
+                                         watch=lambda: "simple_agent exited with status -9" if gate.is_set() else None)
+    assert summary.stopped_by == "simple_agent exited with status -9" and summary.finished == 1
+    assert [r["_ng_task_index"] for r in read_jsonl(output)] == [0]
+    assert collect._exit_status(plan, summary) == ExitCode.FAILURE
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("nemo-gym-ckpt collect: simple_agent exited with status -9 during the collection: "
+                           "stopped the mesh; 5 rollouts not run") and "\n" not in line
+    await mesh.aclose()
 
 
 def test_progress_shows_rate_eta_failures_and_reward() -> None:
@@ -194,14 +328,14 @@ def test_appender_cuts_a_torn_tail_and_reader_names_bad_lines(tmp_path: Path) ->
     assert metrics_path(Path("out")) == Path("out_aggregate_metrics.json")
 
 
-def test_aggregate_means_only_what_the_rollouts_added() -> None:
+def test_summary_means_only_what_the_rollouts_added() -> None:
     rows = [{"reward": 1.0, "expected_answer": 4, "ok": True, "name": "x", "_ng_task_index": 0,
              "response": {"usage": {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}}}},
             {"reward": 0.0, "expected_answer": 9, "ok": False, "_ng_task_index": 1}]
-    metrics = aggregate(rows, task_fields={"expected_answer"}, failures=1)
+    metrics = summarize(rows, task_fields={"expected_answer"}, failures=1)
     assert metrics == {"rollouts": 2, "failures": 1, "mean_reward": 0.5,
                        "means": {"ok": 0.5, "reward": 0.5, "usage.input_tokens": 10.0}}
-    assert aggregate([])["mean_reward"] is None
+    assert summarize([])["mean_reward"] is None
 
 
 def test_environment_and_input_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,9 +369,12 @@ def test_the_default_input_is_the_environments_first_dataset() -> None:
         collect.default_input(mesh.mesh, "env")
     with pytest.raises(collect.UsageError, match="pass --input"):
         collect.default_input(None, "env")
+    agent = mesh.mesh.instance("simple_agent").settings
+    agent.datasets.append(DatasetConfig(name="a", type="example", jsonl_fpath=Path("data/a.jsonl")))
+    assert collect.default_input(mesh.mesh, "env") == Path("data/a.jsonl")  # NeMo Gym keeps them on agents
     settings = mesh.mesh.instance("env").settings
-    settings.datasets.append(DatasetConfig(name="q", jsonl_fpath=Path("data/q.jsonl")))
-    assert collect.default_input(mesh.mesh, "env") == Path("data/q.jsonl")
+    settings.datasets.append(DatasetConfig(name="q", type="example", jsonl_fpath=Path("data/q.jsonl")))
+    assert collect.default_input(mesh.mesh, "env") == Path("data/q.jsonl")  # the environment's come first
 
 
 @pytest.mark.parametrize(

@@ -146,12 +146,12 @@ def test_config_digest_ignores_ports_tokens_and_the_checkpoint_block() -> None:
     raw: dict[str, Any] = {
            "head_server": {"port": 1}, "checkpoint": {"enabled": True, "control_auth_token": "a"},
            "env": {"environment_servers": {"x": {"port": 5, "datasets": [{"name": "d"}]}}},
-           "model": {"model_servers": {"y": {"api_key": "k", "temperature": 0.0}}}}
+           "model": {"responses_api_models": {"y": {"api_key": "k", "temperature": 0.0}}}}
     moved: dict[str, Any] = {"head_server": {"port": 2}, "checkpoint": {"enabled": False},
              "env": {"environment_servers": {"x": {"port": 6, "datasets": [{"name": "d"}]}}},
-             "model": {"model_servers": {"y": {"api_key": "other", "temperature": 0.0}}}}
+             "model": {"responses_api_models": {"y": {"api_key": "other", "temperature": 0.0}}}}
     assert config_digest(raw) == config_digest(moved)
-    moved["model"]["model_servers"]["y"]["temperature"] = 1.0
+    moved["model"]["responses_api_models"]["y"]["temperature"] = 1.0
     assert config_digest(raw) != config_digest(moved)
     assert input_digest([{"a": 1, "b": 2}]) == input_digest([{"b": 2, "a": 1}]) != input_digest([{"a": 2}])
 
@@ -162,6 +162,53 @@ def test_a_corrupt_collection_manifest_is_refused_with_its_path(tmp_path: Path) 
     (tmp_path / cid / "collection.json").write_bytes(b'{"checkpoint_id": ')
     with pytest.raises(CheckpointRefused, match=r"collection\.json is not a collection manifest"):
         find_latest(tmp_path)
+
+
+WRONG_TYPES = [
+    ("rows_done", "7"), ("rows_done", -1), ("rows_done", True), ("num_repeats", 0), ("continued", "0-0"),
+    ("continued", [1]), ("manifests", "gym"), ("manifests", {"env": 3}), ("manifests", {"env": "../../x"}),
+    ("manifests", {"env": "/etc/passwd"}), ("staging_keys", {"model": "k"}), ("stats", []),
+    ("checkpoint_id", None), ("unknown", 1), ("schema_version", "1"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), WRONG_TYPES)
+def test_a_wrong_type_anywhere_in_collection_json_is_one_line(tmp_path: Path, field: str, value: Any) -> None:
+    cid = checkpoint_id(0)
+    publish(tmp_path, manifest(tmp_path, cid))
+    path = tmp_path / cid / "collection.json"
+    path.write_bytes(orjson.dumps({**orjson.loads(path.read_bytes()), field: value}))
+    with pytest.raises(CheckpointRefused) as refused:
+        find_latest(tmp_path)
+    message = str(refused.value)
+    assert str(path) in message and "\n" not in message
+    assert field in message or "schema_version" in message
+
+
+@pytest.mark.parametrize(("field", "value"), [*WRONG_TYPES, ("whole", None)])
+def test_pruning_never_crashes_on_a_damaged_older_checkpoint(tmp_path: Path, field: str, value: Any) -> None:
+    old = checkpoint_id(0)
+    publish(tmp_path, manifest(tmp_path, old))
+    path = tmp_path / old / "collection.json"
+    damaged = b"[1, 2]" if field == "whole" else orjson.dumps({**orjson.loads(path.read_bytes()), field: value})
+    path.write_bytes(damaged)
+    newer = [manifest(tmp_path, checkpoint_id(second)) for second in (1, 2)]
+    for published in newer:
+        publish(tmp_path, published)
+    assert not (tmp_path / old).exists()  # older than the two newest published: deleted, not read again
+    assert find_latest(tmp_path) == newer[-1]
+
+
+def test_an_unreadable_collection_json_is_refused_and_prune_goes_on(tmp_path: Path) -> None:
+    old = checkpoint_id(0)
+    publish(tmp_path, manifest(tmp_path, old))
+    (tmp_path / old / "collection.json").unlink()
+    (tmp_path / old / "collection.json").mkdir()
+    with pytest.raises(CheckpointRefused, match="cannot read"):
+        find_latest(tmp_path)
+    for second in (1, 2):
+        publish(tmp_path, manifest(tmp_path, checkpoint_id(second)))
+    assert not (tmp_path / old).exists()
 
 
 def test_dispatch_log_answers_the_highest_attempt_and_skips_a_torn_line(tmp_path: Path) -> None:

@@ -64,6 +64,26 @@ def test_a_checkpoint_of_another_config_is_refused_before_anything_starts(
     assert not (tmp_path / "rows_servers.log").exists()
 
 
+def test_a_collection_json_with_a_wrong_type_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = tmp_path / "ckpt"
+    checkpoint = "ckpt-20260101T000000000000Z-0123abcd"
+    (directory / checkpoint / "gym/model/policy_model").mkdir(parents=True)
+    (directory / checkpoint / "gym/model/policy_model/manifest.json").write_bytes(b"{}")
+    publish(directory, CollectionManifest(
+        checkpoint_id=checkpoint, run_id="run-x", created_at="2026-01-01T00:00:00.000Z", continued=["0-0"],
+        restarted=[], rows_done=0, config_digest="0" * 64, input_digest="1" * 64, num_repeats=1,
+        manifests={"policy_model": "gym/model/policy_model/manifest.json"}))
+    path = directory / checkpoint / "collection.json"
+    path.write_bytes(path.read_bytes().replace(b'"rows_done": 0', b'"rows_done": "zero"'))
+    status = collect.main(args_for("--config", str(QUICKSTART), "--output", str(tmp_path / "rows.jsonl"),
+                                   "--limit", "3", "--checkpoint-dir", str(directory)))
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"{path} is not a collection manifest: rows_done" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--head", "http://127.0.0.1:9", "--checkpoint-every-s", "5"], "need --checkpoint-dir"),
     (["--config", str(QUICKSTART), "--token", "t"], "need --checkpoint-dir"),

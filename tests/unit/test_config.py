@@ -1,4 +1,5 @@
-"""Config loading: merge, interpolation, overrides, typed validation, and one-line errors."""
+"""Config loading in NeMo Gym's shape: merge, config_paths, directives, interpolation, overrides,
+typed validation, old keys refused, and one-line errors."""
 
 from __future__ import annotations
 
@@ -65,9 +66,11 @@ MESH = """
     tool:
       resources_servers:
         fake_tool:
+          entrypoint: app.py
+          domain: math
           answer: "42"
     agent:
-      agents:
+      responses_api_agents:
         fake_agent:
           resources_server: {type: resources_servers, name: tool}
 """
@@ -86,6 +89,8 @@ def test_a_valid_mesh_is_typed(write: Writer) -> None:
     assert agent.resources_server == ServerRef(type="resources_servers", name="tool")
     assert mesh.head_url == "http://127.0.0.1:11000"
     assert not mesh.checkpoint.enabled
+    assert mesh.instance("agent").module == "agents.fake_agent.app"  # responses_api_agents live in agents/
+    assert mesh.instance("agent").folder == "agents/fake_agent"
 
 
 def test_later_files_win_and_nested_blocks_merge(write: Writer) -> None:
@@ -116,7 +121,8 @@ def test_interpolation_keeps_types_and_formats_strings(write: Writer) -> None:
         fake_tool:
           answer: "${word}-two"
           retries: ${tries}
-          datasets: [{name: d, jsonl_fpath: "data/${tool_extra.resources_servers.fake_tool.answer}.jsonl"}]
+          datasets:
+            - {name: d, type: example, jsonl_fpath: "data/${tool_extra.resources_servers.fake_tool.answer}.jsonl"}
     """)
     settings = load_config([path]).instance("tool_extra").settings
     assert isinstance(settings, ToolConfig)
@@ -145,7 +151,7 @@ def test_env_interpolation_with_and_without_default(write: Writer, monkeypatch: 
 def test_overrides_win_over_files_and_add_keys(write: Writer) -> None:
     path = write("a.yaml", MESH)
     mesh = load_config([path], ["tool.resources_servers.fake_tool.retries=11", "+head_server.port=0",
-                                "agent.agents.fake_agent.port=15001"])
+                                "++agent.responses_api_agents.fake_agent.port=15001"])
     settings = mesh.instance("tool").settings
     assert isinstance(settings, ToolConfig) and settings.retries == 11
     assert mesh.head_server.port == 0
@@ -164,8 +170,8 @@ def test_an_override_fills_an_empty_block(write: Writer) -> None:
 
 
 def test_parse_overrides_reads_values_as_yaml() -> None:
-    assert parse_overrides(["a.b=1", "+c=[1, 2]", "d=text", "e=", "f=x=y"]) == [
-        (("a", "b"), 1), (("c",), [1, 2]), (("d",), "text"), (("e",), ""), (("f",), "x=y"),
+    assert parse_overrides(["a.b=1", "+c=[1, 2]", "d=text", "e=", "f=x=y", "++g.h=true"]) == [
+        (("a", "b"), 1), (("c",), [1, 2]), (("d",), "text"), (("e",), ""), (("f",), "x=y"), (("g", "h"), True),
     ]
 
 
@@ -183,7 +189,7 @@ def test_a_real_implementation_validates_its_block(write: Writer) -> None:
     path = write("sm.yaml", """
         sm:
           resources_servers:
-            string_match: {mode: substring}
+            string_match: {entrypoint: app.py, domain: knowledge, mode: substring}
     """)
     assert load_config([path]).instance("sm").settings.mode == "substring"
     with pytest.raises(ConfigError, match=r"key 'sm\.resources_servers\.string_match\.mode'"):
@@ -207,20 +213,104 @@ ERROR_CASES = {
     ),
     "??? left in place": (
         "tool:\n  resources_servers:\n    fake_tool: {answer: '???'}\n",
-        [], "tool.resources_servers.fake_tool.answer", "required value is missing (???)",
+        [], "tool.resources_servers.fake_tool.answer",
+        "required value is missing (???): set it, e.g. ++tool.resources_servers.fake_tool.answer=<value>",
     ),
     "reference to a missing server": (
-        "agent:\n  agents:\n    fake_agent:\n      resources_server: {type: resources_servers, name: nope}\n",
-        [], "agent.agents.fake_agent.resources_server", "'nope', which is not defined",
+        "agent:\n  responses_api_agents:\n    fake_agent:\n"
+        "      resources_server: {type: resources_servers, name: nope}\n",
+        [], "agent.responses_api_agents.fake_agent.resources_server", "'nope', which is not defined",
     ),
     "reference of the wrong type": (
         "tool:\n  resources_servers:\n    fake_tool: {answer: a}\n"
-        "agent:\n  agents:\n    fake_agent:\n      resources_server: {type: agents, name: tool}\n",
-        [], "agent.agents.fake_agent.resources_server", "as agents, but it is resources_servers",
+        "agent:\n  responses_api_agents:\n    fake_agent:\n"
+        "      resources_server: {type: responses_api_agents, name: tool}\n",
+        [], "agent.responses_api_agents.fake_agent.resources_server",
+        "as responses_api_agents, but it is resources_servers",
     ),
     "wrong server type key": (
-        "tool:\n  resource_servers:\n    fake_tool: {answer: a}\n",
+        "tool:\n  resources_servers:\n    fake_tool: {answer: a}\n  resource_servers: {}\n",
         [], "tool", "expected exactly one server type key",
+    ),
+    "a mapping without a type key": (
+        "tool:\n  resource_servers:\n    fake_tool: {answer: a}\n",
+        [], "tool", "unknown top-level key: expected a server instance",
+    ),
+    "an unknown top-level scalar": (
+        "tool:\n  resources_servers:\n    fake_tool: {answer: a}\nchekpoint: true\n",
+        [], "chekpoint", "unknown top-level key",
+    ),
+    "a NeMo Gym launcher key": (
+        "tool:\n  resources_servers:\n    fake_tool: {answer: a}\ndry_run: false\n",
+        [], "dry_run", "a NeMo Gym launcher setting that this launcher does not take",
+    ),
+    "the old model type key": (
+        "model:\n  model_servers:\n    policy_model: {}\n",
+        [], "model.model_servers", "'model_servers' is the old type key: write 'responses_api_models'",
+    ),
+    "the old agent type key": (
+        "agent:\n  agents:\n    fake_agent: {}\n",
+        [], "agent.agents", "'agents' is the old type key: write 'responses_api_agents'",
+    ),
+    "an old reference type": (
+        "tool:\n  resources_servers:\n    fake_tool: {answer: a}\n"
+        "agent:\n  responses_api_agents:\n    fake_agent:\n      resources_server: {type: agents, name: tool}\n",
+        [], "agent.responses_api_agents.fake_agent.resources_server.type",
+        "reference type 'agents' is the old type key: write type: responses_api_agents",
+    ),
+    "an environment's old agent key": (
+        "env:\n  environment_servers:\n    single_agent_turn:\n"
+        "      agent: {type: responses_api_agents, name: a}\n",
+        [], "env.environment_servers.single_agent_turn.agent", "'agent' is now 'agent_server'",
+    ),
+    "an environment's old timeout key": (
+        "env:\n  environment_servers:\n    nim:\n      episode_timeout_s: 5\n",
+        [], "env.environment_servers.nim.episode_timeout_s", "'episode_timeout_s' is now "
+        "'default_episode_timeout_seconds'",
+    ),
+    "an entrypoint outside the folder": (
+        "tool:\n  resources_servers:\n    fake_tool: {answer: a, entrypoint: ../app.py}\n",
+        [], "tool.resources_servers.fake_tool.entrypoint",
+        "expected a .py file inside the implementation folder",
+    ),
+    "an entrypoint that is not there": (
+        "sm:\n  resources_servers:\n    string_match: {entrypoint: main.py}\n",
+        [], "sm.resources_servers.string_match.entrypoint",
+        "no entrypoint main.py in resources_servers/string_match/",
+    ),
+    "a domain NeMo Gym does not know": (
+        "tool:\n  resources_servers:\n    fake_tool: {answer: a, domain: cooking}\n",
+        [], "tool.resources_servers.fake_tool.domain", "'math'",
+    ),
+    "a train dataset without a license": (
+        "tool:\n  resources_servers:\n    fake_tool:\n      answer: a\n"
+        "      datasets: [{name: d, type: train, jsonl_fpath: d.jsonl}]\n",
+        [], "tool.resources_servers.fake_tool.datasets.0", "a train dataset needs a license",
+    ),
+    "a dataset without a type": (
+        "tool:\n  resources_servers:\n    fake_tool:\n      answer: a\n"
+        "      datasets: [{name: d, jsonl_fpath: d.jsonl}]\n",
+        [], "tool.resources_servers.fake_tool.datasets.0.type", "required value is missing",
+    ),
+    "a license NeMo Gym does not list": (
+        "tool:\n  resources_servers:\n    fake_tool:\n      answer: a\n"
+        "      datasets: [{name: d, type: example, license: WTFPL, jsonl_fpath: d.jsonl}]\n",
+        [], "tool.resources_servers.fake_tool.datasets.0.license", "'Apache 2.0'",
+    ),
+    "several worker processes": (
+        "tool:\n  resources_servers:\n    fake_tool: {answer: a, num_workers: 4}\n",
+        [], "tool.resources_servers.fake_tool.num_workers", "Input should be 1",
+    ),
+    "an episode queue": (
+        "env:\n  environment_servers:\n    nim:\n      agent_server: {name: a}\n      max_concurrent_episodes: 4\n"
+        "      queue_timeout_seconds: 1\na:\n  responses_api_agents:\n    fake_agent:\n"
+        "      resources_server: {type: resources_servers, name: t}\nt:\n  resources_servers:\n"
+        "    fake_tool: {answer: x}\n",
+        [], "env.environment_servers.nim", "NeMo Gym's episode queue",
+    ),
+    "a port range upside down": (
+        "port_range_low: 15000\nport_range_high: 14000\ntool:\n  resources_servers:\n    fake_tool: {answer: a}\n",
+        [], "port_range_high", "port_range_low 15000 is above port_range_high 14000",
     ),
     "unknown implementation": (
         "tool:\n  resources_servers:\n    no_such_impl_here: {}\n",
@@ -316,8 +406,8 @@ def test_missing_file_and_no_file(tmp_path: Path) -> None:
         load_config([])
 
 
-@pytest.mark.parametrize("item", ["novalue", "=1", "a..b=1", "+=2"])
+@pytest.mark.parametrize("item", ["novalue", "=1", "a..b=1", "+=2", "~a.b"])
 def test_malformed_overrides(item: str) -> None:
-    with pytest.raises(ConfigError, match="is not key=value") as caught:
+    with pytest.raises(ConfigError, match=r"is not key=value|deleting a key") as caught:
         parse_overrides([item])
     assert caught.value.file == "<command line>"

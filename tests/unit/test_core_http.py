@@ -82,10 +82,14 @@ def test_every_code_maps_back_to_its_class() -> None:
 def test_capture_keys_round_trip() -> None:
     assert parse_capture_key("r1") == RolloutIdentity("r1", 0)
     assert parse_capture_key("r1-a2") == RolloutIdentity("r1", 2)
-    assert parse_capture_key("task-3-a0") == RolloutIdentity("task-3-a0", 0)
+    assert parse_capture_key("task-3.a0") == RolloutIdentity("task-3.a0", 0)
     assert RolloutIdentity("r1", 3).capture_key == "r1-a3"
-    with pytest.raises(InvalidRequest):
-        parse_capture_key("../etc")
+    for bad in ("../etc", "task-3-a0", "r-a01", "r1-a2-a3", "a:b", "r1-a1234567890", "r1\n", "x" * 201):
+        with pytest.raises(InvalidRequest):
+            parse_capture_key(bad)
+    for bad_id in ("x-a1", "x-a0", "x:y"):
+        with pytest.raises(InvalidRequest):
+            RolloutIdentity(bad_id, 1)  # would share capture keys with other (rollout, attempt) pairs
 
 
 def test_prefix_is_inserted_once() -> None:

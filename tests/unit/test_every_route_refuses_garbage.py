@@ -18,22 +18,23 @@ from nemo_gym_ckpt.context import ServerContext
 
 pytestmark = pytest.mark.unit
 
-REF = {"type": "model_servers", "name": "policy_model"}
+REF = {"type": "responses_api_models", "name": "policy_model"}
 MESH: dict[str, Any] = {
     "checkpoint": {"enabled": True, "control_auth_token": "t0ken", "root": "/tmp/ngc-garbage"},
-    "inference_worker": {"model_servers": {"inference_worker": {}}},
-    "policy_model": {"model_servers": {"policy_model": {
-        "worker": {"type": "model_servers", "name": "inference_worker"}, "checkpoint_policy": True}}},
+    "inference_worker": {"responses_api_models": {"inference_worker": {}}},
+    "policy_model": {"responses_api_models": {"policy_model": {
+        "worker": {"type": "responses_api_models", "name": "inference_worker"}, "checkpoint_policy": True}}},
     "calculator_tools": {"resources_servers": {"calculator_tools": {}}},
     "string_match": {"resources_servers": {"string_match": {}}},
     "mcqa": {"resources_servers": {"mcqa": {}}},
     "kv_store": {"resources_servers": {"kv_store": {}}},
-    "simple_agent": {"agents": {"simple_agent": {
+    "simple_agent": {"responses_api_agents": {"simple_agent": {
         "model_server": REF, "resources_server": {"type": "resources_servers", "name": "calculator_tools"}}}},
     "single_agent_turn": {"environment_servers": {"single_agent_turn": {
-        "agent": {"type": "agents", "name": "simple_agent"},
+        "agent_server": {"type": "responses_api_agents", "name": "simple_agent"},
         "resources_server": {"type": "resources_servers", "name": "calculator_tools"}}}},
-    "nim": {"environment_servers": {"nim": {"agent": {"type": "agents", "name": "simple_agent"}}}},
+    "nim": {"environment_servers": {"nim": {
+        "agent_server": {"type": "responses_api_agents", "name": "simple_agent"}}}},
 }
 GARBAGE: list[tuple[str, dict[str, str]]] = [
     ("{not json", {"content-type": "application/json"}),

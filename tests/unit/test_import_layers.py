@@ -24,7 +24,9 @@ LIBRARY = "nemo_gym_ckpt"
 SERVER_FOLDERS = ("model_servers", "agents", "environment_servers", "resources_servers")
 FIRST_PARTY = (LIBRARY, *SERVER_FOLDERS, "tests")
 GROUND = frozenset(
-    {"errors", "identity", "config", "client", "server", "context", "capture", "canonical", "responses"}
+    {"errors", "identity", "config", "config_sources", "client", "server", "context", "capture", "canonical",
+     "responses", "bounds",
+     "aggregate_metrics"}
 )
 
 

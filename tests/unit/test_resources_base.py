@@ -105,7 +105,7 @@ async def test_restart_only_is_the_default_and_says_so(client: httpx.AsyncClient
 
 async def test_sessions_keep_state_and_identity(client: httpx.AsyncClient, server: Counter) -> None:
     seeded = await client.post("/ng-rollout/r7-a2/seed_session", json={"start": 5})
-    cookie = {"cookie": f"ng_session_ctr={seeded.json()['session_id']}"}
+    cookie = {"cookie": f"ng_session_ctr={seeded.json()['resources_session_id']}"}
     client.cookies.clear()
     assert (await client.post("/ng-rollout/r7-a2/bump", json={}, headers=cookie)).text == "6"
     assert (await client.post("/bump", json={}, headers=cookie)).text == "7"
@@ -136,7 +136,7 @@ async def test_bad_seed_body_is_400_and_opens_nothing(client: httpx.AsyncClient,
 async def test_verify_echoes_only_what_was_sent(client: httpx.AsyncClient) -> None:
     seeded = await client.post("/seed_session", json={})
     row = {"target": 1, "response": {"id": "resp_1", "output": [], "usage": {"total_tokens": 3}}, "k": [1]}
-    cookie = {"cookie": f"ng_session_ctr={seeded.json()['session_id']}"}
+    cookie = {"cookie": f"ng_session_ctr={seeded.json()['resources_session_id']}"}
     client.cookies.clear()
     body = (await client.post("/verify", json=row, headers=cookie)).json()
     assert body == {**row, "reward": 0.0, "count": 0, "seen_by": None}
@@ -289,3 +289,74 @@ def test_public_surface() -> None:
     }
     assert defined_here <= set(resources.__all__)
     assert all(hasattr(resources, name) for name in resources.__all__)
+
+
+# ---- NeMo Gym 0.7's seed and close -------------------------------------------------------------
+
+
+def ng_seed(session_id: str, rollout_id: str = "4-0", **task_data: Any) -> dict[str, Any]:
+    """NeMo Gym's ``ResourcesSeedSessionRequest`` (what its environment servers send)."""
+    return {"resources_session_id": session_id, "episode_id": {"rollout_id": rollout_id, "attempt": 0},
+            "task_id": {"taskset": "t", "task_id": "1"}, "task_data": task_data}
+
+
+async def test_nemo_gyms_seed_names_the_session_and_repeats_idempotently(
+    client: httpx.AsyncClient, server: Counter
+) -> None:
+    reply = await client.post("/seed_session", json=ng_seed("resources-session-ab12", start=3))
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {"resources_session_id": "resources-session-ab12", "resources_tools": None,
+                            "sandbox_access": None}
+    assert reply.cookies["ng_session_ctr"] == "resources-session-ab12"
+    (session,) = list(server.sessions)
+    assert (session.identity, session.state) == (RolloutIdentity("4-0"), {"count": 3})
+    cookie = {"cookie": "ng_session_ctr=resources-session-ab12"}
+    client.cookies.clear()
+    assert (await client.post("/bump", json={}, headers=cookie)).text == "4"
+    again = await client.post("/seed_session", json=ng_seed("resources-session-ab12", start=3))
+    assert again.status_code == 200 and len(server.sessions) == 1 and session.state == {"count": 4}
+    other = await client.post("/seed_session", json=ng_seed("resources-session-ab12", "5-0"))
+    assert (other.status_code, other.json()["error"]["code"]) == (400, "invalid_request")
+    for bad in ({**ng_seed("x"), "extra": 1}, ng_seed("bad id!"), {**ng_seed("x"), "task_data": []}):
+        refused = await client.post("/seed_session", json=bad)
+        assert (refused.status_code, refused.json()["error"]["code"]) == (400, "invalid_request"), bad
+
+
+async def test_nemo_gyms_close_names_the_session_and_a_closed_id_stays_closed(
+    client: httpx.AsyncClient, server: Counter
+) -> None:
+    await client.post("/seed_session", json=ng_seed("resources-session-1"))
+    client.cookies.clear()
+    body = {"resources_session_id": "resources-session-1", "episode_id": {"rollout_id": "4-0", "attempt": 0}}
+    closed = await client.post("/close_session", json=body)  # no cookie: the body names the session
+    assert (closed.status_code, closed.json()) == (200, {"resources_session_id": "resources-session-1"})
+    assert len(server.sessions) == 0
+    assert (await client.post("/close_session", json=body)).status_code == 200  # idempotent
+    reseeded = await client.post("/seed_session", json=ng_seed("resources-session-1"))
+    assert (reseeded.status_code, reseeded.json()["error"]["code"]) == (400, "invalid_request")
+    assert "was closed" in reseeded.json()["error"]["detail"] and len(server.sessions) == 0
+    refused = await client.post("/close_session", json={**body, "extra": 1})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (400, "invalid_request")
+
+
+async def test_a_legacy_seed_reads_the_rollout_from_nemo_gyms_dispatch_keys(
+    client: httpx.AsyncClient, server: Counter
+) -> None:
+    """An agent's ``/run`` seeds with the whole run row: its ``_ng_`` keys name the rollout and never
+    reach the task."""
+    reply = await client.post("/seed_session", json={"start": 2, "_ng_task_index": 6, "_ng_rollout_index": 1,
+                                                     "_ng_attempt_index": 3})
+    assert reply.status_code == 200, reply.text
+    (session,) = list(server.sessions)
+    assert session.identity == RolloutIdentity("6-1", 3) and session.state == {"count": 2}
+
+
+def test_a_table_remembers_a_bounded_number_of_closed_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("nemo_gym_ckpt.resources.sessions.CLOSED_REMEMBERED", 2)
+    table = SessionTable()
+    for name in ("a", "b", "c"):
+        table.note_closed(name)
+    assert [table.was_closed(name) for name in ("a", "b", "c")] == [False, True, True]
+    with pytest.raises(InvalidRequest, match="was closed"):
+        table.open(None, {}, "b")
+    assert table.open(None, {}, "a").session_id == "a"

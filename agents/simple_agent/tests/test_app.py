@@ -34,11 +34,11 @@ def build_mesh(
     model = ScriptedModel(policy)
     resources_ref = ServerRef(type="resources_servers", name=resources) if resources else None
     mesh = InProcessMesh({
-        "policy_model": ("model_servers", "scripted", ServerConfig()),
+        "policy_model": ("responses_api_models", "scripted", ServerConfig()),
         "calculator_tools": ("resources_servers", "calculator_tools", calculator_app.Config()),
         "tally": ("resources_servers", "tally", ServerConfig()),
-        "simple_agent": ("agents", "simple_agent", agent_app.Config(
-            model_server=ServerRef(type="model_servers", name="policy_model"),
+        "simple_agent": ("responses_api_agents", "simple_agent", agent_app.Config(
+            model_server=ServerRef(type="responses_api_models", name="policy_model"),
             resources_server=resources_ref, **agent)),
     })
     mesh.serve("policy_model", model.app())

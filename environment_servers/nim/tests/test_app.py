@@ -33,11 +33,11 @@ def task(**rules: Any) -> dict[str, Any]:
 def build_mesh(**env: Any) -> tuple[InProcessMesh, ScriptedModel]:
     model = ScriptedModel(nim_policy)
     mesh = InProcessMesh({
-        "policy_model": ("model_servers", "scripted", ServerConfig()),
-        "simple_agent": ("agents", "simple_agent", agent_app.Config(
-            model_server=ServerRef(type="model_servers", name="policy_model"))),
+        "policy_model": ("responses_api_models", "scripted", ServerConfig()),
+        "simple_agent": ("responses_api_agents", "simple_agent", agent_app.Config(
+            model_server=ServerRef(type="responses_api_models", name="policy_model"))),
         "nim": ("environment_servers", "nim",
-                nim_app.Config(agent=ServerRef(type="agents", name="simple_agent"), **env)),
+                nim_app.Config(agent_server=ServerRef(type="responses_api_agents", name="simple_agent"), **env)),
     })
     mesh.serve("policy_model", model.app())
     mesh.build("simple_agent", agent_app.create_app)

@@ -43,14 +43,14 @@ def row(problem: dict[str, Any], **extra: Any) -> dict[str, Any]:
 def build_mesh(resources: str = "calculator_tools", **env: Any) -> tuple[InProcessMesh, ScriptedModel]:
     model = ScriptedModel(calculator_policy({p["question"]: p for p in PROBLEMS}))
     mesh = InProcessMesh({
-        "policy_model": ("model_servers", "scripted", ServerConfig()),
+        "policy_model": ("responses_api_models", "scripted", ServerConfig()),
         "calculator_tools": ("resources_servers", "calculator_tools", calculator_app.Config()),
         "tally": ("resources_servers", "tally", ServerConfig()),
-        "simple_agent": ("agents", "simple_agent", agent_app.Config(
-            model_server=ServerRef(type="model_servers", name="policy_model"),
+        "simple_agent": ("responses_api_agents", "simple_agent", agent_app.Config(
+            model_server=ServerRef(type="responses_api_models", name="policy_model"),
             resources_server=ServerRef(type="resources_servers", name=resources))),
         "env": ("environment_servers", "single_agent_turn", env_app.Config(
-            agent=ServerRef(type="agents", name="simple_agent"),
+            agent_server=ServerRef(type="responses_api_agents", name="simple_agent"),
             resources_server=ServerRef(type="resources_servers", name=resources), **env)),
     })
     mesh.serve("policy_model", model.app())
@@ -243,7 +243,7 @@ async def test_a_broken_agent_is_an_upstream_error_and_still_closed(
 
 
 async def test_the_episode_timeout_names_the_running_step() -> None:
-    built, _ = build_mesh(episode_timeout_s=0.1)
+    built, _ = build_mesh(default_episode_timeout_seconds=0.1)
     agent = ContractAgent(answer="hang")
     built.serve("simple_agent", agent.app())
     built.build("env", env_app.create_app)

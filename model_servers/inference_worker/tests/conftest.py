@@ -21,7 +21,7 @@ TOKEN = "s3cret-token"
 
 
 def make_ctx(checkpoint: bool = False, **settings: Any) -> ServerContext[Config]:
-    raw: dict[str, Any] = {"worker": {"model_servers": {"inference_worker": settings}}}
+    raw: dict[str, Any] = {"worker": {"responses_api_models": {"inference_worker": settings}}}
     if checkpoint:
         raw["checkpoint"] = {"enabled": True, "control_auth_token": TOKEN}
     mesh = load_config_dict(raw)

@@ -9,6 +9,8 @@ and every one has a deadline.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -17,7 +19,6 @@ from typing import Any
 import httpx
 import orjson
 
-from model_servers.inference_worker.cut_models import inventory_digest
 from model_servers.inference_worker.engine import Engine, EngineTokenizer, GenerationRequest, TokenStep
 from model_servers.inference_worker.tests.conftest import TOKEN
 
@@ -34,6 +35,7 @@ __all__ = [
     "start_under",
     "status",
     "until_tokens",
+    "upstream_digest",
 ]
 
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -67,14 +69,24 @@ def model_call(call_id: str, parent: str | None = None, previous_length: int = 0
             "constrained": constrained}
 
 
+def upstream_digest(checkpoint_id: str, server_name: str, prefixes: list[dict[str, Any]]) -> str:
+    """Upstream's inventory digest, written out here from its definition (NeMo Gym's
+    ``GenerationCutInventory.build``): SHA-256 of the compact, key-sorted JSON (Python's ``json``) of
+    the checkpoint id, the server name and the prefixes sorted by ticket id."""
+    payload = {"checkpoint_id": checkpoint_id, "server_name": server_name,
+               "active_prefixes": sorted(prefixes, key=lambda prefix: prefix["ticket_id"])}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def cut_body(
     checkpoint_id: str, *entries: tuple[str, str, int, str], server: str = "policy_model"
 ) -> dict[str, Any]:
-    """A cut request of ``(ticket_id, rollout_id, attempt, model_call_id)`` entries."""
-    prefixes = [{"ticket_id": t, "rollout_id": r, "attempt": a, "model_call_id": c, "admitted_at": 1.5}
-                for t, r, a, c in entries]
+    """An upstream-shaped cut request of ``(ticket_id, rollout_id, attempt, model_call_id)`` entries
+    (prefixes sorted by ticket id, as upstream's requester sends them)."""
+    prefixes = sorted(({"ticket_id": t, "rollout_id": r, "attempt": a, "model_call_id": c, "admitted_at": 1.5}
+                       for t, r, a, c in entries), key=lambda prefix: prefix["ticket_id"])
     return {"checkpoint_id": checkpoint_id, "server_name": server, "active_prefixes": prefixes,
-            "inventory_digest": inventory_digest(prefixes)}
+            "inventory_digest": upstream_digest(checkpoint_id, server, prefixes)}
 
 
 async def cut(http: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:

@@ -308,7 +308,7 @@ def test_staging_lives_beside_the_checkpoint_root_never_inside_it(tmp_path: Path
     root, own = tmp_path / "ckpts", tmp_path / "elsewhere"
     settings = {"staging_dir": str(own)} if configured else {}
     mesh = load_config_dict({"checkpoint": {"enabled": True, "control_auth_token": TOKEN, "root": str(root)},
-                             "w1": {"model_servers": {"inference_worker": settings}}})
+                             "w1": {"responses_api_models": {"inference_worker": settings}}})
     instance = mesh.instance("w1")
     assert isinstance(instance.settings, Config)
     where = staging_dir(ServerContext(name="w1", settings=instance.settings, mesh=mesh))

@@ -132,7 +132,6 @@ MISMATCHES: list[tuple[Callable[[Case], None], str]] = [
     (tampered, "does not match its key's digest"),
     (truncated, "does not match its key's digest"),
     (rekeyed_tokens, "prefix digest"),
-    (missing, "not found"),
     (wrong_digest, "prefix digest"),
     (wrong_source, "source call"),
     (wrong_parent, "lineage"),
@@ -175,6 +174,16 @@ async def test_a_mismatch_is_invalid_checkpoint_state(
     error = reply.json()["error"]
     assert error["code"] == "invalid_checkpoint_state" and says in error["detail"]
     assert admitted == 0 and served == 0
+
+
+async def test_a_prefix_that_is_not_there_is_generated_afresh_and_counted(
+    worker_client: WorkerClient, tmp_path: Path
+) -> None:
+    reply, admitted, served = await send(worker_client, tmp_path, missing)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["text"] == "abcdefghij" and choice["prompt_token_ids"] == BODY["prompt"]  # from the start
+    assert admitted == 1 and served == 0
 
 
 async def test_a_continuation_needs_its_model_call(worker_client: WorkerClient, tmp_path: Path) -> None:

@@ -51,12 +51,12 @@ async def test_a_continued_generation_equals_the_uncut_one(
         running = start_under(http, "r1", {**body, "model_call": model_call("mc_a")})
         engine.release(CUT_AT)
         await until_tokens(http, "mc_a", CUT_AT)
-        receipt = (await cut(http, cut_body("c1", ("tk-1", "r1", 0, "mc_a"))))["receipts"][0]
+        receipt = (await cut(http, cut_body("c1", ("tk-1", "r1", 0, "mc_a"))))["prefixes"][0]
         engine.open_gate()
         uncut = (await running).json()["choices"][0]
         continuation = {"staging_keys": receipt["staging_keys"], "source_call_id": "mc_a",
                         "prefix_token_count": CUT_AT, "prefix_digest": receipt["prefix_digest"],
-                        "effective_output_limit": 40 - CUT_AT}
+                        "effective_output_limit": 40}  # the whole output budget, as upstream
         again = await complete_under(http, "r1-a1", {**body, "model_call": model_call("mc_b"),
                                                      "continuation": continuation})
     continued = again.json()["choices"][0]

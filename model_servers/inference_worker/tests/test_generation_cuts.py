@@ -56,12 +56,13 @@ async def test_cut_freezes_at_a_token_boundary_and_the_generation_goes_on(
         engine.open_gate()
         cut_run = (await running).json()["choices"][0]
         uncut = (await complete_under(http, "r2", {**BODY, "model_call": model_call("mc_b")})).json()
-    [receipt] = reply["receipts"]
-    assert receipt == {"ticket_id": "tk-1", "model_call_id": "mc_a", "disposition": "durable_prefix",
-                       "cut_kind": "active_prefix", "staging_keys": receipt["staging_keys"],
-                       "prefix_token_count": 4, "prefix_digest": token_digest(TOK.encode("abcd")),
-                       "effective_output_limit": 6, "terminal_finish_reason": None, "detail": None}
+    [receipt] = reply["prefixes"]
     [key] = receipt["staging_keys"]
+    assert receipt == {"ticket_id": "tk-1", "rollout_id": "r1", "attempt": 0, "model_call_id": "mc_a",
+                       "admitted_at": 1.5, "disposition": "durable_prefix", "cut_kind": "active_prefix",
+                       "frozen_buffer_id": key, "staging_keys": [key], "prefix_token_count": 4,
+                       "prefix_digest": token_digest(TOK.encode("abcd")), "effective_output_limit": 10,
+                       "terminal_finish_reason": None, "terminal_stop_reason": None}
     assert key.startswith("mc_a.") and files_at_receipt == [batch_of(tmp_path, key)]
     prefix = staged(tmp_path, key)
     assert prefix.token_ids == tuple(TOK.encode("abcd")) and prefix.logprobs == (-0.01, -0.02, -0.03, -0.04)
@@ -82,10 +83,10 @@ async def test_a_finished_generation_is_cut_as_a_terminal_completion(
     async with worker_client(engine, checkpoint=True, staging_dir=str(tmp_path)) as http:
         done = await complete_under(http, "r1", {**BODY, "model_call": model_call("mc_a")})
         reply = await cut(http, cut_body("c1", ("tk-1", "r1", 0, "mc_a")))
-    [receipt] = reply["receipts"]
+    [receipt] = reply["prefixes"]
     assert done.json()["choices"][0]["finish_reason"] == "stop"
     assert receipt["cut_kind"] == "terminal_completion" and receipt["terminal_finish_reason"] == "stop"
-    assert receipt["prefix_token_count"] == 4 and receipt["effective_output_limit"] == 0
+    assert receipt["prefix_token_count"] == 4 and receipt["effective_output_limit"] == 10  # the whole budget
     prefix = staged(tmp_path, receipt["staging_keys"][0])
     assert prefix.last_step_finish == "stop" and prefix.finish_reason == "stop"
 
@@ -103,15 +104,19 @@ async def test_tickets_without_a_cuttable_generation_are_durable_failures(
         body = cut_body("c1", ("t-none", "r3", 0, "mc_nobody"), ("t-other", "r9", 0, "mc_w"),
                         ("t-attempt", "r2", 1, "mc_w"), ("t-constrained", "r1", 0, "mc_c"))
         reply = await cut(http, body)
+        failures = (await status(http))["cut_failures"]
         engine.open_gate()
         for task in (constrained, waiting):
             assert (await task).status_code == 200
-    receipts = {r["ticket_id"]: r for r in reply["receipts"]}
+    receipts = {r["ticket_id"]: r for r in reply["prefixes"]}
+    evidence = ("cut_kind", "frozen_buffer_id", "prefix_token_count", "prefix_digest", "effective_output_limit",
+                "terminal_finish_reason", "terminal_stop_reason")
     assert {r["disposition"] for r in receipts.values()} == {"durable_failure"}
-    assert all(r["staging_keys"] == [] and r["cut_kind"] is None for r in receipts.values())
-    assert "no generation" in receipts["t-none"]["detail"]
-    assert "another rollout attempt" in receipts["t-other"]["detail"] == receipts["t-attempt"]["detail"]
-    assert receipts["t-constrained"]["detail"] == "constrained decoding is never cut"
+    assert all(r["staging_keys"] == [] and all(r[k] is None for k in evidence) for r in receipts.values())
+    reasons = sorted(failures)
+    assert len(reasons) == 3 and sum(failures.values()) == 4
+    assert any("no generation" in r for r in reasons) and failures["constrained decoding is never cut"] == 1
+    assert failures["call mc_w belongs to another rollout attempt"] == 2
     assert batch_files(tmp_path) == []
 
 
@@ -123,9 +128,10 @@ async def test_nothing_generated_yet_is_a_durable_failure(
         running = start_under(http, "r1", {**BODY, "model_call": model_call("mc_a")})
         await until_tokens(http, "mc_a", 0)
         reply = await cut(http, cut_body("c1", ("tk-1", "r1", 0, "mc_a")))
+        failures = (await status(http))["cut_failures"]
         engine.open_gate()
         await running
-    assert reply["receipts"][0]["detail"] == "nothing generated yet"
+    assert reply["prefixes"][0]["disposition"] == "durable_failure" and failures == {"nothing generated yet": 1}
 
 
 async def test_the_same_cut_again_gets_the_same_reply_and_a_bad_digest_is_refused(
@@ -172,8 +178,8 @@ async def test_keep_deletes_the_unkept_and_a_settled_checkpoint_stages_nothing(
             await complete_under(http, key, {**BODY, "model_call": model_call(call)})
         reply = await cut(http, cut_body("c1", ("t1", "r1", 0, "mc_a"), ("t2", "r2", 0, "mc_b")))
         other = await cut(http, cut_body("c2", ("t3", "r3", 0, "mc_c")))
-        kept_key, dropped_key = (r["staging_keys"][0] for r in reply["receipts"])
-        [other_key] = other["receipts"][0]["staging_keys"]
+        kept_key, dropped_key = (r["staging_keys"][0] for r in reply["prefixes"])
+        [other_key] = other["prefixes"][0]["staging_keys"]
         kept_file, other_file = batch_of(tmp_path, kept_key), batch_of(tmp_path, other_key)
         keys = [kept_key, "mc_x." + "0" * 64]
         keep = {"checkpoint_id": "c1", "server_name": "policy_model", "staging_keys": keys}
@@ -181,16 +187,21 @@ async def test_keep_deletes_the_unkept_and_a_settled_checkpoint_stages_nothing(
         late = await cut(http, cut_body("c1", ("t4", "r1", 0, "mc_a")))
         keep_none = {"checkpoint_id": "c2", "server_name": "policy_model", "staging_keys": []}
         dropped = await http.post("/ng-control/v1/generation-cut/keep", json=keep_none, headers=AUTH)
-        staging = (await status(http))["staging"]
+        counters = await status(http)
+        staging = counters["staging"]
         gone = await complete_under(http, "r2-a1", {**BODY, "model_call": model_call("mc_n"), "continuation": {
-            **continuation_of(reply["receipts"][1]), "source_call_id": "mc_b"}})
+            **continuation_of(reply["prefixes"][1]), "source_call_id": "mc_b"}})
+        missing = (await status(http))["continuations_missing"]
     assert settled.json() == {"kept": [kept_key], "deleted": 1, "missing": ["mc_x." + "0" * 64]}
     assert dropped.json() == {"kept": [], "deleted": 1, "missing": []}
     assert batch_files(tmp_path) == [kept_file] and kept_file != other_file and dropped_key != kept_key
-    assert late["receipts"][0]["detail"] == "the checkpoint was already settled"
+    assert late["prefixes"][0]["disposition"] == "durable_failure"
+    assert counters["cut_failures"] == {"the checkpoint was already settled": 1}
     assert staging == {"files": 1, "bytes": kept_file.stat().st_size, "prefixes": 1, "kept": 1}
     assert kept_file.with_suffix(".kept").exists()
-    assert gone.status_code == 422 and "not found" in gone.json()["error"]["detail"]  # the unkept one
+    # the unkept prefix is gone: not a mismatch, the call is generated afresh (and counted)
+    assert gone.status_code == 200, gone.text
+    assert gone.json()["choices"][0]["token_ids"] == TOK.encode("abc<|end|>") and missing == 1
 
 
 async def cut_after(http: Any, engine: GatedEngine, tokens: int, capture_key: str = "r1") -> dict[str, Any]:
@@ -201,7 +212,7 @@ async def cut_after(http: Any, engine: GatedEngine, tokens: int, capture_key: st
     reply = await cut(http, cut_body("c1", ("tk-1", "r1", 0, "mc_a")))
     engine.open_gate()
     assert (await running).status_code == 200
-    receipt: dict[str, Any] = reply["receipts"][0]
+    receipt: dict[str, Any] = reply["prefixes"][0]
     return receipt
 
 
@@ -256,7 +267,7 @@ async def test_continuing_a_terminal_completion_generates_nothing(
         engine.open_gate()
         first = await complete_under(http, "r1", {**BODY, "model_call": model_call("mc_a", "mc_p", 1)})
         reply = await cut(http, cut_body("c1", ("tk-1", "r1", 0, "mc_a")))
-        receipt = reply["receipts"][0]
+        receipt = reply["prefixes"][0]
         admitted = len(engine.admitted)
         body = {**BODY, "model_call": model_call("mc_n", "mc_p", 1), "continuation": continuation_of(receipt)}
         again = await complete_under(http, "r1-a2", body)

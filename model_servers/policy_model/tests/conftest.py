@@ -21,14 +21,14 @@ from nemo_gym_ckpt.context import ServerContext
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-WORKER_REF = {"type": "model_servers", "name": "inference_worker"}
+WORKER_REF = {"type": "responses_api_models", "name": "inference_worker"}
 
 
 def policy_ctx(client: MeshClient, worker_port: int = 9, **settings: Any) -> ServerContext[Config]:
     """A two-server mesh (inference worker + policy model) and the policy model's context in it."""
     raw = {
-        "inference_worker": {"model_servers": {"inference_worker": {"port": worker_port}}},
-        "policy_model": {"model_servers": {"policy_model": settings}},
+        "inference_worker": {"responses_api_models": {"inference_worker": {"port": worker_port}}},
+        "policy_model": {"responses_api_models": {"policy_model": settings}},
     }
     mesh = load_config_dict(raw)
     instance = mesh.instance("policy_model")

@@ -37,21 +37,23 @@ __all__ = [
     "chat_body",
     "chat_url",
     "ledger_records",
+    "policy_context",
     "serve_policy",
 ]
 
 TOKEN = "policy-model-test-token"
 INSTANCE = "policy_model"
 WAIT_S = 10.0
-WORKER_REF = {"type": "model_servers", "name": "inference_worker"}
+WORKER_REF = {"type": "responses_api_models", "name": "inference_worker"}
 
 
 def policy_context(
-    client: MeshClient, tokenizer_dir: Path, root: Path | None, grace_s: float, **settings: Any
+    client: MeshClient, tokenizer_dir: Path, root: Path | None, grace_s: float, *, worker_port: int = 9,
+    **settings: Any,
 ) -> ServerContext[Config]:
     raw: dict[str, Any] = {
-        "inference_worker": {"model_servers": {"inference_worker": {"port": 9}}},
-        INSTANCE: {"model_servers": {INSTANCE: {"worker": WORKER_REF, "tokenizer_path": str(tokenizer_dir),
+        "inference_worker": {"responses_api_models": {"inference_worker": {"port": worker_port}}},
+        INSTANCE: {"responses_api_models": {INSTANCE: {"worker": WORKER_REF, "tokenizer_path": str(tokenizer_dir),
                                                 "checkpoint_policy": True, **settings}}},
     }
     if root is not None:

@@ -8,10 +8,13 @@ body and rollout capture key. A reply may signal ``started`` when the call reach
 wait for ``gate`` (a generation in flight): a whole reply before it answers, a stream after its
 first token (or, with ``gate_first``, before its headers).
 
-It also serves the worker's generation-cut routes as scripted by ``cuts`` (``CutScript``): every
-listed ticket gets a ``durable_prefix`` of ``prefix_tokens`` tokens (a key naming its call) unless
-its call is in ``refuse``; ``fail`` answers an error instead; ``gate`` holds the reply. Cut and
-keep requests are recorded with their bearer header.
+It also serves the generation-cut route the way upstream's wire defines it (NeMo RL's worker
+endpoint): it checks the request has exactly upstream's fields and digest (``upstream_digest``,
+the formula written out from upstream's definition) and answers upstream's receipt, as scripted by
+``cuts`` (``CutScript``): every listed ticket gets a ``durable_prefix`` of ``prefix_tokens`` tokens
+(a key naming its call) unless its call is in ``refuse``; ``fail`` answers an error instead;
+``gate`` holds the reply; ``tamper`` changes the receipt (a receipt that answers another
+inventory). Cut and keep requests are recorded with their bearer header.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +35,7 @@ from model_servers.policy_model.ids import sha256_of
 from nemo_gym_ckpt.identity import current_identity
 from nemo_gym_ckpt.server import create_app, sse_event
 
-__all__ = ["GATE_S", "CutScript", "Generate", "ScriptedWorker", "WorkerFails", "staging_key"]
+__all__ = ["GATE_S", "CutScript", "Generate", "ScriptedWorker", "WorkerFails", "staging_key", "upstream_digest"]
 
 GATE_S = 10.0
 
@@ -63,24 +67,56 @@ class CutScript:
     refuse: set[str] = field(default_factory=set)
     fail: WorkerFails | None = None
     gate: asyncio.Event | None = None
+    tamper: str | None = None  # "inventory", "missing_ticket" or "identity": a receipt that must be refused
 
 
 def staging_key(model_call_id: str, checkpoint_id: str) -> str:
     return f"{model_call_id}.{hashlib.sha256(checkpoint_id.encode()).hexdigest()}"
 
 
-def _receipt(entry: dict[str, Any], checkpoint_id: str, script: CutScript) -> dict[str, Any]:
+def upstream_digest(checkpoint_id: str, server_name: str, prefixes: list[dict[str, Any]]) -> str:
+    """Upstream's inventory digest, from its definition: SHA-256 of the compact, key-sorted JSON
+    (Python's ``json``) of checkpoint id, server name and the prefixes sorted by ticket id."""
+    payload = {"checkpoint_id": checkpoint_id, "server_name": server_name,
+               "active_prefixes": sorted(prefixes, key=lambda prefix: prefix["ticket_id"])}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+INVENTORY_FIELDS = {"checkpoint_id", "server_name", "active_prefixes", "inventory_digest"}
+PREFIX_FIELDS = {"ticket_id", "rollout_id", "attempt", "model_call_id", "admitted_at"}
+
+
+def _upstream_problem(body: dict[str, Any]) -> str | None:
+    """Why ``body`` is not an upstream generation-cut inventory (``None`` when it is one)."""
+    if set(body) != INVENTORY_FIELDS:
+        return f"fields {sorted(body)}"
+    prefixes = body["active_prefixes"]
+    if any(set(prefix) != PREFIX_FIELDS or not isinstance(prefix["admitted_at"], float) for prefix in prefixes):
+        return "prefix fields"
+    if [prefix["ticket_id"] for prefix in prefixes] != sorted(prefix["ticket_id"] for prefix in prefixes):
+        return "prefixes not sorted by ticket_id"
+    if body["inventory_digest"] != upstream_digest(body["checkpoint_id"], body["server_name"], prefixes):
+        return "inventory_digest"
+    return None
+
+
+def _ack(entry: dict[str, Any], checkpoint_id: str, script: CutScript) -> dict[str, Any]:
     if entry["model_call_id"] in script.refuse:
-        return {"ticket_id": entry["ticket_id"], "model_call_id": entry["model_call_id"],
-                "disposition": "durable_failure", "cut_kind": None, "staging_keys": [],
-                "prefix_token_count": 0, "prefix_digest": None, "effective_output_limit": None,
-                "terminal_finish_reason": None, "detail": "refused by the script"}
-    count = script.prefix_tokens
-    return {"ticket_id": entry["ticket_id"], "model_call_id": entry["model_call_id"],
-            "disposition": "durable_prefix", "cut_kind": "active_prefix",
-            "staging_keys": [staging_key(entry["model_call_id"], checkpoint_id)], "prefix_token_count": count,
-            "prefix_digest": sha256_of(list(range(count))), "effective_output_limit": 100 - count,
-            "terminal_finish_reason": None, "detail": None}
+        return {**entry, "disposition": "durable_failure", "cut_kind": None, "frozen_buffer_id": None,
+                "staging_keys": [], "prefix_token_count": None, "prefix_digest": None,
+                "effective_output_limit": None, "terminal_finish_reason": None, "terminal_stop_reason": None}
+    count, key = script.prefix_tokens, staging_key(entry["model_call_id"], checkpoint_id)
+    return {**entry, "disposition": "durable_prefix", "cut_kind": "active_prefix", "frozen_buffer_id": f"buf-{key}",
+            "staging_keys": [key], "prefix_token_count": count, "prefix_digest": sha256_of(list(range(count))),
+            "effective_output_limit": 100, "terminal_finish_reason": None, "terminal_stop_reason": None}
+
+
+def _tampered(receipt: dict[str, Any], how: str) -> dict[str, Any]:
+    if how == "inventory":
+        return {**receipt, "inventory": {**receipt["inventory"], "server_name": "someone_else"}}
+    if how == "missing_ticket":
+        return {**receipt, "prefixes": receipt["prefixes"][1:]}
+    return {**receipt, "prefixes": [{**ack, "attempt": ack["attempt"] + 1} for ack in receipt["prefixes"]]}
 
 
 class ScriptedWorker:
@@ -131,8 +167,14 @@ class ScriptedWorker:
                 await script.gate.wait()
         if script.fail is not None:
             return JSONResponse(script.fail.body, status_code=script.fail.status)
-        receipts = [_receipt(entry, body["checkpoint_id"], script) for entry in body["active_prefixes"]]
-        return JSONResponse({"cut_id": "cut-1", "checkpoint_id": body["checkpoint_id"], "receipts": receipts})
+        problem = _upstream_problem(body)
+        if problem is not None:  # NeMo RL's worker validates the inventory with upstream's model
+            return JSONResponse({"detail": f"not an upstream inventory: {problem}"}, status_code=422)
+        acks = [_ack(entry, body["checkpoint_id"], script) for entry in body["active_prefixes"]]
+        receipt = {"checkpoint_id": body["checkpoint_id"], "cut_id": "cut-1",
+                   "inventory_digest": body["inventory_digest"], "inventory": body,
+                   "backend_snapshot_id": "snapshot-1", "prefixes": acks}
+        return JSONResponse(_tampered(receipt, script.tamper) if script.tamper else receipt)
 
     def _generation(self, reply: Generate, max_tokens: int) -> tuple[list[int], str]:
         # one id per character, tags included: the same text as a fresh encoding (which would merge

@@ -348,7 +348,8 @@ async def test_status_declares_the_policy_and_generation_cuts(open_policy: Calla
         status = await policy.control.status()
     assert status["kind"] == "model"
     assert status["extras"] == {"checkpoint_policy": True, "generation_cuts": True, "active_calls": 0,
-                                "held_responses": 0, "delivering_streams": 0, "ledgers": 0, "rows": 0}
+                                "held_responses": 0, "delivering_streams": 0, "ledgers": 0, "rows": 0,
+                                  "token_bytes_in_memory": 0, "token_lines_spilled": 0}
 
 
 async def test_retire_stops_a_stream_being_delivered(open_policy: Callable[..., Any]) -> None:

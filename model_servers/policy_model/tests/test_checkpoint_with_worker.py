@@ -28,7 +28,7 @@ from nemo_gym_ckpt.context import ServerContext
 pytestmark = pytest.mark.sockets
 
 TOKEN = "worker-test-token"
-WORKER_REF = {"type": "model_servers", "name": "inference_worker"}
+WORKER_REF = {"type": "responses_api_models", "name": "inference_worker"}
 POLICY = {"worker": WORKER_REF, "return_token_ids": True, "max_tokens": 12, "checkpoint_policy": True}
 MESSAGES = [{"role": "user", "content": "What is 3 times 4?"}]
 
@@ -38,8 +38,8 @@ def context(name: str, root: Path, worker_port: int | None = None) -> ServerCont
                                                                               "port": worker_port}
     mesh = load_config_dict({
         "checkpoint": {"enabled": True, "control_auth_token": TOKEN, "root": str(root)},
-        "inference_worker": {"model_servers": {"inference_worker": worker}},
-        "policy_model": {"model_servers": {"policy_model": POLICY}},
+        "inference_worker": {"responses_api_models": {"inference_worker": worker}},
+        "policy_model": {"responses_api_models": {"policy_model": POLICY}},
     })
     return ServerContext(name, mesh.instance(name).settings, mesh, MeshClient())
 

@@ -12,7 +12,7 @@ from nemo_gym_ckpt.config import load_config, load_config_dict
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[3]
-WORKER_REF = {"type": "model_servers", "name": "inference_worker"}
+WORKER_REF = {"type": "responses_api_models", "name": "inference_worker"}
 
 
 def test_quickstart_wires_the_policy_model_to_the_worker() -> None:
@@ -40,8 +40,8 @@ def test_tokenizer_comes_from_the_worker_model_unless_named(tmp_path: Path) -> N
     for name in ("config.json", "tokenizer_config.json"):
         (tmp_path / name).write_text("{}")
     raw = {
-        "inference_worker": {"model_servers": {"inference_worker": {"model_path": str(tmp_path)}}},
-        "policy_model": {"model_servers": {"policy_model": {"worker": WORKER_REF}}},
+        "inference_worker": {"responses_api_models": {"inference_worker": {"model_path": str(tmp_path)}}},
+        "policy_model": {"responses_api_models": {"policy_model": {"worker": WORKER_REF}}},
     }
     mesh = load_config_dict(raw)
     settings = mesh.instance("policy_model").settings

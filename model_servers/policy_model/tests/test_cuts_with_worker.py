@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.sockets, pytest.mark.timeout(240)]
 
 TOKEN = "cuts-socket-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-WORKER_REF = {"type": "model_servers", "name": "inference_worker"}
+WORKER_REF = {"type": "responses_api_models", "name": "inference_worker"}
 POLICY = {"worker": WORKER_REF, "return_token_ids": True, "max_tokens": 160, "checkpoint_policy": True,
           "generation_cuts": True}
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "seed": 11}
@@ -46,8 +46,8 @@ def context(name: str, root: Path, worker_port: int | None = None) -> ServerCont
         worker["port"] = worker_port
     mesh = load_config_dict({
         "checkpoint": {"enabled": True, "control_auth_token": TOKEN, "root": str(root)},
-        "inference_worker": {"model_servers": {"inference_worker": worker}},
-        "policy_model": {"model_servers": {"policy_model": POLICY}},
+        "inference_worker": {"responses_api_models": {"inference_worker": worker}},
+        "policy_model": {"responses_api_models": {"policy_model": POLICY}},
     })
     return ServerContext(name, mesh.instance(name).settings, mesh, MeshClient())
 

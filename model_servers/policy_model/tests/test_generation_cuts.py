@@ -29,6 +29,7 @@ from model_servers.policy_model.tests.scripted_worker import (
     ScriptedWorker,
     WorkerFails,
     staging_key,
+    upstream_digest,
 )
 from model_servers.policy_model.tests.test_checkpoint_policy import WAIT_S, Policy, ledger_dir
 from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS
@@ -86,6 +87,22 @@ async def keeps(policy: Policy, count: int) -> list[dict[str, Any]]:
     return [keep for _, keep in policy.worker.keep_requests]
 
 
+def assert_staging_keys_by_episode(committed: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """NeMo RL's adapter check of a model commit reply, against the records the model wrote: one
+    entry per exported record (capture key of its episode_id), each list sorted and the staging keys
+    of that record's cut, the union equal to ``staging_keys`` (sorted, unique)."""
+    by_episode = committed["staging_keys_by_episode"]
+    keys = [(r["episode_id"]["rollout_id"], r["episode_id"]["attempt"]) for r in records]
+    capture = {rid if attempt == 0 else f"{rid}-a{attempt}" for rid, attempt in keys}
+    assert set(by_episode) == capture == set(committed["episode_ids"])
+    for record in records:
+        rid, attempt = record["episode_id"]["rollout_id"], record["episode_id"]["attempt"]
+        expected = sorted(record["cut"]["staging_keys"]) if "cut" in record else []
+        assert by_episode[rid if attempt == 0 else f"{rid}-a{attempt}"] == expected
+    union = sorted({key for keys_ in by_episode.values() for key in keys_})
+    assert committed["staging_keys"] == union and all(v == sorted(v) for v in by_episode.values())
+
+
 def no_token_arrays(records: list[dict[str, Any]]) -> bool:
     text = orjson.dumps(records).decode()
     return not any(f'"{key}"' in text for key in TOKEN_ARRAY_KEYS)
@@ -108,7 +125,11 @@ async def test_commit_cuts_the_calls_in_flight_and_records_them(policies: OpenPo
     by_key = {r["episode_id"]["rollout_id"]: r for r in records}
     sent = {entry["rollout_id"]: entry for entry in cut["active_prefixes"]}
     assert auth == f"Bearer {TOKEN}" and set(sent) == {"r1", "r2"}  # r3 is out of the commit's scope
-    assert cut["inventory_digest"] == sha256_of(cut["active_prefixes"])
+    # upstream's inventory, field for field: its keys, prefixes sorted by ticket, upstream's digest
+    assert set(cut) == {"checkpoint_id", "server_name", "active_prefixes", "inventory_digest"}
+    tickets = [entry["ticket_id"] for entry in cut["active_prefixes"]]
+    assert tickets == sorted(tickets) and all(isinstance(e["admitted_at"], float) for e in sent.values())
+    assert cut["inventory_digest"] == upstream_digest("c1", "policy_model", cut["active_prefixes"])
     assert cut["server_name"] == "policy_model"
     assert sent["r1"]["model_call_id"] == replies[0].headers[MODEL_CALL_HEADER]
     r1_cut, r2_cut = by_key["r1"]["cut"], by_key["r2"]["cut"]
@@ -116,11 +137,13 @@ async def test_commit_cuts_the_calls_in_flight_and_records_them(policies: OpenPo
         "source_call_id": sent["r1"]["model_call_id"], "conversation_digest": r1_cut["conversation_digest"],
         "parent_call_id": first.headers[MODEL_CALL_HEADER], "previous_length": 1, "cut_kind": "active_prefix",
         "staging_keys": [staging_key(sent["r1"]["model_call_id"], "c1")], "prefix_token_count": 5,
-        "prefix_digest": sha256_of([0, 1, 2, 3, 4]), "effective_output_limit": 95,
+        "prefix_digest": sha256_of([0, 1, 2, 3, 4]), "effective_output_limit": 100,
         "terminal_finish_reason": None,
     }
     assert by_key["r2"]["ledger"] == [] and (r2_cut["parent_call_id"], r2_cut["previous_length"]) == (None, 0)
     assert committed["staging_keys"] == sorted([*r1_cut["staging_keys"], *r2_cut["staging_keys"]])
+    assert_staging_keys_by_episode(committed, records)
+    assert committed["staging_keys_by_episode"] == {"r1": r1_cut["staging_keys"], "r2": r2_cut["staging_keys"]}
     [(_, keep)] = policy.worker.keep_requests
     assert keep == {"checkpoint_id": "c1", "server_name": "policy_model",
                     "staging_keys": committed["staging_keys"]}
@@ -142,7 +165,7 @@ async def test_calls_name_themselves_and_their_lineage_only_with_cuts_on(policie
     assert "model_call" not in plain.worker.requests[0] and "continuation" not in policy.worker.requests[0]
 
 
-@pytest.mark.parametrize("failure", ["error", "late", "refused"])
+@pytest.mark.parametrize("failure", ["error", "late", "refused", "inventory", "missing_ticket", "identity"])
 async def test_a_failed_or_late_cut_never_fails_the_checkpoint(
     policies: OpenPolicy, failure: str
 ) -> None:
@@ -153,8 +176,10 @@ async def test_a_failed_or_late_cut_never_fails_the_checkpoint(
             policy.worker.cuts.fail = WorkerFails(503, {"error": {"code": "unavailable", "detail": "down"}})
         elif failure == "late":
             policy.worker.cuts.gate = asyncio.Event()  # never set: the cut outlives its half of the deadline
-        else:
+        elif failure == "refused":
             policy.worker.cuts.refuse.add(policy.worker.requests[-1]["model_call"]["model_call_id"])
+        else:  # a receipt that does not answer the inventory sent is not trusted: no cut at all
+            policy.worker.cuts.tamper = failure
         committed = await commit(policy, "c1", seconds=0.4)
         [record] = ledger_records(policy.root, committed)
         await policy.control.ok("resume", checkpoint_id="c1")
@@ -162,6 +187,7 @@ async def test_a_failed_or_late_cut_never_fails_the_checkpoint(
         assert (await asyncio.wait_for(call, WAIT_S)).status_code == 200
         settled = await keeps(policy, 1)
     assert committed["staging_keys"] == [] and "cut" not in record and len(record["ledger"]) == 1
+    assert committed["staging_keys_by_episode"] == {"r1": []}  # one entry per exported record
     assert len(policy.worker.cut_requests) >= 1
     assert settled == [{"checkpoint_id": "c1", "server_name": "policy_model", "staging_keys": []}]
 
@@ -270,7 +296,7 @@ async def test_the_reissued_call_continues_from_its_staged_prefix(policies: Open
     assert [("continuation" in request) for request in fresh.worker.requests] == [False, False]
     assert sent["continuation"] == {
         "staging_keys": cut["staging_keys"], "source_call_id": cut["source_call_id"],
-        "prefix_token_count": 5, "prefix_digest": cut["prefix_digest"], "effective_output_limit": 95}
+        "prefix_token_count": 5, "prefix_digest": cut["prefix_digest"], "effective_output_limit": 100}
     assert sent["model_call"] == {"model_call_id": reissued.headers[MODEL_CALL_HEADER],
                                   "parent_call_id": cut["parent_call_id"], "previous_length": 1}
     assert "continuation" not in again.worker.requests[1] and after.status_code == 200  # delivered: cut used
@@ -310,7 +336,7 @@ async def test_a_restored_cut_is_kept_until_the_rollout_delivers(policies: OpenP
         await asyncio.wait_for(call, WAIT_S)
     async with policies(**CUTS) as fresh:
         await restored(fresh, first, "c1", R1)
-        again = await commit(fresh, "c2", episode_ids=[R1.to_json()])
+        again = await commit(fresh, "c2", episode_ids=[R1.to_json()], incremental=False)  # written in full
         [same] = ledger_records(fresh.root, again)
         await fresh.control.ok("resume", checkpoint_id="c2")
         settled = await keeps(fresh, 1)

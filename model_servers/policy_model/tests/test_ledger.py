@@ -96,11 +96,11 @@ def test_the_cut_inventory_lists_the_latest_generating_call_per_episode_in_scope
                                       {"generation_cuts": True, "checkpoint_policy": False}])
 def test_generation_cuts_need_the_policy_participant(settings: dict[str, Any]) -> None:
     raw = {
-        "inference_worker": {"model_servers": {"inference_worker": {}}},
-        "policy_model": {"model_servers": {"policy_model": {"worker": WORKER_REF, **settings}}},
+        "inference_worker": {"responses_api_models": {"inference_worker": {}}},
+        "policy_model": {"responses_api_models": {"policy_model": {"worker": WORKER_REF, **settings}}},
     }
     with pytest.raises(ConfigError, match="generation_cuts"):
         load_config_dict(raw)
-    raw["policy_model"]["model_servers"]["policy_model"]["checkpoint_policy"] = True
+    raw["policy_model"]["responses_api_models"]["policy_model"]["checkpoint_policy"] = True
     policy = load_config_dict(raw).instance("policy_model").settings
     assert isinstance(policy, Config) and policy.generation_cuts is True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import shutil
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import orjson
 import pytest
 
 from model_servers.inference_worker import default_model_data as data
+from model_servers.policy_model.capture_memory import CaptureMemory
 from model_servers.policy_model.chat_format import ChatFormat
 from model_servers.policy_model.generation import TokenCapture
 from model_servers.policy_model.ids import sha256_of
@@ -88,11 +90,11 @@ class Policy:
 @pytest.fixture
 def open_policy(fmt: ChatFormat, tokenizer_dir: Path, root: Path) -> Callable[..., Any]:
     @asynccontextmanager
-    async def open_(*script: str) -> AsyncIterator[Policy]:
+    async def open_(*script: str, **settings: Any) -> AsyncIterator[Policy]:
         worker = ScriptedWorker(fmt).will(*script)
         worker.default = Generate("ok")
         clock = FakeClock(start=1_700_000_000.0)
-        async with serve_policy(worker, tokenizer_dir, root=root, clock=clock) as http:
+        async with serve_policy(worker, tokenizer_dir, root=root, clock=clock, **settings) as http:
             pt = ParticipantUnderTest(http, TOKEN, root, now=clock.now, advance_clock=clock.advance)
             yield Policy(http, Control(pt), worker, root)
 
@@ -183,6 +185,10 @@ class RecordingOps(FileOps):
         super().link(src, dst)
 
 
+def _line(line: bytes) -> CallTokens:
+    return CallTokens("mc_1", line, hashlib.sha256(line).hexdigest())
+
+
 def write(store: SidecarStore, directory: Path) -> None:
     writer = store.open_writer(directory, "model", "policy_model", StopSignal())
     try:
@@ -195,7 +201,7 @@ def write(store: SidecarStore, directory: Path) -> None:
 
 def test_the_sidecar_is_durable_before_the_records_are_renamed(root: Path) -> None:
     ops = RecordingOps()
-    store = SidecarStore(CheckpointStore(root, ops), lambda: [b'{"call_id":"mc_1"}'])
+    store = SidecarStore(CheckpointStore(root, ops), lambda: [_line(b'{"call_id":"mc_1"}')])
     write(store, root / "ck")
     renames = [name for op, name in ops.log if op in ("rename", "link")]
     assert [name.split("-")[0] for name in renames] == ["tokens", "records", "manifest.json"]
@@ -204,7 +210,7 @@ def test_the_sidecar_is_durable_before_the_records_are_renamed(root: Path) -> No
 
 
 def test_a_failed_sidecar_write_fails_the_commit_and_leaves_no_records(root: Path) -> None:
-    store = SidecarStore(CheckpointStore(root, RecordingOps(fail_fsync_of=".tokens")), lambda: [b"{}"])
+    store = SidecarStore(CheckpointStore(root, RecordingOps(fail_fsync_of=".tokens")), lambda: [_line(b"{}")])
     with pytest.raises(Unavailable, match="token sidecar write failed"):
         write(store, root / "ck")
     assert list((root / "ck" / "gym" / "model" / "policy_model").iterdir()) == []
@@ -228,9 +234,49 @@ async def test_a_restore_gives_the_tokens_back_and_exports_them_again_byte_for_b
         assert call["policy_version"] == first["output"][0]["policy_version"] and call["attempt"] == 0
         [other] = await fresh.calls(R2.next_attempt())
         assert set(other) == {"call_id", "attempt", "policy_version"}  # delivered without token ids
-        again, recommitted = await fresh.commit("c2", episode_ids=[R1.to_json(), R2.to_json()])
+        scope = [R1.to_json(), R2.to_json()]
+        again, recommitted = await fresh.commit("c2", episode_ids=scope, incremental=False)
+        linked, _ = await fresh.commit("c3", episode_ids=scope)
     assert recommitted["manifest"]["records_sha256"] == committed["manifest"]["records_sha256"]
     assert sidecar_of(again).read_bytes() == sidecar_of(where).read_bytes()
+    # incremental: nothing changed, so the sidecar of c2 is linked into c3, not written again
+    assert sidecar_of(linked).stat().st_ino == sidecar_of(again).stat().st_ino
+
+
+# ---- the memory bound ------------------------------------------------------------------------------
+
+
+async def test_durable_token_lines_leave_memory_and_are_read_back_from_the_sidecar(
+    open_policy: Callable[..., Any], root: Path
+) -> None:
+    async with open_policy(CALL) as policy:
+        first = await policy.respond(R1, QUESTION, return_token_ids=True)
+        assert (await policy.extras())["token_bytes_in_memory"] > 0
+        where, _ = await policy.commit("c1")
+        assert (await policy.extras())["token_bytes_in_memory"] == 0  # durable: it left memory
+        shutil.rmtree(where.parents[2])  # a pruned checkpoint: the descriptor kept it readable
+        [call] = await policy.calls(R1)
+    assert {name: call[name] for name in ARRAYS} == {name: first["output"][0][name] for name in ARRAYS}
+
+
+async def test_past_the_bound_token_lines_spill_and_are_committed_exactly(
+    open_policy: Callable[..., Any],
+) -> None:
+    async with open_policy(CALL, capture_memory_max_bytes=0) as policy:
+        first = await policy.respond(R1, QUESTION, return_token_ids=True)
+        extras = await policy.extras()
+        assert extras["token_bytes_in_memory"] == 0 and extras["token_lines_spilled"] == 1
+        [call] = await policy.calls(R1)
+        where, _ = await policy.commit("c1")
+    assert {name: call[name] for name in ARRAYS} == {name: first["output"][0][name] for name in ARRAYS}
+    [line] = sidecar_of(where).read_bytes().splitlines()
+    assert orjson.loads(line)["generation_token_ids"] == first["output"][0]["generation_token_ids"]
+
+
+def test_a_spill_that_cannot_be_written_is_a_clear_error(root: Path) -> None:
+    memory = CaptureMemory(0, spill_dir=str(root / "missing"))
+    with pytest.raises(Unavailable, match="capture_memory_max_bytes 0"):
+        CallTokens.of("mc_1", TokenCapture([1], [2], [-0.5]), memory)
 
 
 async def test_the_capture_route_is_rollout_scoped(open_policy: Callable[..., Any]) -> None:

@@ -87,7 +87,7 @@ def upstream_client(upstream: FakeUpstream) -> UpstreamClient:
     @asynccontextmanager
     async def open_client(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
         mesh = load_config_dict(
-            {"policy_model": {"model_servers": {"policy_model": {"upstream": UPSTREAM, **settings}}}}
+            {"policy_model": {"responses_api_models": {"policy_model": {"upstream": UPSTREAM, **settings}}}}
         )
         instance = mesh.instance("policy_model")
         assert isinstance(instance.settings, Config)
@@ -280,7 +280,7 @@ async def test_stream_replays_the_reply(upstream_client: UpstreamClient, upstrea
 
 
 def test_config_needs_exactly_one_backend() -> None:
-    ref = {"type": "model_servers", "name": "inference_worker"}
+    ref = {"type": "responses_api_models", "name": "inference_worker"}
     for settings, words in [
         ({}, "exactly one"),
         ({"upstream": UPSTREAM, "worker": ref}, "exactly one"),
@@ -289,4 +289,4 @@ def test_config_needs_exactly_one_backend() -> None:
         ({"upstream": UPSTREAM, "temprature": 0.5}, "unknown key"),
     ]:
         with pytest.raises(ConfigError, match=words):
-            load_config_dict({"policy_model": {"model_servers": {"policy_model": settings}}})
+            load_config_dict({"policy_model": {"responses_api_models": {"policy_model": settings}}})

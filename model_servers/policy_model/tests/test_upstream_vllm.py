@@ -79,7 +79,7 @@ class Recorder:
 
 def policy_context(client: MeshClient, base_url: str = "http://worker/v1") -> ServerContext[Config]:
     settings = {"upstream": {"base_url": base_url, "model": SERVED}, "return_token_ids": True, "temperature": 0.0}
-    mesh = load_config_dict({"policy_model": {"model_servers": {"policy_model": settings}}})
+    mesh = load_config_dict({"policy_model": {"responses_api_models": {"policy_model": settings}}})
     instance = mesh.instance("policy_model")
     assert isinstance(instance.settings, Config)
     return ServerContext("policy_model", instance.settings, mesh, client)

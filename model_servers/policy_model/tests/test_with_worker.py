@@ -24,7 +24,7 @@ from nemo_gym_ckpt.context import ServerContext
 
 pytestmark = pytest.mark.sockets
 
-WORKER_REF = {"type": "model_servers", "name": "inference_worker"}
+WORKER_REF = {"type": "responses_api_models", "name": "inference_worker"}
 POLICY = {"worker": WORKER_REF, "return_token_ids": True, "temperature": 0.0, "max_tokens": 48}
 
 
@@ -33,8 +33,8 @@ def context(name: str, worker_port: int | None = None) -> ServerContext:
     worker = {"torch_threads": 1} if worker_port is None else {"torch_threads": 1, "port": worker_port}
     mesh = load_config_dict(
         {
-            "inference_worker": {"model_servers": {"inference_worker": worker}},
-            "policy_model": {"model_servers": {"policy_model": POLICY}},
+            "inference_worker": {"responses_api_models": {"inference_worker": worker}},
+            "policy_model": {"responses_api_models": {"policy_model": POLICY}},
         }
     )
     return ServerContext(name, mesh.instance(name).settings, mesh, MeshClient())
@@ -83,7 +83,7 @@ def upstream_context(base_url: str) -> ServerContext:
     """The policy model in upstream mode, fronting ``base_url`` as a vLLM server."""
     settings = {"upstream": {"base_url": base_url, "model": "nemo-gym-ckpt-tiny"}, "return_token_ids": True,
                 "temperature": 0.0}
-    mesh = load_config_dict({"policy_model": {"model_servers": {"policy_model": settings}}})
+    mesh = load_config_dict({"policy_model": {"responses_api_models": {"policy_model": settings}}})
     return ServerContext("policy_model", mesh.instance("policy_model").settings, mesh, MeshClient())
 
 

@@ -144,6 +144,7 @@ async def test_seed_session_declares_replay(client: httpx.AsyncClient) -> None:
     assert reply.status_code == 200
     assert reply.headers["x-ng-checkpoint-verify"] == "replay"
     assert "x-ng-checkpoint-restart" not in reply.headers
-    assert reply.cookies["ng_session_calc"] == reply.json()["session_id"]
+    assert reply.json() == {"resources_session_id": reply.cookies["ng_session_calc"], "resources_tools": None,
+                            "sandbox_access": None}  # NeMo Gym's seed reply
     reply = await client.post("/seed_session", json={"responses_create_params": "q"})
     assert (reply.status_code, reply.json()["error"]["code"]) == (400, "invalid_request")

@@ -104,7 +104,8 @@ async def test_seed_declares_wait_and_not_restart(client: httpx.AsyncClient) -> 
     reply = await client.post("/seed_session", json={"responses_create_params": {"input": "q"}})
     assert reply.headers["x-ng-checkpoint-verify"] == "wait"
     assert "x-ng-checkpoint-restart" not in reply.headers
-    assert reply.json() == {"session_id": reply.cookies[COOKIE]}
+    assert reply.json() == {"resources_session_id": reply.cookies[COOKIE], "resources_tools": None,
+                            "sandbox_access": None}
 
 
 @pytest.mark.parametrize(
@@ -130,9 +131,10 @@ async def test_tool_calls_need_a_live_session(client: httpx.AsyncClient) -> None
     reply = await call(client, "kv_get", cookie("forged"), key="k")
     assert reply.status_code == 400 and "unknown session 'forged'" in reply.json()["error"]["detail"]
     cookies = await seed(client)
+    session_id = cookies["cookie"].split("=", 1)[1]
     closed = await client.post("/close_session", headers=cookies)
-    assert closed.json() == {"closed": True}
-    assert (await client.post("/close_session", headers=cookies)).json() == {"closed": False}
+    assert closed.json() == {"resources_session_id": session_id}  # NeMo Gym's close reply
+    assert (await client.post("/close_session", headers=cookies)).json() == {"resources_session_id": session_id}
     reply = await call(client, "kv_list", cookies)
     assert reply.status_code == 400 and "unknown session" in reply.json()["error"]["detail"]
 

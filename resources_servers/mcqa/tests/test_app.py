@@ -15,6 +15,7 @@ from resources_servers.mcqa.app import create_app, extract_choice
 pytestmark = pytest.mark.unit
 
 OPTIONS = {"A": "Oxygen", "B": "Carbon dioxide", "C": "Nitrogen", "D": "Helium"}
+NG_OPTIONS = [{letter: text} for letter, text in OPTIONS.items()]  # NeMo Gym's format
 
 
 def answer(text: str) -> dict[str, Any]:
@@ -50,6 +51,11 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         ("Answer: E (A)", "A"),
         ("I do not know", None),
         ("", None),
+        ("so the answer is \\boxed{C}", "C"),
+        ("\\boxed{\\text{D}}", "D"),
+        ("\\boxed{(A)}", "A"),
+        ("\\boxed{B: Carbon dioxide}. Answer: A", "B"),
+        ("\\boxed{E} Answer: C", "C"),
     ],
 )
 def test_extract_choice(text: str, choice: str | None) -> None:
@@ -59,11 +65,12 @@ def test_extract_choice(text: str, choice: str | None) -> None:
 @pytest.mark.parametrize(
     ("options", "expected", "text", "reward", "extracted"),
     [
-        (list(OPTIONS.values()), "B", "Answer: B", 1.0, "B"),
-        (list(OPTIONS.values()), "b", "Answer: B", 1.0, "B"),
-        (OPTIONS, "B", "Answer: A", 0.0, "A"),
-        (OPTIONS, "D", "Helium", 1.0, "D"),
-        (["yes", "no"], "A", "Answer: C", 0.0, None),
+        (NG_OPTIONS, "B", "Answer: B", 1.0, "B"),
+        (NG_OPTIONS, "b", "Answer: B", 1.0, "B"),
+        (NG_OPTIONS, "B", "Answer: A", 0.0, "A"),
+        (NG_OPTIONS, "D", "Helium", 1.0, "D"),
+        (NG_OPTIONS, "C", "\\boxed{C}", 1.0, "C"),
+        ([{"A": "yes"}, {"B": "no"}], "A", "Answer: C", 0.0, None),
     ],
 )
 async def test_verify(client: httpx.AsyncClient, options: Any, expected: str, text: str, reward: float,
@@ -78,13 +85,17 @@ async def test_verify(client: httpx.AsyncClient, options: Any, expected: str, te
 @pytest.mark.parametrize(
     ("row", "detail"),
     [
-        ({"options": ["x", "y"], "expected_answer": "C"}, "not one of"),
-        ({"options": {"a": "x", "B": "y"}, "expected_answer": "B"}, "single capital letters"),
-        ({"options": {"AB": "x"}, "expected_answer": "AB"}, "single capital letters"),
+        ({"options": [{"A": "x"}, {"B": "y"}], "expected_answer": "C"}, "not one of"),
+        ({"options": [{"a": "x"}, {"B": "y"}], "expected_answer": "B"}, "single capital letters"),
+        ({"options": [{"AB": "x"}], "expected_answer": "AB"}, "single capital letters"),
+        ({"options": [{"A": "x", "B": "y"}], "expected_answer": "A"}, "one key"),
+        ({"options": [{"A": "x"}, {"A": "y"}], "expected_answer": "A"}, "distinct"),
+        ({"options": ["x", "y"], "expected_answer": "A"}, "options"),
+        ({"options": {"A": "x"}, "expected_answer": "A"}, "options"),
         ({"options": [], "expected_answer": "A"}, "options"),
         ({"options": "ABCD", "expected_answer": "A"}, "options"),
-        ({"options": [str(i) for i in range(27)], "expected_answer": "A"}, "options"),
-        ({"options": ["x"]}, "expected_answer"),
+        ({"options": [{chr(65 + i % 26): str(i)} for i in range(27)], "expected_answer": "A"}, "options"),
+        ({"options": [{"A": "x"}]}, "expected_answer"),
         ({"expected_answer": "A"}, "options"),
     ],
 )
@@ -100,9 +111,19 @@ async def test_garbage_body_is_400(client: httpx.AsyncClient) -> None:
 
 
 async def test_seed_session_and_no_tools(client: httpx.AsyncClient) -> None:
-    reply = await client.post("/seed_session", json={"options": ["x"], "expected_answer": "A"})
+    reply = await client.post("/seed_session", json={"options": [{"A": "x"}], "expected_answer": "A"})
     assert reply.status_code == 200
     assert reply.headers["x-ng-checkpoint-verify"] == "replay"
     assert "x-ng-checkpoint-restart" not in reply.headers
     assert (await client.get("/tools")).json() == []
     assert (await client.post("/kv_get", json={"key": "x"})).status_code == 404
+
+
+async def test_a_nemo_gym_shaped_row_is_verified_and_passes_through(client: httpx.AsyncClient) -> None:
+    """A row in NeMo Gym's mcqa layout (``uuid``, ``grading_mode``, ``metadata``) is taken as it is."""
+    row = {"responses_create_params": {"input": [{"role": "user", "content": "Which gas?"}]},
+           "options": NG_OPTIONS, "expected_answer": "B", "grading_mode": "strict_single_letter_boxed",
+           "uuid": "0b7c2f0e-1", "metadata": {"source": "here"}, "response": answer("\\boxed{B}")}
+    reply = await client.post("/verify", json=row)
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {**row, "reward": 1.0, "extracted_answer": "B"}

@@ -130,7 +130,7 @@ async def test_closing_a_session_kills_its_interpreter(start: Callable[..., Any]
         cookie = await py.seed()
         await py.run(cookie, "1")
         (interpreter,) = py.server.interpreters.values()
-        assert (await py.http.post("/close_session", headers=cookie)).json() == {"closed": True}
+        assert (await py.http.post("/close_session", headers=cookie)).status_code == 200
         assert not interpreter.alive and py.server.interpreters == {}
         reply = await py.http.post("/run_python", json={"code": "1"}, headers=cookie)
         assert reply.status_code == 400 and "unknown session" in reply.json()["error"]["detail"]

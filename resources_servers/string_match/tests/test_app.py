@@ -98,7 +98,7 @@ async def test_no_message_is_reward_zero(client: httpx.AsyncClient) -> None:
     ("body", "detail"),
     [
         (b"not json", "not valid JSON"),
-        (b"[1, 2]", "valid dictionary"),
+        (b"[1, 2]", "is a JSON object"),
         (b'{"response": {"output": []}}', "expected_answer"),
         (b'{"expected_answer": "x"}', "response"),
         (b'{"expected_answer": "x", "response": {"output": "text"}}', "response.output"),
@@ -118,7 +118,7 @@ async def test_seed_session_declares_replay_and_no_restart(client: httpx.AsyncCl
     assert reply.status_code == 200
     assert reply.headers["x-ng-checkpoint-verify"] == "replay"
     assert "x-ng-checkpoint-restart" not in reply.headers
-    assert reply.cookies["ng_session_sm"] == reply.json()["session_id"]
+    assert reply.cookies["ng_session_sm"] == reply.json()["resources_session_id"]
 
 
 async def test_no_tools_and_unknown_tool_is_404(client: httpx.AsyncClient) -> None:
@@ -132,3 +132,75 @@ def test_config_typos_and_checkpoint_overrides_are_errors() -> None:
         load_config_dict({"sm": {"resources_servers": {"string_match": {"mode": "fuzzy"}}}})
     with pytest.raises(ConfigError, match="checkpoint_mode"):
         load_config_dict({"sm": {"resources_servers": {"string_match": {"checkpoint_mode": "exported"}}}})
+
+
+def test_nemo_gyms_settings_keys_are_accepted() -> None:
+    settings = {"entrypoint": "app.py", "domain": "knowledge", "verified": False,
+                "description": "General-purpose string matching", "value": "Verify answers"}
+    mesh = load_config_dict({"string_match": {"resources_servers": {"string_match": settings}}})
+    assert mesh.instance("string_match").settings.description == "General-purpose string matching"
+
+
+# ---- rows in NeMo Gym's string_match shape: extraction_mode and case_sensitive ----------------------
+
+
+async def nemo_gym_verdict(http: httpx.AsyncClient, output: list[dict[str, Any]], expected: str, mode: str,
+                           **row: Any) -> tuple[float, Any]:
+    body = {"expected_answer": expected, "extraction_mode": mode, "response": {"output": output}, **row}
+    reply = await http.post("/verify", json=body)
+    assert reply.status_code == 200, reply.text
+    assert {key: reply.json()[key] for key in body} == body  # the row passes through
+    return reply.json()["reward"], reply.json()["extracted_answer"]
+
+
+def said(*texts: str) -> list[dict[str, Any]]:
+    return [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+            for text in texts]
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "expected", "verdict"),
+    [
+        ("The capital of France is \\(\\boxed{\\text{Paris}}\\).", "boxed", "Paris", (1.0, "Paris")),
+        ("\\boxed{1} then \\boxed{ {2} }", "boxed", "{2}", (1.0, "{2}")),
+        ("no box here", "boxed", "x", (0.0, None)),
+        ("Reasoning...\nFinal answer: Saturn.", "final_answer", "saturn", (1.0, "Saturn")),
+        ("Answer: 12\nanswer\uff1a 15", "final_answer", "15", (1.0, "15")),
+        ("so it is \\boxed{80}", "final_answer", "80", (1.0, "80")),  # no answer line: the box
+        ("thinking\n\nPacific Ocean\n  \n", "last_line", "Pacific Ocean", (1.0, "Pacific Ocean")),
+        ("  all of it  ", "full_response", "All of it", (1.0, "all of it")),
+        ("", "full_response", "x", (0.0, None)),
+        ("Final answer: \"Paris\"", "final_answer", "Paris!", (1.0, "\"Paris\"")),  # quotes and ! dropped
+        ("Final answer: \"Paris\"!", "final_answer", "paris", (0.0, "\"Paris\"!")),  # quotes first, then !
+        ("Final answer: 80.0", "final_answer", "80", (1.0, "80.0")),  # as numbers
+        ("Final answer: $1,000", "final_answer", "1000", (0.98, "$1,000")),  # $ and commas apart: near numbers
+        ("Final answer: 1,000", "final_answer", "1000", (1.0, "1,000")),
+        ("Final answer: \\textbf{x} and $y$", "final_answer", "x and y", (1.0, "\\textbf{x} and $y$")),
+        ("Final answer: Rome", "final_answer", "Paris", (0.0, "Rome")),
+        ("Final answer: 99.6", "final_answer", "100", (0.98, "99.6")),  # near numbers
+        ("Final answer: 90", "final_answer", "100", (0.0, "90")),
+    ],
+)
+async def test_extraction_modes_and_grading_as_nemo_gym(
+    client: httpx.AsyncClient, text: str, mode: str, expected: str, verdict: tuple[float, Any]
+) -> None:
+    assert await nemo_gym_verdict(client, said(text), expected, mode) == verdict
+
+
+async def test_the_answer_is_read_from_every_assistant_message(client: httpx.AsyncClient) -> None:
+    output = [*said("\\boxed{Paris}"), {"type": "function_call", "name": "x", "arguments": "{}", "call_id": "c"},
+              {"type": "message", "role": "user", "content": "\\boxed{Rome}"}, *said("done")]
+    assert await nemo_gym_verdict(client, output, "Paris", "boxed") == (1.0, "Paris")
+    assert await nemo_gym_verdict(client, output, "done", "last_line") == (1.0, "done")
+
+
+async def test_case_sensitive_rows(make_client: Callable[..., httpx.AsyncClient]) -> None:
+    async with make_client() as http:  # the config says case_sensitive: true (this server's default)
+        assert await nemo_gym_verdict(http, said("\\boxed{paris}"), "Paris", "boxed") == (1.0, "paris")
+        assert await nemo_gym_verdict(http, said("\\boxed{paris}"), "Paris", "boxed", case_sensitive=True) == (
+            0.0, "paris")
+        assert await nemo_gym_verdict(http, said("\\boxed{ Paris }"), "Paris ", "boxed", case_sensitive=True) == (
+            1.0, "Paris")
+        assert await reward(http, "PARIS", "paris") == 0.0
+        body = {"expected_answer": "paris", "case_sensitive": False, "response": answer("PARIS")}
+        assert (await http.post("/verify", json=body)).json()["reward"] == 1.0  # the row's wins over the config

@@ -26,12 +26,13 @@ from nemo_gym_ckpt.testing.conformance import ParticipantUnderTest
 from nemo_gym_ckpt.testing.minimal import MinimalHooks, MinimalServer, create_minimal_server
 
 TOKEN = "test-token-1234"
+FAKE_CLOCK_START = 1_700_000_000.0
 GRACE_S = 600.0
 
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock(start=1_700_000_000.0)
+    return FakeClock(start=FAKE_CLOCK_START)
 
 
 @pytest.fixture

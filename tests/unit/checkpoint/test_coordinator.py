@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 import pytest
+from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, ParticipantRef
@@ -133,7 +134,7 @@ async def test_discovery_skips_servers_that_are_not_participants(mesh: Mesh) -> 
         found = await coordinator.discover()
         assert {p.name: p.kind for p in found} == {name: mesh.kind_of(name) for name in mesh.servers}
         assert found[0] == ParticipantRef(
-            "environment1", "environment", "environment1", "http://environment1"
+            "environment1", "environment", "environment1", "http://environment1:80"
         )
         statuses = await coordinator.status()
         assert set(statuses) == set(mesh.servers) and {s["phase"] for s in statuses.values()} == {"idle"}
@@ -146,11 +147,20 @@ async def test_discovery_failures_are_errors_of_the_tree(mesh: Mesh) -> None:
     async with mesh.coordinator(required_kinds=("model", "judge")) as coordinator:
         with pytest.raises(Unavailable, match="judge"):
             await coordinator.discover()
-    head = create_head_stub([{"url": "http://x"}])
-    client = MeshClient(transport=MeshTransport({"head": head}), retries=0)
-    async with Coordinator("http://head", TOKEN, client=client) as coordinator:
-        with pytest.raises(UpstreamError):
-            await coordinator.discover()
+    for answer in ([{"name": "x", "url": "http://x"}], "- a list\n- of yaml", "key: [unclosed", 7):
+        head = create_app("head")
+        head.add_api_route("/global_config_dict_yaml", _answering(answer), methods=["GET"])
+        client = MeshClient(transport=MeshTransport({"head": head}), retries=0)
+        async with Coordinator("http://head", TOKEN, client=client) as coordinator:
+            with pytest.raises(UpstreamError, match="global_config_dict_yaml"):
+                await coordinator.discover()
+
+
+def _answering(answer: Any) -> Any:
+    async def route() -> Any:
+        return answer
+
+    return route
 
 
 async def test_a_full_cycle_in_protocol_order(mesh: Mesh, root: Path) -> None:
@@ -290,3 +300,26 @@ async def checkpoint(coordinator: Coordinator, cid: str, directory: str) -> None
 
 
 Factory = Callable[[], Mesh]
+
+
+async def test_every_commit_body_carries_stop_as_upstreams_does() -> None:
+    bodies: list[dict[str, Any]] = []
+    participant = create_app("p1")
+
+    async def status() -> dict[str, Any]:
+        return {"kind": "model", "instance": "p1", "phase": "prepared"}
+
+    async def commit(request: Request) -> dict[str, Any]:
+        bodies.append(await request.json())
+        return {"phase": "committed", "manifest": {}, "episode_ids": []}
+
+    participant.add_api_route("/ng-control/v1/checkpoint/status", status, methods=["GET"])
+    participant.add_api_route("/ng-control/v1/checkpoint/commit", commit, methods=["POST"])
+    head = create_head_stub([{"name": "p1", "type": "responses_api_models", "implementation": "x", "url": "http://p1"}])
+    client = MeshClient(transport=MeshTransport({"head": head, "p1": participant}), retries=0)
+    async with Coordinator("http://head", TOKEN, client=client) as coordinator:
+        await coordinator.commit("c1", deadline_ts=deadline(), checkpoint_dir="/d/c1")
+        await coordinator.commit("c2", deadline_ts=deadline(), checkpoint_dir="/d/c2", stop=True,
+                                 episode_ids=[RolloutIdentity("r", 2)])
+    assert [body["stop"] for body in bodies] == [False, True]
+    assert "episode_ids" not in bodies[0] and bodies[1]["episode_ids"] == [{"rollout_id": "r", "attempt": 2}]

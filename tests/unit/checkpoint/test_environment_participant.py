@@ -265,7 +265,7 @@ async def test_a_restart_only_resources_server_makes_the_episode_a_restart(
         prepared = await control.ok("prepare", checkpoint_id="c1")
         report = prepared["report"]
         assert report["ready"] is True and report["restarts"] == ["rs"] and report["blockers"] == []
-        await control.refused("invalid_checkpoint_state", "commit", checkpoint_id="c1",
+        await control.refused("restart_in_scope", "commit", checkpoint_id="c1",
                               checkpoint_dir=str(root / "ck1"), episode_ids=[{"rollout_id": "rs"}])
         await control.ok("resume", checkpoint_id="c1")
         assert (await control.ok("prepare", checkpoint_id="c2"))["report"]["restarts"] == ["rs"]

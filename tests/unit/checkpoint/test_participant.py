@@ -26,8 +26,8 @@ from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import (
     CheckpointConflict,
     DeadlineExceeded,
-    InvalidCheckpointState,
     InvalidPhase,
+    RestartInScope,
     RolloutIdRequired,
     StaleAttempt,
     StaleCheckpoint,
@@ -39,7 +39,7 @@ from nemo_gym_ckpt.testing.conformance import expect_error
 from nemo_gym_ckpt.testing.crashfs import CrashFS
 from nemo_gym_ckpt.testing.minimal import SessionsAdapter, create_minimal_server
 
-from .conftest import GRACE_S, TOKEN, ServerFactory, client_of, until
+from .conftest import FAKE_CLOCK_START, GRACE_S, TOKEN, ServerFactory, client_of, until
 
 pytestmark = pytest.mark.unit
 
@@ -352,8 +352,9 @@ async def test_commit_needs_a_ready_participant_and_no_restart_in_scope(
     adapter.gate.set()
     adapter.put(RolloutIdentity("rs"), {}, restart=True)
     await gated.prepare(control(clock, "c1"))
-    with pytest.raises(InvalidCheckpointState, match="restart"):
+    with pytest.raises(RestartInScope, match="restart") as refused:
         await gated.commit(commit_request(clock, "c1", root / "ck", episode_ids=[{"rollout_id": "rs"}]))
+    assert (refused.value.code, refused.value.status) == ("restart_in_scope", 409)
     await gated.resume(control(clock, "c1"))
     await gated.prepare(control(clock, "c2"))
     adapter.set_busy(RolloutIdentity("r1"), True)
@@ -417,7 +418,7 @@ async def test_a_disk_error_during_commit_is_clear_and_the_participant_stays_res
         assert (await call(client, "status"))["phase"] == "prepared"
         assert (await call(client, "resume", "c1"))["phase"] == "idle"
         assert snapshot(root / "earlier") == before and manifests(root / "later") == []
-        again = await cycle(client, "c2", str(root / "again"))
+        again = await cycle(client, "c2", str(root / "again"), incremental=False)  # a full write
         assert again["manifest"]["records_sha256"] == earlier["manifest"]["records_sha256"]
 
 
@@ -428,9 +429,8 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 
 
 def body(cid: str, seconds: float = 30.0, **extra: Any) -> dict[str, Any]:
-    import time
-
-    return {"checkpoint_id": cid, "deadline_ts": time.time() + seconds, **extra}
+    """A control body with a deadline ahead of the fixtures' fake clock (which stays at its start here)."""
+    return {"checkpoint_id": cid, "deadline_ts": FAKE_CLOCK_START + seconds, **extra}
 
 
 async def call(client: httpx.AsyncClient, op: str, cid: str = "", **extra: Any) -> dict[str, Any]:

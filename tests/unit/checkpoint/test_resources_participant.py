@@ -208,11 +208,12 @@ async def test_off_mounts_nothing_and_changes_nothing(implementation: str, start
         )
         assert (status.status_code, status.json()["error"]["code"]) == (404, "not_found")
         seeded = await off.client.post("/seed_session", json={})  # no rollout prefix needed
-        assert seeded.status_code == 200 and seeded.json()["session_id"]
+        assert seeded.status_code == 200 and seeded.json()["resources_session_id"]
         assert dict(seeded.headers).items() >= off.server.checkpoint_headers().items()
         assert len(off.server.sessions) == (0 if server_class.checkpoint_mode == "stateless" else 1)
         closed = await off.client.post("/close_session", headers=off.cookie(seeded))
-        assert closed.json() == {"closed": server_class.checkpoint_mode != "stateless"}
+        assert closed.json() == {"resources_session_id": seeded.json()["resources_session_id"]}
+        assert len(off.server.sessions) == 0
 
 
 async def test_off_a_stateless_server_answers_without_a_prefix(start: Callable[..., Any]) -> None:
@@ -426,7 +427,7 @@ async def test_restored_content_is_exported_again_as_read_until_touched(
             "restore", checkpoint_id="r", checkpoint_dir=str(root / "ck1"), episode_ids=scope
         )
         await after.control.ok("resume", checkpoint_id="r")
-        same = await checkpoint(after.control, "c2", root / "ck2")
+        same = await checkpoint(after.control, "c2", root / "ck2", incremental=False)  # a full write
         assert same["manifest"]["records_sha256"] == first["manifest"]["records_sha256"]
         next_scope = [episode("r1", 1), episode("r2", 1)]
         moved = records_of(
@@ -547,6 +548,42 @@ async def test_a_restart_only_call_without_a_seed_still_counts_as_traffic(
         assert "served rollout traffic" in error["detail"]
 
 
+# ---- commit with stop ------------------------------------------------------------------------
+
+
+async def test_a_stop_commit_frees_the_interpreters_and_a_plain_commit_keeps_them(
+    start: Callable[..., Any], root: Path
+) -> None:
+    async with start(PythonRepl, "python_repl") as on:
+        cookie = await on.seed("r1")
+        ran = await on.call("r1", "run_python", cookie, code="x = 6 * 7")
+        assert ran.status_code == 200, ran.text
+        assert len(on.server.interpreters) == 1
+        await checkpoint(on.control, "c1", root / "c1", stop=False)
+        assert len(on.server.interpreters) == 1, "a commit without stop freed a session's child"
+        await checkpoint(on.control, "c2", root / "c2", stop=True)
+        assert on.server.interpreters == {}, "the stop commit left the interpreter running"
+        assert len(on.server.sessions) == 1  # the session itself stays; only what it held is freed
+
+
+class FailingRelease(KvStore):
+    released: list[str] = []
+
+    async def release_session(self, session: Session) -> None:
+        self.released.append(session.session_id)
+        raise OSError("the sandbox would not stop")
+
+
+async def test_a_failure_to_free_never_fails_the_stop_commit(start: Callable[..., Any], root: Path) -> None:
+    async with start(FailingRelease, "kv_store") as on:
+        cookies = [await on.seed(key) for key in ("r1", "r2")]
+        assert all(cookies)
+        committed = await checkpoint(on.control, "c1", root / "c1", stop=True)
+        assert committed["phase"] == "committed" and committed["manifest"]["record_count"] == 2
+        assert len(FailingRelease.released) == 2, "one failure stopped the other releases"
+        assert (root / "c1" / "gym" / "resources" / NAME / "manifest.json").is_file()
+
+
 # ---- retire and forget -----------------------------------------------------------------------
 
 
@@ -637,7 +674,7 @@ async def test_restart_only_sessions_are_restarts_that_never_block(
         await on.control.ok("resume", checkpoint_id="c1")
         await on.control.ok("prepare", checkpoint_id="c2")
         error = await on.control.refused(
-            "invalid_checkpoint_state",
+            "restart_in_scope",
             "commit",
             checkpoint_id="c2",
             checkpoint_dir=str(root / "bad"),
@@ -731,3 +768,31 @@ def test_hooks_a_mode_never_runs_are_refused(base: type, hooks: dict[str, Any], 
     with pytest.raises(TypeError) as raised:
         type("Bad", (base,), hooks)
     assert unused in str(raised.value)
+
+
+async def test_nemo_gym_calls_without_a_prefix_are_admitted_by_their_body_or_their_session(
+    start: Callable[..., Any],
+) -> None:
+    """NeMo Gym's environment servers seed with ``episode_id`` in the body and then call without the
+    rollout prefix: the seed is admitted under that episode, later calls under their session's."""
+    async with start(SERVERS["kv_store"], "kv_store") as res:
+        nobody = await res.client.post("/seed_session", json={"initial_state": {}})
+        assert (nobody.status_code, nobody.json()["error"]["code"]) == (400, "rollout_id_required")
+        seed = {"resources_session_id": "resources-session-9", "episode_id": {"rollout_id": "2-0", "attempt": 1},
+                "task_id": {"taskset": "kv", "task_id": "2"}, "task_data": {"initial_state": {"a": "1"}}}
+        seeded = await res.client.post("/seed_session", json=seed)
+        assert seeded.status_code == 200, seeded.text
+        (session,) = list(res.server.sessions)
+        assert session.identity == RolloutIdentity("2-0", 1) and session.session_id == "resources-session-9"
+        cookie = res.cookie(seeded)
+        assert (await res.client.post("/kv_get", json={"key": "a"}, headers=cookie)).status_code == 200
+        await res.control.ok("prepare", checkpoint_id="ck-ng")
+        waiting = asyncio.create_task(res.client.post("/kv_set", json={"key": "b", "value": "2"}, headers=cookie))
+        await until(lambda: res.server.checkpoint.participant.status()["waiting_requests"] == 1)
+        assert not waiting.done()
+        await res.control.ok("resume", checkpoint_id="ck-ng")
+        assert (await asyncio.wait_for(waiting, WAIT_S)).status_code == 200
+        close = {"resources_session_id": "resources-session-9", "episode_id": seed["episode_id"]}
+        closed = await res.client.post("/close_session", json=close)
+        assert (closed.status_code, closed.json()) == (200, {"resources_session_id": "resources-session-9"})
+        assert len(res.server.sessions) == 0

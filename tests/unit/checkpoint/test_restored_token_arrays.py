@@ -184,9 +184,9 @@ async def test_a_restored_completed_activation_answers_its_reply_with_its_token_
 
 
 async def _commit_again(control: Control, directory: Path) -> bytes:
-    """Commit the restored agent again: its untouched session is exported byte for byte."""
+    """Commit the restored agent again, in full: its untouched session is exported byte for byte."""
     await control.ok("prepare", checkpoint_id="c2")
-    await control.ok("commit", checkpoint_id="c2", checkpoint_dir=str(directory))
+    await control.ok("commit", checkpoint_id="c2", checkpoint_dir=str(directory), incremental=False)
     await control.ok("resume", checkpoint_id="c2")
     return (directory / "gym" / "agent" / "agent" / _records_file(directory)).read_bytes()
 

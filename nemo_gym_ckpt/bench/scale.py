@@ -1,0 +1,491 @@
+"""The ``scale`` suite of ``nemo-gym-ckpt bench``: checkpoints with thousands of rollouts in flight.
+
+One quickstart mesh with checkpointing on. At each level (256, 1,024, 2,048, 4,096 and 10,000
+rollouts in flight) a closed-loop driver keeps that many ``/run`` calls going: one asyncio loop in
+this process, one task per rollout slot, a rollout that ends replaced at once, a refusal up front
+(429 ``capacity_exceeded``) sent again after its ``Retry-After``. The driver's own CPU is reported
+(``driver`` in ``cpu_ms_per_rollout``) to show it is not the bottleneck, and the coordinator has its
+own connection pool, so no control call waits behind the driver's rollouts.
+
+Once the environment holds its rollouts (or 60 s passed), ``pairs`` pairs of checkpoints are taken,
+each a **full** one (``incremental: false``) and, ``gap_s`` later, an **incremental** one whose base
+is that full one: full against incremental side by side, under the same load. Per checkpoint: the
+pause (prepare to resume) and its parts, and the bytes written (files of its directory that are no
+hard link of a file of an earlier checkpoint). Before each checkpoint the rollouts finished since
+the last one are forgotten, as the collector does. Per level: the fsync'd sequential write floor of
+the full checkpoint's size, measured in the same run right after, and the commit's write speed over
+it; rollouts/s and CPU ms per rollout of every process; the peak memory (``VmHWM``) of every server.
+
+Then every server gets SIGKILL, fresh processes restore from the last full checkpoint (timed; not at
+2,048, the level kept for the commit's write speed, nor in ``quick`` form: process starts take a
+minute here), get SIGKILL again, and fresh processes restore from the last incremental one (timed):
+restore time, full against incremental. Those processes (resumed, the restored attempts forgotten)
+carry the next level.
+At the last level, the restore from the incremental checkpoint is the crash test: every rollout that
+had started either finished before the crash or is dispatched again (its next attempt, continuing
+where the restore put it, or afresh when nothing was checkpointed for it), and each must finish
+exactly once; a rollout refused up front never started and is counted apart.
+
+``variants`` is the hook for comparing mesh shapes in the same run (``{"1 worker": [...overrides]}``;
+servers with several workers add ``"2 workers"``): each variant's CPU per rollout and rollouts/s at
+``variant_level`` in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nemo_gym_ckpt.bench.checkpoints import TOKEN, enabled_overrides
+from nemo_gym_ckpt.bench.mesh import (
+    CALL_TIMEOUT_S,
+    MESH_READY_S,
+    CpuMeter,
+    launched_mesh,
+    loadavg,
+    mesh_urls,
+    task_rows,
+)
+from nemo_gym_ckpt.bench.stats import quantiles_ms
+from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
+from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
+from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.errors import GymError, Overloaded
+from nemo_gym_ckpt.identity import RolloutIdentity, parse_capture_key
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
+
+__all__ = ["LEVELS", "QUICK_LEVELS", "plot_scale", "scale"]
+
+Result = dict[str, Any]
+LEVELS = (256, 1024, 2048, 4096, 10_000)
+QUICK_LEVELS = (6,)
+DEADLINE_S = 300.0
+WARM_S = 60.0
+FINISH_S = 1200.0
+OVERRIDES = ["single_agent_turn.environment_servers.single_agent_turn.overload_retry_after_s=10"]
+"""Past the environment's capacity, a refused slot asks again every 10 s (not every second)."""
+
+
+@dataclass
+class _Driver:
+    """``level`` rollout slots in one loop; each slot runs rollouts back to back (or ``fixed`` ones once)."""
+
+    client: MeshClient
+    url: str
+    tasks: list[dict[str, Any]]
+    label: str
+    level: int
+    fixed: list[RolloutIdentity] | None = None
+    stopping: bool = False
+    finished: Counter[str] = field(default_factory=Counter)
+    finished_at: dict[str, float] = field(default_factory=dict)
+    ends: list[float] = field(default_factory=list)
+    in_flight: dict[str, RolloutIdentity] = field(default_factory=dict)
+    waiting: set[str] = field(default_factory=set)  # refused up front, waiting to be sent again
+    refusals: int = 0
+    failures: list[str] = field(default_factory=list)
+    lost: list[RolloutIdentity] = field(default_factory=list)  # in flight when the mesh was killed
+    _workers: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def start(self) -> None:
+        count = len(self.fixed) if self.fixed is not None else self.level
+        self._workers = [asyncio.create_task(self._slot(n)) for n in range(count)]
+
+    async def join(self, timeout_s: float) -> None:
+        if self._workers:
+            await asyncio.wait(self._workers, timeout=timeout_s)
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+
+    def task_of(self, rollout_id: str) -> dict[str, Any]:
+        return self.tasks[hash(rollout_id) % len(self.tasks)]
+
+    async def _slot(self, slot: int) -> None:
+        if self.fixed is not None:
+            await self._one(self.fixed[slot])
+            return
+        n = 0
+        while not self.stopping:
+            await self._one(RolloutIdentity(f"{self.label}-{slot}-{n}"))
+            n += 1
+
+    async def _one(self, identity: RolloutIdentity) -> None:
+        key = identity.rollout_id
+        while True:
+            self.in_flight[key] = identity
+            try:
+                await self.client.post_json(f"{self.url}/run", self.task_of(key), identity=identity,
+                                            timeout_s=CALL_TIMEOUT_S)
+            except Overloaded as refused:
+                self.in_flight.pop(key, None)
+                self.refusals += 1
+                if self.stopping:
+                    return
+                self.waiting.add(key)
+                await asyncio.sleep(refused.retry_after_s)
+                self.waiting.discard(key)
+                continue
+            except GymError as error:
+                self.in_flight.pop(key, None)
+                if self.stopping:
+                    self.lost.append(identity)
+                else:
+                    self.failures.append(f"{key}: {error.code}: {error.detail}"[:300])
+                return
+            self.in_flight.pop(key, None)
+            self.finished[key] += 1
+            self.finished_at[key] = time.perf_counter()
+            self.ends.append(time.perf_counter())
+            return
+
+
+def _written_bytes(directory: Path, seen: set[tuple[int, int]]) -> dict[str, int]:
+    """Bytes per participant of the files under ``directory`` not seen before (not hard links of
+    an earlier checkpoint's files); adds them to ``seen``."""
+    written: dict[str, int] = {}
+    for path in sorted(directory.rglob("*")):
+        if not path.is_file():
+            continue
+        stat = path.stat()
+        participant = path.parent.name
+        inode = (stat.st_dev, stat.st_ino)
+        if inode not in seen:
+            seen.add(inode)
+            written[participant] = written.get(participant, 0) + stat.st_size
+    return written
+
+
+def _sequential_floor(root: Path, size: int) -> float:
+    """MB/s of writing ``size`` bytes to one new file and fsyncing it (the disk's floor, right now)."""
+    size = max(size, 1 << 20)
+    path = root / f".floor-{os.getpid()}"
+    chunk = os.urandom(1 << 20)
+    began = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        left = size
+        while left > 0:
+            left -= os.write(fd, chunk[: min(left, len(chunk))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        elapsed = time.perf_counter() - began
+        path.unlink()
+    return size / elapsed / 1e6
+
+
+def _peak_memory_mb(pids: dict[str, int]) -> dict[str, float]:
+    peaks = {}
+    for name, pid in pids.items():
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peaks[name] = round(int(line.split()[1]) / 1024, 1)
+        except OSError:
+            continue
+    return peaks
+
+
+class _TimedCoordinator(Coordinator):
+    """A coordinator (with its own pool) that times each participant's reply to each call."""
+
+    def __init__(self, head_url: str) -> None:
+        super().__init__(head_url, TOKEN, required_kinds=("model",))
+        self.calls: list[tuple[str, str, float]] = []
+
+    async def _call(self, participant: ParticipantRef, op: str, body: dict[str, Any], deadline_ts: float) -> Outcome:
+        began = time.perf_counter()
+        try:
+            return await super()._call(participant, op, body, deadline_ts)
+        finally:
+            self.calls.append((op, participant.kind, 1000 * (time.perf_counter() - began)))
+
+
+class _Bench:
+    def __init__(self, launcher: MeshLauncher, root: Path, pairs: int, gap_s: float, quick: bool = False) -> None:
+        self.launcher, self.root, self.pairs, self.gap_s, self.quick = launcher, root, pairs, gap_s, quick
+        self.urls = mesh_urls(launcher.mesh)
+        self.tasks = task_rows(launcher.mesh)
+        self.seen: set[tuple[int, int]] = set()
+
+    def coordinator(self) -> _TimedCoordinator:
+        return _TimedCoordinator(self.launcher.head_url)
+
+    async def episodes_live(self, client: MeshClient) -> int:
+        status = await client.get_json(f"{self.urls.environment}{CONTROL_PREFIX}/status", rollout_prefix=False,
+                                       headers={"authorization": f"Bearer {TOKEN}"})
+        return int(status.get("extras", {}).get("episodes", 0))
+
+    async def checkpoint(
+        self, coordinator: _TimedCoordinator, cid: str, incremental: bool, in_flight: list[RolloutIdentity]
+    ) -> Result:
+        """Prepare, commit (the rollouts in flight, less restarts: the collector's scope), resume."""
+        deadline = time.time() + DEADLINE_S
+        directory = self.root / cid
+        coordinator.calls.clear()
+        began = time.perf_counter()
+        try:
+            prepared = await coordinator.prepare(cid, deadline_ts=deadline)
+            prepared_at = time.perf_counter()
+            if not prepared.prepared:
+                raise RuntimeError(f"{cid} was not prepared by its deadline")
+            committed = await coordinator.commit(cid, deadline_ts=deadline, checkpoint_dir=str(directory),
+                                                 episode_ids=prepared.continued(in_flight), incremental=incremental)
+            committed_at = time.perf_counter()
+        finally:
+            await coordinator.resume(cid, deadline_ts=time.time() + DEADLINE_S)
+        resumed_at = time.perf_counter()
+        written = _written_bytes(directory, self.seen)
+        return {"id": cid, "incremental": incremental, "directory": directory,
+                "episodes": [parse_capture_key(key) for key in committed.episode_ids()],
+                "committed_at": committed_at,
+                "pause_ms": 1000 * (resumed_at - began), "prepare_ms": 1000 * (prepared_at - began),
+                "commit_ms": 1000 * (committed_at - prepared_at), "resume_ms": 1000 * (resumed_at - committed_at),
+                "bytes_written": sum(written.values()), "bytes_by_participant": written,
+                "records": {name: m["record_count"] for name, m in committed.manifests().items()},
+                "calls_ms": {f"{op}.{kind}": round(ms, 1) for op, kind, ms in coordinator.calls}}
+
+    async def level(self, level: int, final: bool) -> Result:
+        load_at_start = loadavg()
+        async with MeshClient(max_connections=level + 64) as client:
+            driver = _Driver(client, self.urls.environment, self.tasks, f"l{level}", level)
+            coordinator = self.coordinator()
+            meter = CpuMeter(self.launcher.pids)
+            driver.start()
+            warm_until = time.monotonic() + WARM_S
+            target = min(level, 4096) * 0.9
+            while time.monotonic() < warm_until and (await self.episodes_live(client)) < target:
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(min(2.0, self.gap_s * 2))
+            meter.start()
+            window_began = time.perf_counter()
+            samples: list[Result] = []
+            forgotten = 0
+            done: set[str] = set()
+            for pair in range(self.pairs):
+                for incremental in (False, True):
+                    await asyncio.sleep(self.gap_s)
+                    finished = [key for key in driver.finished if key not in done]
+                    if finished:  # what the collector does with finished rollouts
+                        await coordinator.forget(finished, deadline_ts=time.time() + DEADLINE_S)
+                        forgotten += len(finished)
+                        done.update(finished)
+                    kind = "incr" if incremental else "full"
+                    in_flight = list(driver.in_flight.values())
+                    samples.append(await self.checkpoint(coordinator, f"l{level}-p{pair}-{kind}", incremental,
+                                                         in_flight))
+            window_s = time.perf_counter() - window_began
+            usage = meter.stop()
+            finished_in_window = sum(1 for end in driver.ends if end >= window_began)
+            peaks = _peak_memory_mb(self.launcher.pids)
+            in_flight_at_kill = dict(driver.in_flight)
+            waiting_at_kill = set(driver.waiting)
+            finished_before = Counter(driver.finished)
+            finished_at = dict(driver.finished_at)
+            driver.stopping = True
+            await coordinator.aclose()
+            self.launcher.kill_all()
+            await driver.join(30.0)
+        fulls = [s for s in samples if not s["incremental"]]
+        incrs = [s for s in samples if s["incremental"]]
+        floor = _sequential_floor(self.root, int(statistics.median(s["bytes_written"] for s in fulls)))
+        timed_full = level != 2048 and not self.quick
+        restore_full = await self.restore(fulls[-1], fulls[-1]["episodes"], keep=False) if timed_full else None
+        latest = incrs[-1]
+        scope = [e for e in latest["episodes"] if finished_at.get(e.rollout_id, 0.0) <= latest["committed_at"]
+                 or e.rollout_id in in_flight_at_kill]
+        restore_incr = await self.restore(latest, scope, keep=True)
+        row = self.summary(level, samples, floor, restore_full, restore_incr, usage, finished_in_window, window_s,
+                           peaks, driver, load_at_start, forgotten)
+        if final:
+            row["crash"] = await self.finish_after_crash(latest, scope, restore_incr, in_flight_at_kill,
+                                                         waiting_at_kill, finished_before)
+        else:
+            await self.forget_all(restore_incr["restored_ids"])
+        return row
+
+    async def restore(self, checkpoint: Result, scope: list[RolloutIdentity], *, keep: bool) -> Result:
+        """Fresh processes (SIGKILL, restart), restore from ``checkpoint``, resume; timed."""
+        if any(self.launcher.returncode(name) is None for name in self.launcher.names):
+            self.launcher.kill_all()
+        began = time.perf_counter()
+        await asyncio.to_thread(self.launcher.restart_all, MESH_READY_S)
+        started_s = time.perf_counter() - began
+        async with self.coordinator() as coordinator:
+            await coordinator.discover()
+            cid = f"restore-{checkpoint['id']}"
+            began = time.perf_counter()
+            restored = await coordinator.restore(cid, deadline_ts=time.time() + DEADLINE_S,
+                                                 checkpoint_dir=str(checkpoint["directory"]), episode_ids=scope)
+            restore_ms = 1000 * (time.perf_counter() - began)
+            await coordinator.resume(cid, deadline_ts=time.time() + DEADLINE_S)
+        return {"restore_ms": round(restore_ms, 1), "processes_start_s": round(started_s, 1),
+                "scope": len(scope), "continued": restored.continued(), "restarts": restored.restarts(),
+                "restored_ids": sorted({e.rollout_id for e in scope}), "kept": keep}
+
+    async def forget_all(self, rollout_ids: list[str]) -> None:
+        if rollout_ids:
+            async with self.coordinator() as coordinator:
+                await coordinator.forget(rollout_ids, deadline_ts=time.time() + DEADLINE_S)
+
+    async def finish_after_crash(
+        self, latest: Result, scope: list[RolloutIdentity], restored: Result, in_flight: dict[str, RolloutIdentity],
+        waiting: set[str], finished_before: Counter[str],
+    ) -> Result:
+        """Dispatch every started rollout not finished before the crash once more; each must finish once."""
+        continued = {e.rollout_id: e for e in restored["continued"]}
+        again = [continued.get(key, RolloutIdentity(key, identity.attempt + 1)) for key, identity in in_flight.items()
+                 if key not in finished_before]
+        for episode in restored["restarts"]:
+            if episode.rollout_id not in in_flight and episode.rollout_id not in finished_before:
+                again.append(episode.next_attempt())
+        async with MeshClient(max_connections=len(again) + 64) as client:
+            driver = _Driver(client, self.urls.environment, self.tasks, "crash", len(again), fixed=again)
+            began = time.perf_counter()
+            driver.start()
+            await driver.join(FINISH_S)
+        total = finished_before + driver.finished
+        started = set(finished_before) | {e.rollout_id for e in again}
+        twice = sorted(key for key in started if total[key] > 1)
+        never = sorted(key for key in started if total[key] == 0)
+        return {"started_rollouts": len(started), "finished_before_crash": len(finished_before),
+                "dispatched_after_restore": len(again), "continued_from_checkpoint": len(continued),
+                "finished_after_restore": sum(driver.finished.values()), "finished_twice": len(twice),
+                "never_finished": len(never), "failed_after_restore": len(driver.failures),
+                **({"first_failure": driver.failures[0]} if driver.failures else {}),
+                "refused_up_front_never_started": len(waiting), "refusals_after_restore": driver.refusals,
+                "finish_s": round(time.perf_counter() - began, 1), "checkpoint": latest["id"]}
+
+    def summary(
+        self, level: int, samples: list[Result], floor: float, restore_full: Result | None, restore_incr: Result,
+        usage: Result, finished: int, window_s: float, peaks: dict[str, float], driver: _Driver,
+        load_at_start: list[float], forgotten: int,
+    ) -> Result:
+        def of(kind: bool) -> list[Result]:
+            return [s for s in samples if s["incremental"] is kind]
+
+        fulls, incrs = of(False), of(True)
+        full_bytes = statistics.median(s["bytes_written"] for s in fulls)
+        commit_speeds = [s["bytes_written"] / max(s["commit_ms"], 1e-6) / 1e3 for s in fulls]
+        count = max(finished, 1)
+        per_rollout = {name: round(1000 * seconds / count, 2) for name, seconds in usage["cpu_s"].items()}
+        return {
+            "in_flight": level,
+            **{f"{name}_pause": quantiles_ms([s["pause_ms"] for s in group]) for name, group in
+               (("full", fulls), ("incremental", incrs), ("all", samples))},
+            **{f"{name}_{part}": quantiles_ms([s[f"{part}_ms"] for s in group]) for name, group in
+               (("full", fulls), ("incremental", incrs)) for part in ("prepare", "commit", "resume")},
+            "full_bytes_written_p50": int(full_bytes),
+            "incremental_bytes_written_p50": int(statistics.median(s["bytes_written"] for s in incrs)),
+            "incremental_over_full_bytes": [round(b["bytes_written"] / max(a["bytes_written"], 1), 4)
+                                            for a, b in zip(fulls, incrs, strict=True)],
+            "full_bytes_by_participant": fulls[-1]["bytes_by_participant"],
+            "incremental_bytes_by_participant": incrs[-1]["bytes_by_participant"],
+            "records": fulls[-1]["records"],
+            **{f"{name}_calls_p50_ms": {key: round(statistics.median(s["calls_ms"].get(key, 0.0) for s in group), 1)
+                                         for key in group[0]["calls_ms"]} for name, group in
+               (("full", fulls), ("incremental", incrs))},
+            "commit_write_mb_s_full": [round(v, 1) for v in commit_speeds],
+            "fsync_floor_mb_s": round(floor, 1),
+            "commit_over_floor": round(statistics.median(commit_speeds) / max(floor, 1e-9), 3),
+            "restore_full_ms": restore_full["restore_ms"] if restore_full else None,
+            "restore_incremental_ms": restore_incr["restore_ms"],
+            "restore_scope": restore_incr["scope"], "processes_start_s": restore_incr["processes_start_s"],
+            "rollouts_per_s": round(finished / window_s, 2) if window_s > 0 else 0.0,
+            "cpu_ms_per_rollout": per_rollout, "mesh_busy_cores": usage.get("mesh_busy_cores"),
+            "machine_busy_cores": usage.get("machine_busy_cores"),
+            "peak_memory_mb": peaks, "refusals": driver.refusals, "failed": len(driver.failures),
+            **({"first_failure": driver.failures[0]} if driver.failures else {}),
+            "forgotten": forgotten, "loadavg_at_start": load_at_start, "loadavg_at_end": loadavg(),
+        }
+
+
+async def _levels(
+    launcher: MeshLauncher, root: Path, levels: Sequence[int], pairs: int, gap_s: float, progress: Path | None,
+    quick: bool,
+) -> list[Result]:
+    bench = _Bench(launcher, root, pairs, gap_s, quick)
+    rows = []
+    for index, level in enumerate(levels):
+        rows.append(await bench.level(level, final=index == len(levels) - 1))
+        if progress is not None:  # each level as it ends: a long run keeps what it measured
+            with progress.open("a") as file:
+                file.write(json.dumps(rows[-1], default=str) + "\n")
+    return rows
+
+
+def scale(
+    *, levels: Sequence[int] = LEVELS, pairs: int = 3, gap_s: float = 1.0, quick: bool = False,
+    variants: dict[str, list[str]] | None = None, progress: Path | None = None,
+) -> Result:
+    """Pause, bytes and restore, full against incremental, at each level of rollouts in flight."""
+    if quick:
+        levels, pairs = QUICK_LEVELS, 1
+    with tempfile.TemporaryDirectory(prefix="ngc-bench-scale-") as directory:
+        root = Path(directory)
+        with launched_mesh([*enabled_overrides(root), *OVERRIDES]) as launcher:
+            began = loadavg()
+            rows = asyncio.run(_levels(launcher, root, levels, pairs, gap_s, progress, quick))
+    return {"config": "configs/quickstart.yaml", "pairs_per_level": pairs, "gap_s": gap_s, "cpus": os.cpu_count(),
+            "loadavg_at_start": began, "loadavg_at_end": loadavg(), "levels": rows,
+            "variants": compare_variants(variants or {}, quick=quick)}
+
+
+def compare_variants(variants: dict[str, list[str]], *, quick: bool = False) -> Result:
+    """CPU per rollout and rollouts/s of each mesh variant (config overrides), one after another."""
+    from nemo_gym_ckpt.bench.rollouts import measure_rollouts
+
+    level = 8 if quick else 256
+    return {name: measure_rollouts(2.0 if quick else 10.0, overrides, concurrencies=(level,), layers=False)
+            for name, overrides in variants.items()}
+
+
+def plot_scale(result: Result, out: Path) -> list[str]:
+    """``scale_pause.png``, ``scale_bytes.png`` and ``scale_restore.png`` (when matplotlib is present)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    rows = result["levels"]
+    levels = [row["in_flight"] for row in rows]
+    figures = {
+        "scale_pause.png": ("checkpoint pause p50 (ms)", [("full", [r["full_pause"]["p50_ms"] for r in rows]),
+                                                           ("incremental", [r["incremental_pause"]["p50_ms"]
+                                                                            for r in rows])]),
+        "scale_bytes.png": ("bytes written per checkpoint", [("full", [r["full_bytes_written_p50"] for r in rows]),
+                                                             ("incremental", [r["incremental_bytes_written_p50"]
+                                                                              for r in rows])]),
+        "scale_restore.png": ("restore (ms)", [("from full", [r["restore_full_ms"] for r in rows]),
+                                               ("from incremental", [r["restore_incremental_ms"] for r in rows])]),
+    }
+    figures["scale_restore.png"] = (figures["scale_restore.png"][0],
+                                    [(legend, [v if v is not None else float("nan") for v in values])
+                                     for legend, values in figures["scale_restore.png"][1]])
+    written = []
+    for name, (label, series) in figures.items():
+        figure, axis = plt.subplots(figsize=(5, 3.2))
+        for legend, values in series:
+            axis.plot(levels, values, marker="o", label=legend)
+        axis.set_xscale("log")
+        axis.set_xlabel("rollouts in flight")
+        axis.set_ylabel(label)
+        axis.set_title(f"quickstart mesh, {os.cpu_count()} cores")
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(out / name, dpi=120)
+        plt.close(figure)
+        written.append(name)
+    return written

@@ -1,0 +1,461 @@
+"""Where a mesh config's values come from: files and their ``config_paths``, overrides, directives, ``${...}``.
+
+``read_sources(paths, overrides)`` gives the merged, still unvalidated tree and the file that set
+each key (``Origins``), in NeMo Gym's order (docs/architecture.md section 3):
+
+1. Files. The command line's files, and the ``config_paths`` of every file (and of a
+   ``+config_paths=[...]`` override), are looked up against the working directory, then the project
+   root; a missing one is an error. A file that includes others overrides them; of two files named
+   side by side the later wins; a file named twice is read once.
+2. Overrides: ``key=value``, ``+key=value`` and ``++key=value`` set a dotted key (values are YAML).
+3. Directives: ``X: {_inherit_from: a.b, ...}`` is the block at ``a.b`` with X's own keys merged
+   over it, and ``a.b`` is moved (it no longer exists); ``_copy`` does the same and keeps ``a.b``;
+   ``${inherit_from:a.b}`` and ``${copy:a.b}`` are the same without own keys. An environment
+   server's agent reference that names a moved agent instance follows it to its new name.
+
+``resolve_interpolations`` then replaces ``${a.b}`` by that value, ``${oc.select:a.b,default}`` by
+that value or the default when there is none, and ``${oc.env:VAR}`` / ``${oc.env:VAR,default}`` by
+the environment. Every error is a ``ConfigError`` naming the file and
+the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+
+from nemo_gym_ckpt.errors import ConfigError
+
+__all__ = [
+    "COMMAND_LINE",
+    "CONFIG_PATHS",
+    "PROJECT_ROOT",
+    "Origins",
+    "deep_copy",
+    "interpolation_roots",
+    "origin_of",
+    "parse_overrides",
+    "read_sources",
+    "resolve_config_path",
+    "resolve_interpolations",
+]
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+"""The folder holding ``configs/`` and the server folders: the checkout, or site-packages when installed."""
+COMMAND_LINE = "<command line>"
+CONFIG_PATHS = "config_paths"
+INHERIT_FROM = "_inherit_from"
+COPY = "_copy"
+DELETE_KEY = "_delete_key"
+AGENTS_TYPE = "responses_api_agents"
+ENVIRONMENTS_TYPE = "environment_servers"
+_DIRECTIVE_STRING = re.compile(r"\$\{(inherit_from|copy):([^${}]+)\}")
+_INTERPOLATION = re.compile(r"\$\{([^${}]+)\}")
+_RESOLVER = re.compile(r"([A-Za-z_][\w.]*):")
+
+Path_ = tuple[str, ...]
+Origins = dict[Path_, str]
+"""The file (or ``<command line>``) that set each key path."""
+
+
+def read_sources(paths: Sequence[str | Path], overrides: Sequence[str]) -> tuple[dict[str, Any], Origins]:
+    """The merged tree of the files (with their ``config_paths``), the overrides applied, directives done."""
+    parsed = parse_overrides(overrides)
+    roots = [(str(path), COMMAND_LINE) for path in paths]
+    for key, value in parsed:
+        if key == (CONFIG_PATHS,):
+            roots += [(entry, COMMAND_LINE) for entry in _config_path_list(value, COMMAND_LINE)]
+    if not roots:
+        raise ConfigError("no config file given")
+    merged: dict[str, Any] = {}
+    origins: Origins = {}
+    files = _files_in_merge_order(roots)
+    for path, data in files:
+        _merge_into(merged, data, str(path), origins, ())
+    for key, value in parsed:
+        if key != (CONFIG_PATHS,):
+            _set_path(merged, key, value, origins)
+    merged[CONFIG_PATHS] = [str(path) for path, _ in files]
+    origins[(CONFIG_PATHS,)] = COMMAND_LINE
+    return _Directives(merged, origins).apply(), origins
+
+
+# ---- files ---------------------------------------------------------------------------------------
+
+
+def resolve_config_path(entry: str, named_in: str) -> Path:
+    """``entry`` as given if absolute; else against the working directory, then the project root."""
+    path = Path(entry).expanduser()
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, PROJECT_ROOT / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    tried = ", ".join(str(c) for c in candidates)
+    if named_in == COMMAND_LINE:
+        raise ConfigError(f"file not found (looked in {tried})", file=entry)
+    raise ConfigError(f"config_paths entry {entry!r} not found (looked in {tried})", file=named_in, key=CONFIG_PATHS)
+
+
+def _files_in_merge_order(roots: Sequence[tuple[str, str]]) -> list[tuple[Path, dict[str, Any]]]:
+    """Every file once, each after the files it includes, siblings in the order named."""
+    order: list[tuple[Path, dict[str, Any]]] = []
+    seen: set[Path] = set()
+
+    def visit(entry: str, named_in: str) -> None:
+        path = resolve_config_path(entry, named_in)
+        if path in seen:
+            return
+        seen.add(path)
+        data = _read_yaml(path)
+        for included in _config_path_list(data.pop(CONFIG_PATHS, None), str(path)):
+            visit(included, str(path))
+        order.append((path, data))
+
+    for entry, named_in in roots:
+        visit(entry, named_in)
+    return order
+
+
+def _config_path_list(value: Any, file: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise ConfigError(f"expected a list of config file paths, got {value!r}", file=file, key=CONFIG_PATHS)
+    return value
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read: {error.strerror}", file=str(path)) from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"not valid YAML: {error}".replace("\n", " "), file=str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("expected a mapping at the top level", file=str(path))
+    return data
+
+
+def _merge_into(dst: dict[str, Any], src: Mapping[str, Any], origin: str, origins: Origins, prefix: Path_) -> None:
+    for key, value in src.items():
+        key = str(key)
+        path = (*prefix, key)
+        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
+            origins.setdefault(path, origin)
+            _merge_into(dst[key], value, origin, origins, path)
+            continue
+        dst[key] = deep_copy(value)
+        for sub in _leaf_paths(value, path):
+            origins[sub] = origin
+
+
+def _leaf_paths(value: Any, path: Path_) -> Iterator[Path_]:
+    yield path
+    if isinstance(value, Mapping):
+        for key, sub in value.items():
+            yield from _leaf_paths(sub, (*path, str(key)))
+
+
+# ---- overrides -----------------------------------------------------------------------------------
+
+
+def parse_overrides(overrides: Sequence[str]) -> list[tuple[Path_, Any]]:
+    """``a.b=1``, ``+a.b=1``, ``++a.b=1`` -> ((a, b), 1): each sets the key, adding it if absent."""
+    parsed = []
+    for item in overrides:
+        if item.startswith("~"):
+            raise ConfigError(f"override {item!r}: deleting a key (~key) is not supported", file=COMMAND_LINE)
+        key, eq, text = item.removeprefix("++").removeprefix("+").partition("=")
+        if not eq or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} is not key=value", file=COMMAND_LINE)
+        parsed.append((tuple(key.split(".")), _yaml_scalar(text)))
+    return parsed
+
+
+def _set_path(tree: dict[str, Any], path: Path_, value: Any, origins: Origins) -> None:
+    node = tree
+    for depth, part in enumerate(path[:-1]):
+        if node.get(part) is None:
+            node[part] = {}
+        child = node[part]
+        if not isinstance(child, dict):
+            where = ".".join(path[: depth + 1])
+            raise ConfigError(f"cannot set {'.'.join(path)}: {where} is not a mapping", file=COMMAND_LINE)
+        node = child
+    node[path[-1]] = value
+    for sub in _leaf_paths(value, path):
+        origins[sub] = COMMAND_LINE
+
+
+def _yaml_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        return text
+
+
+# ---- directives: _inherit_from, _copy ------------------------------------------------------------
+
+
+class _Directives:
+    """Expands ``_inherit_from`` and ``_copy`` (block or ``${...}`` string) against the merged tree."""
+
+    def __init__(self, tree: dict[str, Any], origins: Origins) -> None:
+        self.frozen = deep_copy(tree)
+        self.origins = origins
+        self.active: list[Path_] = []
+        self.moves: dict[Path_, list[Path_]] = {}
+
+    def apply(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.expand(self.frozen, ())
+        for source in self.moves:
+            _delete_path(result, source)
+        self._follow_moved_agents(result)
+        return result
+
+    def expand(self, value: Any, path: Path_) -> Any:
+        directive = self.directive_of(value, path)
+        if directive is None:
+            if isinstance(value, dict):
+                return {key: self.expand(item, (*path, key)) for key, item in value.items()}
+            if isinstance(value, list):
+                return [self.expand(item, (*path, str(index))) for index, item in enumerate(value)]
+            return value
+        kind, source, own = directive
+        if source in self.active or path in self.active or source == path[: len(source)]:
+            self.fail(f"{kind} {'.'.join(source)} refers back to itself", path)
+        self.active.append(path)
+        try:
+            base = self.expand(self.lookup(source, kind, path), source)
+            local = {key: self.expand(item, (*path, key)) for key, item in own.items()}
+        finally:
+            self.active.pop()
+        if kind == INHERIT_FROM:
+            self.moves.setdefault(source, []).append(path)
+        self._carry_origins(source, path)
+        if not local:
+            return base
+        if not isinstance(base, dict):
+            self.fail(f"{kind} {'.'.join(source)} is not a mapping, so keys cannot be merged over it", path)
+        return _deep_merge(base, local)
+
+    def directive_of(self, value: Any, path: Path_) -> tuple[str, Path_, dict[str, Any]] | None:
+        if isinstance(value, str):
+            match = _DIRECTIVE_STRING.fullmatch(value.strip())
+            if match is None:
+                return None
+            kind = INHERIT_FROM if match[1] == "inherit_from" else COPY
+            return kind, self.dotted(match[2], path), {}
+        if not isinstance(value, dict):
+            return None
+        if DELETE_KEY in value:
+            self.fail(f"{DELETE_KEY} is not supported: leave the keys out, or set them with an override",
+                      (*path, DELETE_KEY))
+        kinds = [kind for kind in (INHERIT_FROM, COPY) if kind in value]
+        if not kinds:
+            return None
+        if len(kinds) == 2:
+            self.fail(f"a block takes {INHERIT_FROM} or {COPY}, not both", path)
+        kind = kinds[0]
+        source = value[kind]
+        if not isinstance(source, str):
+            self.fail(f"expected a dotted key path, got {source!r}", (*path, kind))
+        own = {key: item for key, item in value.items() if key != kind}
+        return kind, self.dotted(source, (*path, kind)), own
+
+    def dotted(self, text: str, path: Path_) -> Path_:
+        parts = tuple(text.strip().split("."))
+        if any(not part for part in parts):
+            self.fail(f"expected a dotted key path, got {text!r}", path)
+        return parts
+
+    def lookup(self, source: Path_, kind: str, path: Path_) -> Any:
+        node: Any = self.frozen
+        for part in source:
+            if not isinstance(node, dict) or part not in node:
+                self.fail(f"{kind} names {'.'.join(source)}, which does not exist", path)
+            node = node[part]
+        return node
+
+    def _carry_origins(self, source: Path_, target: Path_) -> None:
+        """The inherited keys keep the file that set them; the target's own keys keep theirs."""
+        for path, origin in list(self.origins.items()):
+            if path[: len(source)] == source and path != source:
+                self.origins.setdefault((*target, *path[len(source) :]), origin)
+
+    def _follow_moved_agents(self, tree: dict[str, Any]) -> None:
+        """An environment server's agent reference to a moved top-level agent names its new place."""
+        renames: dict[str, list[str]] = {}
+        for source in self.moves:
+            block = self.frozen.get(source[0]) if len(source) == 1 else None
+            if isinstance(block, dict) and AGENTS_TYPE in block:
+                renames[source[0]] = [target[0] for target in self.moves[source] if len(target) == 1]
+        for ref_path, ref in _environment_agent_refs(tree):
+            targets = renames.get(str(ref.get("name")))
+            if targets is None:
+                continue
+            if len(targets) != 1:
+                where = ", ".join(targets) or "a nested key"
+                self.fail(f"agent {ref['name']!r} was moved ({INHERIT_FROM}) to {where}: name the one this "
+                          "environment server uses", (*ref_path, "name"))
+            ref["name"] = targets[0]
+
+    def fail(self, message: str, path: Path_) -> NoReturn:
+        raise ConfigError(message, file=origin_of(self.origins, path), key=".".join(path))
+
+
+def _environment_agent_refs(tree: Mapping[str, Any]) -> Iterator[tuple[Path_, dict[str, Any]]]:
+    for name, block in tree.items():
+        implementations = block.get(ENVIRONMENTS_TYPE) if isinstance(block, dict) else None
+        if not isinstance(implementations, dict):
+            continue
+        for implementation, settings in implementations.items():
+            for field, ref in (settings or {}).items() if isinstance(settings, dict) else ():
+                if isinstance(ref, dict) and (ref.get("type") == AGENTS_TYPE or field == "agent_server"):
+                    yield (name, ENVIRONMENTS_TYPE, implementation, field), ref
+
+
+def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = deep_copy(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = deep_copy(value)
+    return merged
+
+
+def _delete_path(tree: dict[str, Any], path: Path_) -> None:
+    """Remove the key at ``path``, and the mappings that only held it (a moved value leaves nothing)."""
+    parents: list[dict[str, Any]] = [tree]
+    for part in path[:-1]:
+        child = parents[-1].get(part)
+        if not isinstance(child, dict):
+            return
+        parents.append(child)
+    parents[-1].pop(path[-1], None)
+    for depth in range(len(parents) - 1, 0, -1):
+        if parents[depth]:
+            break
+        parents[depth - 1].pop(path[depth - 1], None)
+
+
+# ---- interpolation -------------------------------------------------------------------------------
+
+
+def resolve_interpolations(raw: dict[str, Any], origins: Origins) -> dict[str, Any]:
+    resolver = _Resolver(raw, origins)
+    return {key: resolver.value(value, (key,)) for key, value in raw.items()}
+
+
+def interpolation_roots(raw: Mapping[str, Any]) -> set[str]:
+    """The top-level keys that some ``${a.b}`` names (its first part)."""
+    found: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, Mapping):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+        elif isinstance(value, str):
+            for expr in (match.strip() for match in _INTERPOLATION.findall(value)):
+                if expr.startswith("oc.select:"):
+                    found.add(expr[len("oc.select:") :].split(",")[0].strip().split(".")[0])
+                elif not _RESOLVER.match(expr):
+                    found.add(expr.split(".")[0])
+
+    walk(raw)
+    return found
+
+
+class _Resolver:
+    def __init__(self, root: dict[str, Any], origins: Origins) -> None:
+        self.root = root
+        self.origins = origins
+        self.active: list[Path_] = []
+
+    def value(self, value: Any, path: Path_) -> Any:
+        if isinstance(value, dict):
+            return {k: self.value(v, (*path, str(k))) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.value(v, (*path, str(i))) for i, v in enumerate(value)]
+        if isinstance(value, str):
+            return self.string(value, path)
+        return value
+
+    def string(self, text: str, path: Path_) -> Any:
+        whole = _INTERPOLATION.fullmatch(text)
+        if whole:
+            return self.expression(whole[1], path)
+        return _INTERPOLATION.sub(lambda m: str(self.expression(m[1], path)), text)
+
+    def expression(self, expr: str, path: Path_) -> Any:
+        expr = expr.strip()
+        if expr.startswith("oc.env:"):
+            name, comma, default = expr[len("oc.env:") :].partition(",")
+            value = os.environ.get(name.strip())
+            if value is None and not comma:
+                self.fail(f"environment variable {name.strip()} is not set", path)
+            return value if value is not None else _yaml_scalar(default.strip())
+        if expr.startswith("oc.select:"):
+            key, comma, default = expr[len("oc.select:") :].partition(",")
+            found = self.lookup(tuple(key.strip().split(".")), path, missing_ok=True)
+            if found is not None:
+                return found
+            return _yaml_scalar(default.strip()) if comma else None
+        resolver = _RESOLVER.match(expr)
+        if resolver:
+            self.fail(f"unknown resolver {resolver[1]!r} in ${{{expr}}} (known: oc.env, oc.select; inherit_from "
+                      "and copy take a whole value)", path)
+        return self.lookup(tuple(expr.split(".")), path)
+
+    def lookup(self, target: Path_, path: Path_, *, missing_ok: bool = False) -> Any:
+        """The resolved value at ``target`` (None for a missing key when ``missing_ok``)."""
+        expr = ".".join(target)
+        if target in self.active:
+            self.fail(f"interpolation cycle through ${{{expr}}}", path)
+        node: Any = self.root
+        for part in target:
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+                continue
+            if not isinstance(node, dict) or part not in node:
+                if missing_ok:
+                    return None
+                self.fail(f"${{{expr}}} refers to a key that does not exist", path)
+            node = node[part]
+        self.active.append(target)
+        try:
+            return self.value(node, target)
+        finally:
+            self.active.pop()
+
+    def fail(self, message: str, path: Path_) -> NoReturn:
+        raise ConfigError(message, file=origin_of(self.origins, path), key=".".join(path))
+
+
+def origin_of(origins: Mapping[Path_, str], path: Sequence[str]) -> str | None:
+    """The file that set ``path`` (or its nearest ancestor)."""
+    key = tuple(path)
+    while key:
+        if key in origins:
+            return origins[key]
+        key = key[:-1]
+    return None
+
+
+def deep_copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [deep_copy(v) for v in value]
+    return value

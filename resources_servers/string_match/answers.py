@@ -1,0 +1,169 @@
+"""Answers the way NeMo Gym's string_match reads them: a row's ``extraction_mode`` and its grade.
+
+- ``assistant_text``: the text of every assistant message of the response, joined by newlines.
+- ``extract``: ``boxed`` (the last balanced ``\\boxed{...}``, ``\\text{...}`` wrappers removed),
+  ``final_answer`` (the last ``Final answer: ...`` or ``Answer: ...``, trailing periods dropped;
+  else as ``boxed``), ``last_line`` (the last non-empty line), ``full_response`` (all of it).
+- ``grade``: case-sensitive, the stripped strings must be equal; otherwise 1.0 when the two agree
+  after any one of these normalisations, in order: Unicode NFKC + one pair of outer quotes removed
+  + lower case + trailing ``.!?`` removed; then as numbers (``$``, ``\\$``, ``\\%`` dropped); then
+  digit-group commas removed; then LaTeX text commands, math delimiters and ``$`` removed; else
+  0.98 when both read as numbers (``$ £ € % ,`` dropped) within about 1% of each other.
+  NeMo Gym's grader knows more (lists, US states, units): docs/nemo-gym.md lists what this one lacks.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+__all__ = ["ExtractionMode", "assistant_text", "extract", "grade"]
+
+ExtractionMode = Literal["boxed", "final_answer", "last_line", "full_response"]
+
+_BOXED = "\\boxed{"
+_TEXT_WRAPPER = re.compile(r"\\text\{\s*(.*?)\s*\}", re.S)
+_ANSWER_LINE = re.compile("(?i)(?:final\\s+answer|answer)\\s*[:\uff1a]\\s*(.+)")  # a colon, or a full-width one
+_DIGIT_GROUPS = re.compile(r"(\d),(\d)")
+_LATEX_COMMANDS = ("boxed", "text", "textbf", "textit", "texttt", "mathrm", "mathbf", "mathit", "mathsf",
+                   "mathbb", "mathcal", "emph", "url")
+
+
+def assistant_text(output: Sequence[Mapping[str, Any]]) -> str:
+    """Every assistant message's text (string content or each part's ``text``), one per line, stripped."""
+    texts: list[str] = []
+    for item in output:
+        if item.get("type") != "message" or item.get("role") != "assistant":
+            continue
+        content = item.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
+    return "\n".join(texts).strip()
+
+
+def extract(text: str, mode: ExtractionMode) -> str | None:
+    """The answer ``mode`` finds in ``text``, or None."""
+    return _EXTRACTORS[mode](text)
+
+
+def _closing_brace(text: str, start: int) -> int | None:
+    """The index of the brace closing the one just before ``start``, or None."""
+    depth = 1
+    for index in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return index
+    return None
+
+
+def _boxed(text: str) -> str | None:
+    start = text.rfind(_BOXED)
+    while start != -1:
+        inner = start + len(_BOXED)
+        end = _closing_brace(text, inner)
+        if end is not None:
+            value = text[inner:end].strip()
+            while (wrapped := _TEXT_WRAPPER.fullmatch(value)) is not None:
+                value = wrapped[1]
+            return value.strip()
+        start = text.rfind(_BOXED, 0, start)
+    return None
+
+
+def _final_answer(text: str) -> str | None:
+    found = _ANSWER_LINE.findall(text)
+    if found:
+        return str(found[-1]).strip().rstrip(".").strip()
+    return _boxed(text)
+
+
+def _last_line(text: str) -> str | None:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def _full_response(text: str) -> str | None:
+    return text.strip() or None
+
+
+_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
+    "boxed": _boxed, "final_answer": _final_answer, "last_line": _last_line, "full_response": _full_response,
+}
+
+
+def grade(extracted: str, expected: str, case_sensitive: bool) -> float:
+    """1.0 when ``extracted`` is ``expected``, 0.98 when they are near numbers (module docstring), else 0.0."""
+    if case_sensitive:
+        return 1.0 if extracted.strip() == expected.strip() else 0.0
+    got, want = _plain(extracted), _plain(expected)
+    for view in (_same, _as_number, _without_digit_groups, _without_latex):
+        if view(got) == view(want):
+            return 1.0
+    return NEAR_REWARD if _closeness(got, want) > NEAR_REWARD else 0.0
+
+
+NEAR_REWARD = 0.98
+"""The reward of two numbers that are near but not equal (and how near: the closeness above it)."""
+
+
+def _closeness(got: str, want: str) -> float:
+    """``(1 - relative error) ** 2`` of the two as numbers (0.0 when either is not one)."""
+    try:
+        value, target = float(_bare_number(got)), float(_bare_number(want))
+    except ValueError:
+        return 0.0
+    error = abs(value - target) / max(abs(target), 1e-9)
+    return max(0.0, 1.0 - error) ** 2
+
+
+def _bare_number(text: str) -> str:
+    for mark in ("\\%", "\\$", "$", "\u00a3", "\u20ac", "%", ","):
+        text = text.replace(mark, "")
+    return text.strip()
+
+
+def _plain(text: str) -> str:
+    text = unicodedata.normalize("NFKC", text)
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        text = text[1:-1]
+    text = text.lower()
+    return text.rstrip(".!?") or text
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def _as_number(text: str) -> str:
+    cleaned = text.replace("\\%", "").replace("\\$", "").replace("$", "").strip()
+    try:
+        return str(float(cleaned))
+    except ValueError:
+        return text
+
+
+def _without_digit_groups(text: str) -> str:
+    return _DIGIT_GROUPS.sub(r"\1\2", text).replace("\\%", "%")
+
+
+def _without_latex(text: str) -> str:
+    for command in _LATEX_COMMANDS:
+        text = _unwrap(text, f"\\{command}{{")
+    for delimiter in ("\\(", "\\)", "\\[", "\\]", "$"):
+        text = text.replace(delimiter, "")
+    return " ".join(text.split())
+
+
+def _unwrap(text: str, opening: str) -> str:
+    """``text`` with every ``\\cmd{inner}`` replaced by ``inner`` (an unclosed one loses its ``\\cmd{``)."""
+    start = text.find(opening)
+    while start != -1:
+        end = _closing_brace(text, start + len(opening))
+        inner_end = len(text) if end is None else end
+        text = text[:start] + text[start + len(opening) : inner_end] + text[inner_end + 1 :]
+        start = text.find(opening, start)
+    return text

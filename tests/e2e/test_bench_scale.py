@@ -1,0 +1,34 @@
+"""Smoke test of the ``scale`` bench suite on the quickstart mesh: its shape, never its numbers.
+
+``nemo-gym-ckpt bench --quick --only scale``: a handful of rollouts in flight, one full and one
+incremental checkpoint, SIGKILL, a restore from the incremental one and the crash test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from nemo_gym_ckpt.bench.scale import QUICK_LEVELS
+from nemo_gym_ckpt.cli import bench
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+
+def test_the_quick_scale_suite_reports_its_shape(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    bench.configure(parser)
+    assert bench.main(parser.parse_args(["--quick", "--only", "scale", "--out", str(tmp_path)])) == 0
+    result = json.loads((tmp_path / "results.json").read_text())["scale"]
+    [level] = result["levels"]
+    assert level["in_flight"] == QUICK_LEVELS[0] and level["failed"] == 0, level.get("first_failure")
+    for kind in ("full", "incremental"):
+        assert level[f"{kind}_pause"]["p50_ms"] > 0 and level[f"{kind}_bytes_written_p50"] > 0
+    assert level["records"]["single_agent_turn"] > 0 and level["fsync_floor_mb_s"] > 0
+    assert level["restore_incremental_ms"] > 0 and set(level["peak_memory_mb"]) >= {"policy_model", "simple_agent"}
+    crash = level["crash"]
+    assert crash["finished_twice"] == 0 and crash["never_finished"] == 0 and crash["failed_after_restore"] == 0
+    assert crash["started_rollouts"] == crash["finished_before_crash"] + crash["dispatched_after_restore"]

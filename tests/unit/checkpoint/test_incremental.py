@@ -1,0 +1,127 @@
+"""Incremental commits (docs/protocol.md section 6.1): unchanged records are references into hard-linked
+earlier records files; every directory reads alone, the base is never modified, pruning never breaks."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import orjson
+import pytest
+
+from nemo_gym_ckpt.checkpoint.incremental import REFERENCE_KEY
+from nemo_gym_ckpt.checkpoint.pipeline import ExportPipeline
+from nemo_gym_ckpt.checkpoint.records import Record
+from nemo_gym_ckpt.checkpoint.store import CheckpointStore, Manifest, StopSignal
+from nemo_gym_ckpt.checkpoint.telemetry import Telemetry
+from nemo_gym_ckpt.errors import InternalError, InvalidCheckpointState
+from nemo_gym_ckpt.identity import RolloutIdentity
+
+pytestmark = pytest.mark.unit
+
+
+def record(rollout: str, **state: object) -> Record:
+    return Record.from_data({"episode_id": {"rollout_id": rollout, "attempt": 0}, "state": state})
+
+
+def commit(store: CheckpointStore, directory: Path, records: list[Record], *, incremental: bool = True) -> Manifest:
+    writer = store.open_writer(directory, "agent", "a1", StopSignal(), incremental=incremental)
+    writer.write_records(records)
+    return writer.finish("agent", "a1", directory.name)
+
+
+def where(directory: Path) -> Path:
+    return directory / "gym" / "agent" / "a1"
+
+
+def lines(directory: Path, manifest: Manifest) -> list[dict[str, object]]:
+    return [orjson.loads(line) for line in (where(directory) / manifest.records_file).read_bytes().splitlines()]
+
+
+def written_bytes(directory: Path, earlier: list[Path]) -> int:
+    """Bytes of the files in ``directory`` that are not hard links of a file of an ``earlier`` one."""
+    seen = {(p.stat().st_dev, p.stat().st_ino) for d in earlier for p in where(d).iterdir()}
+    return sum(p.stat().st_size for p in where(directory).iterdir() if (p.stat().st_dev, p.stat().st_ino) not in seen)
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(where(directory).iterdir())}
+
+
+EVERYONE = frozenset(RolloutIdentity(f"r{n}") for n in range(20))
+
+
+def test_unchanged_records_are_referenced_and_read_back_exactly(root: Path) -> None:
+    records = [record(f"r{n}", text="x" * 2000, n=n) for n in range(20)]
+    store = CheckpointStore(root)
+    first = commit(store, root / "c1", records)
+    before = snapshot(root / "c1")
+    moved = [record("r3", text="moved"), *records[:3], *records[4:]]  # r3 moved, the rest did not
+    second = commit(store, root / "c2", moved)
+
+    references = [line for line in lines(root / "c2", second) if REFERENCE_KEY in line]
+    assert len(references) == 19 and second.record_count == 20
+    linked = where(root / "c2") / first.records_file
+    assert linked.stat().st_ino == (where(root / "c1") / first.records_file).stat().st_ino
+    assert written_bytes(root / "c2", [root / "c1"]) < 0.1 * written_bytes(root / "c1", [])
+    assert snapshot(root / "c1") == before  # the base is never modified
+
+    shutil.rmtree(root / "c1")  # pruning the base never breaks a kept checkpoint
+    read = CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
+    assert sorted(r.raw for r in read.records) == sorted(r.raw for r in moved)
+
+
+def test_a_full_commit_references_nothing_and_is_todays_layout(root: Path) -> None:
+    records = [record(f"r{n}", n=n) for n in range(5)]
+    store = CheckpointStore(root)
+    first = commit(store, root / "c1", records)
+    full = commit(store, root / "c2", records, incremental=False)
+    assert full.records_sha256 == first.records_sha256
+    assert sorted(p.name for p in where(root / "c2").iterdir()) == sorted(["manifest.json", full.records_file])
+
+
+def test_a_base_file_mostly_out_of_use_is_not_linked(root: Path) -> None:
+    store = CheckpointStore(root)
+    commit(store, root / "c1", [record(f"r{n}", text="y" * 1000) for n in range(10)])
+    kept = [record("r0", text="y" * 1000), *(record(f"r{n}", text="new") for n in range(1, 10))]
+    second = commit(store, root / "c2", kept)  # r0 alone is under half of c1's file: written again
+    assert not any(REFERENCE_KEY in line for line in lines(root / "c2", second))
+    assert sorted(p.name for p in where(root / "c2").iterdir()) == sorted(["manifest.json", second.records_file])
+
+
+def test_a_restored_checkpoint_is_the_base_and_stays_untouched(root: Path) -> None:
+    records = [record(f"r{n}", n=n, text="z" * 500) for n in range(20)]
+    commit(CheckpointStore(root), root / "c1", records)
+    before = snapshot(root / "c1")
+    fresh = CheckpointStore(root)
+    read = fresh.read(root / "c1", "agent", "a1", EVERYONE)
+    second = commit(fresh, root / "c2", list(read.records))
+    assert all(REFERENCE_KEY in line for line in lines(root / "c2", second))
+    assert snapshot(root / "c1") == before
+    again = CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
+    assert [r.raw for r in again.records] == [r.raw for r in records]
+
+
+def test_a_reference_that_does_not_match_is_refused(root: Path) -> None:
+    records = [record(f"r{n}", n=n, text="w" * 500) for n in range(4)]
+    store = CheckpointStore(root)
+    base = commit(store, root / "c1", records)
+    second = commit(store, root / "c2", records)
+    linked = where(root / "c2") / base.records_file
+    content = linked.read_bytes().replace(b'"n":2', b'"n":7')
+    linked.unlink()
+    linked.write_bytes(content)  # the linked file no longer holds r2's bytes
+    with pytest.raises(InvalidCheckpointState, match="holds a line with the referenced digest"):
+        CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
+    assert second.record_count == 4
+
+
+async def test_an_adapter_record_may_not_look_like_a_reference(root: Path) -> None:
+    class Adapter:
+        async def export(self, scope: object):  # type: ignore[no-untyped-def]
+            yield {"episode_id": {"rollout_id": "r1", "attempt": 0}, REFERENCE_KEY: {}}
+
+    writer = CheckpointStore(root).open_writer(root / "c1", "agent", "a1", StopSignal())
+    pipeline = ExportPipeline(Adapter(), None, Telemetry("agent", "a1"), "c1")  # type: ignore[arg-type]
+    with pytest.raises(InternalError, match="marks a reference"):
+        await pipeline.run(writer, "agent", "a1")
