@@ -40,7 +40,7 @@ import pytest
 
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.config import NEMO_GYM_PYTHON_ENV, load_config_dict
-from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.identity import ATTEMPT_INDEX, ROLLOUT_ID, RolloutIdentity
 from nemo_gym_ckpt.launch.launcher import MeshLauncher
 from tests.support.crash_scenarios import TOKEN, CrashMesh, records_of, until
 from tests.support.nemo_gym_env import nemo_gym_python
@@ -102,7 +102,9 @@ class Scenario:
         self.rows = {name: rows_of(FAMILIES[name]) for name in instances}
 
     def dispatch(self, name: str, runs: Mapping[RolloutIdentity, dict[str, Any]]) -> dict[RolloutIdentity, Any]:
-        return self.mesh.dispatch(f"env_{name}", runs)
+        named = {identity: {**row, ROLLOUT_ID: identity.rollout_id, ATTEMPT_INDEX: identity.attempt}
+                 for identity, row in runs.items()}  # the body names the rollout its prefix names
+        return self.mesh.dispatch(f"env_{name}", named)
 
     def plan(self, suffix: str, *, genrm_members: tuple[int, ...] = (0, 1)) -> dict[str, dict[RolloutIdentity, Any]]:
         runs: dict[str, dict[RolloutIdentity, Any]] = {}
@@ -153,7 +155,7 @@ class Scenario:
             for key, record in records_of(directory, "environment", f"env_{name}").items():
                 if (record["boundary"] or {}).get("next_step") == "verify":
                     self.outcome.in_verify.add(key)
-        await self.mesh.crash()
+        await self.mesh.crash(READY_S)
         return scope
 
     async def restore_and_continue(self, plan: Mapping[str, Mapping[RolloutIdentity, Any]],

@@ -1,7 +1,7 @@
 """The Python of the NeMo Gym server environment, for the tests that run NeMo Gym's own servers.
 
 ``$NEMO_GYM_PYTHON`` when it is set (``.ci/run`` sets it), else the interpreter that
-``scripts/verifiers_env.sh`` prints: the cached environment, built from the package registries on
+``scripts/nemo_gym_env.sh`` prints: the cached environment, built from the package registries on
 first use (several minutes), so that these tests never depend on a machine's leftovers.
 """
 
@@ -15,7 +15,7 @@ from nemo_gym_ckpt.config import NEMO_GYM_PYTHON_ENV, PROJECT_ROOT
 
 __all__ = ["ENV_SCRIPT", "nemo_gym_python"]
 
-ENV_SCRIPT = PROJECT_ROOT / "scripts" / "verifiers_env.sh"
+ENV_SCRIPT = PROJECT_ROOT / "scripts" / "nemo_gym_env.sh"
 BUILD_TIMEOUT_S = 1800
 
 
