@@ -41,7 +41,7 @@ def test_nemo_gyms_string_match_in_our_mesh_gives_rewarded_rows(ng_python: Path,
         cwd=PROJECT_ROOT, env={**os.environ, NEMO_GYM_PYTHON_ENV: str(ng_python)}, capture_output=True,
         text=True, timeout=COLLECT_TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = read_jsonl(output)
+    rows = list(read_jsonl(output))
     expected = {case.row: case for case in CASES if case.instance == INSTANCE}
     assert len(rows) == len(expected), rows
     for row in rows:
