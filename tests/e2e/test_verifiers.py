@@ -185,7 +185,9 @@ class Scenario:
 
     async def retry_cohort_b(self, replies: Mapping[RolloutIdentity, httpx.Response]) -> None:
         """Cohort B failed: retry it from input as group attempt 1, both members, as new attempts."""
-        first = next(identity for identity in replies if identity.rollout_id == rollout(GENRM, 1, 0))
+        first = next((identity for identity in replies if identity.rollout_id == rollout(GENRM, 1, 0)), None)
+        if first is None:  # B was not continued from the checkpoint: the cohort test says so
+            return
         retry = {RolloutIdentity(first.rollout_id, first.attempt + 1): body(GENRM, self.rows[GENRM][1], 1, 0, 1),
                  RolloutIdentity(rollout(GENRM, 1, 1)): body(GENRM, self.rows[GENRM][1], 1, 1, 1)}
         tasks = self.dispatch(GENRM, retry)

@@ -83,7 +83,10 @@ async def test_garbage_on_every_route_gets_a_structured_4xx(name: str) -> None:
         await _post_garbage(http, name, routes)
 
 
-async def _post_garbage(http: httpx.AsyncClient, name: str, routes: list[tuple[str, str, bool]]) -> None:
+async def _post_garbage(http: httpx.AsyncClient, name: str, routes: list[tuple[str, str, bool]],
+                        takes_any_object: tuple[str, ...] = ()) -> None:
+    """POST every garbage body to every route (bare and under a rollout prefix). A route named in
+    ``takes_any_object`` may accept a JSON object with unknown keys (2xx), as its server declares."""
     headers_auth = {"authorization": "Bearer t0ken"}
     for method, path, takes_body in routes:
         if method != "POST":
@@ -93,6 +96,8 @@ async def _post_garbage(http: httpx.AsyncClient, name: str, routes: list[tuple[s
                 reply = await http.post(prefix + path, content=body, headers={**headers, **headers_auth})
                 where = (name, prefix + path, body, reply.status_code, reply.text)
                 assert reply.status_code < 500, where
+                if path in takes_any_object and body.startswith("{\"") and reply.status_code < 300:
+                    continue
                 if takes_body:
                     assert 400 <= reply.status_code < 500, where
                 if reply.status_code >= 400:
@@ -132,4 +137,5 @@ async def test_garbage_on_every_route_of_a_wrapped_nemo_gym_server_gets_a_struct
         routes = [(method.upper(), path, "requestBody" in op)
                   for path, ops in served.items() for method, op in ops.items() if "{" not in path]
         assert ("POST", "/verify", True) in routes, sorted(routes)
-        await _post_garbage(http, name, routes + _control_routes())
+        # NeMo Gym's /seed_session reads a BaseSeedSessionRequest, which ignores unknown keys
+        await _post_garbage(http, name, routes + _control_routes(), takes_any_object=("/seed_session",))
