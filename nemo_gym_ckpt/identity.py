@@ -14,7 +14,8 @@ unless ``_ng_rollout_id`` names one) and, from the second attempt on, ``_ng_atte
 episode request carries ``episode_id: {rollout_id, attempt}``. ``identity_of_row`` and
 ``identity_of_episode_id`` read those; ``request_identity`` joins them with the prefix (the two
 must agree), and ``without_dispatch_keys`` is the task row without the collector's keys (they
-change from one attempt to the next, the task does not).
+change from one attempt to the next, the task does not); an environment keeps the task and rollout
+index in its task (``without_attempt_keys``): NeMo Gym's verifiers read them.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ __all__ = [
     "current_identity",
     "identity_of_episode_id",
     "identity_of_row",
+    "naming_the_attempt",
     "parse_capture_key",
     "request_identity",
     "rollout_id_problem",
     "serving_as",
     "split_rollout_path",
+    "without_attempt_keys",
     "without_dispatch_keys",
 ]
 
@@ -190,3 +193,19 @@ def serving_as(identity: RolloutIdentity | None) -> Iterator[None]:
 def without_dispatch_keys(row: Mapping[str, Any]) -> dict[str, Any]:
     """The task row without the keys a collector adds per dispatch."""
     return {key: value for key, value in row.items() if key not in DISPATCH_KEYS}
+
+
+def naming_the_attempt(row: Mapping[str, Any], identity: RolloutIdentity) -> dict[str, Any]:
+    """A row that keeps the collector's task and rollout index, with ``_ng_rollout_id`` and
+    ``_ng_attempt_index`` naming ``identity``: what an environment sends on to its resources server
+    under that identity's prefix (the two agree; NeMo Gym's verifiers read the indexes)."""
+    if TASK_INDEX not in row and ROLLOUT_INDEX not in row:
+        return dict(row)
+    return {**row, ROLLOUT_ID: identity.rollout_id, ATTEMPT_INDEX: identity.attempt}
+
+
+def without_attempt_keys(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The task row without the keys that name the rollout's attempt (``_ng_attempt_index``,
+    ``_ng_rollout_id``): ``_ng_task_index`` and ``_ng_rollout_index`` stay, as in the row NeMo Gym's
+    collector sends, whose verifiers read them (genrm_compare's cohort is keyed by them)."""
+    return {key: value for key, value in row.items() if key not in (ATTEMPT_INDEX, ROLLOUT_ID)}

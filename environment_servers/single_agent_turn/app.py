@@ -56,6 +56,7 @@ from nemo_gym_ckpt.environment.base import (
 )
 from nemo_gym_ckpt.environment.episode import Episode, Program, Step, StepMode
 from nemo_gym_ckpt.errors import GymError, UpstreamError
+from nemo_gym_ckpt.identity import naming_the_attempt
 from nemo_gym_ckpt.server import close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base
 
@@ -96,6 +97,8 @@ class SingleAgentTurn:
 
     async def _resources(self, episode: Episode, path: str, body: Any, **kwargs: Any) -> Any:
         cookies = episode.state.get("resources", {}).get("cookies", {})
+        if isinstance(body, dict):
+            body = naming_the_attempt(body, episode.identity)
         return await self.client.request(
             "POST", f"{self.resources_url}{path}", json=body, cookies=cookies, identity=episode.identity,
             timeout_s=self.settings.call_timeout_s, **kwargs,

@@ -72,6 +72,7 @@ from nemo_gym_ckpt.identity import (
     identity_of_episode_id,
     identity_of_row,
     request_identity,
+    without_attempt_keys,
     without_dispatch_keys,
 )
 from nemo_gym_ckpt.server import OrjsonResponse, declare_body
@@ -218,12 +219,13 @@ class RunRequest:
 
 
 def read_run(raw: bytes, model: type[EpisodeTask]) -> RunRequest:
-    """A ``/run`` body: a task row (NeMo Gym's dispatch keys read as its identity and left out of the
-    task) or NeMo Gym's episode request; the identity joined with the ``/ng-rollout/`` prefix."""
+    """A ``/run`` body: a task row (NeMo Gym's dispatch keys read as its identity; the attempt's keys left
+    out of the task, the task and rollout index kept for the verifier) or NeMo Gym's episode request;
+    the identity joined with the ``/ng-rollout/`` prefix."""
     data = _json_object(raw, "a /run body")
     if set(data) == EPISODE_REQUEST_KEYS:
         return _episode_request(data, model)
-    task = without_dispatch_keys(data)
+    task = without_attempt_keys(data)
     _check_task(task, model)
     return RunRequest(request_identity(identity_of_row(data)), task)
 
@@ -294,8 +296,8 @@ async def serve_run(request: Request, task_model: type[EpisodeTask], program: Pr
     """One ``/run``: a row's reply is the rollout row; an episode request's is a ``BaseEpisodeResponse``
     (a failed episode answers 200 with its ``failure``; a body that is no request is still a 400)."""
     run = read_run(await request.body(), task_model)
-    if run.task_id is None:
-        return OrjsonResponse(_result(await runner(run.identity, run.task)))
+    if run.task_id is None:  # the collector stamps its dispatch keys on the row itself
+        return OrjsonResponse(without_dispatch_keys(_result(await runner(run.identity, run.task))))
     try:
         outcome: dict[str, Any] | GymError = _result(await runner(run.identity, run.task))
     except GymError as error:

@@ -346,7 +346,7 @@ class MeshLauncher:
         if not python:
             raise LaunchError(f"{name} is NeMo Gym's {instance.implementation}: set its python: or "
                               f"{NEMO_GYM_PYTHON_ENV} to the interpreter of a NeMo Gym environment "
-                              f"(scripts/verifiers_env.sh builds one)")
+                              f"(scripts/nemo_gym_env.sh builds one)")
         return bridge_command(python, PROJECT_ROOT, name)
 
     def _wait_ready(self, names: Iterable[str], deadline: float) -> None:

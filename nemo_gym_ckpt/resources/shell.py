@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import orjson
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -226,11 +227,13 @@ class ResourcesShell:
                 cookie = _cookie(scope, self.cookie_name)
                 if route is not None:
                     self._check_session(cookie, identity)
-                if route in ("seed", "close"):
+                if scope["method"] == "POST":
                     body = await _read_body(receive)
-                    reply.session_id = _session_id_in(body) if route == "seed" else cookie
+                    _refuse_non_finite_numbers(body)
                     receive = _replay(body, receive)
-                elif route == "verify":
+                    if route == "seed":
+                        reply.session_id = _session_id_in(body)
+                if route in ("verify", "close"):
                     reply.session_id = cookie
                 try:
                     await self.inner(inner_scope, receive, reply.send)
@@ -365,6 +368,17 @@ async def _read_body(receive: Receive) -> bytes:
             raise PayloadTooLarge(f"request body over {MAX_SHELL_BODY_BYTES} bytes")
         if not message.get("more_body", False):
             return bytes(body)
+
+
+def _refuse_non_finite_numbers(body: bytes) -> None:
+    """A JSON body with a number no double holds (``1e999``) or a ``NaN``/``Infinity`` is refused here:
+    NeMo Gym's servers parse it to a float they then cannot write back (a 500 from their validation
+    error reply). Any other body goes on as it came, and the server judges it."""
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        if "infinity" in str(error).lower() or re.search(rb"\b(NaN|-?Infinity)\b", body):
+            raise InvalidRequest(f"the body holds a number that is not finite: {error}") from None
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

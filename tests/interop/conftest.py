@@ -2,7 +2,7 @@
 
 NeMo Gym 0.7.0 needs Python 3.13, this project runs on 3.11, so the tier never imports it: its
 tests run NeMo Gym in a subprocess of the interpreter named by ``NEMO_GYM_INTEROP_PYTHON`` (a venv
-with ``nemo-gym==0.7.0``; ``scripts/interop_env.sh`` installs one, cached, and prints its path).
+with ``nemo-gym==0.7.0``; ``scripts/nemo_gym_env.sh`` installs one, cached, and prints its path).
 
 - ``ng_python``: that interpreter (session scope; its nemo_gym version is checked once). Without
   the variable the tier is skipped, naming the script; with ``NEMO_GYM_INTEROP_REQUIRED=1`` (set by
@@ -27,7 +27,7 @@ import pytest
 PYTHON_ENV = "NEMO_GYM_INTEROP_PYTHON"
 REQUIRED_ENV = "NEMO_GYM_INTEROP_REQUIRED"
 NEMO_GYM_VERSION = "0.7.0"
-INSTALLER = "scripts/interop_env.sh"
+INSTALLER = "scripts/nemo_gym_env.sh"
 SIDE = Path(__file__).resolve().parent / "nemo_gym_side"
 RUN_TIMEOUT_S = 120.0
 

@@ -145,9 +145,9 @@ class CrashMesh:
     def proceed_all(self) -> None:
         self.proceed(*self.launcher.names)
 
-    async def crash(self) -> None:
+    async def crash(self, ready_timeout_s: float = RESTART_S) -> None:
         """SIGKILL every server and start fresh processes on the same ports (all healthy)."""
-        await asyncio.to_thread(self.launcher.restart_all, RESTART_S)
+        await asyncio.to_thread(self.launcher.restart_all, ready_timeout_s)
 
     def start(self, work: Awaitable[T]) -> asyncio.Task[T]:
         """``work`` in the background; ``cancel_all`` stops it if the test ends before it does."""

@@ -93,7 +93,7 @@ _CALENDAR_RIGHT = json.dumps([{"event_id": 0, "event_name": "Standup", "start_ti
                               {"event_id": 1, "event_name": "Design review", "start_time": "14:00", "duration": 60}])
 _CALENDAR_WRONG = json.dumps([{"event_id": 0, "event_name": "Call", "start_time": "12:30", "duration": 30},
                               {"event_id": 1, "event_name": "Lunch", "start_time": "12:00", "duration": 60}])
-_SLOW_FLIP = ("```python\ndef transform(grid):\n    total = 0\n    for step in range(4_000_000):\n"
+_SLOW_FLIP = ("```python\ndef transform(grid):\n    total = 0\n    for step in range(30_000_000):\n"
               "        total += step\n    return [list(reversed(row)) for row in grid]\n```")
 
 
@@ -118,6 +118,8 @@ CASES: tuple[Case, ...] = (
     Case("reasoning_gym", 1, ("Iris, and Theo",), "<answer>Iris is a sage, and Theo is a fool.</answer>", 0.0),
     Case("math_with_judge", 0, ("17 + 25",), "So the sum is \\boxed{42}.", 1.0),
     Case("math_with_judge", 1, ("3 times 4",), "That makes \\boxed{13}.", 0.0),
+    Case("math_with_judge", 2, ("Find x_{2016}",),  # math-verify works 5 s on it (and gives up): a slow rule verify
+         "\\boxed{\\frac{(3+\\sqrt{3})(2+\\sqrt{3})^{2016}+(3-\\sqrt{3})(2-\\sqrt{3})^{2016}}{6}}", 0.0),
     Case("nvarc_transductive_resources_server", 0, ("Test Input:\n20\n03", "\\boxed{rows"), "\\boxed{0 2\n3 0}", 1.0),
     Case("nvarc_transductive_resources_server", 1, ("Test Input:\n74\n00", "\\boxed{rows"), "\\boxed{7 4\n0 0}", 0.0),
     Case("structured_outputs", 0, ("city Oslo",), '{"city": "Oslo", "population": 709000}', 1.0),

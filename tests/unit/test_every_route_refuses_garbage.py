@@ -2,21 +2,31 @@
 
 The apps are built from the quickstart config plus every other implementation in the project, with
 checkpointing on (so the control routes are mounted too), and walked through their OpenAPI paths.
+
+NeMo Gym's own verifiers, wrapped in our participant shell, get the same garbage on real processes
+(they run in NeMo Gym's Python 3.13 environment: ``$NEMO_GYM_PYTHON``, else built by
+``scripts/nemo_gym_env.sh``; never skipped): one of each family (rule ``string_match``, judge
+``equivalence_llm_judge`` with its judge model, code ``nvarc`` inductive, cohort ``genrm_compare``),
+every route of their OpenAPI and our control routes.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
 
-from nemo_gym_ckpt.config import load_config_dict
+from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
+from nemo_gym_ckpt.config import NEMO_GYM_PYTHON_ENV, load_config_dict
 from nemo_gym_ckpt.context import ServerContext
-
-pytestmark = pytest.mark.unit
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
+from tests.support.nemo_gym_env import nemo_gym_python
+from tests.support.verifier_cases import verifier_mesh
 
 REF = {"type": "responses_api_models", "name": "policy_model"}
 MESH: dict[str, Any] = {
@@ -62,24 +72,70 @@ def _instances() -> list[str]:
     return [name for name in MESH if name != "checkpoint"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", _instances())
 async def test_garbage_on_every_route_gets_a_structured_4xx(name: str) -> None:
     app = _app(name)
     routes = _routes(app)
     assert routes, f"{name} exposes no route"
-    headers_auth = {"authorization": "Bearer t0ken"}
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as http:
-        for method, path, takes_body in routes:
-            if method != "POST":
-                continue
-            for prefix in ("", "/ng-rollout/garbage-r1"):
-                for body, headers in GARBAGE:
-                    reply = await http.post(prefix + path, content=body, headers={**headers, **headers_auth})
-                    where = (name, prefix + path, body, reply.status_code, reply.text)
-                    assert reply.status_code < 500, where
-                    if takes_body:
-                        assert 400 <= reply.status_code < 500, where
-                    if reply.status_code >= 400:
-                        error = reply.json()["error"]
-                        assert isinstance(error["code"], str) and isinstance(error["detail"], str), where
+        await _post_garbage(http, name, routes)
+
+
+async def _post_garbage(http: httpx.AsyncClient, name: str, routes: list[tuple[str, str, bool]],
+                        takes_any_object: tuple[str, ...] = ()) -> None:
+    """POST every garbage body to every route (bare and under a rollout prefix). A route named in
+    ``takes_any_object`` may accept a JSON object with unknown keys (2xx), as its server declares."""
+    headers_auth = {"authorization": "Bearer t0ken"}
+    for method, path, takes_body in routes:
+        if method != "POST":
+            continue
+        for prefix in ("", "/ng-rollout/garbage-r1"):
+            for body, headers in GARBAGE:
+                reply = await http.post(prefix + path, content=body, headers={**headers, **headers_auth})
+                where = (name, prefix + path, body, reply.status_code, reply.text)
+                assert reply.status_code < 500, where
+                if path in takes_any_object and body.startswith("{\"") and reply.status_code < 300:
+                    continue
+                if takes_body:
+                    assert 400 <= reply.status_code < 500, where
+                if reply.status_code >= 400:
+                    error = reply.json()["error"]
+                    assert isinstance(error["code"], str) and isinstance(error["detail"], str), where
+
+
+WRAPPED = ("string_match", "equivalence_llm_judge", "nvarc_inductive_resources_server",
+           "genrm_compare_resources_server")
+"""One NeMo Gym verifier of each family: rule, judge, code, cohort."""
+
+
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshLauncher]:
+    """The four verifiers and the judges' model, launched (checkpointing on, our token)."""
+    raw = verifier_mesh(WRAPPED, tmp_path_factory.mktemp("garbage"), "t0ken")
+    for name in [key for key in raw if key.startswith(("env_", "policy_")) or key == "simple_agent"]:
+        del raw[name]
+    raw["head_server"] = {"port": 0}
+    launcher = MeshLauncher(load_config_dict(raw), env={**os.environ, NEMO_GYM_PYTHON_ENV: nemo_gym_python()})
+    with launcher:
+        launcher.start(ready_timeout_s=600)
+        yield launcher
+
+
+def _control_routes() -> list[tuple[str, str, bool]]:
+    return [route for route in _routes(_app("string_match")) if route[1].startswith(CONTROL_PREFIX)]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", WRAPPED)
+async def test_garbage_on_every_route_of_a_wrapped_nemo_gym_server_gets_a_structured_4xx(
+        wrapped: MeshLauncher, name: str) -> None:
+    async with httpx.AsyncClient(base_url=wrapped.url_of(name), timeout=60) as http:
+        served = (await http.get("/openapi.json")).json()["paths"]
+        routes = [(method.upper(), path, "requestBody" in op)
+                  for path, ops in served.items() for method, op in ops.items() if "{" not in path]
+        assert ("POST", "/verify", True) in routes, sorted(routes)
+        # NeMo Gym's /seed_session reads a BaseSeedSessionRequest, which ignores unknown keys
+        await _post_garbage(http, name, routes + _control_routes(), takes_any_object=("/seed_session",))

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The Python environment of NeMo Gym's servers in our mesh (docs/verifiers.md): a Python 3.13 venv
-# with nemo-gym 0.7.0 and the requirements of every one of its training verifiers that runs here
-# (scripts/verifiers-requirements.txt), pinned by scripts/verifiers-constraints.txt. Built from the
-# package registries on the first call and cached outside the checkout under a key made of those
-# pins; a later call with the same pins reuses it (no install, well under a second).
+# The one Python environment of NeMo Gym in this project (docs/verifiers.md): a Python 3.13 venv with
+# nemo-gym 0.7.0 and the requirements of every one of its training verifiers that runs here
+# (scripts/nemo-gym-requirements.txt), pinned by scripts/nemo-gym-constraints.txt. NeMo Gym's servers
+# in our mesh run in it (the launcher's $NEMO_GYM_PYTHON), and so does the interop tier
+# (tests/interop/, $NEMO_GYM_INTEROP_PYTHON). Built from the package registries on the first call and
+# cached outside the checkout under a key made of those pins; a later call with the same pins reuses
+# it (no install, well under a second).
 #
-#   export NEMO_GYM_PYTHON=$(scripts/verifiers_env.sh)       # .ci/run does this
+#   export NEMO_GYM_PYTHON=$(scripts/nemo_gym_env.sh)       # .ci/run does this
 #
 # Prints only the interpreter's path on stdout; progress goes to stderr. Settings (environment):
-#   NEMO_GYM_ENV_CACHE        cache folder (default: ${XDG_CACHE_HOME:-~/.cache}/nemo-gym-ckpt/servers)
+#   NEMO_GYM_ENV_CACHE        cache folder (default: ${XDG_CACHE_HOME:-~/.cache}/nemo-gym-ckpt/env)
 #   NEMO_GYM_BASE_PYTHON      a python3.13 to build the venv from (default: python3.13 on PATH, else
 #                             the newest 3.13 under pyenv)
 # The wheel declares Requires-Python >= 3.13.14; older 3.13 patch releases run it (every dependency
@@ -21,18 +23,18 @@ PYTHON_SERIES=3.13
 WHEEL_PYTHON_VERSION=3.13.14
 
 here=$(cd "$(dirname "$0")" && pwd)
-requirements="$here/verifiers-requirements.txt"
-constraints="$here/verifiers-constraints.txt"
+requirements="$here/nemo-gym-requirements.txt"
+constraints="$here/nemo-gym-constraints.txt"
 pins() {
     printf '%s\n' "$NEMO_GYM_VERSION" "$NEMO_GYM_WHEEL_SHA256" "$PYTHON_SERIES"
-    cat "$requirements"
-    if [ -f "$constraints" ]; then cat "$constraints"; fi
+    grep -v '^#' "$requirements"
+    if [ -f "$constraints" ]; then grep -v '^#' "$constraints"; fi
 }
 key=$(pins | sha256sum | cut -c1-12)
-cache_root=${NEMO_GYM_ENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/nemo-gym-ckpt/servers}
+cache_root=${NEMO_GYM_ENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/nemo-gym-ckpt/env}
 venv="$cache_root/nemo-gym-$NEMO_GYM_VERSION-py$PYTHON_SERIES-$key"
 
-say() { echo "verifiers_env: $*" >&2; }
+say() { echo "nemo_gym_env: $*" >&2; }
 
 if [ -f "$venv/.complete" ]; then
     echo "$venv/bin/python"
