@@ -6,7 +6,7 @@ The head server is the mesh's directory for a second shell and for controllers:
   section 4);
 - ``GET /global_config_dict_yaml``: as NeMo Gym's head answers it, a JSON *string* whose content is
   the YAML of the resolved global config, every instance with its ``host`` and ``port``; every
-  secret is redacted (the control token, API keys, any key named like a token, key, secret or
+  secret is redacted (the control token, API keys, headers, any key named like a token, key, secret or
   password, and any other value equal to one of those). NeMo Gym's ``ServerClient`` and NeMo RL's
   adapter read the mesh from it (``json.loads``, then the YAML);
 - ``GET /server_instances``: NeMo Gym's list of ``ServerInstanceDisplayConfig`` objects
@@ -57,7 +57,7 @@ Processes = Callable[[], Mapping[str, tuple[int, float]]]
 """The running server processes: instance name -> (pid, start time in Unix seconds)."""
 REDACTED = "<redacted>"
 _SECRET_KEY = re.compile(r"(?:^|_)(?:token|auth_token|api_key|apikey|key|secret|secret_key|password|passwd|"
-                         r"credentials?)$", re.IGNORECASE)
+                         r"credentials?|headers)$", re.IGNORECASE)
 DEFAULT_ENTRYPOINT = "app.py"
 
 

@@ -28,9 +28,11 @@ pytestmark = pytest.mark.sockets
 
 TOKEN = "ctl-" + "s3cr3t" * 4
 API_KEY = "sk-upstream-api-key-0123456789"
+OTLP_AUTH = "Bearer otlp-collector-credential"
 RAW: dict[str, Any] = {
     "head_server": {"host": "127.0.0.1", "port": 15400},
     "checkpoint": {"enabled": True, "control_auth_token": TOKEN},
+    "telemetry": {"enabled": True, "otlp_headers": {"authorization": OTLP_AUTH}},
     "front": {"responses_api_models": {"policy_model": {
         "port": 15401, "max_tokens": 77,
         "upstream": {"base_url": "http://127.0.0.1:9/v1", "api_key": API_KEY, "model": "m"}}}},
@@ -59,7 +61,8 @@ def test_global_config_dict_yaml_is_nemo_gyms_json_string_of_the_redacted_config
     text = json.loads(reply.content)  # what NeMo Gym's ServerClient does first
     assert isinstance(text, str)
     config = yaml.safe_load(text)
-    assert TOKEN not in reply.text and API_KEY not in reply.text
+    assert TOKEN not in reply.text and API_KEY not in reply.text and OTLP_AUTH not in reply.text
+    assert config["telemetry"]["otlp_headers"] == REDACTED  # headers carry credentials
     assert config["checkpoint"]["control_auth_token"] == REDACTED
     assert config["front"]["responses_api_models"]["policy_model"]["upstream"]["api_key"] == REDACTED
     assert config["sm_copy"]["resources_servers"]["string_match"]["notes"] == REDACTED
