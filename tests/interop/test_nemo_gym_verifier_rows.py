@@ -41,6 +41,9 @@ def test_nemo_gyms_string_match_in_our_mesh_gives_rewarded_rows(ng_python: Path,
         cwd=PROJECT_ROOT, env={**os.environ, NEMO_GYM_PYTHON_ENV: str(ng_python)}, capture_output=True,
         text=True, timeout=COLLECT_TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
+    # the verifier that graded was NeMo Gym's (its bridge child names the class it serves), not ours
+    server_log = output.with_name(f"{output.stem}_servers.log").read_text()
+    assert f"{INSTANCE}: NeMo Gym's resources_servers.string_match.app." in server_log, server_log[-4000:]
     rows = list(read_jsonl(output))
     expected = {case.row: case for case in CASES if case.instance == INSTANCE}
     assert len(rows) == len(expected), rows
