@@ -27,9 +27,9 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field
 
 from model_servers.inference_worker.chat_messages import (
     MAX_MESSAGES,
@@ -45,11 +45,13 @@ from model_servers.inference_worker.completions import (
     NEUTRAL_VALUES,
     CompletionBuilder,
     CompletionRequest,
+    StopTexts,
+    StopTokenIds,
     StreamOptions,
 )
 from model_servers.inference_worker.engine import ChatTemplateRequest
 from model_servers.policy_model.tool_calls import parse_turn
-from nemo_gym_ckpt.bounds import MAX_TOKEN_ID, Name, Seed, TokenLimit
+from nemo_gym_ckpt.bounds import Name, Seed, TokenLimit
 from nemo_gym_ckpt.errors import InvalidRequest
 
 __all__ = ["ChatCompletionRequest", "ChatView"]
@@ -87,10 +89,8 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: Seed | None = None
-    stop: Annotated[StrictStr, Field(max_length=256)] | Annotated[
-        list[Annotated[StrictStr, Field(max_length=256)]], Field(max_length=16)] | None = None
-    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]],
-                              Field(max_length=1024)] | None = None
+    stop: StopTexts | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -71,6 +71,13 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = None
 
 
+StopTexts = Annotated[StrictStr, Field(max_length=256)] | Annotated[
+    list[Annotated[StrictStr, Field(max_length=256)]], Field(max_length=16)]
+"""``stop``: one text or up to 16, each at most 256 characters."""
+StopTokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]], Field(max_length=1024)]
+"""``stop_token_ids``: up to 1,024 token ids."""
+
+
 class CompletionRequest(BaseModel):
     """The body of ``POST /v1/completions`` (one prompt: text or token ids)."""
 
@@ -83,10 +90,8 @@ class CompletionRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: Seed | None = None
-    stop: Annotated[StrictStr, Field(max_length=256)] | Annotated[
-        list[Annotated[StrictStr, Field(max_length=256)]], Field(max_length=16)] | None = None
-    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]],
-                              Field(max_length=1024)] | None = None
+    stop: StopTexts | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

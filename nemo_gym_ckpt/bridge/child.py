@@ -30,14 +30,13 @@ from pathlib import Path, PurePosixPath
 from types import ModuleType
 from typing import Any
 
-import orjson
 import uvicorn
 
 from nemo_gym_ckpt.bridge.declarations import NEMO_GYM_VERIFIERS, declaration_of
 from nemo_gym_ckpt.bridge.global_config import CONFIG_DICT_ENV, CONFIG_PATH_ENV, WORKER_ENV, nemo_gym_config_yaml
 from nemo_gym_ckpt.config import CheckpointConfig
 from nemo_gym_ckpt.errors import ConfigError
-from nemo_gym_ckpt.launch.child import CONFIG_ENV, PARENT_ENV, exit_orphaned, watch_parent
+from nemo_gym_ckpt.launch.child import PARENT_ENV, exit_orphaned, read_mesh_dict, watch_parent
 from nemo_gym_ckpt.resources.shell import ResourcesShell
 
 __all__ = ["ServerBlock", "main", "server_class_in", "server_folder"]
@@ -109,17 +108,6 @@ def _prepare_process(raw: dict[str, Any], instance: str, folder: Path) -> None:
     os.environ[WORKER_ENV] = "1"
 
 
-def _read_mesh() -> dict[str, Any]:
-    text = os.environ.get(CONFIG_ENV)
-    if text is None:
-        raise ConfigError(f"{CONFIG_ENV} is not set: start servers with 'nemo-gym-ckpt run CONFIG'")
-    try:
-        raw = orjson.loads(text)
-    except orjson.JSONDecodeError as error:
-        raise ConfigError(f"{CONFIG_ENV} is not valid JSON: {error}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{CONFIG_ENV} holds no mapping")
-    return raw
 
 
 def main(instance: str) -> None:
@@ -127,7 +115,7 @@ def main(instance: str) -> None:
     if PARENT_ENV in os.environ:
         watch_parent(int(os.environ[PARENT_ENV]), exit_orphaned)
     try:
-        raw = _read_mesh()
+        raw = read_mesh_dict()
         block = ServerBlock(raw, instance)
         checkpoint = CheckpointConfig.model_validate(raw.get("checkpoint") or {})
         folder = server_folder(block.implementation, block.entrypoint)

@@ -44,6 +44,7 @@ __all__ = [
     "build_app",
     "exit_orphaned",
     "load_mesh",
+    "read_mesh_dict",
     "watch_parent",
 ]
 
@@ -106,7 +107,8 @@ def exit_orphaned(grace_s: float = ORPHAN_GRACE_S) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def load_mesh() -> MeshConfig:
+def read_mesh_dict() -> dict[str, Any]:
+    """The resolved mesh config the launcher put in ``CONFIG_ENV``, as a dict (not validated)."""
     text = os.environ.get(CONFIG_ENV)
     if text is None:
         raise ConfigError(f"{CONFIG_ENV} is not set: start servers with 'nemo-gym-ckpt run CONFIG'")
@@ -114,4 +116,10 @@ def load_mesh() -> MeshConfig:
         raw = orjson.loads(text)
     except orjson.JSONDecodeError as error:
         raise ConfigError(f"{CONFIG_ENV} is not valid JSON: {error}") from None
-    return load_config_dict(raw)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{CONFIG_ENV} holds no mapping")
+    return raw
+
+
+def load_mesh() -> MeshConfig:
+    return load_config_dict(read_mesh_dict())
