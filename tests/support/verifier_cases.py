@@ -118,8 +118,13 @@ CASES: tuple[Case, ...] = (
     Case("reasoning_gym", 1, ("Iris, and Theo",), "<answer>Iris is a sage, and Theo is a fool.</answer>", 0.0),
     Case("math_with_judge", 0, ("17 + 25",), "So the sum is \\boxed{42}.", 1.0),
     Case("math_with_judge", 1, ("3 times 4",), "That makes \\boxed{13}.", 0.0),
-    Case("math_with_judge", 2, ("Find x_{2016}",),  # math-verify works 5 s on it (and gives up): a slow rule verify
-         "\\boxed{\\frac{(3+\\sqrt{3})(2+\\sqrt{3})^{2016}+(3-\\sqrt{3})(2-\\sqrt{3})^{2016}}{6}}", 0.0),
+    # A slow rule verify whose reward does not depend on the machine's speed: the answer is wrong (the
+    # exponents are 6048, not 2016), and comparing it takes sympy about 27 s on a quiet core here, so
+    # math-verify gives up at its 5 s limit (reward 0.0); a machine fast enough to finish gets 0.0 too.
+    # (The right answer, terms swapped, took 5.6 s: under the limit on a fast machine, over it when
+    # loaded, so its reward was 1.0 or 0.0 by the machine.)
+    Case("math_with_judge", 2, ("Find x_{2016}",),
+         "\\boxed{\\frac{(3+\\sqrt{3})(2+\\sqrt{3})^{6048}+(3-\\sqrt{3})(2-\\sqrt{3})^{6048}}{6}}", 0.0),
     Case("nvarc_transductive_resources_server", 0, ("Test Input:\n20\n03", "\\boxed{rows"), "\\boxed{0 2\n3 0}", 1.0),
     Case("nvarc_transductive_resources_server", 1, ("Test Input:\n74\n00", "\\boxed{rows"), "\\boxed{7 4\n0 0}", 0.0),
     Case("structured_outputs", 0, ("city Oslo",), '{"city": "Oslo", "population": 709000}', 1.0),
