@@ -71,6 +71,10 @@ class FollowerParticipant(Participant):
         if self._open is not None:
             self.link.changed()
 
+    async def close_elsewhere(self, identity: RolloutIdentity) -> None:
+        await self.link.registered()
+        await self.link.release(identity.rollout_id)
+
     async def admit(self, identity: RolloutIdentity | None, *, deadline_ts: float | None = None) -> None:
         await self.link.registered()
         await super().admit(identity, deadline_ts=deadline_ts)
@@ -172,6 +176,10 @@ class WorkerLink:
         if reply.get("owner") == "another":
             await self.adapter.forget([identity.rollout_id])
 
+    async def release(self, rollout_id: str) -> None:
+        """Have the other workers drop what they hold of ``rollout_id`` (a close landed here)."""
+        await self._usable().call("release", {"rollout_id": rollout_id}, CALL_TIMEOUT_S)
+
     def served(self) -> None:
         if not self._served_told and self.channel is not None and not self.channel.closed:
             self._served_told = True
@@ -220,7 +228,7 @@ class WorkerLink:
                                              {episode.rollout_id for episode in episodes}})
             await adapter.retire(episodes)
             return {}
-        if kind in ("forget", "drop_restored"):
+        if kind in ("forget", "drop_rollout"):
             rollout_ids = [str(rollout) for rollout in body.get("rollout_ids") or []]
             if kind == "forget":
                 participant.marks.forget(rollout_ids)

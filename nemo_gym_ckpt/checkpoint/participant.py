@@ -247,6 +247,10 @@ class Participant:
             self.telemetry.event("refused", code=error.code)
             raise
 
+    async def close_elsewhere(self, identity: RolloutIdentity) -> None:
+        """A close of ``identity`` found nothing here; a multi-worker server's other workers drop what
+        they hold of its rollout (one process has nothing elsewhere: a no-op)."""
+
     def notify_changed(self) -> None:
         """Tell waiters that readiness may have changed (an episode parked, a stream drained)."""
         self.signal.notify()

@@ -43,6 +43,7 @@ import orjson
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.channel import Channel
+from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK
 from nemo_gym_ckpt.checkpoint.models import (
     CommitRequest,
     ControlRequest,
@@ -53,11 +54,14 @@ from nemo_gym_ckpt.checkpoint.models import (
 )
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.checkpoint.store import CheckpointStore
 from nemo_gym_ckpt.checkpoint.wire_scope import episodes_from_wire, episodes_to_wire, item_from_wire, scope_to_wire
+from nemo_gym_ckpt.config import CheckpointConfig
 from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidRequest, NotFound
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["CALL_TIMEOUT_S", "COORDINATOR_ENV", "PAGE_BYTES", "REPLY_GRACE_S", "WorkerFanout", "WorkerHub"]
+__all__ = ["CALL_TIMEOUT_S", "COORDINATOR_ENV", "PAGE_BYTES", "REPLY_GRACE_S", "WorkerFanout", "WorkerHub",
+           "start_coordinator"]
 
 logger = logging.getLogger(__name__)
 COORDINATOR_ENV = "NEMO_GYM_CKPT_COORDINATOR_SOCKET"
@@ -123,6 +127,8 @@ class WorkerHub:
         for task in list(self._serving):
             task.cancel()
         await asyncio.gather(*self._serving, return_exceptions=True)
+        if self.participant is not None:
+            await self.participant.aclose()
 
     # ---- the channel of one worker ------------------------------------------------------------
 
@@ -161,6 +167,12 @@ class WorkerHub:
             return await self._status(participant)
         if kind == "claim":
             return await self._claim(holder["pid"], body)
+        if kind == "release":
+            rollout_id = body.get("rollout_id")
+            if not isinstance(rollout_id, str):
+                raise InvalidRequest("release needs a rollout_id")
+            await self._drop_elsewhere(holder["pid"], rollout_id)
+            return {}
         raise NotFound(f"no worker call named {kind!r}")
 
     def _on_note(self, kind: str, body: dict[str, Any]) -> None:
@@ -218,10 +230,14 @@ class WorkerHub:
         owner = self.claims.owners[episode]
         if owner is None:
             self.claims.owners[episode] = owner = pid
-            others = [worker for worker in self.workers.values() if worker.pid != pid]
-            drop = {"rollout_ids": [episode.rollout_id]}
-            await asyncio.gather(*(worker.channel.call("drop_restored", drop, CALL_TIMEOUT_S) for worker in others))
+            await self._drop_elsewhere(pid, episode.rollout_id)
         return {"owner": "this" if owner == pid else "another"}
+
+    async def _drop_elsewhere(self, pid: int, rollout_id: str) -> None:
+        """Every worker but ``pid`` drops what it holds of ``rollout_id`` (its retire marks stay)."""
+        others = [worker for worker in self.workers.values() if worker.pid != pid]
+        drop = {"rollout_ids": [rollout_id]}
+        await asyncio.gather(*(worker.channel.call("drop_rollout", drop, CALL_TIMEOUT_S) for worker in others))
 
     def _send_gate(self) -> None:
         assert self.participant is not None
@@ -317,3 +333,23 @@ class WorkerFanout:
 
     def status_extras(self) -> Mapping[str, Any]:
         return {"workers": len(self.hub.workers), "expected_workers": self.hub.expected_workers}
+
+
+async def start_coordinator(
+    *, kind: str, instance: str, config: CheckpointConfig, path: Path, expected_workers: int
+) -> WorkerHub:
+    """The hub of a multi-worker server, its participant built from the mesh's ``checkpoint`` block
+    (a ``CheckpointConfig``), listening on ``path``."""
+    hub = WorkerHub(kind, expected_workers)
+    participant = Participant(
+        kind=kind,
+        instance=instance,
+        adapter=WorkerFanout(hub, SYSTEM_CLOCK.now),
+        store=CheckpointStore(config.root, None, max_record_bytes=config.max_record_bytes),
+        lease_grace_s=config.lease_grace_seconds,
+        clock=SYSTEM_CLOCK,
+        max_deadline_s=config.max_deadline_seconds,
+    )
+    hub.attach(participant)
+    await hub.start(path)
+    return hub

@@ -2,33 +2,63 @@
 
 The launcher starts it (``nemo_gym_ckpt.launch.child`` says with what); it serves the instance's app
 with uvicorn (uvloop and httptools) and exits with ``ExitCode.USAGE`` on a config error.
+
+With ``num_workers: N`` (N > 1) this process binds the port, runs the coordinator (when
+checkpointing is on: ``checkpoint/worker_hub.py``, on a Unix socket in a private runtime
+directory) and starts N processes of this entry with ``--worker`` (``launch/workers.py``), each
+serving the app on the shared socket; it stops them all on SIGTERM or SIGINT, or when one ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
-from typing import cast
+import shutil
+import signal
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, cast
 
 import uvicorn
 
 from nemo_gym_ckpt.checkpoint.otlp import install_telemetry
+from nemo_gym_ckpt.checkpoint.worker_hub import COORDINATOR_ENV, start_coordinator
 from nemo_gym_ckpt.cli.exit_codes import ExitCode
+from nemo_gym_ckpt.config import MeshConfig, ServerInstance
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.launch.child import PARENT_ENV, SERVE_MODULE, build_app, exit_orphaned, load_mesh, watch_parent
+from nemo_gym_ckpt.launch.workers import WORKER_FD_ENV, WorkerProcesses, bind_listener
 from nemo_gym_ckpt.server import close_on_shutdown
 
-__all__ = ["SERVER_KEEPALIVE_S", "main"]
+__all__ = ["KIND_OF_TYPE", "SERVER_KEEPALIVE_S", "main"]
 
 SERVER_KEEPALIVE_S = 60
 
 logger = logging.getLogger(__name__)
 
+KIND_OF_TYPE = {"environment_servers": "environment", "responses_api_agents": "agent",
+                "resources_servers": "resources", "responses_api_models": "model"}
+
+
+_UVICORN: dict[str, Any] = {
+    "loop": "uvloop",
+    "http": "httptools",
+    "log_level": "warning",
+    "timeout_graceful_shutdown": 5,
+    # The mesh client drops an idle pooled connection after KEEPALIVE_S (2 s); a server that
+    # closed idle ones after uvicorn's 5 s left a starved client (an event loop seconds late on
+    # 2 busy cores) reusing connections already closed: the scale bench lost rollouts that way.
+    "timeout_keep_alive": SERVER_KEEPALIVE_S,
+}
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {SERVE_MODULE}")
     parser.add_argument("instance")
+    parser.add_argument("--worker", action="store_true", help="one worker of a multi-worker server")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request blocks the event loop
@@ -41,22 +71,44 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as error:
         logger.error("config error: %s", error)
         raise SystemExit(ExitCode.USAGE) from None
+    if (instance.settings.num_workers or 1) > 1 and not args.worker:
+        raise SystemExit(asyncio.run(_serve_workers(mesh, instance)))
     app = build_app(mesh, args.instance)
     if exporting is not None:  # what the exporters hold goes out as the app shuts down
         close_on_shutdown(app, exporting.aclose)
-    uvicorn.run(
-        app,
-        host=instance.settings.host,
-        port=cast(int, instance.settings.port),
-        loop="uvloop",
-        http="httptools",
-        log_level="warning",
-        timeout_graceful_shutdown=5,
-        # The mesh client drops an idle pooled connection after KEEPALIVE_S (2 s); a server that
-        # closed idle ones after uvicorn's 5 s left a starved client (an event loop seconds late on
-        # 2 busy cores) reusing connections already closed: the scale bench lost rollouts that way.
-        timeout_keep_alive=SERVER_KEEPALIVE_S,
-    )
+    if args.worker:
+        listener = socket.socket(fileno=int(os.environ[WORKER_FD_ENV]))
+        uvicorn.Server(uvicorn.Config(app, **_UVICORN)).run(sockets=[listener])
+        return
+    uvicorn.run(app, host=instance.settings.host, port=cast(int, instance.settings.port), **_UVICORN)
+
+
+async def _serve_workers(mesh: MeshConfig, instance: ServerInstance) -> int:
+    """The main process of a multi-worker server: the port, the coordinator, the workers."""
+    count = cast(int, instance.settings.num_workers)
+    listener = bind_listener(instance.settings.host, cast(int, instance.settings.port))
+    env = {PARENT_ENV: str(os.getpid())}
+    runtime = Path(tempfile.mkdtemp(prefix="ngc-workers-"))  # mode 700: only this user reaches the socket
+    hub = None
+    try:
+        if mesh.checkpoint.enabled:
+            path = runtime / "coordinator.sock"
+            hub = await start_coordinator(kind=KIND_OF_TYPE[instance.type], instance=instance.name,
+                                          config=mesh.checkpoint, path=path, expected_workers=count)
+            env[COORDINATOR_ENV] = str(path)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        workers = WorkerProcesses(instance.name, count, listener, env)
+        await workers.start(SERVE_MODULE)
+        logger.info("%s: %d workers on %s", instance.name, count, instance.url)
+        return await workers.wait(stop)
+    finally:
+        if hub is not None:
+            await hub.aclose()
+        listener.close()
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 if __name__ == "__main__":

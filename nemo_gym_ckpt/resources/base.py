@@ -562,8 +562,10 @@ class ResourcesServer(Generic[_C]):
         close = _validated(CloseRequest, body)
         session_id = request.cookies.get(self.cookie_name) or close.resources_session_id
         named = identity_of_episode_id(close.episode_id) if close.episode_id is not None else None
-        async with self._entered("close", self._identity(request, named)):
-            await self.drop_session(session_id)
+        identity = self._identity(request, named)
+        async with self._entered("close", identity):
+            if not await self.drop_session(session_id) and self.checkpoint is not None and identity is not None:
+                await self.checkpoint.close_elsewhere(identity)  # another worker of this server may hold it
         if session_id:
             self.sessions.note_closed(session_id)
         reply = OrjsonResponse({"resources_session_id": session_id or ""})
