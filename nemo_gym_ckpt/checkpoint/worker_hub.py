@@ -104,6 +104,7 @@ class WorkerHub:
         self.kind, self.expected_workers = kind, expected_workers
         self.workers: dict[int, _Worker] = {}
         self.lost_while_open = 0
+        self.served: set[int] = set()  # the workers that served rollout traffic
         self.claims = _Claims()
         self.participant: Participant | None = None
         self._server: asyncio.Server | None = None
@@ -139,7 +140,7 @@ class WorkerHub:
         holder: dict[str, int] = {}
         channel = Channel(reader, writer, name=f"{self.kind} coordinator",
                           on_call=lambda kind, body: self._on_call(holder, channel, kind, body),
-                          on_note=lambda kind, body: self._on_note(kind, body))
+                          on_note=lambda kind, body: self._on_note(holder.get("pid"), kind, body))
         try:
             await channel.serve()
         finally:
@@ -175,12 +176,13 @@ class WorkerHub:
             return {}
         raise NotFound(f"no worker call named {kind!r}")
 
-    def _on_note(self, kind: str, body: dict[str, Any]) -> None:
+    def _on_note(self, pid: int | None, kind: str, body: dict[str, Any]) -> None:
         participant = self.participant
         assert participant is not None
         if kind == "changed":
             participant.notify_changed()
-        elif kind == "served":
+        elif kind == "served" and pid is not None:
+            self.served.add(pid)
             participant.mark_served()
         else:
             raise InvalidCheckpointState(f"no worker note named {kind!r}")
@@ -220,6 +222,7 @@ class WorkerHub:
                     merged.setdefault(key, value)
         merged["workers"] = len(self.workers)
         merged["expected_workers"] = self.expected_workers
+        merged["workers_served"] = len(self.served & set(self.workers))
         merged["restored_unclaimed"] = sum(owner is None for owner in self.claims.owners.values())
         return merged
 

@@ -6,7 +6,7 @@ with uvicorn (uvloop and httptools) and exits with ``ExitCode.USAGE`` on a confi
 With ``num_workers: N`` (N > 1) this process binds the port, runs the coordinator (when
 checkpointing is on: ``checkpoint/worker_hub.py``, on a Unix socket in a private runtime
 directory) and starts N processes of this entry with ``--worker`` (``launch/workers.py``), each
-serving the app on the shared socket; it stops them all on SIGTERM or SIGINT, or when one ends.
+serving the app on the same port (``SO_REUSEPORT``); it stops them all on SIGTERM or SIGINT, or when one ends.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any, cast
@@ -30,7 +29,7 @@ from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.config import MeshConfig, ServerInstance
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.launch.child import PARENT_ENV, SERVE_MODULE, build_app, exit_orphaned, load_mesh, watch_parent
-from nemo_gym_ckpt.launch.workers import WORKER_FD_ENV, WorkerProcesses, bind_listener
+from nemo_gym_ckpt.launch.workers import WorkerProcesses, bind_listener, reserve_port
 from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = ["KIND_OF_TYPE", "SERVER_KEEPALIVE_S", "main"]
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     if exporting is not None:  # what the exporters hold goes out as the app shuts down
         close_on_shutdown(app, exporting.aclose)
     if args.worker:
-        listener = socket.socket(fileno=int(os.environ[WORKER_FD_ENV]))
+        listener = bind_listener(instance.settings.host, cast(int, instance.settings.port))
         uvicorn.Server(uvicorn.Config(app, **_UVICORN)).run(sockets=[listener])
         return
     uvicorn.run(app, host=instance.settings.host, port=cast(int, instance.settings.port), **_UVICORN)
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
 async def _serve_workers(mesh: MeshConfig, instance: ServerInstance) -> int:
     """The main process of a multi-worker server: the port, the coordinator, the workers."""
     count = cast(int, instance.settings.num_workers)
-    listener = bind_listener(instance.settings.host, cast(int, instance.settings.port))
+    reserved = reserve_port(instance.settings.host, cast(int, instance.settings.port))
     env = {PARENT_ENV: str(os.getpid())}
     runtime = Path(tempfile.mkdtemp(prefix="ngc-workers-"))  # mode 700: only this user reaches the socket
     hub = None
@@ -100,14 +99,14 @@ async def _serve_workers(mesh: MeshConfig, instance: ServerInstance) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        workers = WorkerProcesses(instance.name, count, listener, env)
+        workers = WorkerProcesses(instance.name, count, env)
         await workers.start(SERVE_MODULE)
         logger.info("%s: %d workers on %s", instance.name, count, instance.url)
         return await workers.wait(stop)
     finally:
         if hub is not None:
             await hub.aclose()
-        listener.close()
+        reserved.close()
         shutil.rmtree(runtime, ignore_errors=True)
 
 

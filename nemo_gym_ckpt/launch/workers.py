@@ -1,9 +1,12 @@
 """The worker processes of a server with ``num_workers: N`` (N > 1), behind its one port.
 
-The server's main process binds the listening socket once (``bind_listener``) and starts N
-processes of the serve entry (``python -m nemo_gym_ckpt.cli.serve <instance> --worker``), each
-handed the socket's descriptor (``WORKER_FD_ENV``) and serving it with uvicorn: the kernel spreads
-the connections over the N processes. ``WorkerProcesses`` is our own small supervisor rather than
+The server's main process holds the port (``reserve_port``: bound with ``SO_REUSEPORT``, never
+listening, so no connection is queued on it) and starts N processes of the serve entry
+(``python -m nemo_gym_ckpt.cli.serve <instance> --worker``); each binds its own listening socket
+on the same port with ``SO_REUSEPORT`` (``bind_listener``) and serves it with uvicorn. The kernel
+then spreads new connections over the N listeners by a hash of each connection, where one socket
+shared by all would let the first worker to wake accept a whole burst of connections (a client's
+pool opened at once lands on one worker). ``WorkerProcesses`` is our own small supervisor rather than
 uvicorn's ``workers=`` one because the main process must stay an event loop (it runs the
 coordinator, ``checkpoint/worker_hub.py``) and because a worker that dies must not be replaced
 silently: a fresh worker would hold none of the episodes or sessions of the one that died, so the
@@ -21,38 +24,49 @@ import socket
 import sys
 from collections.abc import Mapping
 
-__all__ = ["STOP_GRACE_S", "WORKER_FD_ENV", "WorkerProcesses", "bind_listener"]
+__all__ = ["BACKLOG", "STOP_GRACE_S", "WorkerProcesses", "bind_listener", "reserve_port"]
 
 logger = logging.getLogger(__name__)
-WORKER_FD_ENV = "NEMO_GYM_CKPT_WORKER_FD"
 STOP_GRACE_S = 8.0
 BACKLOG = 2048
 
 
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` with ``SO_REUSEPORT`` and not listening: the port stays this
+    server's (the workers bind it too) while no connection can wait on this socket."""
+    sock = _reusing(host)
+    sock.bind((host, port))
+    return sock
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` that child processes can inherit."""
+    """One worker's listening socket on ``host:port`` (``SO_REUSEPORT``: the kernel spreads connections)."""
+    sock = _reusing(host)
+    sock.bind((host, port))
+    sock.listen(BACKLOG)
+    return sock
+
+
+def _reusing(host: str) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(BACKLOG)
-    sock.set_inheritable(True)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     return sock
 
 
 class WorkerProcesses:
-    """N worker processes of one instance sharing ``listener``; stops all when one ends."""
+    """N worker processes of one instance on one port; stops all when one ends."""
 
-    def __init__(self, instance: str, count: int, listener: socket.socket, env: Mapping[str, str]) -> None:
-        self.instance, self.count, self.listener, self.env = instance, count, listener, dict(env)
+    def __init__(self, instance: str, count: int, env: Mapping[str, str]) -> None:
+        self.instance, self.count, self.env = instance, count, dict(env)
         self.processes: list[asyncio.subprocess.Process] = []
 
     async def start(self, module: str) -> None:
-        fd = self.listener.fileno()
-        env = {**os.environ, **self.env, WORKER_FD_ENV: str(fd)}
+        env = {**os.environ, **self.env}
         for _ in range(self.count):
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", module, self.instance, "--worker", env=env, pass_fds=(fd,))
+            process = await asyncio.create_subprocess_exec(sys.executable, "-m", module, self.instance, "--worker",
+                                                           env=env)
             self.processes.append(process)
 
     async def wait(self, stop: asyncio.Event) -> int:
