@@ -207,12 +207,14 @@ class WorkerHub:
         return result
 
     async def _status(self, participant: Participant) -> dict[str, Any]:
+        """The participant's status, with the workers' extras merged and their waiting requests summed."""
         status = participant.status()
-        status["extras"] = await self._merged_extras()
+        replies = await self.broadcast("extras", {}, CALL_TIMEOUT_S)
+        status["waiting_requests"] = sum(reply["waiting_requests"] for reply in replies)
+        status["extras"] = self._merged_extras([reply["extras"] for reply in replies])
         return status
 
-    async def _merged_extras(self) -> dict[str, Any]:
-        replies = await self.broadcast("extras", {}, CALL_TIMEOUT_S)
+    def _merged_extras(self, replies: list[dict[str, Any]]) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for reply in replies:
             for key, value in reply.items():

@@ -3,16 +3,17 @@
 The launcher starts it (``nemo_gym_ckpt.launch.child`` says with what); it serves the instance's app
 with uvicorn (uvloop and httptools) and exits with ``ExitCode.USAGE`` on a config error.
 
-With ``num_workers: N`` (N > 1) this process binds the port, runs the coordinator (when
+With ``num_workers: N`` (N > 1) this process holds the port, forks N workers (``launch/workers.py``),
+each serving the app on the same port (``SO_REUSEPORT``), and runs the coordinator (when
 checkpointing is on: ``checkpoint/worker_hub.py``, on a Unix socket in a private runtime
-directory) and starts N processes of this entry with ``--worker`` (``launch/workers.py``), each
-serving the app on the same port (``SO_REUSEPORT``); it stops them all on SIGTERM or SIGINT, or when one ends.
+directory); it stops them all on SIGTERM or SIGINT, or when one ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import shutil
@@ -57,57 +58,82 @@ _UVICORN: dict[str, Any] = {
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {SERVE_MODULE}")
     parser.add_argument("instance")
-    parser.add_argument("--worker", action="store_true", help="one worker of a multi-worker server")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request blocks the event loop
-    if PARENT_ENV in os.environ:
-        watch_parent(int(os.environ[PARENT_ENV]), exit_orphaned)
     try:
         mesh = load_mesh()
         instance = mesh.instance(args.instance)
-        exporting = install_telemetry(mesh.telemetry, args.instance)
     except ConfigError as error:
         logger.error("config error: %s", error)
         raise SystemExit(ExitCode.USAGE) from None
-    if (instance.settings.num_workers or 1) > 1 and not args.worker:
-        raise SystemExit(asyncio.run(_serve_workers(mesh, instance)))
-    app = build_app(mesh, args.instance)
+    if (instance.settings.num_workers or 1) > 1:
+        raise SystemExit(_serve_workers(mesh, instance))
+    _serve(mesh, instance, worker=False)
+
+
+def _serve(mesh: MeshConfig, instance: ServerInstance, *, worker: bool) -> None:
+    """Serve the instance's app in this process (one worker of several: on the shared port)."""
+    if PARENT_ENV in os.environ:
+        watch_parent(int(os.environ[PARENT_ENV]), exit_orphaned)
+    try:
+        exporting = install_telemetry(mesh.telemetry, instance.name)
+    except ConfigError as error:
+        logger.error("config error: %s", error)
+        raise SystemExit(ExitCode.USAGE) from None
+    app = build_app(mesh, instance.name)
     if exporting is not None:  # what the exporters hold goes out as the app shuts down
         close_on_shutdown(app, exporting.aclose)
-    if args.worker:
-        listener = bind_listener(instance.settings.host, cast(int, instance.settings.port))
-        uvicorn.Server(uvicorn.Config(app, **_UVICORN)).run(sockets=[listener])
-        return
-    uvicorn.run(app, host=instance.settings.host, port=cast(int, instance.settings.port), **_UVICORN)
+    host, port = instance.settings.host, cast(int, instance.settings.port)
+    if worker:
+        uvicorn.Server(uvicorn.Config(app, **_UVICORN)).run(sockets=[bind_listener(host, port)])
+    else:
+        uvicorn.run(app, host=host, port=port, **_UVICORN)
 
 
-async def _serve_workers(mesh: MeshConfig, instance: ServerInstance) -> int:
-    """The main process of a multi-worker server: the port, the coordinator, the workers."""
+def _serve_workers(mesh: MeshConfig, instance: ServerInstance) -> int:
+    """The main process of a multi-worker server: the port, the workers (forked before any thread or
+    event loop starts here), then the coordinator and the workers' supervision."""
     count = cast(int, instance.settings.num_workers)
     reserved = reserve_port(instance.settings.host, cast(int, instance.settings.port))
-    env = {PARENT_ENV: str(os.getpid())}
     runtime = Path(tempfile.mkdtemp(prefix="ngc-workers-"))  # mode 700: only this user reaches the socket
-    hub = None
+    path = runtime / "coordinator.sock"
+    importlib.import_module(instance.module)  # imported once, here: the forked workers start at once
+    launcher_pid = os.environ.get(PARENT_ENV)
+    os.environ[PARENT_ENV] = str(os.getpid())
+    if mesh.checkpoint.enabled:
+        os.environ[COORDINATOR_ENV] = str(path)
+
+    def serve() -> None:
+        reserved.close()
+        _serve(mesh, instance, worker=True)
+
+    workers = WorkerProcesses.fork(instance.name, count, serve)
+    if launcher_pid is not None:
+        watch_parent(int(launcher_pid), exit_orphaned)
     try:
-        if mesh.checkpoint.enabled:
-            path = runtime / "coordinator.sock"
-            hub = await start_coordinator(kind=KIND_OF_TYPE[instance.type], instance=instance.name,
-                                          config=mesh.checkpoint, path=path, expected_workers=count)
-            env[COORDINATOR_ENV] = str(path)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        workers = WorkerProcesses(instance.name, count, env)
-        await workers.start(SERVE_MODULE)
-        logger.info("%s: %d workers on %s", instance.name, count, instance.url)
-        return await workers.wait(stop)
+        return asyncio.run(_coordinate(mesh, instance, path, workers))
     finally:
-        if hub is not None:
-            await hub.aclose()
         reserved.close()
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+async def _coordinate(mesh: MeshConfig, instance: ServerInstance, path: Path, workers: WorkerProcesses) -> int:
+    hub = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        if mesh.checkpoint.enabled:
+            hub = await start_coordinator(kind=KIND_OF_TYPE[instance.type], instance=instance.name,
+                                          config=mesh.checkpoint, path=path, expected_workers=len(workers.pids))
+        logger.info("%s: %d workers on %s", instance.name, len(workers.pids), instance.url)
+        return await workers.wait(stop)
+    finally:
+        await workers.stop()
+        if hub is not None:
+            await hub.aclose()
 
 
 if __name__ == "__main__":

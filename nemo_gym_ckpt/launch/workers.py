@@ -1,14 +1,16 @@
 """The worker processes of a server with ``num_workers: N`` (N > 1), behind its one port.
 
 The server's main process holds the port (``reserve_port``: bound with ``SO_REUSEPORT``, never
-listening, so no connection is queued on it) and starts N processes of the serve entry
-(``python -m nemo_gym_ckpt.cli.serve <instance> --worker``); each binds its own listening socket
+listening, so no connection is queued on it), imports the app's module and forks N workers before
+it starts any thread or event loop (``WorkerProcesses.fork``: a worker starts in well under a
+second, with nothing to import again); each binds its own listening socket
 on the same port with ``SO_REUSEPORT`` (``bind_listener``) and serves it with uvicorn. The kernel
 then spreads new connections over the N listeners by a hash of each connection, where one socket
 shared by all would let the first worker to wake accept a whole burst of connections (a client's
 pool opened at once lands on one worker). ``WorkerProcesses`` is our own small supervisor rather than
 uvicorn's ``workers=`` one because the main process must stay an event loop (it runs the
-coordinator, ``checkpoint/worker_hub.py``) and because a worker that dies must not be replaced
+coordinator, ``checkpoint/worker_hub.py``), because uvicorn's would import the app again in
+every worker, and because a worker that dies must not be replaced
 silently: a fresh worker would hold none of the episodes or sessions of the one that died, so the
 whole server stops (the launcher then reports it) instead.
 """
@@ -21,13 +23,14 @@ import logging
 import os
 import signal
 import socket
-import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable
 
 __all__ = ["BACKLOG", "STOP_GRACE_S", "WorkerProcesses", "bind_listener", "reserve_port"]
 
 logger = logging.getLogger(__name__)
-STOP_GRACE_S = 8.0
+STOP_GRACE_S = 6.0
+POLL_S = 0.2
 BACKLOG = 2048
 
 
@@ -56,47 +59,66 @@ def _reusing(host: str) -> socket.socket:
 
 
 class WorkerProcesses:
-    """N worker processes of one instance on one port; stops all when one ends."""
+    """N forked worker processes of one instance on one port; stops all when one ends."""
 
-    def __init__(self, instance: str, count: int, env: Mapping[str, str]) -> None:
-        self.instance, self.count, self.env = instance, count, dict(env)
-        self.processes: list[asyncio.subprocess.Process] = []
+    def __init__(self, instance: str, pids: list[int]) -> None:
+        self.instance, self.pids = instance, pids
+        self.ended: dict[int, int] = {}
 
-    async def start(self, module: str) -> None:
-        env = {**os.environ, **self.env}
-        for _ in range(self.count):
-            process = await asyncio.create_subprocess_exec(sys.executable, "-m", module, self.instance, "--worker",
-                                                           env=env)
-            self.processes.append(process)
+    @classmethod
+    def fork(cls, instance: str, count: int, serve: Callable[[], None]) -> WorkerProcesses:
+        """Fork ``count`` children that each run ``serve`` and exit. Call it before any event loop
+        or thread starts in this process (a child has only the forking thread)."""
+        pids = []
+        for _ in range(count):
+            pid = os.fork()
+            if pid == 0:  # the worker
+                status = 1
+                try:
+                    serve()
+                    status = 0
+                finally:
+                    os._exit(status)
+            pids.append(pid)
+        return cls(instance, pids)
+
+    def _reap(self) -> None:
+        for pid in self.pids:
+            if pid in self.ended:
+                continue
+            with contextlib.suppress(ChildProcessError):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    self.ended[pid] = os.waitstatus_to_exitcode(status)
+
+    @property
+    def live(self) -> list[int]:
+        self._reap()
+        return [pid for pid in self.pids if pid not in self.ended]
 
     async def wait(self, stop: asyncio.Event) -> int:
         """Until ``stop`` is set (0) or a worker ends by itself (1); then every worker is stopped."""
-        waits = [asyncio.ensure_future(process.wait()) for process in self.processes]
-        stopping = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait({*waits, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        status = 0 if stopping in done else 1
+        while not stop.is_set() and len(self.live) == len(self.pids):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_S):
+                    await stop.wait()
+        status = 0 if stop.is_set() else 1
         if status:
-            ended = [process.pid for process in self.processes if process.returncode is not None]
-            logger.error("%s: worker %s ended; stopping the other workers", self.instance, ended)
-        stopping.cancel()
+            logger.error("%s: worker(s) %s ended; stopping the other workers", self.instance, sorted(self.ended))
         await self.stop()
-        for task in waits:
-            task.cancel()
         return status
 
     async def stop(self) -> None:
         """SIGTERM every live worker, wait up to ``STOP_GRACE_S``, then SIGKILL what is left."""
-        live = [process for process in self.processes if process.returncode is None]
-        for process in live:
+        for pid in self.live:
             with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(STOP_GRACE_S):
-                await asyncio.gather(*(process.wait() for process in live))
-        except TimeoutError:
-            for process in live:
-                if process.returncode is None:
-                    logger.error("%s: worker %d did not stop; killing it", self.instance, process.pid)
-                    with contextlib.suppress(ProcessLookupError):
-                        process.kill()
-            await asyncio.gather(*(process.wait() for process in live))
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S / 4)
+        for pid in self.live:
+            logger.error("%s: worker %d did not stop; killing it", self.instance, pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        while self.live:
+            await asyncio.sleep(POLL_S / 4)

@@ -1,0 +1,86 @@
+"""The conformance suite against a real 2-worker server: one participant over two processes.
+
+Each participant the suite asks for is a fresh ``calculator_tools`` (stateless) at ``num_workers:
+2`` launched from config: a main process holding the port and the coordinator, and two uvicorn
+worker processes; every control call lands on whichever worker the kernel picks and is run by the
+coordinator's one participant. The data-plane hook seeds sessions (records of the worker that got
+the seed; after a restore, installed on both workers and exported once). The suite's ``block`` hook
+holds a tool call open and releases it through an in-process gate, which a process of its own cannot
+offer: those checks answer "not applicable" (in-process and single-process runs cover them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nemo_gym_ckpt.config import load_config_dict
+from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.launch.launcher import MeshLauncher
+from nemo_gym_ckpt.testing.conformance import CHECKS, NotApplicable, ParticipantUnderTest, check_participant
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+TOKEN = "workers-conformance-token"
+NAME = "calc"
+WORKERS = 2
+
+
+class SeedHooks:
+    """Seeds a session per episode; cannot hold a call open across processes."""
+
+    async def request(
+        self, client: httpx.AsyncClient, episode: RolloutIdentity, payload: dict[str, object]
+    ) -> httpx.Response:
+        return await client.post(f"/ng-rollout/{episode.capture_key}/seed_session", json=dict(payload))
+
+    async def block(self, client: httpx.AsyncClient, episode: RolloutIdentity, blocked: bool) -> None:
+        raise NotApplicable("a held call is released through an in-process gate")
+
+
+async def until_registered(client: httpx.AsyncClient) -> None:
+    """Healthy means one worker serves; wait (bounded) until both registered with the coordinator."""
+    deadline = time.monotonic() + 30
+    while True:
+        reply = await client.get("/ng-control/v1/checkpoint/status", headers={"authorization": f"Bearer {TOKEN}"})
+        if reply.json()["extras"]["workers"] == WORKERS:
+            return
+        assert time.monotonic() < deadline, reply.text
+        await asyncio.sleep(0.05)
+
+
+async def test_a_two_worker_server_passes_the_conformance_suite(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    raw = {
+        "head_server": {"host": "127.0.0.1", "port": 0},
+        NAME: {"resources_servers": {"calculator_tools": {"num_workers": WORKERS}}},
+        "checkpoint": {"enabled": True, "control_auth_token": TOKEN, "root": str(root), "lease_grace_seconds": 0.5},
+    }
+
+    @asynccontextmanager
+    async def make() -> AsyncIterator[ParticipantUnderTest]:
+        launcher = MeshLauncher(load_config_dict(raw), on_line=lambda name, line: None)
+        launcher.start(ready_timeout_s=60)
+        try:
+            async with httpx.AsyncClient(base_url=launcher.url_of(NAME), timeout=30) as client:
+                await until_registered(client)
+                yield ParticipantUnderTest(client, TOKEN, root, data=SeedHooks())
+        finally:
+            launcher.stop()
+
+    results = await check_participant(make)
+    passed = sorted(name for name, result in results.items() if result == "passed")
+    assert sorted(results) == sorted(CHECKS)
+    assert [name for name, result in results.items() if result != "passed"] == [
+        name for name in CHECKS if name in NEEDS_A_HELD_CALL], results
+    assert len(passed) == len(CHECKS) - len(NEEDS_A_HELD_CALL)
+
+
+NEEDS_A_HELD_CALL = ("prepare_reports_blockers_until_ready",)
