@@ -236,7 +236,8 @@ class WorkerLink:
             await adapter.forget(rollout_ids)
             return {}
         if kind == "extras":
-            return {"extras": dict(adapter.status_extras()), "waiting_requests": participant.status()["waiting_requests"]}
+            waiting = participant.status()["waiting_requests"]
+            return {"extras": dict(adapter.status_extras()), "waiting_requests": waiting}
         raise NotFound(f"no coordinator call named {kind!r}")
 
     async def _install(self, body: dict[str, Any]) -> dict[str, Any]:
