@@ -37,11 +37,16 @@ from nemo_gym_ckpt.checkpoint.worker_hub import CALL_TIMEOUT_S, PAGE_BYTES, REPL
 from nemo_gym_ckpt.errors import CoordinatorUnavailable, InvalidPhase, InvalidRequest, NotFound
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["CONNECT_S", "FollowerParticipant", "WorkerLink"]
+__all__ = ["CONNECT_S", "FollowerParticipant", "WorkerLink", "connect_s"]
 
 logger = logging.getLogger(__name__)
 CONNECT_S = 30.0
 _RETRY_S = 0.1
+
+
+def connect_s() -> float:
+    """How long a worker tries to reach its coordinator (``CONNECT_S``, read when used)."""
+    return CONNECT_S
 
 
 class FollowerParticipant(Participant):
@@ -87,8 +92,9 @@ class WorkerLink:
     """The worker's end of the channel to its coordinator, and what the coordinator asks of it."""
 
     def __init__(self, participant: FollowerParticipant, adapter: ParticipantAdapter, path: Path,
-                 on_lost: Callable[[], None]) -> None:
+                 on_lost: Callable[[], None], *, pid: int | None = None) -> None:
         self.participant, self.adapter, self.path, self.on_lost = participant, adapter, path, on_lost
+        self.pid = os.getpid() if pid is None else pid  # how the coordinator names this worker
         participant.link = self
         self.channel: Channel | None = None
         self.restored: set[RolloutIdentity] = set()
@@ -113,24 +119,24 @@ class WorkerLink:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _connect_and_serve(self) -> None:
-        deadline = time.monotonic() + CONNECT_S
+        deadline = time.monotonic() + connect_s()
         while True:
             try:
                 reader, writer = await asyncio.open_unix_connection(str(self.path))
                 break
             except OSError as error:
                 if time.monotonic() >= deadline:
-                    self._failed = f"no coordinator at {self.path} within {CONNECT_S:g} s ({error})"
+                    self._failed = f"no coordinator at {self.path} within {connect_s():g} s ({error})"
                     logger.error("%s; shutting down", self._failed)
                     self._registered.set()
                     self.on_lost()
                     return
                 await asyncio.sleep(_RETRY_S)
-        self.channel = Channel(reader, writer, name=f"worker {os.getpid()}", on_call=self._on_call,
+        self.channel = Channel(reader, writer, name=f"worker {self.pid}", on_call=self._on_call,
                                on_note=self._on_note, on_closed=self._lost)
         serving = asyncio.create_task(self.channel.serve())
         try:
-            reply = await self.channel.call("register", {"pid": os.getpid()}, CALL_TIMEOUT_S)
+            reply = await self.channel.call("register", {"pid": self.pid}, CALL_TIMEOUT_S)
             self.participant.follow(reply["gate"])
         except CoordinatorUnavailable as error:
             self._failed = error.detail
@@ -139,17 +145,17 @@ class WorkerLink:
 
     def _lost(self) -> None:
         self._failed = "the coordinator is gone"
-        logger.error("worker %d: its coordinator is gone; shutting down", os.getpid())
+        logger.error("worker %d: its coordinator is gone; shutting down", self.pid)
         self.on_lost()
 
     async def registered(self) -> None:
         """Wait until registered (at most ``CONNECT_S``); 503 when that cannot happen."""
         if not self._registered.is_set():
             try:
-                async with asyncio.timeout(CONNECT_S):
+                async with asyncio.timeout(connect_s()):
                     await self._registered.wait()
             except TimeoutError:
-                raise CoordinatorUnavailable(f"not registered with the coordinator within {CONNECT_S:g} s") from None
+                raise CoordinatorUnavailable(f"not registered with the coordinator within {connect_s():g} s") from None
         self._usable()
 
     def _usable(self) -> Channel:
@@ -243,7 +249,7 @@ class WorkerLink:
     async def _install(self, body: dict[str, Any]) -> dict[str, Any]:
         if not self.participant.fresh:
             raise InvalidPhase("restore expected fresh workers (no rollout traffic, nothing restored), "
-                               f"got worker {os.getpid()} that is not")
+                               f"got worker {self.pid} that is not")
         records = [Record.from_raw(str(raw).encode()) for raw in body.get("records") or []]
         scope = scope_from_wire(body.get("scope")) or frozenset()
         await self.adapter.install(records, scope)
