@@ -26,6 +26,7 @@ import pytest
 from fastapi import FastAPI
 
 from nemo_gym_ckpt.checkpoint import follower as follower_module
+from nemo_gym_ckpt.checkpoint import participant as participant_module
 from nemo_gym_ckpt.checkpoint.channel import Channel
 from nemo_gym_ckpt.checkpoint.follower import FollowerParticipant, WorkerLink
 from nemo_gym_ckpt.checkpoint.frames import encode_frame, read_frame
@@ -221,7 +222,10 @@ def participant(server: Server) -> Participant:
     return server.hub.participant
 
 
-async def test_prepare_closes_every_worker_and_merges_their_readiness(server: Server) -> None:
+async def test_prepare_closes_every_worker_and_merges_their_readiness(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(participant_module, "READINESS_POLL_S", 60.0)  # only the workers' notes wake it
     first, second = server.workers
     first.adapter.set_busy(A, True)
     second.adapter.set_busy(B, True)
@@ -233,9 +237,10 @@ async def test_prepare_closes_every_worker_and_merges_their_readiness(server: Se
     await asyncio.sleep(0.1)
     assert not waiting.done(), "a worker admitted a request while the checkpoint was open"
     pending = asyncio.create_task(participant(server).prepare(server.control()))
+    await asyncio.sleep(0.1)  # the prepare looked: both still busy
     first.adapter.set_busy(A, False)
-    second.adapter.set_busy(B, False)  # each worker tells the coordinator: the prepare finishes at once
-    reply = await asyncio.wait_for(pending, 0.9)  # well within the participant's 1 s poll
+    second.adapter.set_busy(B, False)  # each worker tells the coordinator, which looks again
+    reply = await asyncio.wait_for(pending, 10)
     assert reply["phase"] == "prepared" and reply["report"]["ready"] is True
     await participant(server).resume(server.control())
     await asyncio.wait_for(waiting, 5)
