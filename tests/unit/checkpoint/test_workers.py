@@ -236,7 +236,7 @@ async def test_prepare_closes_every_worker_and_merges_their_readiness(
     waiting = asyncio.create_task(second.participant.admit(RolloutIdentity("c")))
     await asyncio.sleep(0.1)
     assert not waiting.done(), "a worker admitted a request while the checkpoint was open"
-    pending = asyncio.create_task(participant(server).prepare(server.control()))
+    pending = asyncio.create_task(participant(server).prepare(server.control(60)))
     await asyncio.sleep(0.1)  # the prepare looked: both still busy
     first.adapter.set_busy(A, False)
     second.adapter.set_busy(B, False)  # each worker tells the coordinator, which looks again
