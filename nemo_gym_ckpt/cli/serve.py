@@ -78,10 +78,10 @@ def _serve(mesh: MeshConfig, instance: ServerInstance, *, worker: bool) -> None:
         watch_parent(int(os.environ[PARENT_ENV]), exit_orphaned)
     try:
         exporting = install_telemetry(mesh.telemetry, instance.name)
+        app = build_app(mesh, instance.name)
     except ConfigError as error:
         logger.error("config error: %s", error)
         raise SystemExit(ExitCode.USAGE) from None
-    app = build_app(mesh, instance.name)
     if exporting is not None:  # what the exporters hold goes out as the app shuts down
         close_on_shutdown(app, exporting.aclose)
     host, port = instance.settings.host, cast(int, instance.settings.port)

@@ -77,6 +77,8 @@ class WorkerProcesses:
                 try:
                     serve()
                     status = 0
+                except SystemExit as stopped:  # a config error's status is kept
+                    status = stopped.code if isinstance(stopped.code, int) else 1
                 finally:
                     os._exit(status)
             pids.append(pid)
@@ -97,12 +99,13 @@ class WorkerProcesses:
         return [pid for pid in self.pids if pid not in self.ended]
 
     async def wait(self, stop: asyncio.Event) -> int:
-        """Until ``stop`` is set (0) or a worker ends by itself (1); then every worker is stopped."""
+        """Until ``stop`` is set (0) or a worker ends by itself (its exit status, at least 1); then
+        every worker is stopped."""
         while not stop.is_set() and len(self.live) == len(self.pids):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(POLL_S):
                     await stop.wait()
-        status = 0 if stop.is_set() else 1
+        status = 0 if stop.is_set() else max(1, *self.ended.values())
         if status:
             logger.error("%s: worker(s) %s ended; stopping the other workers", self.instance, sorted(self.ended))
         await self.stop()

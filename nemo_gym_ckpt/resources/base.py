@@ -87,7 +87,7 @@ from nemo_gym_ckpt.checkpoint.headers import RESTART_HEADER, VERIFY_HEADER
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.errors import InvalidRequest, StaleAttempt
+from nemo_gym_ckpt.errors import ConfigError, InvalidRequest, StaleAttempt
 from nemo_gym_ckpt.identity import (
     RolloutIdentity,
     current_identity,
@@ -473,6 +473,10 @@ class ResourcesServer(Generic[_C]):
 
     def build_app(self, *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
         """The server's app; a checkpoint participant too when the mesh enables checkpointing."""
+        if (self.settings.num_workers or 1) > 1 and self.keeps_sessions():
+            raise ConfigError(f"{self.ctx.name}: num_workers > 1 needs a stateless resources server; "
+                              f"{type(self).__name__} is {self.checkpoint_mode} and keeps session state in "
+                              "one process (docs/protocol.md section 13)", key=f"{self.ctx.name}.num_workers")
         app = create_app(self.ctx.name, lifespan=self.lifespan)
         app.add_api_route("/seed_session", self._seed_route, methods=["POST"],
                           openapi_extra=declare_body(self.seed_signature.model))

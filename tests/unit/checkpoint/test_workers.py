@@ -36,10 +36,19 @@ from nemo_gym_ckpt.checkpoint.router import make_router
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
 from nemo_gym_ckpt.checkpoint.worker_hub import WorkerHub, start_coordinator
 from nemo_gym_ckpt.config import CheckpointConfig
-from nemo_gym_ckpt.errors import CoordinatorUnavailable, InvalidCheckpointState, StaleAttempt, StaleCheckpoint
+from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.errors import (
+    ConfigError,
+    CoordinatorUnavailable,
+    InvalidCheckpointState,
+    StaleAttempt,
+    StaleCheckpoint,
+)
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.server import create_app
 from nemo_gym_ckpt.testing.minimal import SessionsAdapter
+from nemo_gym_ckpt.testing.resources import mesh_with
+from tests.support.resources_participants import SERVERS
 
 pytestmark = pytest.mark.unit
 
@@ -356,6 +365,18 @@ async def test_control_calls_on_a_worker_run_on_the_coordinator(server: Server) 
     assert reply["phase"] == "prepared"
     status = await server.workers[1].link.forward("status", None)
     assert (status["phase"], status["checkpoint_id"], status["extras"]["workers"]) == ("prepared", "c1", 2)
+
+
+def test_a_resources_server_that_keeps_sessions_refuses_several_workers(tmp_path: Path) -> None:
+    block = {"enabled": True, "control_auth_token": TOKEN, "root": str(tmp_path)}
+    for implementation, workers in (("kv_store", 2), ("kv_store", 1), ("calculator_tools", 2)):
+        mesh = mesh_with(implementation, NAME, block, {"num_workers": workers})
+        server = SERVERS[implementation](ServerContext(NAME, mesh.instance(NAME).settings, mesh))
+        if implementation == "kv_store" and workers > 1:
+            with pytest.raises(ConfigError, match="needs a stateless resources server; KvStore is exported"):
+                server.build_app()
+        else:
+            assert server.build_app() is not None
 
 
 # ---- no coordinator ------------------------------------------------------------------------------
