@@ -12,6 +12,8 @@ offer: those checks answer "not applicable" (in-process and single-process runs 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -84,3 +86,54 @@ async def test_a_two_worker_server_passes_the_conformance_suite(tmp_path: Path) 
 
 
 NEEDS_A_HELD_CALL = ("prepare_reports_blockers_until_ready",)
+
+
+def children_of(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(child) for child in text.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return status != "Z"
+
+
+async def test_with_checkpointing_off_two_workers_serve_without_a_coordinator() -> None:
+    raw = {"head_server": {"host": "127.0.0.1", "port": 0},
+           NAME: {"resources_servers": {"calculator_tools": {"num_workers": WORKERS}}}}
+    launcher = MeshLauncher(load_config_dict(raw), on_line=lambda name, line: None)
+    launcher.start(ready_timeout_s=60)
+    try:
+        assert len(children_of(launcher.pid_of(NAME))) == WORKERS
+        async with httpx.AsyncClient(base_url=launcher.url_of(NAME), timeout=30) as client:
+            status = await client.get("/ng-control/v1/checkpoint/status")
+            assert status.status_code == 404  # no participant, no coordinator
+            answers = [await client.post("/add", json={"a": 2, "b": i}) for i in range(4)]
+            assert [reply.text for reply in answers] == ["2", "3", "4", "5"]
+    finally:
+        launcher.stop()
+
+
+async def test_workers_do_not_outlive_their_main_process(tmp_path: Path) -> None:
+    raw = {"head_server": {"host": "127.0.0.1", "port": 0},
+           NAME: {"resources_servers": {"calculator_tools": {"num_workers": WORKERS}}},
+           "checkpoint": {"enabled": True, "control_auth_token": TOKEN, "root": str(tmp_path)}}
+    launcher = MeshLauncher(load_config_dict(raw), on_line=lambda name, line: None)
+    launcher.start(ready_timeout_s=60)
+    try:
+        main = launcher.pid_of(NAME)
+        async with httpx.AsyncClient(base_url=launcher.url_of(NAME), timeout=30) as client:
+            await until_registered(client)
+        workers = children_of(main)
+        assert len(workers) == WORKERS
+        os.kill(main, signal.SIGKILL)  # the main process only (coordinator and parent): the workers follow
+        deadline = time.monotonic() + 20
+        while any(alive(pid) for pid in workers):
+            assert time.monotonic() < deadline, [pid for pid in workers if alive(pid)]
+            await asyncio.sleep(0.1)
+    finally:
+        launcher.stop()
