@@ -122,7 +122,10 @@ class Channel:
         if not isinstance(kind, str) or not isinstance(body, dict):
             raise InvalidCheckpointState("a frame must hold a string kind and an object body")
         if number is None:
-            self.on_note(kind, body)
+            try:
+                self.on_note(kind, body)
+            except (ValueError, TypeError, KeyError) as error:  # a note that makes no sense here
+                raise InvalidCheckpointState(f"a {kind!r} note could not be used: {error}") from None
         elif type(number) is int:
             task = asyncio.create_task(self._answer(number, kind, body))
             self._tasks.add(task)

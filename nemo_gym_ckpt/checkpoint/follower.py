@@ -34,7 +34,7 @@ from nemo_gym_ckpt.checkpoint.phases import Phase
 from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.checkpoint.wire_scope import episodes_from_wire, item_to_wire, scope_from_wire
 from nemo_gym_ckpt.checkpoint.worker_hub import CALL_TIMEOUT_S, PAGE_BYTES, REPLY_GRACE_S
-from nemo_gym_ckpt.errors import CoordinatorUnavailable, InvalidPhase, InvalidRequest, NotFound
+from nemo_gym_ckpt.errors import CoordinatorUnavailable, InvalidCheckpointState, InvalidPhase, NotFound
 from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = ["CONNECT_S", "FollowerParticipant", "WorkerLink", "connect_s"]
@@ -207,7 +207,7 @@ class WorkerLink:
 
     def _on_note(self, kind: str, body: dict[str, Any]) -> None:
         if kind != "gate":
-            raise InvalidRequest(f"no coordinator note named {kind!r}")
+            raise InvalidCheckpointState(f"no coordinator note named {kind!r}")
         self.participant.follow(body)
 
     async def _on_call(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
