@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import uvicorn
 
-from nemo_gym_ckpt.checkpoint.otlp import install_telemetry
+from nemo_gym_ckpt.checkpoint.otlp import Exporting, install_telemetry
 from nemo_gym_ckpt.checkpoint.worker_hub import COORDINATOR_ENV, start_coordinator
 from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.config import MeshConfig, ServerInstance
@@ -112,13 +112,20 @@ def _serve_workers(mesh: MeshConfig, instance: ServerInstance) -> int:
     if launcher_pid is not None:
         watch_parent(int(launcher_pid), exit_orphaned)
     try:
-        return asyncio.run(_coordinate(mesh, instance, path, workers))
+        exporting = install_telemetry(mesh.telemetry, instance.name)  # the coordinator's spans
+    except ConfigError as error:  # each worker stops on the same error, with its status
+        logger.error("config error: %s", error)
+        exporting = None
+    try:
+        return asyncio.run(_coordinate(mesh, instance, path, workers, exporting))
     finally:
         reserved.close()
         shutil.rmtree(runtime, ignore_errors=True)
 
 
-async def _coordinate(mesh: MeshConfig, instance: ServerInstance, path: Path, workers: WorkerProcesses) -> int:
+async def _coordinate(
+    mesh: MeshConfig, instance: ServerInstance, path: Path, workers: WorkerProcesses, exporting: Exporting | None
+) -> int:
     hub = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -134,6 +141,8 @@ async def _coordinate(mesh: MeshConfig, instance: ServerInstance, path: Path, wo
         await workers.stop()
         if hub is not None:
             await hub.aclose()
+        if exporting is not None:
+            await exporting.aclose()
 
 
 if __name__ == "__main__":
