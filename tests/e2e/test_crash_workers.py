@@ -1,7 +1,7 @@
-"""Issue 15 item 4 on real processes: a resources server and an agent of 2 workers each, crashed.
+"""Issue 15 item 4 on real processes: a resources server, an agent and an environment of 2 workers each.
 
-One mesh: ``configs/quickstart.yaml`` with ``calculator_tools`` and ``simple_agent`` at
-``num_workers: 2`` (each one port, two uvicorn worker processes, one coordinator and one
+One mesh: ``configs/quickstart.yaml`` with ``calculator_tools``, ``simple_agent`` and
+``single_agent_turn`` at ``num_workers: 2`` (each one port, two uvicorn worker processes, one coordinator and one
 participant), checkpointing on. A few rollouts run uninterrupted for reference; the same rows are
 then checkpointed in flight (each rollout past a model call and a tool call, its next model call
 admitted), every server is SIGKILLed, fresh processes restore, and the continued attempts finish
@@ -47,7 +47,8 @@ ROLLOUTS = 4
 def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MeshLauncher, Path]]:
     root = tmp_path_factory.mktemp("checkpoints")
     overrides = [f"{RESOURCES}.resources_servers.{RESOURCES}.num_workers={WORKERS}",
-                 f"{AGENT}.responses_api_agents.{AGENT}.num_workers={WORKERS}"]
+                 f"{AGENT}.responses_api_agents.{AGENT}.num_workers={WORKERS}",
+                 f"{ENV}.environment_servers.{ENV}.num_workers={WORKERS}"]
     config = load_config([ROOT / "configs/quickstart.yaml"], [*mesh_overrides(root), *overrides])
     started = MeshLauncher(config)
     started.start(ready_timeout_s=180)
@@ -72,7 +73,7 @@ async def mesh(launcher: tuple[MeshLauncher, Path]) -> AsyncIterator[CrashMesh]:
 async def test_multi_worker_resources_and_agent_continue_after_a_crash_with_the_uninterrupted_rows(
     mesh: CrashMesh,
 ) -> None:
-    for name in (RESOURCES, AGENT):
+    for name in (RESOURCES, AGENT, ENV):
         extras = await mesh.extras(name)
         assert (extras["workers"], extras["expected_workers"]) == (WORKERS, WORKERS), extras
     rows = of("calculator", "w", range(ROLLOUTS))
@@ -81,7 +82,7 @@ async def test_multi_worker_resources_and_agent_continue_after_a_crash_with_the_
     await mesh.deliver_one_call(AGENT, "w-gate")  # each: a model call and a tool call, the next call in flight
     directory, scope = await checkpoint(mesh, "w", tasks)
     assert len(scope) == ROLLOUTS
-    for kind, name in (("resources", RESOURCES), ("agent", AGENT)):  # one manifest per server
+    for kind, name in (("resources", RESOURCES), ("agent", AGENT), ("environment", ENV)):  # one manifest each
         assert sorted(p.name for p in (directory / "gym" / kind).iterdir()) == [name]
         assert (directory / "gym" / kind / name / "manifest.json").is_file()
     await mesh.crash()
