@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,7 +29,7 @@ from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.config import MeshConfig, ServerInstance
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.launch.child import PARENT_ENV, SERVE_MODULE, build_app, exit_orphaned, load_mesh, watch_parent
-from nemo_gym_ckpt.launch.workers import WorkerProcesses, bind_listener, reserve_port
+from nemo_gym_ckpt.launch.workers import WorkerProcesses, bind_listener, reserve_port, runtime_dir
 from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = ["KIND_OF_TYPE", "SERVER_KEEPALIVE_S", "main"]
@@ -96,7 +95,7 @@ def _serve_workers(mesh: MeshConfig, instance: ServerInstance) -> int:
     event loop starts here), then the coordinator and the workers' supervision."""
     count = cast(int, instance.settings.num_workers)
     reserved = reserve_port(instance.settings.host, cast(int, instance.settings.port))
-    runtime = Path(tempfile.mkdtemp(prefix="ngc-workers-"))  # mode 700: only this user reaches the socket
+    runtime = runtime_dir()  # mode 700: only this user reaches the socket
     path = runtime / "coordinator.sock"
     importlib.import_module(instance.module)  # imported once, here: the forked workers start at once
     launcher_pid = os.environ.get(PARENT_ENV)

@@ -21,17 +21,48 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["BACKLOG", "STOP_GRACE_S", "WorkerProcesses", "bind_listener", "reserve_port"]
+__all__ = ["BACKLOG", "RUNTIME_PREFIX", "STOP_GRACE_S", "WorkerProcesses", "bind_listener", "reserve_port",
+           "runtime_dir"]
 
 logger = logging.getLogger(__name__)
 STOP_GRACE_S = 6.0
+RUNTIME_PREFIX = "ngc-workers-"
+_OWNER = "owner.pid"
 POLL_S = 0.2
 BACKLOG = 2048
+
+
+def runtime_dir() -> Path:
+    """A private directory (mode 700) for this server's coordinator socket, naming its owner's pid.
+
+    Directories of owners that are gone (a SIGKILLed server cannot remove its own) are removed first.
+    """
+    base = Path(tempfile.gettempdir())
+    for stale in base.glob(f"{RUNTIME_PREFIX}*"):
+        with contextlib.suppress(OSError, ValueError):
+            if not _alive(int((stale / _OWNER).read_text())):
+                shutil.rmtree(stale, ignore_errors=True)
+    directory = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))
+    (directory / _OWNER).write_text(str(os.getpid()))
+    return directory
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def reserve_port(host: str, port: int) -> socket.socket:

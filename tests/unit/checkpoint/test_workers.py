@@ -13,10 +13,13 @@ records claimed by the first worker that needs them, retire and forget on every 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import struct
+import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +48,7 @@ from nemo_gym_ckpt.errors import (
     StaleCheckpoint,
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.launch.workers import RUNTIME_PREFIX, runtime_dir
 from nemo_gym_ckpt.server import create_app
 from nemo_gym_ckpt.testing.minimal import SessionsAdapter
 from nemo_gym_ckpt.testing.resources import mesh_with
@@ -107,9 +111,17 @@ class Pair:
 
 
 @pytest.fixture
-async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path (a Unix socket's path is at most 107 bytes), removed afterwards."""
+    directory = Path(tempfile.mkdtemp(prefix="ngc-test-", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+async def pair(short_dir: Path) -> AsyncIterator[Pair]:
     """Two channel ends over a real Unix socket; the right end answers ``echo`` and fails ``stale``."""
-    path = Path(tempfile.mkdtemp(dir="/tmp")) / "s.sock"
+    path = short_dir / "s.sock"
     ends: asyncio.Queue[Channel] = asyncio.Queue()
     closed: list[str] = []
 
@@ -210,16 +222,16 @@ async def worker(path: Path, root: Path, pid: int) -> Worker:
     return Worker(participant, adapter, link, lost)
 
 
-async def start_server(root: Path, workers: int = 2) -> Server:
-    path = Path(tempfile.mkdtemp(dir="/tmp")) / "coordinator.sock"
+async def start_server(root: Path, sockets: Path, workers: int = 2) -> Server:
+    path = sockets / f"{time.monotonic_ns()}.sock"
     hub = await start_coordinator(kind=KIND, instance=NAME, config=config(root), path=path, expected_workers=2)
     started = [await worker(path, root, 1000 + i) for i in range(workers)]
     return Server(hub, started, root, path)
 
 
 @pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[Server]:
-    started = await start_server(tmp_path)
+async def server(tmp_path: Path, short_dir: Path) -> AsyncIterator[Server]:
+    started = await start_server(tmp_path, short_dir)
     yield started
     for each in started.workers:
         await each.link.aclose()
@@ -256,8 +268,8 @@ async def test_prepare_closes_every_worker_and_merges_their_readiness(
     assert [w.participant.checkpoint_id for w in server.workers] == [None, None]
 
 
-async def test_a_missing_or_lost_worker_blocks_the_prepare(tmp_path: Path) -> None:
-    server = await start_server(tmp_path, workers=1)
+async def test_a_missing_or_lost_worker_blocks_the_prepare(tmp_path: Path, short_dir: Path) -> None:
+    server = await start_server(tmp_path, short_dir, workers=1)
     try:
         reply = await participant(server).prepare(server.control(0.2))
         assert reply["report"]["blockers"] == ["resources-workers-unregistered:1"]
@@ -305,8 +317,10 @@ def records_in(directory: Path) -> list[dict[str, object]]:
     return [orjson.loads(line) for line in lines]
 
 
-async def test_one_manifest_holds_every_workers_records_and_a_restore_is_claimed_once(tmp_path: Path) -> None:
-    server = await start_server(tmp_path)
+async def test_one_manifest_holds_every_workers_records_and_a_restore_is_claimed_once(
+    tmp_path: Path, short_dir: Path
+) -> None:
+    server = await start_server(tmp_path, short_dir)
     try:
         server.workers[0].adapter.put(A, {"on": "first"})
         server.workers[1].adapter.put(B, {"on": "second"})
@@ -320,7 +334,7 @@ async def test_one_manifest_holds_every_workers_records_and_a_restore_is_claimed
             await each.link.aclose()
         await server.hub.aclose()
 
-    fresh = await start_server(tmp_path)
+    fresh = await start_server(tmp_path, short_dir)
     try:
         control = participant(fresh)
         restored = await control.restore(RestoreRequest(checkpoint_id="r1", deadline_ts=fresh.deadline(),
@@ -416,3 +430,18 @@ async def test_a_worker_exits_when_its_coordinator_is_gone(server: Server) -> No
     assert [each.lost for each in server.workers] == [[1000], [1001]]
     with pytest.raises(CoordinatorUnavailable, match="lost its coordinator"):
         await server.workers[0].link.forward("status", None)
+
+
+def test_a_runtime_dir_is_private_and_the_dirs_of_dead_owners_are_swept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    stale, live = tmp_path / f"{RUNTIME_PREFIX}stale", tmp_path / f"{RUNTIME_PREFIX}live"
+    for directory, pid in ((stale, dead_pid.pid), (live, os.getpid())):
+        directory.mkdir()
+        (directory / "owner.pid").write_text(str(pid))
+    made = runtime_dir()
+    assert (made.stat().st_mode & 0o777) == 0o700 and (made / "owner.pid").read_text() == str(os.getpid())
+    assert not stale.exists() and live.exists()
