@@ -1,12 +1,13 @@
 """The conformance suite against a real 2-worker server: one participant over two processes.
 
 Each participant the suite asks for is a fresh ``calculator_tools`` (stateless) at ``num_workers:
-2`` launched from config: a main process holding the port and the coordinator, and two uvicorn
-worker processes; every control call lands on whichever worker the kernel picks and is run by the
-coordinator's one participant. The data-plane hook seeds sessions (records of the worker that got
-the seed; after a restore, installed on both workers and exported once). The suite's ``block`` hook
-holds a tool call open and releases it through an in-process gate, which a process of its own cannot
-offer: those checks answer "not applicable" (in-process and single-process runs cover them).
+2`` launched from config (the next one starting while a check runs): a main process holding the
+port and the coordinator, and two uvicorn worker processes; every control call lands on whichever
+worker the kernel picks and is run by the coordinator's one participant. The data-plane hook seeds
+sessions (records of the worker that got the seed; after a restore, installed on both workers and
+exported once). The suite's ``block`` hook holds a tool call open and releases it through an
+in-process gate, which a process of its own cannot offer: those checks answer "not applicable"
+(in-process and single-process runs cover them).
 """
 
 from __future__ import annotations
@@ -66,18 +67,30 @@ async def test_a_two_worker_server_passes_the_conformance_suite(tmp_path: Path) 
         "checkpoint": {"enabled": True, "control_auth_token": TOKEN, "root": str(root), "lease_grace_seconds": 0.5},
     }
 
-    @asynccontextmanager
-    async def make() -> AsyncIterator[ParticipantUnderTest]:
+    def launched() -> MeshLauncher:
         launcher = MeshLauncher(load_config_dict(raw), on_line=lambda name, line: None)
         launcher.start(ready_timeout_s=60)
+        return launcher
+
+    # Every check gets a fresh server; the next one starts while a check runs (a start is most of
+    # a check's time here).
+    spare: list[asyncio.Future[MeshLauncher]] = [asyncio.ensure_future(asyncio.to_thread(launched))]
+
+    @asynccontextmanager
+    async def make() -> AsyncIterator[ParticipantUnderTest]:
+        launcher = await spare.pop()
+        spare.append(asyncio.ensure_future(asyncio.to_thread(launched)))
         try:
             async with httpx.AsyncClient(base_url=launcher.url_of(NAME), timeout=30) as client:
                 await until_registered(client)
                 yield ParticipantUnderTest(client, TOKEN, root, data=SeedHooks())
         finally:
-            launcher.stop()
+            await asyncio.to_thread(launcher.stop)
 
-    results = await check_participant(make)
+    try:
+        results = await check_participant(make)
+    finally:
+        (await spare.pop()).stop()
     passed = sorted(name for name, result in results.items() if result == "passed")
     assert sorted(results) == sorted(CHECKS)
     assert [name for name, result in results.items() if result != "passed"] == [
