@@ -374,6 +374,18 @@ async def test_retire_and_forget_reach_every_worker(server: Server) -> None:
         await asyncio.wait_for(each.participant.admit(A), 5)
 
 
+async def test_a_close_that_finds_nothing_has_the_other_workers_drop_the_rollout(server: Server) -> None:
+    first, second = server.workers
+    first.adapter.put(A, {"seeded": "here"})
+    second.adapter.put(B, {})
+    await second.participant.close_elsewhere(A)  # the close of a landed on the second worker
+    assert (first.adapter.sessions, sorted(second.adapter.sessions)) == ({}, ["b"])
+    await server.hub.aclose()
+    await asyncio.sleep(0.05)
+    with pytest.raises(CoordinatorUnavailable):
+        await second.participant.close_elsewhere(B)  # no coordinator: 503, never a silent leak
+
+
 async def test_control_calls_on_a_worker_run_on_the_coordinator(server: Server) -> None:
     reply = await server.workers[0].link.forward("prepare", {"checkpoint_id": "c1", "deadline_ts": server.deadline()})
     assert reply["phase"] == "prepared"
