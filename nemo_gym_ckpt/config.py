@@ -59,6 +59,7 @@ from nemo_gym_ckpt.errors import ConfigError
 __all__ = [
     "FOLDER_OF_TYPE",
     "KNOWN_TOP_LEVEL_KEYS",
+    "MAX_WORKERS",
     "NEMO_GYM_LAUNCHER_KEYS",
     "OLD_TYPE_KEYS",
     "PROJECT_ROOT",
@@ -85,6 +86,7 @@ __all__ = [
 
 TOKEN_ENV = "GYM_CKPT_TOKEN"
 """Where the commands read a running mesh's control token (the configs interpolate it too)."""
+MAX_WORKERS = 64
 ServerType = Literal["responses_api_models", "responses_api_agents", "environment_servers", "resources_servers"]
 SERVER_TYPES: tuple[ServerType, ...] = (
     "responses_api_models", "responses_api_agents", "environment_servers", "resources_servers",
@@ -306,8 +308,9 @@ class ServerConfig(StrictModel):
     entrypoint: str = DEFAULT_ENTRYPOINT
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=0, le=65535)
-    num_workers: Literal[1] | None = None
-    """NeMo Gym runs that many worker processes; here a server is one process (1 or unset)."""
+    num_workers: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    """Worker processes behind the server's one port (1 or unset: one process). More than one only on
+    environment, agent and resources servers of this project (docs/architecture.md section 4)."""
     domain: Domain | None = None
     verified: bool = False
     verified_url: str | None = None
@@ -557,7 +560,25 @@ def _build_instance(
         config_class = config_class_for(server_type, implementation, entrypoint, origins, path)
     _refuse_renamed_keys(config_class, settings, path, origins)
     validated = _validate(config_class, settings, path, origins)
+    _refuse_workers_where_unsupported(validated, server_type, path, origins)
     return ServerInstance(name, cast(ServerType, server_type), implementation, validated)
+
+
+def _refuse_workers_where_unsupported(
+    settings: ServerConfig, server_type: str, path: tuple[str, ...], origins: Mapping[tuple[str, ...], str]
+) -> None:
+    """``num_workers`` > 1 is for our environment, agent and resources servers: a model server holds
+    one engine and one capture ledger, and NeMo Gym's own servers run in their own launcher."""
+    if (settings.num_workers or 1) == 1:
+        return
+    key = ".".join((*path, "num_workers"))
+    if server_type == "responses_api_models":
+        raise ConfigError("num_workers > 1 is refused on a model server (the policy model's capture ledger and "
+                          "the worker's engine live in one process): leave it unset or 1",
+                          file=origin_of(origins, path), key=key)
+    if is_nemo_gym(settings):
+        raise ConfigError(f"num_workers > 1 is refused on a {NEMO_GYM_PACKAGE} package server: leave it unset or 1",
+                          file=origin_of(origins, path), key=key)
 
 
 def _refuse_old_refs(node: Any, path: tuple[str, ...], origins: Mapping[tuple[str, ...], str]) -> None:

@@ -284,6 +284,7 @@ class AgentSessions:
         identity = await self._admit()
         session = self.sessions.get(identity.capture_key)
         if session is None:
+            await self._participant().close_elsewhere(identity)  # another worker of this agent may hold it
             return False
         await self._drop([session])
         return True

@@ -41,12 +41,21 @@ MESH_READY_S = 300.0
 
 
 def _process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of ``pid`` (all its threads), or None without ``/proc``."""
+    """User + system CPU seconds of ``pid`` (all its threads) and of its live child processes (the
+    workers of a ``num_workers`` server), or None without ``/proc``."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(_process_cpu_s(child) or 0.0 for child in _children(pid))
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def _machine_cpu_s() -> tuple[float, float] | None:

@@ -63,7 +63,13 @@ from nemo_gym_ckpt.errors import GymError, Overloaded
 from nemo_gym_ckpt.identity import RolloutIdentity, parse_capture_key
 from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
-__all__ = ["LEVELS", "QUICK_LEVELS", "plot_scale", "scale"]
+__all__ = [
+    "LEVELS",
+    "QUICK_LEVELS",
+    "WORKER_VARIANTS",
+    "plot_scale",
+    "scale",
+]
 
 Result = dict[str, Any]
 LEVELS = (256, 1024, 2048, 4096, 10_000)
@@ -439,6 +445,15 @@ def scale(
     return {"config": "configs/quickstart.yaml", "pairs_per_level": pairs, "gap_s": gap_s, "cpus": os.cpu_count(),
             "loadavg_at_start": began, "loadavg_at_end": loadavg(), "levels": rows,
             "variants": compare_variants(variants or {}, quick=quick)}
+
+
+WORKER_VARIANTS: dict[str, list[str]] = {
+    "1 worker": [],
+    "2 workers": ["calculator_tools.resources_servers.calculator_tools.num_workers=2",
+                  "simple_agent.responses_api_agents.simple_agent.num_workers=2",
+                  "single_agent_turn.environment_servers.single_agent_turn.num_workers=2"],
+}
+"""The agent, resources and environment servers at 1 and at 2 worker processes (docs/protocol.md section 13)."""
 
 
 def compare_variants(variants: dict[str, list[str]], *, quick: bool = False) -> Result:

@@ -12,7 +12,7 @@ dead controller never leaves a participant paused.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nemo_gym_ckpt.checkpoint.clock import Clock
 
@@ -24,15 +24,21 @@ class Lease:
     clock: Clock
     grace_s: float
     expires_at: float
+    on_moved: Callable[[], None] | None = field(default=None, compare=False)
+    """Called after each renewal that moved the expiry (a multi-worker server tells its workers)."""
 
     @classmethod
-    def start(cls, clock: Clock, grace_s: float, deadline_ts: float) -> Lease:
-        return cls(clock, grace_s, deadline_ts + grace_s)
+    def start(
+        cls, clock: Clock, grace_s: float, deadline_ts: float, on_moved: Callable[[], None] | None = None
+    ) -> Lease:
+        return cls(clock, grace_s, deadline_ts + grace_s, on_moved)
 
     def renew(self, deadline_ts: float) -> float:
         """Extend to this call's ``deadline_ts + grace`` unless the lease already runs longer; return
         the expiry (never earlier than before)."""
-        self.expires_at = max(self.expires_at, deadline_ts + self.grace_s)
+        before, self.expires_at = self.expires_at, max(self.expires_at, deadline_ts + self.grace_s)
+        if self.expires_at != before and self.on_moved is not None:
+            self.on_moved()
         return self.expires_at
 
     @property

@@ -13,8 +13,12 @@ routes (only when it is not ``None``).
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -23,16 +27,20 @@ from starlette.routing import BaseRoute
 from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
+from nemo_gym_ckpt.checkpoint.follower import FollowerParticipant, WorkerLink
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.priority import ControlFirst
 from nemo_gym_ckpt.checkpoint.router import make_router
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
 from nemo_gym_ckpt.checkpoint.telemetry import Telemetry
+from nemo_gym_ckpt.checkpoint.worker_hub import COORDINATOR_ENV
 from nemo_gym_ckpt.config import CheckpointConfig
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.server import close_on_shutdown
 
-__all__ = ["mount_checkpointing"]
+__all__ = ["LOST_COORDINATOR_GRACE_S", "mount_checkpointing"]
+
+LOST_COORDINATOR_GRACE_S = 10.0
 
 
 def mount_checkpointing(
@@ -58,7 +66,8 @@ def mount_checkpointing(
     if name is None:
         raise ValueError("instance is required when mounting from a CheckpointConfig")
     assert config.control_auth_token is not None  # the config refuses enabled without a token
-    participant = Participant(
+    coordinator = os.environ.get(COORDINATOR_ENV)
+    participant = (Participant if coordinator is None else FollowerParticipant)(
         kind=kind,
         instance=name,
         adapter=adapter,
@@ -68,12 +77,42 @@ def mount_checkpointing(
         telemetry=telemetry.for_participant(kind, name) if telemetry else None,
         max_deadline_s=config.max_deadline_seconds,
     )
+    forward = None
+    if isinstance(participant, FollowerParticipant):  # a worker of a multi-worker server
+        assert coordinator is not None
+        link = WorkerLink(participant, adapter, Path(coordinator), _exit_for_lost_coordinator)
+        _start_with_app(app, link)
+        forward = link.forward
     before = {id(route) for route in app.router.routes}
-    app.include_router(make_router(participant, config.control_auth_token.get_secret_value()))
+    app.include_router(make_router(participant, config.control_auth_token.get_secret_value(), forward))
     app.add_middleware(ControlFirst)  # control calls ahead of data requests on a busy server
     _last_once_started(app, [route for route in app.router.routes if id(route) not in before])
     close_on_shutdown(app, participant.aclose)
     return participant
+
+
+def _exit_for_lost_coordinator() -> None:
+    """A worker whose coordinator is gone shuts down (SIGTERM), and is killed if that takes too long."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    killer = threading.Timer(LOST_COORDINATOR_GRACE_S, os.kill, (os.getpid(), signal.SIGKILL))
+    killer.daemon = True
+    killer.start()
+
+
+def _start_with_app(app: FastAPI, link: WorkerLink) -> None:
+    """Connect ``link`` when ``app`` starts; close it when the app shuts down."""
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(instance: FastAPI) -> AsyncIterator[Any]:
+        link.start()
+        try:
+            async with inner(instance) as state:
+                yield state
+        finally:
+            await link.aclose()
+
+    app.router.lifespan_context = lifespan
 
 
 def _last_once_started(app: FastAPI, control: list[BaseRoute]) -> None:

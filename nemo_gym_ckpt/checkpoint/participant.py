@@ -30,7 +30,7 @@ import asyncio
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Coroutine, Hashable
+from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -135,6 +135,7 @@ class Participant:
         self._waiting = 0
         self._last_report: dict[str, Any] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._gate_watchers: list[Callable[[], None]] = []
 
     # ---- read-only view ---------------------------------------------------------------------
 
@@ -160,6 +161,23 @@ class Participant:
             "waiting_requests": self._waiting,
             "extras": dict(self.adapter.status_extras()),
         }
+
+    def gate(self) -> dict[str, Any]:
+        """What admission follows: the open checkpoint (or ``None``), the phase and the lease's expiry."""
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "phase": str(self.phase),
+            "lease_expires_at": self._open.lease.expires_at if self._open else None,
+        }
+
+    def watch_gate(self, watcher: Callable[[], None]) -> None:
+        """Call ``watcher`` (synchronously) whenever ``gate()`` changes: a multi-worker server's
+        coordinator tells its workers at once, before anything else it sends them."""
+        self._gate_watchers.append(watcher)
+
+    def mark_served(self) -> None:
+        """Rollout traffic was served elsewhere on this participant's behalf (by one of its workers)."""
+        self._served = True
 
     # ---- control operations -----------------------------------------------------------------
 
@@ -228,6 +246,10 @@ class Participant:
         except GymError as error:
             self.telemetry.event("refused", code=error.code)
             raise
+
+    async def close_elsewhere(self, identity: RolloutIdentity) -> None:
+        """A close of ``identity`` found nothing here; a multi-worker server's other workers drop what
+        they hold of its rollout (one process has nothing elsewhere: a no-op)."""
 
     def notify_changed(self) -> None:
         """Tell waiters that readiness may have changed (an episode parked, a stream drained)."""
@@ -456,11 +478,16 @@ class Participant:
             open_.lease.renew(deadline_ts)
 
     def _open_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> _Open:
-        open_ = _Open(checkpoint_id, Lease.start(self.clock, self.lease_grace_s, deadline_ts))
+        open_ = _Open(checkpoint_id, Lease.start(self.clock, self.lease_grace_s, deadline_ts, self._gate_changed))
         self._open = open_
         open_.watchdog = self._spawn(open_.lease.watch(lambda: self._expire(open_)))
         self.signal.notify()
+        self._gate_changed()
         return open_
+
+    def _gate_changed(self) -> None:
+        for watcher in self._gate_watchers:
+            watcher()
 
     def _ensure_current(self, open_: _Open) -> None:
         if self._open is not open_:
@@ -490,6 +517,7 @@ class Participant:
             open_.watchdog.cancel()
         self.phase = advance(self.phase, Op.RESUME)
         self.signal.notify()
+        self._gate_changed()
 
     def _fence(self, checkpoint_id: str, *, opened: bool = True) -> None:
         """Fence an id: opened ones and ones only named by a resume are remembered apart (64 each)."""

@@ -13,6 +13,7 @@ import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import orjson
 from fastapi import APIRouter, Request
 
 from nemo_gym_ckpt.checkpoint.models import (
@@ -33,10 +34,16 @@ CONTROL_PREFIX = "/ng-control/v1/checkpoint"
 MAX_BODY_BYTES = 32 * 1024 * 1024
 B = TypeVar("B", bound=ControlRequest)
 Handler = Callable[[Request], Awaitable[dict[str, Any]]]
+Forward = Callable[[str, dict[str, Any] | None], Awaitable[dict[str, Any]]]
+"""Runs a control call elsewhere: (operation, its JSON body, ``None`` for status) -> the reply."""
 
 
-def make_router(participant: Participant, auth_token: str) -> APIRouter:
-    """The control router of ``participant``, guarded by ``auth_token``."""
+def make_router(participant: Participant, auth_token: str, forward: Forward | None = None) -> APIRouter:
+    """The control router of ``participant``, guarded by ``auth_token``.
+
+    With ``forward`` (a worker of a multi-worker server), each call is checked here (bearer, body)
+    and then run by ``forward`` on the coordinator's participant instead of ``participant``.
+    """
     if not auth_token:
         raise ValueError("a control auth token is required")
     authorize = _bearer_check(auth_token.encode(), participant)
@@ -44,6 +51,8 @@ def make_router(participant: Participant, auth_token: str) -> APIRouter:
 
     async def status(request: Request) -> dict[str, Any]:
         authorize(request)
+        if forward is not None:
+            return await forward("status", None)
         return participant.status()
 
     router.add_api_route("/status", status, methods=["GET"])
@@ -57,8 +66,9 @@ def make_router(participant: Participant, auth_token: str) -> APIRouter:
         ("forget", ForgetRequest, participant.forget),
     ]
     for name, model, operation in routes:
-        router.add_api_route(f"/{name}", _post(authorize, model, operation), methods=["POST"], name=name,
-                             openapi_extra=declare_body(model))
+        handler = (_post(authorize, model, operation) if forward is None
+                   else _forwarded(authorize, model, name, forward))
+        router.add_api_route(f"/{name}", handler, methods=["POST"], name=name, openapi_extra=declare_body(model))
     return router
 
 
@@ -69,6 +79,16 @@ def _post(
         authorize(request)
         body = parse_body(model, await _read_body(request))
         return await operation(body)
+
+    return handler
+
+
+def _forwarded(authorize: Callable[[Request], None], model: type[B], name: str, forward: Forward) -> Handler:
+    async def handler(request: Request) -> dict[str, Any]:
+        authorize(request)
+        content = await _read_body(request)
+        parse_body(model, content)  # a bad body is refused here, before it travels
+        return await forward(name, orjson.loads(content))
 
     return handler
 

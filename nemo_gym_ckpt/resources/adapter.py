@@ -167,6 +167,10 @@ class ResourcesAdapter:
         assert self.participant is not None, "the adapter is used only once mounted"
         return self.participant
 
+    async def close_elsewhere(self, identity: RolloutIdentity) -> None:
+        """A close found no session here: on a multi-worker server another worker may hold it."""
+        await self._participant().close_elsewhere(identity)
+
     # ---- prepare ----------------------------------------------------------------------------
 
     async def readiness(self) -> Readiness:

@@ -87,7 +87,7 @@ from nemo_gym_ckpt.checkpoint.headers import RESTART_HEADER, VERIFY_HEADER
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.config import ServerConfig
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.errors import InvalidRequest, StaleAttempt
+from nemo_gym_ckpt.errors import ConfigError, InvalidRequest, StaleAttempt
 from nemo_gym_ckpt.identity import (
     RolloutIdentity,
     current_identity,
@@ -473,6 +473,10 @@ class ResourcesServer(Generic[_C]):
 
     def build_app(self, *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
         """The server's app; a checkpoint participant too when the mesh enables checkpointing."""
+        if (self.settings.num_workers or 1) > 1 and self.keeps_sessions():
+            raise ConfigError(f"{self.ctx.name}: num_workers > 1 needs a stateless resources server; "
+                              f"{type(self).__name__} is {self.checkpoint_mode} and keeps session state in "
+                              "one process (docs/protocol.md section 13)", key=f"{self.ctx.name}.num_workers")
         app = create_app(self.ctx.name, lifespan=self.lifespan)
         app.add_api_route("/seed_session", self._seed_route, methods=["POST"],
                           openapi_extra=declare_body(self.seed_signature.model))
@@ -562,8 +566,10 @@ class ResourcesServer(Generic[_C]):
         close = _validated(CloseRequest, body)
         session_id = request.cookies.get(self.cookie_name) or close.resources_session_id
         named = identity_of_episode_id(close.episode_id) if close.episode_id is not None else None
-        async with self._entered("close", self._identity(request, named)):
-            await self.drop_session(session_id)
+        identity = self._identity(request, named)
+        async with self._entered("close", identity):
+            if not await self.drop_session(session_id) and self.checkpoint is not None and identity is not None:
+                await self.checkpoint.close_elsewhere(identity)  # another worker of this server may hold it
         if session_id:
             self.sessions.note_closed(session_id)
         reply = OrjsonResponse({"resources_session_id": session_id or ""})

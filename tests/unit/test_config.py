@@ -297,9 +297,17 @@ ERROR_CASES = {
         "      datasets: [{name: d, type: example, license: WTFPL, jsonl_fpath: d.jsonl}]\n",
         [], "tool.resources_servers.fake_tool.datasets.0.license", "'Apache 2.0'",
     ),
-    "several worker processes": (
-        "tool:\n  resources_servers:\n    fake_tool: {answer: a, num_workers: 4}\n",
-        [], "tool.resources_servers.fake_tool.num_workers", "Input should be 1",
+    "more worker processes than the bound": (
+        "tool:\n  resources_servers:\n    fake_tool: {answer: a, num_workers: 65}\n",
+        [], "tool.resources_servers.fake_tool.num_workers", "less than or equal to 64",
+    ),
+    "worker processes on a model server": (
+        "w:\n  responses_api_models:\n    inference_worker: {num_workers: 2}\n",
+        [], "w.responses_api_models.inference_worker.num_workers", "refused on a model server",
+    ),
+    "worker processes on a NeMo Gym package server": (
+        "t:\n  resources_servers:\n    string_match: {package: nemo_gym, domain: other, num_workers: 2}\n",
+        [], "t.resources_servers.string_match.num_workers", "refused on a nemo_gym package server",
     ),
     "an episode queue": (
         "env:\n  environment_servers:\n    nim:\n      agent_server: {name: a}\n      max_concurrent_episodes: 4\n"

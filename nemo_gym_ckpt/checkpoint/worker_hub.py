@@ -1,0 +1,360 @@
+"""The coordinator of a multi-worker server: one participant for all its worker processes.
+
+A server with ``num_workers: N`` (N > 1) runs N worker processes behind one port and, in its main
+process, one ``WorkerHub``. The hub owns the server's only ``Participant`` (one phase, one lease,
+one fence list, one manifest per server) over a ``WorkerFanout`` adapter, and serves a Unix socket
+(mode 600, in a private runtime directory; ``COORDINATOR_ENV`` names it to the workers). Every
+worker registers there (``checkpoint/follower.py``); the control calls any worker receives are
+forwarded here and run on the one participant.
+
+What it does for the participant (docs/protocol.md section 13):
+
+- the gate: whenever the open checkpoint, the phase or the lease changes, a ``gate`` note goes to
+  every worker at once, before anything else the hub sends them, so a worker's admission closes
+  before its readiness is asked for;
+- prepare: readiness is the merge of every worker's (blockers joined, counts summed, restarts
+  joined); while fewer workers than expected are registered a ``<kind>-workers-unregistered:<n>``
+  blocker holds it, and a worker lost while the checkpoint is open blocks it with
+  ``<kind>-worker-lost`` until the checkpoint closes;
+- commit: every worker exports (in pages of at most ``PAGE_BYTES``), worker after worker; records
+  installed on every worker by a restore and still untouched come back once; one records file,
+  one manifest, written here;
+- restore: every worker checks and installs the records (all or nothing on each); the first
+  worker whose request names a restored attempt claims it (``claim``), and the others drop their
+  copy of that rollout, so its state lives in one worker from then on;
+- retire and forget go to every worker (their retire marks included).
+
+Every call to a worker has a deadline: ``CALL_TIMEOUT_S``, or the control call's own deadline plus
+``REPLY_GRACE_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
+from nemo_gym_ckpt.checkpoint.channel import Channel
+from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK
+from nemo_gym_ckpt.checkpoint.models import (
+    CommitRequest,
+    ControlRequest,
+    ForgetRequest,
+    RestoreRequest,
+    RetireRequest,
+    parse_body,
+)
+from nemo_gym_ckpt.checkpoint.participant import Participant
+from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.checkpoint.store import CheckpointStore
+from nemo_gym_ckpt.checkpoint.wire_scope import episodes_from_wire, episodes_to_wire, item_from_wire, scope_to_wire
+from nemo_gym_ckpt.config import CheckpointConfig
+from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidRequest, NotFound
+from nemo_gym_ckpt.identity import RolloutIdentity
+
+__all__ = ["CALL_TIMEOUT_S", "COORDINATOR_ENV", "PAGE_BYTES", "REPLY_GRACE_S", "WorkerFanout", "WorkerHub",
+           "start_coordinator"]
+
+logger = logging.getLogger(__name__)
+COORDINATOR_ENV = "NEMO_GYM_CKPT_COORDINATOR_SOCKET"
+CALL_TIMEOUT_S = 30.0
+REPLY_GRACE_S = 10.0
+PAGE_BYTES = 4 * 1024 * 1024
+_CONTROL: dict[str, type[ControlRequest]] = {
+    "prepare": ControlRequest, "renew": ControlRequest, "commit": CommitRequest, "restore": RestoreRequest,
+    "resume": ControlRequest, "retire": RetireRequest, "forget": ForgetRequest,
+}
+
+
+@dataclass
+class _Worker:
+    pid: int
+    channel: Channel
+
+
+@dataclass
+class _Claims:
+    """Restored attempts: which worker (pid) claimed each, ``None`` while unclaimed."""
+
+    owners: dict[RolloutIdentity, int | None] = field(default_factory=dict)
+
+    def drop(self, rollout_ids: set[str]) -> None:
+        for episode in [episode for episode in self.owners if episode.rollout_id in rollout_ids]:
+            del self.owners[episode]
+
+    def keep(self, rollout_ids: set[str]) -> None:
+        for episode in [episode for episode in self.owners if episode.rollout_id not in rollout_ids]:
+            del self.owners[episode]
+
+
+class WorkerHub:
+    """The registry of a server's workers and the socket they reach it on."""
+
+    def __init__(self, kind: str, expected_workers: int) -> None:
+        if expected_workers < 2:
+            raise ValueError("a hub is for servers of at least 2 workers")
+        self.kind, self.expected_workers = kind, expected_workers
+        self.workers: dict[int, _Worker] = {}
+        self.lost_while_open = 0
+        self.served: set[int] = set()  # the workers that served rollout traffic
+        self.claims = _Claims()
+        self.participant: Participant | None = None
+        self._server: asyncio.Server | None = None
+        self._serving: set[asyncio.Task[None]] = set()
+
+    def attach(self, participant: Participant) -> None:
+        """Serve ``participant`` (built over ``WorkerFanout(self)``) to the workers."""
+        self.participant = participant
+        participant.watch_gate(self._send_gate)
+
+    async def start(self, path: Path) -> None:
+        """Listen on the Unix socket ``path`` (only its owner may connect)."""
+        self._server = await asyncio.start_unix_server(self._accept, path=str(path))
+        os.chmod(path, 0o600)
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for worker in list(self.workers.values()):
+            worker.channel.close()
+        for task in list(self._serving):
+            task.cancel()
+        await asyncio.gather(*self._serving, return_exceptions=True)
+        if self.participant is not None:
+            await self.participant.aclose()
+
+    # ---- the channel of one worker ------------------------------------------------------------
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
+        holder: dict[str, int] = {}
+        channel = Channel(reader, writer, name=f"{self.kind} coordinator",
+                          on_call=lambda kind, body: self._on_call(holder, channel, kind, body),
+                          on_note=lambda kind, body: self._on_note(holder.get("pid"), kind, body))
+        try:
+            await channel.serve()
+        finally:
+            self._serving.discard(task)
+            pid = holder.get("pid")
+            if pid is not None and self.workers.get(pid) is not None and self.workers[pid].channel is channel:
+                del self.workers[pid]
+                logger.warning("%s worker %d left its coordinator", self.kind, pid)
+                if self.participant is not None and self.participant.checkpoint_id is not None:
+                    self.lost_while_open += 1
+                    self.participant.notify_changed()
+
+    async def _on_call(
+        self, holder: dict[str, int], channel: Channel, kind: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        participant = self.participant
+        assert participant is not None
+        if kind == "register":
+            return self._register(holder, channel, body)
+        if "pid" not in holder:
+            raise InvalidRequest("a worker must register first")
+        if kind == "control":
+            return await self._control(participant, body)
+        if kind == "status":
+            return await self._status(participant)
+        if kind == "claim":
+            return await self._claim(holder["pid"], body)
+        if kind == "release":
+            rollout_id = body.get("rollout_id")
+            if not isinstance(rollout_id, str):
+                raise InvalidRequest("release needs a rollout_id")
+            await self._drop_elsewhere(holder["pid"], rollout_id)
+            return {}
+        raise NotFound(f"no worker call named {kind!r}")
+
+    def _on_note(self, pid: int | None, kind: str, body: dict[str, Any]) -> None:
+        participant = self.participant
+        assert participant is not None
+        if kind == "changed":
+            participant.notify_changed()
+        elif kind == "served" and pid is not None:
+            self.served.add(pid)
+            participant.mark_served()
+        else:
+            raise InvalidCheckpointState(f"no worker note named {kind!r}")
+
+    def _register(self, holder: dict[str, int], channel: Channel, body: dict[str, Any]) -> dict[str, Any]:
+        pid = body.get("pid")
+        if type(pid) is not int or pid <= 0:
+            raise InvalidRequest("register needs the worker's pid")
+        holder["pid"] = pid
+        self.workers[pid] = _Worker(pid, channel)
+        assert self.participant is not None
+        self.participant.notify_changed()
+        return {"gate": self.participant.gate()}
+
+    async def _control(self, participant: Participant, body: dict[str, Any]) -> dict[str, Any]:
+        operation, request = body.get("operation"), body.get("request")
+        model = _CONTROL.get(operation) if isinstance(operation, str) else None
+        if model is None or not isinstance(request, dict):
+            raise InvalidRequest("control needs an operation and its request")
+        parsed = parse_body(model, orjson.dumps(request))
+        result: dict[str, Any] = await getattr(participant, str(operation))(parsed)
+        return result
+
+    async def _status(self, participant: Participant) -> dict[str, Any]:
+        """The participant's status, with the workers' extras merged and their waiting requests summed."""
+        status = participant.status()
+        replies = await self.broadcast("extras", {}, CALL_TIMEOUT_S)
+        status["waiting_requests"] = sum(reply["waiting_requests"] for reply in replies)
+        status["extras"] = self._merged_extras([reply["extras"] for reply in replies])
+        return status
+
+    def _merged_extras(self, replies: list[dict[str, Any]]) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for reply in replies:
+            for key, value in reply.items():
+                if isinstance(value, int) and not isinstance(value, bool) and isinstance(merged.get(key), int):
+                    merged[key] += value
+                else:
+                    merged.setdefault(key, value)
+        merged["workers"] = len(self.workers)
+        merged["expected_workers"] = self.expected_workers
+        merged["workers_served"] = len(self.served & set(self.workers))
+        merged["restored_unclaimed"] = sum(owner is None for owner in self.claims.owners.values())
+        return merged
+
+    async def _claim(self, pid: int, body: dict[str, Any]) -> dict[str, Any]:
+        episode = episodes_from_wire([body.get("episode")])[0]
+        if episode not in self.claims.owners:
+            return {"owner": "none"}
+        owner = self.claims.owners[episode]
+        if owner is None:
+            self.claims.owners[episode] = owner = pid
+            await self._drop_elsewhere(pid, episode.rollout_id)
+        return {"owner": "this" if owner == pid else "another"}
+
+    async def _drop_elsewhere(self, pid: int, rollout_id: str) -> None:
+        """Every worker but ``pid`` drops what it holds of ``rollout_id`` (its retire marks stay)."""
+        others = [worker for worker in self.workers.values() if worker.pid != pid]
+        drop = {"rollout_ids": [rollout_id]}
+        await asyncio.gather(*(worker.channel.call("drop_rollout", drop, CALL_TIMEOUT_S) for worker in others))
+
+    def _send_gate(self) -> None:
+        assert self.participant is not None
+        gate = self.participant.gate()
+        if gate["checkpoint_id"] is None:
+            self.lost_while_open = 0
+        for worker in list(self.workers.values()):
+            with contextlib.suppress(GymError):
+                worker.channel.note("gate", gate)
+
+    # ---- calls to every worker ----------------------------------------------------------------
+
+    async def broadcast(self, kind: str, body: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+        """The same call to every registered worker; the first failure is raised."""
+        workers = list(self.workers.values())
+        return list(await asyncio.gather(*(worker.channel.call(kind, body, timeout_s) for worker in workers)))
+
+
+class WorkerFanout:
+    """The ``ParticipantAdapter`` of a hub's participant: every method asks every worker."""
+
+    def __init__(self, hub: WorkerHub, clock_now: Any) -> None:
+        self.hub, self._now = hub, clock_now
+
+    def _timeout(self, deadline_ts: float | None = None) -> float:
+        if deadline_ts is None:
+            return CALL_TIMEOUT_S
+        return max(deadline_ts - self._now(), 0.0) + REPLY_GRACE_S
+
+    async def readiness(self) -> Readiness:
+        hub = self.hub
+        blockers: list[str] = []
+        missing = hub.expected_workers - len(hub.workers)
+        if missing > 0:
+            blockers.append(f"{hub.kind}-workers-unregistered:{missing}")
+        if hub.lost_while_open:
+            blockers.append(f"{hub.kind}-worker-lost")
+        replies = await hub.broadcast("readiness", {}, CALL_TIMEOUT_S)
+        counts: dict[str, int] = {}
+        restarts: list[str] = []
+        for reply in replies:
+            blockers.extend(reply["blockers"])
+            restarts.extend(reply["restarts"])
+            for key, value in reply["counts"].items():
+                counts[key] = counts.get(key, 0) + value
+        return Readiness(blockers=blockers, counts=counts, restarts=restarts)
+
+    async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
+        seen: set[bytes] = set()  # a restored record every worker still holds, untouched, comes once
+        for worker in list(self.hub.workers.values()):
+            page = await worker.channel.call("export", {"scope": scope_to_wire(scope), "first": True},
+                                             CALL_TIMEOUT_S)
+            while True:
+                for value in page["items"]:
+                    item = item_from_wire(value)
+                    if isinstance(item, Record):
+                        if item.raw in seen:
+                            continue
+                        seen.add(item.raw)
+                    yield item
+                if page["done"]:
+                    break
+                page = await worker.channel.call("export", {"first": False}, CALL_TIMEOUT_S)
+
+    async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
+        replies = await self.hub.broadcast("committed", {"scope": scope_to_wire(scope)}, CALL_TIMEOUT_S)
+        if scope is not None:
+            self.hub.claims.keep({episode.rollout_id for episode in scope})
+        merged: dict[str, Any] = {}
+        for reply in replies:
+            merged.update(reply)
+        return merged
+
+    async def stop_committed(self, scope: Scope | None) -> None:
+        await self.hub.broadcast("stop_committed", {"scope": scope_to_wire(scope)}, CALL_TIMEOUT_S)
+
+    async def install(self, records: Sequence[Record], scope: Scope) -> None:
+        hub = self.hub
+        if len(hub.workers) < hub.expected_workers:
+            raise InvalidCheckpointState(f"restore needs all {hub.expected_workers} workers registered, "
+                                         f"got {len(hub.workers)}")
+        body = {"records": [record.raw.decode() for record in records], "scope": scope_to_wire(scope)}
+        await hub.broadcast("install", body, CALL_TIMEOUT_S + len(records) / 1000)
+        hub.claims.owners = {record.episode.next_attempt(): None for record in records}
+
+    async def retire(self, episodes: Sequence[RolloutIdentity]) -> None:
+        self.hub.claims.drop({episode.rollout_id for episode in episodes})
+        await self.hub.broadcast("retire", {"episodes": episodes_to_wire(episodes)}, CALL_TIMEOUT_S)
+
+    async def forget(self, rollout_ids: Sequence[str]) -> None:
+        self.hub.claims.drop(set(rollout_ids))
+        await self.hub.broadcast("forget", {"rollout_ids": list(rollout_ids)}, CALL_TIMEOUT_S)
+
+    def status_extras(self) -> Mapping[str, Any]:
+        return {"workers": len(self.hub.workers), "expected_workers": self.hub.expected_workers}
+
+
+async def start_coordinator(
+    *, kind: str, instance: str, config: CheckpointConfig, path: Path, expected_workers: int
+) -> WorkerHub:
+    """The hub of a multi-worker server, its participant built from the mesh's ``checkpoint`` block
+    (a ``CheckpointConfig``), listening on ``path``."""
+    hub = WorkerHub(kind, expected_workers)
+    participant = Participant(
+        kind=kind,
+        instance=instance,
+        adapter=WorkerFanout(hub, SYSTEM_CLOCK.now),
+        store=CheckpointStore(config.root, None, max_record_bytes=config.max_record_bytes),
+        lease_grace_s=config.lease_grace_seconds,
+        clock=SYSTEM_CLOCK,
+        max_deadline_s=config.max_deadline_seconds,
+    )
+    hub.attach(participant)
+    await hub.start(path)
+    return hub

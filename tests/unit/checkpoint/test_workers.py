@@ -1,0 +1,459 @@
+"""A multi-worker server's checkpoint machinery in one process: frames, the channel, the hub.
+
+The coordinator (``WorkerHub`` over its one ``Participant``) and two workers
+(``FollowerParticipant`` + ``WorkerLink``, each over the test kit's ``SessionsAdapter``) talk over a
+real Unix socket in a temporary directory, exactly as the processes of a ``num_workers: 2`` server
+do; only the processes are one. Checked: the frame codec's bounds and refusals, calls and errors
+over the channel, the gate (admission closes on every worker), readiness merged across workers and
+the blockers of missing or lost workers, one manifest holding every worker's records, restored
+records claimed by the first worker that needs them, retire and forget on every worker, and the
+503 ``checkpoint_coordinator_unavailable`` and the worker's exit when the coordinator is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import struct
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from fastapi import FastAPI
+
+from nemo_gym_ckpt.checkpoint import follower as follower_module
+from nemo_gym_ckpt.checkpoint import participant as participant_module
+from nemo_gym_ckpt.checkpoint.channel import Channel
+from nemo_gym_ckpt.checkpoint.follower import FollowerParticipant, WorkerLink
+from nemo_gym_ckpt.checkpoint.frames import encode_frame, read_frame
+from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest, ForgetRequest, RestoreRequest, RetireRequest
+from nemo_gym_ckpt.checkpoint.participant import Participant
+from nemo_gym_ckpt.checkpoint.router import make_router
+from nemo_gym_ckpt.checkpoint.store import CheckpointStore
+from nemo_gym_ckpt.checkpoint.worker_hub import WorkerHub, start_coordinator
+from nemo_gym_ckpt.config import CheckpointConfig
+from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.errors import (
+    ConfigError,
+    CoordinatorUnavailable,
+    InvalidCheckpointState,
+    StaleAttempt,
+    StaleCheckpoint,
+)
+from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.launch.workers import RUNTIME_PREFIX, runtime_dir
+from nemo_gym_ckpt.server import create_app
+from nemo_gym_ckpt.testing.minimal import SessionsAdapter
+from nemo_gym_ckpt.testing.resources import mesh_with
+from tests.support.resources_participants import SERVERS
+
+pytestmark = pytest.mark.unit
+
+TOKEN = "workers-unit-token"
+KIND, NAME = "resources", "res"
+A, B = RolloutIdentity("a"), RolloutIdentity("b")
+
+
+# ---- frames --------------------------------------------------------------------------------------
+
+
+def reader_of(data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return reader
+
+
+async def test_a_frame_round_trips_and_a_stream_ending_between_frames_is_a_clean_end() -> None:
+    message = {"id": 1, "kind": "readiness", "body": {"text": "é", "n": 2**63 - 1}}
+    reader = reader_of(encode_frame(message) + encode_frame({"kind": "gate", "body": {}}))
+    assert await read_frame(reader) == message
+    assert await read_frame(reader) == {"kind": "gate", "body": {}}
+    assert await read_frame(reader) is None
+
+
+async def test_frames_over_the_bound_are_refused_before_their_body_is_read() -> None:
+    with pytest.raises(InvalidCheckpointState, match="over the 64-byte bound"):
+        encode_frame({"body": "x" * 100}, max_bytes=64)
+    reader = asyncio.StreamReader()  # a header announcing 1 GiB, and no body: refused without waiting
+    reader.feed_data(struct.pack(">I", 1 << 30))
+    with pytest.raises(InvalidCheckpointState, match="over the 1024-byte bound"):
+        await asyncio.wait_for(read_frame(reader, max_bytes=1024), 1.0)
+
+
+@pytest.mark.parametrize(("data", "problem"), [
+    (struct.pack(">I", 3) + b"{]}", "not JSON"),
+    (struct.pack(">I", 2) + b"[]", "not an object"),
+    (b"\x00\x00", "inside a frame header"),
+    (struct.pack(">I", 10) + b"{}", "inside a frame of 10 bytes"),
+])
+async def test_a_bad_frame_is_a_structured_refusal(data: bytes, problem: str) -> None:
+    with pytest.raises(InvalidCheckpointState, match=problem) as caught:
+        await read_frame(reader_of(data))
+    assert caught.value.to_body()["error"]["code"] == "invalid_checkpoint_state"
+
+
+# ---- the channel ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Pair:
+    left: Channel
+    right: Channel
+    closed: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path (a Unix socket's path is at most 107 bytes), removed afterwards."""
+    directory = Path(tempfile.mkdtemp(prefix="ngc-test-", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+async def pair(short_dir: Path) -> AsyncIterator[Pair]:
+    """Two channel ends over a real Unix socket; the right end answers ``echo`` and fails ``stale``."""
+    path = short_dir / "s.sock"
+    ends: asyncio.Queue[Channel] = asyncio.Queue()
+    closed: list[str] = []
+
+    async def on_call(kind: str, body: dict[str, object]) -> dict[str, object]:
+        if kind == "stale":
+            raise StaleCheckpoint("c1 was resumed")
+        if kind == "slow":
+            await asyncio.sleep(10)
+        return {"echo": body}
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        channel = Channel(reader, writer, on_call=on_call, on_note=lambda kind, body: None, name="right",
+                          on_closed=lambda: closed.append("right"))
+        await ends.put(channel)
+        await channel.serve()
+
+    server = await asyncio.start_unix_server(accept, path=str(path))
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    left = Channel(reader, writer, on_call=on_call, on_note=lambda kind, body: None, name="left",
+                   on_closed=lambda: closed.append("left"))
+    serving = asyncio.create_task(left.serve())
+    right = await ends.get()
+    yield Pair(left, right, closed)
+    left.close()
+    right.close()
+    server.close()
+    await asyncio.gather(serving, return_exceptions=True)
+
+
+async def test_a_call_gets_its_reply_and_a_remote_error_comes_back_as_its_class(pair: Pair) -> None:
+    assert await pair.left.call("echo", {"x": 1}, 5) == {"echo": {"x": 1}}
+    with pytest.raises(StaleCheckpoint, match="c1 was resumed"):
+        await pair.left.call("stale", {}, 5)
+
+
+async def test_a_call_past_its_deadline_or_on_a_closed_channel_is_coordinator_unavailable(pair: Pair) -> None:
+    started = time.monotonic()
+    with pytest.raises(CoordinatorUnavailable, match=r"no reply within 0\.2 s"):
+        await pair.left.call("slow", {}, 0.2)
+    assert time.monotonic() - started < 2
+    pending = asyncio.create_task(pair.left.call("slow", {}, 30))
+    await asyncio.sleep(0.05)
+    pair.right.close()  # the peer goes away with a call pending
+    with pytest.raises(CoordinatorUnavailable, match="closed"):
+        await asyncio.wait_for(pending, 5)
+    with pytest.raises(CoordinatorUnavailable, match="closed"):
+        await pair.left.call("echo", {}, 5)
+    assert sorted(pair.closed) == ["left", "right"]
+
+
+async def test_a_frame_breaking_the_rules_closes_the_channel(pair: Pair) -> None:
+    pending = asyncio.create_task(pair.left.call("slow", {}, 30))
+    await asyncio.sleep(0.05)
+    pair.right.writer.write(struct.pack(">I", 2) + b"[]")  # no object: the left end closes
+    with pytest.raises(CoordinatorUnavailable):
+        await asyncio.wait_for(pending, 5)
+    assert "left" in pair.closed
+
+
+# ---- a coordinator and two workers ---------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    participant: FollowerParticipant
+    adapter: SessionsAdapter
+    link: WorkerLink
+    lost: list[int]
+
+
+@dataclass
+class Server:
+    hub: WorkerHub
+    workers: list[Worker]
+    root: Path
+    path: Path
+
+    def deadline(self, seconds: float = 10.0) -> float:
+        return time.time() + seconds
+
+    def control(self, seconds: float = 10.0, **fields: object) -> ControlRequest:
+        return ControlRequest(checkpoint_id=str(fields.pop("checkpoint_id", "c1")), deadline_ts=self.deadline(seconds))
+
+
+def config(root: Path) -> CheckpointConfig:
+    return CheckpointConfig(enabled=True, control_auth_token=TOKEN, root=root)
+
+
+async def worker(path: Path, root: Path, pid: int) -> Worker:
+    adapter = SessionsAdapter()
+    participant = FollowerParticipant(kind=KIND, instance=NAME, adapter=adapter, store=CheckpointStore(root),
+                                      lease_grace_s=600)
+    adapter.participant = participant
+    lost: list[int] = []
+    link = WorkerLink(participant, adapter, path, lambda: lost.append(pid), pid=pid)
+    link.start()
+    await link.registered()
+    return Worker(participant, adapter, link, lost)
+
+
+async def start_server(root: Path, sockets: Path, workers: int = 2) -> Server:
+    path = sockets / f"{time.monotonic_ns()}.sock"
+    hub = await start_coordinator(kind=KIND, instance=NAME, config=config(root), path=path, expected_workers=2)
+    started = [await worker(path, root, 1000 + i) for i in range(workers)]
+    return Server(hub, started, root, path)
+
+
+@pytest.fixture
+async def server(tmp_path: Path, short_dir: Path) -> AsyncIterator[Server]:
+    started = await start_server(tmp_path, short_dir)
+    yield started
+    for each in started.workers:
+        await each.link.aclose()
+    await started.hub.aclose()
+
+
+def participant(server: Server) -> Participant:
+    assert server.hub.participant is not None
+    return server.hub.participant
+
+
+async def test_prepare_closes_every_worker_and_merges_their_readiness(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(participant_module, "READINESS_POLL_S", 60.0)  # only the workers' notes wake it
+    first, second = server.workers
+    first.adapter.set_busy(A, True)
+    second.adapter.set_busy(B, True)
+    reply = await participant(server).prepare(server.control(0.3))
+    assert reply["phase"] == "preparing"
+    assert sorted(reply["report"]["blockers"]) == ["a", "b"] and reply["report"]["counts"] == {"sessions": 2}
+    assert [w.participant.checkpoint_id for w in server.workers] == ["c1", "c1"]  # the gate reached both
+    waiting = asyncio.create_task(second.participant.admit(RolloutIdentity("c")))
+    await asyncio.sleep(0.1)
+    assert not waiting.done(), "a worker admitted a request while the checkpoint was open"
+    pending = asyncio.create_task(participant(server).prepare(server.control(60)))
+    await asyncio.sleep(0.1)  # the prepare looked: both still busy
+    first.adapter.set_busy(A, False)
+    second.adapter.set_busy(B, False)  # each worker tells the coordinator, which looks again
+    reply = await asyncio.wait_for(pending, 10)
+    assert reply["phase"] == "prepared" and reply["report"]["ready"] is True
+    await participant(server).resume(server.control())
+    await asyncio.wait_for(waiting, 5)
+    assert [w.participant.checkpoint_id for w in server.workers] == [None, None]
+
+
+async def test_a_missing_or_lost_worker_blocks_the_prepare(tmp_path: Path, short_dir: Path) -> None:
+    server = await start_server(tmp_path, short_dir, workers=1)
+    try:
+        reply = await participant(server).prepare(server.control(0.2))
+        assert reply["report"]["blockers"] == ["resources-workers-unregistered:1"]
+        server.workers.append(await worker(server.path, tmp_path, 2000))
+        reply = await participant(server).prepare(server.control())
+        assert reply["phase"] == "prepared"
+        await participant(server).resume(server.control())
+        await participant(server).prepare(server.control(checkpoint_id="c2"))
+        await server.workers[1].link.aclose()  # gone while c2 is open
+        await asyncio.sleep(0.1)
+        reply = await participant(server).prepare(server.control(0.2, checkpoint_id="c2"))
+        assert reply["phase"] == "prepared"  # a prepare that succeeded is stored: the same reply
+        await participant(server).resume(server.control(checkpoint_id="c2"))
+        reply = await participant(server).prepare(server.control(0.2, checkpoint_id="c3"))
+        assert reply["report"]["blockers"] == ["resources-workers-unregistered:1"]
+    finally:
+        for each in server.workers:
+            await each.link.aclose()
+        await server.hub.aclose()
+
+
+async def test_a_worker_lost_while_open_blocks_until_the_checkpoint_closes(server: Server) -> None:
+    pending = asyncio.create_task(participant(server).prepare(server.control(0.5)))
+    server.workers[0].adapter.set_busy(A, True)
+    await asyncio.sleep(0.1)
+    await server.workers[1].link.aclose()
+    reply = await pending
+    assert "resources-worker-lost" in reply["report"]["blockers"], reply
+
+
+async def commit(server: Server, checkpoint_id: str, directory: Path) -> dict[str, object]:
+    control = participant(server)
+    await control.prepare(server.control(checkpoint_id=checkpoint_id))
+    reply = await control.commit(CommitRequest(checkpoint_id=checkpoint_id, deadline_ts=server.deadline(),
+                                               checkpoint_dir=str(directory)))
+    await control.resume(server.control(checkpoint_id=checkpoint_id))
+    return reply
+
+
+def records_in(directory: Path) -> list[dict[str, object]]:
+    instance = directory / "gym" / KIND / NAME
+    manifest = orjson.loads((instance / "manifest.json").read_bytes())
+    lines = (instance / str(manifest["records_file"])).read_bytes().splitlines()
+    assert manifest["record_count"] == len(lines)
+    return [orjson.loads(line) for line in lines]
+
+
+async def test_one_manifest_holds_every_workers_records_and_a_restore_is_claimed_once(
+    tmp_path: Path, short_dir: Path
+) -> None:
+    server = await start_server(tmp_path, short_dir)
+    try:
+        server.workers[0].adapter.put(A, {"on": "first"})
+        server.workers[1].adapter.put(B, {"on": "second"})
+        directory = tmp_path / "ck1"
+        reply = await commit(server, "c1", directory)
+        assert sorted(reply["episode_ids"]) == ["a", "b"]  # type: ignore[arg-type]
+        assert sorted(str(r["state"]) for r in records_in(directory)) == ["{'on': 'first'}", "{'on': 'second'}"]
+        assert sorted(p.name for p in (directory / "gym" / KIND).iterdir()) == [NAME]
+    finally:
+        for each in server.workers:
+            await each.link.aclose()
+        await server.hub.aclose()
+
+    fresh = await start_server(tmp_path, short_dir)
+    try:
+        control = participant(fresh)
+        restored = await control.restore(RestoreRequest(checkpoint_id="r1", deadline_ts=fresh.deadline(),
+                                                        checkpoint_dir=str(directory), episode_ids=[
+                                                            {"rollout_id": "a"}, {"rollout_id": "b"}]))
+        assert restored["restored"] == ["a-a1", "b-a1"]
+        assert [sorted(w.adapter.sessions) for w in fresh.workers] == [["a-a1", "b-a1"]] * 2  # both hold both
+        await control.resume(fresh.control(checkpoint_id="r1"))
+        again = await commit(fresh, "c2", tmp_path / "ck2")  # restored, untouched: exported once each
+        assert sorted(again["episode_ids"]) == ["a", "b"]  # type: ignore[arg-type]
+        assert len(records_in(tmp_path / "ck2")) == 2
+        await fresh.workers[1].participant.admit(A.next_attempt())  # the N+1 request lands on the second
+        assert sorted(fresh.workers[0].adapter.sessions) == ["b-a1"]  # the first dropped its copy of a
+        assert sorted(fresh.workers[1].adapter.sessions) == ["a-a1", "b-a1"]
+        await fresh.workers[0].participant.admit(A.next_attempt())  # claimed already: nothing more moves
+        assert sorted(fresh.workers[1].adapter.sessions) == ["a-a1", "b-a1"]
+        status = await fresh.hub._status(control)
+        assert status["extras"]["restored_unclaimed"] == 1 and status["extras"]["sessions"] == 3
+    finally:
+        for each in fresh.workers:
+            await each.link.aclose()
+        await fresh.hub.aclose()
+
+
+async def test_retire_and_forget_reach_every_worker(server: Server) -> None:
+    for each in server.workers:
+        each.adapter.put(A, {})
+    control = participant(server)
+    await control.retire(RetireRequest(checkpoint_id="x1", deadline_ts=server.deadline(),
+                                       episode_ids=[{"rollout_id": "a"}]))
+    assert [each.adapter.sessions for each in server.workers] == [{}, {}]
+    for each in server.workers:
+        with pytest.raises(StaleAttempt):
+            await each.participant.admit(A)
+    await control.forget(ForgetRequest(checkpoint_id="x2", deadline_ts=server.deadline(), rollout_ids=["a"]))
+    for each in server.workers:
+        await asyncio.wait_for(each.participant.admit(A), 5)
+
+
+async def test_a_close_that_finds_nothing_has_the_other_workers_drop_the_rollout(server: Server) -> None:
+    first, second = server.workers
+    first.adapter.put(A, {"seeded": "here"})
+    second.adapter.put(B, {})
+    await second.participant.close_elsewhere(A)  # the close of a landed on the second worker
+    assert (first.adapter.sessions, sorted(second.adapter.sessions)) == ({}, ["b"])
+    await server.hub.aclose()
+    await asyncio.sleep(0.05)
+    with pytest.raises(CoordinatorUnavailable):
+        await second.participant.close_elsewhere(B)  # no coordinator: 503, never a silent leak
+
+
+async def test_control_calls_on_a_worker_run_on_the_coordinator(server: Server) -> None:
+    reply = await server.workers[0].link.forward("prepare", {"checkpoint_id": "c1", "deadline_ts": server.deadline()})
+    assert reply["phase"] == "prepared"
+    status = await server.workers[1].link.forward("status", None)
+    assert (status["phase"], status["checkpoint_id"], status["extras"]["workers"]) == ("prepared", "c1", 2)
+
+
+def test_a_resources_server_that_keeps_sessions_refuses_several_workers(tmp_path: Path) -> None:
+    block = {"enabled": True, "control_auth_token": TOKEN, "root": str(tmp_path)}
+    for implementation, workers in (("kv_store", 2), ("kv_store", 1), ("calculator_tools", 2)):
+        mesh = mesh_with(implementation, NAME, block, {"num_workers": workers})
+        server = SERVERS[implementation](ServerContext(NAME, mesh.instance(NAME).settings, mesh))
+        if implementation == "kv_store" and workers > 1:
+            with pytest.raises(ConfigError, match="needs a stateless resources server; KvStore is exported"):
+                server.build_app()
+        else:
+            assert server.build_app() is not None
+
+
+# ---- no coordinator ------------------------------------------------------------------------------
+
+
+def worker_app(link: WorkerLink, participant: FollowerParticipant) -> FastAPI:
+    app = create_app("res")
+    app.include_router(make_router(participant, TOKEN, link.forward))
+    return app
+
+
+async def test_a_worker_without_its_coordinator_answers_503_and_shuts_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(follower_module, "CONNECT_S", 0.3)
+    adapter = SessionsAdapter()
+    alone = FollowerParticipant(kind=KIND, instance=NAME, adapter=adapter, store=CheckpointStore(tmp_path),
+                                lease_grace_s=600)
+    lost: list[str] = []
+    link = WorkerLink(alone, adapter, tmp_path / "nobody.sock", lambda: lost.append("lost"), pid=7)
+    link.start()
+    transport = httpx.ASGITransport(app=worker_app(link, alone))
+    async with httpx.AsyncClient(transport=transport, base_url="http://w") as client:
+        reply = await client.post("/ng-control/v1/checkpoint/prepare", headers={"authorization": f"Bearer {TOKEN}"},
+                                  json={"checkpoint_id": "c1", "deadline_ts": time.time() + 10})
+    assert reply.status_code == 503
+    assert reply.json()["error"]["code"] == "checkpoint_coordinator_unavailable"
+    with pytest.raises(CoordinatorUnavailable):
+        await alone.admit(A)
+    assert lost == ["lost"]
+    await link.aclose()
+
+
+async def test_a_worker_exits_when_its_coordinator_is_gone(server: Server) -> None:
+    await server.hub.aclose()
+    await asyncio.sleep(0.1)
+    assert [each.lost for each in server.workers] == [[1000], [1001]]
+    with pytest.raises(CoordinatorUnavailable, match="lost its coordinator"):
+        await server.workers[0].link.forward("status", None)
+
+
+def test_a_runtime_dir_is_private_and_the_dirs_of_dead_owners_are_swept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    stale, live = tmp_path / f"{RUNTIME_PREFIX}stale", tmp_path / f"{RUNTIME_PREFIX}live"
+    for directory, pid in ((stale, dead_pid.pid), (live, os.getpid())):
+        directory.mkdir()
+        (directory / "owner.pid").write_text(str(pid))
+    made = runtime_dir()
+    assert (made.stat().st_mode & 0o777) == 0o700 and (made / "owner.pid").read_text() == str(os.getpid())
+    assert not stale.exists() and live.exists()
