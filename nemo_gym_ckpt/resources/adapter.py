@@ -118,6 +118,7 @@ class ResourcesAdapter:
         self.participant: Participant | None = None
         self._in_flight: Counter[RolloutIdentity] = Counter()
         self._blocking: Counter[RolloutIdentity] = Counter()
+        self._verifying = 0
         self._parked: set[str] = set()
         self._parked_for: str | None = None
         self._served = False
@@ -139,12 +140,16 @@ class ResourcesAdapter:
         self._in_flight[identity] += 1
         if blocking:
             self._blocking[identity] += 1
+        if route == "verify":
+            self._verifying += 1
         return identity, blocking
 
-    def _exit(self, identity: RolloutIdentity, blocking: bool) -> None:
+    def _exit(self, route: Route, identity: RolloutIdentity, blocking: bool) -> None:
         _release(self._in_flight, identity)
         if blocking:
             _release(self._blocking, identity)
+        if route == "verify":
+            self._verifying -= 1
         self._participant().notify_changed()
 
     async def _admit(self, route: Route, identity: RolloutIdentity | None) -> RolloutIdentity:
@@ -336,6 +341,7 @@ class ResourcesAdapter:
             "restored_sessions": sum(1 for session in sessions if session.restored is not None),
             "in_flight_requests": sum(self._in_flight.values()),
             "blocking_requests": sum(self._blocking.values()),
+            "verifying_requests": self._verifying,
             "retiring_sessions": len(self._retiring),
         }
 
@@ -356,7 +362,7 @@ class _Admitted:
 
     async def __aexit__(self, *exc: object) -> None:
         assert self._entered is not None, "exited without entering"
-        self._adapter._exit(*self._entered)
+        self._adapter._exit(self._route, *self._entered)
 
 
 def _release(counter: Counter[RolloutIdentity], identity: RolloutIdentity) -> None:

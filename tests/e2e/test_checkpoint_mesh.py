@@ -137,21 +137,35 @@ def dispatch(client: MeshClient, mesh: Mesh, prefix: str) -> dict[str, asyncio.T
         timeout_s=RUN_TIMEOUT_S)) for i, row in enumerate(mesh.rows)}
 
 
-async def until_mid_episode(
-    client: MeshClient, mesh: Mesh, tasks: dict[str, asyncio.Task[Any]]
-) -> None:
-    """Every rollout admitted and the first model call delivered: a quick wave of first calls is
-    being delivered, none of the rollouts can have finished (each needs a second call)."""
-    base = (await extras(client, mesh.launcher, MODEL))["rows"]
+async def dispatch_mid_episode(client: MeshClient, mesh: Mesh, prefix: str) -> dict[str, asyncio.Task[Any]]:
+    """Dispatch every row and return once each rollout is mid-episode: the worker is paused (SIGSTOP)
+    until every episode is live and its first model call admitted, so no rollout can run ahead of
+    the last one admitted on a slow machine; then it goes on until a first call is delivered. None
+    can have finished by then: each needs a tool call and a second model call after its first."""
+    base = await extras(client, mesh.launcher, MODEL)
+    assert mesh.launcher.kill(WORKER, signal.SIGSTOP)
+    try:
+        tasks = dispatch(client, mesh, prefix)
+        await until_seen(client, mesh, tasks, lambda env, model: (env["episodes"], model["active_calls"])
+                         == (len(tasks), base["active_calls"] + len(tasks)), "every first model call admitted")
+    finally:
+        mesh.launcher.kill(WORKER, signal.SIGCONT)
+    await until_seen(client, mesh, tasks, lambda env, model: model["rows"] > base["rows"],
+                     "a first model call delivered")
+    return tasks
+
+
+async def until_seen(client: MeshClient, mesh: Mesh, tasks: dict[str, asyncio.Task[Any]],
+                     ok: Any, what: str) -> None:
+    """Poll the environment's and the model's status extras until ``ok(env, model)``, no rollout ended."""
     deadline = time.monotonic() + WAIT_S
     while True:
         env, model = await asyncio.gather(
             extras(client, mesh.launcher, ENV), extras(client, mesh.launcher, MODEL))
-        live, delivered = env["episodes"], model["rows"] - base
-        if live == len(tasks) and delivered > 0:
+        if ok(env, model):
             return
         assert not any(task.done() for task in tasks.values()), "a rollout ended before the checkpoint"
-        assert time.monotonic() < deadline, f"never mid-episode: {live} live, {delivered} calls delivered"
+        assert time.monotonic() < deadline, f"never {what}: environment {env}, model {model}"
         await asyncio.sleep(0.002)
 
 
@@ -159,7 +173,6 @@ async def checkpoint_mid_episode(
     client: MeshClient, coordinator: Coordinator, mesh: Mesh, tasks: dict[str, asyncio.Task[Any]],
     cid: str,
 ) -> tuple[PrepareResult, list[RolloutIdentity]]:
-    await until_mid_episode(client, mesh, tasks)
     deadline = time.time() + 120
     prepared = await coordinator.prepare(cid, deadline_ts=deadline)
     assert prepared.prepared, prepared.to_json()
@@ -228,7 +241,7 @@ def tool_calls(row: dict[str, Any]) -> int:
 async def test_a_checkpoint_mid_episode_without_a_crash_changes_no_row(mesh: Mesh) -> None:
     async with MeshClient() as client, Coordinator(mesh.launcher.head_url, TOKEN) as coordinator:
         await coordinator.discover()
-        tasks = dispatch(client, mesh, "nc")
+        tasks = await dispatch_mid_episode(client, mesh, "nc")
         try:
             await checkpoint_mid_episode(client, coordinator, mesh, tasks, "no-crash")
         finally:
@@ -246,7 +259,7 @@ async def test_a_crash_after_the_commit_continues_every_rollout_exactly_once(mes
             await coordinator.discover()
             rows_before = (await extras(client, launcher, MODEL))["rows"]
             tools_before = (await extras(client, launcher, AGENT))["tool_calls"]
-            tasks = dispatch(client, mesh, "ck")
+            tasks = await dispatch_mid_episode(client, mesh, "ck")
             prepared, scope = await checkpoint_mid_episode(client, coordinator, mesh, tasks, "crash")
             delivered = (await extras(client, launcher, MODEL))["rows"] - rows_before
             tools_made = (await extras(client, launcher, AGENT))["tool_calls"] - tools_before
@@ -282,8 +295,7 @@ async def test_retire_during_a_run_then_forget_leaves_nothing(mesh: Mesh) -> Non
     async with MeshClient() as client, Coordinator(launcher.head_url, TOKEN) as coordinator:
         finished = [f"{prefix}{i}" for prefix in ("ref", "nc", "ck") for i in range(ROLLOUTS)]
         await coordinator.forget(finished, deadline_ts=time.time() + 60)  # collected: nothing to keep
-        tasks = dispatch(client, mesh, "rt")
-        await until_mid_episode(client, mesh, tasks)
+        tasks = await dispatch_mid_episode(client, mesh, "rt")
         episodes = [RolloutIdentity(key) for key in tasks]
         await coordinator.retire(episodes, deadline_ts=time.time() + 60)
         replies = await asyncio.gather(*tasks.values())

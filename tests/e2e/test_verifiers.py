@@ -129,7 +129,7 @@ class Scenario:
         slow = [name for name in self.instances if name in SLOW]
         wanted = {name: 1 for name in slow} | ({GENRM: 2} if GENRM in self.instances else {})
         await until(lambda: self.mesh.counts(list(wanted)),
-                    lambda now: all(now[name]["in_flight_requests"] >= n for name, n in wanted.items()),
+                    lambda now: all(now[name]["verifying_requests"] >= n for name, n in wanted.items()),
                     f"verifications in flight at {sorted(wanted)}", timeout_s=RUN_S)
 
     async def run(self) -> None:

@@ -272,6 +272,7 @@ async def test_status_declares_and_counts(start: Callable[..., Any]) -> None:
             "restored_sessions": 0,
             "in_flight_requests": 1,
             "blocking_requests": 1,
+            "verifying_requests": 0,
             "retiring_sessions": 0,
         }
         await on.client.post("/_test/release/r1")
@@ -322,6 +323,8 @@ async def test_a_replay_verify_in_flight_never_blocks_prepare(start: Callable[..
         row = {"expected_answer": 5, "response": answer("The answer is 5.")}
         verify = asyncio.create_task(on.call("r1", "verify", **row))
         await asyncio.wait_for(on.server.entered.wait(), WAIT_S)
+        extras = await on.extras()
+        assert (extras["in_flight_requests"], extras["verifying_requests"]) == (1, 1)
         prepared = await asyncio.wait_for(on.control.ok("prepare", checkpoint_id="c1"), WAIT_S)
         assert prepared["report"]["ready"] is True and prepared["report"]["counts"]["in_flight"] == 1
         committed = await on.control.ok("commit", checkpoint_id="c1", checkpoint_dir=str(root / "ck"))
@@ -607,6 +610,7 @@ async def test_retire_then_forget_leaves_nothing(start: Callable[..., Any], cloc
             "restored_sessions": 0,
             "in_flight_requests": 0,
             "blocking_requests": 0,
+            "verifying_requests": 0,
             "retiring_sessions": 0,
         }
 
