@@ -628,7 +628,8 @@ async def lease_expiry_resumes_by_itself(make: MakeParticipant) -> None:
     ck = unique("ck")
     async with make() as pt:
         control = Control(pt)
-        await control.ok("prepare", checkpoint_id="c1", deadline_ts=control.deadline(0.3))
+        # a short lease, but long enough for the prepare to arrive in time on a loaded machine
+        await control.ok("prepare", checkpoint_id="c1", deadline_ts=control.deadline(1.0))
         expires = (await control.status())["lease_expires_at"]
         await _pass_time_until(pt, expires, control)
         assert (await control.status())["phase"] == "idle"
