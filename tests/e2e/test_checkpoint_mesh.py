@@ -137,11 +137,15 @@ def dispatch(client: MeshClient, mesh: Mesh, prefix: str) -> dict[str, asyncio.T
         timeout_s=RUN_TIMEOUT_S)) for i, row in enumerate(mesh.rows)}
 
 
-async def dispatch_mid_episode(client: MeshClient, mesh: Mesh, prefix: str) -> dict[str, asyncio.Task[Any]]:
+async def dispatch_mid_episode(
+    client: MeshClient, mesh: Mesh, prefix: str, *, hold: bool = True
+) -> dict[str, asyncio.Task[Any]]:
     """Dispatch every row and return once each rollout is mid-episode: the worker is paused (SIGSTOP)
     until every episode is live and its first model call admitted, so no rollout can run ahead of
-    the last one admitted on a slow machine; then it goes on until a first call is delivered. None
-    can have finished by then: each needs a tool call and a second model call after its first."""
+    the last one admitted on a slow machine; then it goes on until a first call is delivered, and
+    (``hold``) is paused again, so that no rollout gets its second model call before the caller's
+    checkpoint: each needs one after its tool call, and its agent session stays open until then.
+    The caller lets the worker go on (``go_on``)."""
     base = await extras(client, mesh.launcher, MODEL)
     assert mesh.launcher.kill(WORKER, signal.SIGSTOP)
     try:
@@ -152,7 +156,13 @@ async def dispatch_mid_episode(client: MeshClient, mesh: Mesh, prefix: str) -> d
         mesh.launcher.kill(WORKER, signal.SIGCONT)
     await until_seen(client, mesh, tasks, lambda env, model: model["rows"] > base["rows"],
                      "a first model call delivered")
+    if hold:
+        assert mesh.launcher.kill(WORKER, signal.SIGSTOP)
     return tasks
+
+
+def go_on(mesh: Mesh) -> None:
+    mesh.launcher.kill(WORKER, signal.SIGCONT)
 
 
 async def until_seen(client: MeshClient, mesh: Mesh, tasks: dict[str, asyncio.Task[Any]],
@@ -245,6 +255,7 @@ async def test_a_checkpoint_mid_episode_without_a_crash_changes_no_row(mesh: Mes
         try:
             await checkpoint_mid_episode(client, coordinator, mesh, tasks, "no-crash")
         finally:
+            go_on(mesh)
             await coordinator.resume("no-crash", deadline_ts=time.time() + 60)
         replies = [await asyncio.wait_for(task, RUN_TIMEOUT_S) for task in tasks.values()]
     assert [reply.status_code for reply in replies] == [200] * ROLLOUTS
@@ -260,9 +271,12 @@ async def test_a_crash_after_the_commit_continues_every_rollout_exactly_once(mes
             rows_before = (await extras(client, launcher, MODEL))["rows"]
             tools_before = (await extras(client, launcher, AGENT))["tool_calls"]
             tasks = await dispatch_mid_episode(client, mesh, "ck")
-            prepared, scope = await checkpoint_mid_episode(client, coordinator, mesh, tasks, "crash")
-            delivered = (await extras(client, launcher, MODEL))["rows"] - rows_before
-            tools_made = (await extras(client, launcher, AGENT))["tool_calls"] - tools_before
+            try:
+                prepared, scope = await checkpoint_mid_episode(client, coordinator, mesh, tasks, "crash")
+                delivered = (await extras(client, launcher, MODEL))["rows"] - rows_before
+                tools_made = (await extras(client, launcher, AGENT))["tool_calls"] - tools_before
+            finally:
+                go_on(mesh)
         await asyncio.to_thread(launcher.restart_all, 120)  # SIGKILL every server, fresh processes
         lost = await asyncio.gather(*tasks.values(), return_exceptions=True)
         assert not [r for r in lost if not isinstance(r, GymError) and r.status_code == 200], "one finished"
@@ -295,7 +309,7 @@ async def test_retire_during_a_run_then_forget_leaves_nothing(mesh: Mesh) -> Non
     async with MeshClient() as client, Coordinator(launcher.head_url, TOKEN) as coordinator:
         finished = [f"{prefix}{i}" for prefix in ("ref", "nc", "ck") for i in range(ROLLOUTS)]
         await coordinator.forget(finished, deadline_ts=time.time() + 60)  # collected: nothing to keep
-        tasks = await dispatch_mid_episode(client, mesh, "rt")
+        tasks = await dispatch_mid_episode(client, mesh, "rt", hold=False)
         episodes = [RolloutIdentity(key) for key in tasks]
         await coordinator.retire(episodes, deadline_ts=time.time() + 60)
         replies = await asyncio.gather(*tasks.values())
