@@ -153,7 +153,7 @@ async def dispatch_mid_episode(
         await until_seen(client, mesh, tasks, lambda env, model: (env["episodes"], model["active_calls"])
                          == (len(tasks), base["active_calls"] + len(tasks)), "every first model call admitted")
     finally:
-        mesh.launcher.kill(WORKER, signal.SIGCONT)
+        go_on(mesh)
     await until_seen(client, mesh, tasks, lambda env, model: model["rows"] > base["rows"],
                      "a first model call delivered")
     if hold:
@@ -168,15 +168,14 @@ def go_on(mesh: Mesh) -> None:
 async def until_seen(client: MeshClient, mesh: Mesh, tasks: dict[str, asyncio.Task[Any]],
                      ok: Any, what: str) -> None:
     """Poll the environment's and the model's status extras until ``ok(env, model)``, no rollout ended."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        env, model = await asyncio.gather(
-            extras(client, mesh.launcher, ENV), extras(client, mesh.launcher, MODEL))
-        if ok(env, model):
-            return
+
+    def seen(found: dict[str, dict[str, Any]]) -> bool:
+        if ok(found[ENV]["extras"], found[MODEL]["extras"]):
+            return True
         assert not any(task.done() for task in tasks.values()), "a rollout ended before the checkpoint"
-        assert time.monotonic() < deadline, f"never {what}: environment {env}, model {model}"
-        await asyncio.sleep(0.002)
+        return False
+
+    await until_extras(client, mesh.launcher, (ENV, MODEL), seen, what, interval_s=0.002)
 
 
 async def checkpoint_mid_episode(
@@ -337,7 +336,8 @@ LATE_ROWS = [{"responses_create_params": {"input": [{"role": "user", "content": 
 
 
 async def until_extras(
-    client: MeshClient, launcher: MeshLauncher, names: tuple[str, ...], ok: Any, what: str
+    client: MeshClient, launcher: MeshLauncher, names: tuple[str, ...], ok: Any, what: str,
+    interval_s: float = 0.01,
 ) -> dict[str, dict[str, Any]]:
     """Poll the status of ``names`` until ``ok`` holds (their statuses by name), with a deadline."""
     deadline = time.monotonic() + WAIT_S
@@ -346,7 +346,7 @@ async def until_extras(
         if ok(found):
             return found
         assert time.monotonic() < deadline, f"never: {what}; last seen {found}"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(interval_s)
 
 
 async def admitted_at_the_paused_worker(
