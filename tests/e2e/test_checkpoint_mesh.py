@@ -5,8 +5,9 @@ model, calculator_tools, simple_agent, single_agent_turn; greedy decoding) with 
 each server its own process, launched once for the module. A controller here dispatches rollouts
 (``POST /ng-rollout/<key>/run``) and drives the ``Coordinator`` through the head server:
 
-1. a checkpoint while 32 rollouts are mid-episode, no crash: every row equals the uninterrupted
-   run's;
+1. a checkpoint while 32 rollouts are mid-episode (each agent session past its first model call and
+   in its tool call, held there by SIGSTOP of the resources server until the agent is preparing),
+   no crash: every row equals the uninterrupted run's;
 2. the same, then SIGKILL of every server and fresh processes on the same ports: restore, resume,
    dispatch the continued rollouts as attempt 1 (restarts afresh: there are none here). Every
    rollout finishes exactly once, no completed model call (the policy model's capture ledger) and
@@ -142,40 +143,47 @@ async def dispatch_mid_episode(
 ) -> dict[str, asyncio.Task[Any]]:
     """Dispatch every row and return once each rollout is mid-episode: the worker is paused (SIGSTOP)
     until every episode is live and its first model call admitted, so no rollout can run ahead of
-    the last one admitted on a slow machine; then it goes on until a first call is delivered, and
-    (``hold``) is paused again, so that no rollout gets its second model call before the caller's
-    checkpoint: each needs one after its tool call, and its agent session stays open until then.
-    The caller lets the worker go on (``go_on``)."""
+    the last one admitted on a slow machine. With ``hold``, the resources server is paused before
+    the worker goes on, and this returns once every agent session is in its tool call: none can get
+    a second model call, whatever the machine's speed, until the caller's checkpoint (which lets the
+    resources server go on once the agent is preparing: its sessions then park before their next
+    call). Without it, this returns once a first model call is delivered."""
     base = await extras(client, mesh.launcher, MODEL)
     assert mesh.launcher.kill(WORKER, signal.SIGSTOP)
     try:
         tasks = dispatch(client, mesh, prefix)
-        await until_seen(client, mesh, tasks, lambda env, model: (env["episodes"], model["active_calls"])
+        await until_seen(client, mesh, tasks, lambda env, model, agent: (env["episodes"], model["active_calls"])
                          == (len(tasks), base["active_calls"] + len(tasks)), "every first model call admitted")
+        if hold:
+            assert mesh.launcher.kill(RESOURCES, signal.SIGSTOP)
     finally:
-        go_on(mesh)
-    await until_seen(client, mesh, tasks, lambda env, model: model["rows"] > base["rows"],
-                     "a first model call delivered")
+        mesh.launcher.kill(WORKER, signal.SIGCONT)
     if hold:
-        assert mesh.launcher.kill(WORKER, signal.SIGSTOP)
+        await until_seen(client, mesh, tasks, lambda env, model, agent: agent["in_tool_call"] == len(tasks),
+                         "every agent session in its tool call (the resources server paused)")
+    else:
+        await until_seen(client, mesh, tasks, lambda env, model, agent: model["rows"] > base["rows"],
+                         "a first model call delivered")
     return tasks
 
 
 def go_on(mesh: Mesh) -> None:
-    mesh.launcher.kill(WORKER, signal.SIGCONT)
+    for name in (WORKER, RESOURCES):
+        mesh.launcher.kill(name, signal.SIGCONT)
 
 
 async def until_seen(client: MeshClient, mesh: Mesh, tasks: dict[str, asyncio.Task[Any]],
                      ok: Any, what: str) -> None:
-    """Poll the environment's and the model's status extras until ``ok(env, model)``, no rollout ended."""
+    """Poll the environment's, the model's and the agent's status extras until ``ok(env, model, agent)``,
+    no rollout ended."""
 
     def seen(found: dict[str, dict[str, Any]]) -> bool:
-        if ok(found[ENV]["extras"], found[MODEL]["extras"]):
+        if ok(found[ENV]["extras"], found[MODEL]["extras"], found[AGENT]["extras"]):
             return True
         assert not any(task.done() for task in tasks.values()), "a rollout ended before the checkpoint"
         return False
 
-    await until_extras(client, mesh.launcher, (ENV, MODEL), seen, what, interval_s=0.002)
+    await until_extras(client, mesh.launcher, (ENV, MODEL, AGENT), seen, what, interval_s=0.002)
 
 
 async def checkpoint_mid_episode(
@@ -183,7 +191,11 @@ async def checkpoint_mid_episode(
     cid: str,
 ) -> tuple[PrepareResult, list[RolloutIdentity]]:
     deadline = time.time() + 120
-    prepared = await coordinator.prepare(cid, deadline_ts=deadline)
+    preparing = asyncio.create_task(coordinator.prepare(cid, deadline_ts=deadline))
+    await until_extras(client, mesh.launcher, (AGENT,), lambda s: s[AGENT]["phase"] == "preparing",
+                       "the agent preparing (its tool calls wait at the paused resources server)")
+    mesh.launcher.kill(RESOURCES, signal.SIGCONT)
+    prepared = await asyncio.wait_for(preparing, WAIT_S)
     assert prepared.prepared, prepared.to_json()
     in_flight = [RolloutIdentity(key) for key, task in tasks.items() if not task.done()]
     scope = prepared.continued(in_flight)
