@@ -65,6 +65,7 @@ class FollowerParticipant(Participant):
             self._open.lease.expires_at = float(expires_at)
             self.phase = Phase(gate.get("phase", Phase.PREPARING))
         self.signal.notify()
+        self.gate_signal.notify()
 
     def _expire_if_due(self) -> None:
         """The lease is the coordinator's: past its expiry admission reopens here as it does there."""
@@ -230,6 +231,7 @@ class WorkerLink:
             episodes = episodes_from_wire(body.get("episodes"))
             participant.marks.retire(episodes)
             participant.signal.notify()
+            participant.gate_signal.notify()
             self.restored.difference_update({e for e in self.restored if e.rollout_id in
                                              {episode.rollout_id for episode in episodes}})
             await adapter.retire(episodes)

@@ -126,7 +126,8 @@ class Participant:
         self.telemetry = telemetry or Telemetry(kind, instance)
         self.phase = Phase.IDLE
         self.marks = RetireMarks()
-        self.signal = Signal()
+        self.signal = Signal()  # readiness may have changed: what a prepare waits on
+        self.gate_signal = Signal()  # admission may have changed (open, close, lease, retire): what requests wait on
         self._open: _Open | None = None
         self._fenced: OrderedDict[str, None] = OrderedDict()  # ids opened here, then closed
         self._fenced_unopened: OrderedDict[str, None] = OrderedDict()  # ids only named by a resume
@@ -223,6 +224,7 @@ class Participant:
             self._enter_housekeeping(request, Op.RETIRE)
             self.marks.retire(episodes)
             self.signal.notify()
+            self.gate_signal.notify()
             await self._bounded(self.adapter.retire(episodes), request.deadline_ts, "retire")
             return {"retired": [episode.capture_key for episode in episodes]}
 
@@ -437,7 +439,7 @@ class Participant:
             if self.phase is Phase.IDLE:
                 self._served = True
                 return
-            changed = self.signal.current
+            changed = self.gate_signal.current  # not ``signal``: every park notifies that one
             until = self._open.lease.expires_at if self._open else self.clock.now()
             if deadline_ts is not None:
                 self._check_deadline(deadline_ts)
@@ -486,6 +488,7 @@ class Participant:
         return open_
 
     def _gate_changed(self) -> None:
+        self.gate_signal.notify()
         for watcher in self._gate_watchers:
             watcher()
 

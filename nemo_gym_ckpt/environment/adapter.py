@@ -148,7 +148,7 @@ class CheckpointFreeClock:
         """Note every open and close while someone sleeps (a lease running out included)."""
         participant = self.participant
         while True:
-            changed = participant.signal.current
+            changed = participant.gate_signal.current
             self._observe()
             until = participant.clock.now() + self.RECHECK_S
             if self.paused:  # wake at the lease's end: status() resumes a participant whose lease ran out

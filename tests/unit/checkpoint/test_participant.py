@@ -257,6 +257,34 @@ async def test_data_plane_admission(gated: Participant, clock: FakeClock) -> Non
     await asyncio.wait_for(retired_while_waiting, WAIT_S)
 
 
+async def test_readiness_changes_do_not_wake_the_requests_that_wait_for_resume(
+    gated: Participant, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every episode that parks tells the prepare that readiness changed; the requests already
+    waiting for resume must sleep on through it (woken each time, N parked requests cost O(N^2))."""
+    waits = 0
+    sleep_until = clock.sleep_until
+
+    async def counted(ts: float) -> None:
+        nonlocal waits
+        waits += 1
+        await sleep_until(ts)
+
+    monkeypatch.setattr(clock, "sleep_until", counted)
+    await gated.prepare(control(clock, "c1"))
+    waiting = [asyncio.create_task(gated.admit(RolloutIdentity(f"w{i}"))) for i in range(20)]
+    await until(lambda: gated.status()["waiting_requests"] == 20)
+    for _ in range(5):  # let each one's timer start
+        await asyncio.sleep(0)
+    settled = waits
+    for _ in range(50):
+        gated.notify_changed()
+        await asyncio.sleep(0)
+    assert waits == settled, f"{waits - settled} wake-ups of waiting requests for 50 readiness changes"
+    await gated.resume(control(clock, "c1"))
+    await asyncio.wait_for(asyncio.gather(*waiting), WAIT_S)
+
+
 async def test_a_retired_attempt_waiting_for_resume_is_refused_at_once(
     gated: Participant, clock: FakeClock, root: Path
 ) -> None:
