@@ -29,11 +29,9 @@ from typing import Any, cast
 import orjson
 from fastapi import FastAPI
 
-from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.config import MeshConfig, load_config_dict
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import ConfigError
-from nemo_gym_ckpt.launch.open_files import raise_open_file_limit, server_pool_size
 from nemo_gym_ckpt.server import close_on_shutdown, set_max_body_bytes
 
 __all__ = [
@@ -74,9 +72,7 @@ def build_app(mesh: MeshConfig, name: str) -> FastAPI:
     """The app of instance ``name``, with the context's client closed at shutdown."""
     instance = mesh.instance(name)
     module = importlib.import_module(instance.module)
-    pool = server_pool_size(raise_open_file_limit())
-    ctx: ServerContext[Any] = ServerContext(name=name, settings=instance.settings, mesh=mesh,
-                                            client=MeshClient(max_connections=pool))
+    ctx: ServerContext[Any] = ServerContext(name=name, settings=instance.settings, mesh=mesh)
     app = cast(FastAPI, module.create_app(ctx))
     if hasattr(app.state, "body_limit"):  # an app of nemo_gym_ckpt.server.create_app
         set_max_body_bytes(app, instance.settings.max_body_bytes)
