@@ -120,14 +120,18 @@ class MeshClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    def for_control(self, max_connections: int) -> MeshClient:
-        """A client for control calls, with a pool of its own (``max_connections``) over the same kind
-        of transport, so they never wait behind this client's data calls; the caller closes it. A
-        client built over a transport object (an in-process one: no pool) answers itself."""
+    def with_own_pool(self, max_connections: int) -> MeshClient:
+        """A client like this one with a pool of its own (``max_connections``) over the same kind of
+        transport, so its calls never wait for a connection behind this client's; the caller closes
+        it. A client built over a transport object (an in-process one: no pool) answers itself."""
         if self._transport_name is None:
             return self
         return MeshClient(transport=self._transport_name, max_connections=max_connections,
                           timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s)
+
+    def for_control(self, max_connections: int) -> MeshClient:
+        """A client for control calls: ``with_own_pool``, so they never wait behind data calls."""
+        return self.with_own_pool(max_connections)
 
     async def __aenter__(self) -> MeshClient:
         return self

@@ -17,6 +17,8 @@ __all__ = ["ServerContext"]
 
 C = TypeVar("C", bound=ServerConfig)
 
+LONG_CALL_CONNECTIONS = 1024
+
 
 @dataclass
 class ServerContext(Generic[C]):
@@ -26,6 +28,15 @@ class ServerContext(Generic[C]):
     settings: C
     mesh: MeshConfig
     client: MeshClient = field(default_factory=MeshClient)
+    long_calls: MeshClient | None = None
+    """A pool of its own for calls that last a whole activation (an environment's call of its agent):
+    held by thousands of them at once, the shared pool would queue every short call (a close, a
+    seed, a verify) behind them. By default a pool of ``client``'s kind (``client`` itself when it
+    has no pool: an in-process transport)."""
+
+    def __post_init__(self) -> None:
+        if self.long_calls is None:
+            self.long_calls = self.client.with_own_pool(LONG_CALL_CONNECTIONS)
 
     @property
     def instance(self) -> ServerInstance:
@@ -37,3 +48,5 @@ class ServerContext(Generic[C]):
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        if self.long_calls is not None and self.long_calls is not self.client:
+            await self.long_calls.aclose()

@@ -77,7 +77,8 @@ class Nim:
 
     def __init__(self, ctx: ServerContext[Config]) -> None:
         self.settings = ctx.settings
-        self.agent = AgentClient(ctx.client, ctx.url_of(ctx.settings.agent_server), ctx.settings)
+        self.agent = AgentClient(ctx.client, ctx.url_of(ctx.settings.agent_server), ctx.settings,
+                                 activations=ctx.long_calls)
         self.program = Program.of(
             [
                 Step("start", self.start, "replay"),

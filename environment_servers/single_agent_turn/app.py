@@ -82,7 +82,8 @@ class SingleAgentTurn:
         self.client = ctx.client
         self.settings = ctx.settings
         self.resources_url = ctx.url_of(resources or ctx.settings.resources_server)
-        self.agent = AgentClient(ctx.client, ctx.url_of(ctx.settings.agent_server), ctx.settings)
+        self.agent = AgentClient(ctx.client, ctx.url_of(ctx.settings.agent_server), ctx.settings,
+                                 activations=ctx.long_calls)
         self.program = Program.of(
             [
                 Step("seed", self.seed, "replay", stage="seed"),

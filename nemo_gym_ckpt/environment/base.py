@@ -390,18 +390,24 @@ class AgentReply:
 
 @dataclass
 class AgentClient:
-    """The agent calls of one environment server; ``restart_only`` once the agent said so."""
+    """The agent calls of one environment server; ``restart_only`` once the agent said so.
+
+    Activations go over ``activations`` (the context's ``long_calls``), every other call over
+    ``client``: a close never waits for a connection behind thousands of running activations (a
+    prepare waits for the episodes in their ``close_agent`` step).
+    """
 
     client: MeshClient
     url: str
     settings: EnvironmentConfig
+    activations: MeshClient | None = None
     restart_only: bool = False
 
     async def invoke(
         self, identity: RolloutIdentity, activation: int, body: Mapping[str, Any], cookies: Mapping[str, str]
     ) -> AgentReply:
         """Activation ``activation`` (1-based) of the episode's agent session."""
-        reply = await self.client.request(
+        reply = await (self.activations or self.client).request(
             "POST", f"{self.url}/v1/responses", json=dict(body), cookies=cookies, identity=identity,
             headers={ACTIVATION_HEADER: str(activation)}, timeout_s=self.settings.agent_timeout_s,
         )
