@@ -59,9 +59,7 @@ class FollowerParticipant(Participant):
         checkpoint_id, expires_at = gate.get("checkpoint_id"), gate.get("lease_expires_at")
         if checkpoint_id is None or not isinstance(expires_at, int | float):
             self._open, self.phase = None, Phase.IDLE
-            self.collection.release()
         else:
-            self.collection.hold()
             if self._open is None or self._open.checkpoint_id != checkpoint_id:
                 self._open = _Open(str(checkpoint_id), Lease(self.clock, self.lease_grace_s, float(expires_at)))
             self._open.lease.expires_at = float(expires_at)

@@ -38,7 +38,6 @@ from typing import Any, TypeVar
 from nemo_gym_ckpt.checkpoint.adapter import BeforeExport, ParticipantAdapter, Readiness, StopCommitted
 from nemo_gym_ckpt.checkpoint.admission import RetireMarks, Signal
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock, wait_until
-from nemo_gym_ckpt.checkpoint.gc_pause import CollectionHold
 from nemo_gym_ckpt.checkpoint.lease import Lease
 from nemo_gym_ckpt.checkpoint.models import (
     CommitRequest,
@@ -138,7 +137,6 @@ class Participant:
         self._last_report: dict[str, Any] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._gate_watchers: list[Callable[[], None]] = []
-        self.collection = CollectionHold()  # no cyclic garbage collection while a checkpoint is open
 
     # ---- read-only view ---------------------------------------------------------------------
 
@@ -484,7 +482,6 @@ class Participant:
     def _open_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> _Open:
         open_ = _Open(checkpoint_id, Lease.start(self.clock, self.lease_grace_s, deadline_ts, self._gate_changed))
         self._open = open_
-        self.collection.hold()
         open_.watchdog = self._spawn(open_.lease.watch(lambda: self._expire(open_)))
         self.signal.notify()
         self._gate_changed()
@@ -512,7 +509,6 @@ class Participant:
     def _close(self, open_: _Open) -> None:
         """Resume: stop the write before its commit point (or let a passed one finish), reopen."""
         self._open = None
-        self.collection.release()
         self._fence(open_.checkpoint_id)
         if open_.stop.stop():
             for op, job in open_.jobs.items():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import importlib
 import logging
 import os
@@ -24,7 +23,6 @@ from typing import Any, cast
 
 import uvicorn
 
-from nemo_gym_ckpt.checkpoint.gc_pause import pause_collection_during_checkpoints
 from nemo_gym_ckpt.checkpoint.otlp import Exporting, install_telemetry
 from nemo_gym_ckpt.checkpoint.worker_hub import COORDINATOR_ENV, start_coordinator
 from nemo_gym_ckpt.cli.exit_codes import ExitCode
@@ -85,8 +83,6 @@ def _serve(mesh: MeshConfig, instance: ServerInstance, *, worker: bool) -> None:
         raise SystemExit(ExitCode.USAGE) from None
     if exporting is not None:  # what the exporters hold goes out as the app shuts down
         close_on_shutdown(app, exporting.aclose)
-    gc.freeze()  # what the imports and the app made is never collected: a collection walks only the rest
-    pause_collection_during_checkpoints()
     host, port = instance.settings.host, cast(int, instance.settings.port)
     if worker:
         uvicorn.Server(uvicorn.Config(app, **_UVICORN)).run(sockets=[bind_listener(host, port)])
@@ -119,7 +115,6 @@ def _serve_workers(mesh: MeshConfig, instance: ServerInstance) -> int:
     except ConfigError as error:  # each worker stops on the same error, with its status
         logger.error("config error: %s", error)
         exporting = None
-    pause_collection_during_checkpoints()  # the coordinator's participant
     try:
         return asyncio.run(_coordinate(mesh, instance, path, workers, exporting))
     finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import gc
 import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -16,7 +15,6 @@ import orjson
 import pytest
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem
-from nemo_gym_ckpt.checkpoint.gc_pause import pause_collection_during_checkpoints
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest, RestoreRequest, RetireRequest
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.participant import REMEMBERED_IDS, Participant
@@ -285,20 +283,6 @@ async def test_readiness_changes_do_not_wake_the_requests_that_wait_for_resume(
     assert waits == settled, f"{waits - settled} wake-ups of waiting requests for 50 readiness changes"
     await gated.resume(control(clock, "c1"))
     await asyncio.wait_for(asyncio.gather(*waiting), WAIT_S)
-
-
-async def test_collection_is_off_from_prepare_to_resume_in_a_server_process(
-    gated: Participant, clock: FakeClock
-) -> None:
-    pause_collection_during_checkpoints()  # what nemo_gym_ckpt.cli.serve does
-    try:
-        await gated.prepare(control(clock, "c1"))
-        assert not gc.isenabled(), "a full collection could hold the event loop for seconds mid-checkpoint"
-        await gated.resume(control(clock, "c1"))
-        assert gc.isenabled()
-    finally:
-        pause_collection_during_checkpoints(False)
-        gc.enable()
 
 
 async def test_a_retired_attempt_waiting_for_resume_is_refused_at_once(
