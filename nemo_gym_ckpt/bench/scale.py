@@ -79,6 +79,11 @@ WARM_S = 60.0
 FINISH_S = 1200.0
 OVERRIDES = ["single_agent_turn.environment_servers.single_agent_turn.overload_retry_after_s=10"]
 """Past the environment's capacity, a refused slot asks again every 10 s (not every second)."""
+FAILED_SLOT_PAUSE_S = 1.0
+"""A slot whose rollout failed waits this long before its next one: a failure that comes back at once
+must not spin the driver's loop (its checkpoints and every other slot wait for that loop)."""
+KEPT_FAILURES = 100
+"""Failures kept as text (the first ones); all of them are counted."""
 
 
 @dataclass
@@ -98,7 +103,8 @@ class _Driver:
     in_flight: dict[str, RolloutIdentity] = field(default_factory=dict)
     waiting: set[str] = field(default_factory=set)  # refused up front, waiting to be sent again
     refusals: int = 0
-    failures: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # the first KEPT_FAILURES, as text
+    failed: int = 0
     lost: list[RolloutIdentity] = field(default_factory=list)  # in flight when the mesh was killed
     _workers: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -122,10 +128,12 @@ class _Driver:
             return
         n = 0
         while not self.stopping:
-            await self._one(RolloutIdentity(f"{self.label}-{slot}-{n}"))
+            if not await self._one(RolloutIdentity(f"{self.label}-{slot}-{n}")):
+                await asyncio.sleep(FAILED_SLOT_PAUSE_S)
             n += 1
 
-    async def _one(self, identity: RolloutIdentity) -> None:
+    async def _one(self, identity: RolloutIdentity) -> bool:
+        """Run one rollout until it finishes (True) or fails or is lost to a kill (False)."""
         key = identity.rollout_id
         while True:
             self.in_flight[key] = identity
@@ -136,7 +144,7 @@ class _Driver:
                 self.in_flight.pop(key, None)
                 self.refusals += 1
                 if self.stopping:
-                    return
+                    return False
                 self.waiting.add(key)
                 await asyncio.sleep(refused.retry_after_s)
                 self.waiting.discard(key)
@@ -146,13 +154,15 @@ class _Driver:
                 if self.stopping:
                     self.lost.append(identity)
                 else:
-                    self.failures.append(f"{key}: {error.code}: {error.detail}"[:300])
-                return
+                    self.failed += 1
+                    if len(self.failures) < KEPT_FAILURES:
+                        self.failures.append(f"{key}: {error.code}: {error.detail}"[:300])
+                return False
             self.in_flight.pop(key, None)
             self.finished[key] += 1
             self.finished_at[key] = time.perf_counter()
             self.ends.append(time.perf_counter())
-            return
+            return True
 
 
 def _written_bytes(directory: Path, seen: set[tuple[int, int]]) -> dict[str, int]:
@@ -367,7 +377,7 @@ class _Bench:
         return {"started_rollouts": len(started), "finished_before_crash": len(finished_before),
                 "dispatched_after_restore": len(again), "continued_from_checkpoint": len(continued),
                 "finished_after_restore": sum(driver.finished.values()), "finished_twice": len(twice),
-                "never_finished": len(never), "failed_after_restore": len(driver.failures),
+                "never_finished": len(never), "failed_after_restore": driver.failed,
                 **({"first_failure": driver.failures[0]} if driver.failures else {}),
                 "refused_up_front_never_started": len(waiting), "refusals_after_restore": driver.refusals,
                 "finish_s": round(time.perf_counter() - began, 1), "checkpoint": latest["id"]}
@@ -410,7 +420,7 @@ class _Bench:
             "rollouts_per_s": round(finished / window_s, 2) if window_s > 0 else 0.0,
             "cpu_ms_per_rollout": per_rollout, "mesh_busy_cores": usage.get("mesh_busy_cores"),
             "machine_busy_cores": usage.get("machine_busy_cores"),
-            "peak_memory_mb": peaks, "refusals": driver.refusals, "failed": len(driver.failures),
+            "peak_memory_mb": peaks, "refusals": driver.refusals, "failed": driver.failed,
             **({"first_failure": driver.failures[0]} if driver.failures else {}),
             "forgotten": forgotten, "loadavg_at_start": load_at_start, "loadavg_at_end": loadavg(),
         }
