@@ -12,8 +12,9 @@ An instance of NeMo Gym's own servers (``package: nemo_gym``) runs in NeMo Gym's
 ``python:`` or ``$NEMO_GYM_PYTHON`` (``nemo_gym_ckpt.launch.child.bridge_command``).
 
 Ports: instances without a port get a free one on their host (probe-bind in the config's
-``port_range_low``-``port_range_high``, default 10001-20000; never the head port, another instance's
-or one of ``disallowed_ports``). Each child is ``python -m nemo_gym_ckpt.cli.serve <instance>`` with the
+``port_range_low``-``port_range_high``; where the config sets neither, ``$NEMO_GYM_CKPT_PORT_RANGE``
+(``LOW-HIGH``) or else 10001-20000; never the head port, another instance's or one of
+``disallowed_ports``). Each child is ``python -m nemo_gym_ckpt.cli.serve <instance>`` with the
 resolved config (ports filled in) as JSON in ``NEMO_GYM_CKPT_CONFIG`` and the launcher's pid in
 ``NEMO_GYM_CKPT_PARENT_PID``; it runs in its own process group (a terminal's Ctrl-C reaches only
 the launcher, which stops the children in order) and exits by itself when the launcher dies.
@@ -52,6 +53,7 @@ from nemo_gym_ckpt.launch.head import HEAD_NAME, ThreadedServer, create_head_app
 
 __all__ = [
     "PORT_RANGE",
+    "PORT_RANGE_ENV",
     "LaunchError",
     "LineSink",
     "MeshLauncher",
@@ -65,6 +67,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PORT_RANGE = (10001, 20000)
+PORT_RANGE_ENV = "NEMO_GYM_CKPT_PORT_RANGE"
+"""Where a config sets no port range: the range free ports come from (``LOW-HIGH``), e.g. to keep
+meshes started side by side on one host (parallel test workers) out of each other's ports."""
 TAIL_LINES = 20
 POLL_S = 0.1
 REAP_TIMEOUT_S = 5.0
@@ -106,7 +111,7 @@ def assign_ports(mesh: MeshConfig, *, rng: random.Random | None = None) -> MeshC
     Free ports come from the config's ``port_range_low``..``port_range_high`` and are never one of
     its ``disallowed_ports``.
     """
-    port_range = (mesh.ports.port_range_low, mesh.ports.port_range_high)
+    port_range = _port_range(mesh)
     taken = {inst.settings.port for inst in mesh.instances.values() if inst.settings.port}
     taken |= {mesh.head_server.port, *mesh.ports.disallowed_ports}
     head_port = mesh.head_server.port or find_free_port(mesh.head_server.host, taken, rng=rng,
@@ -118,6 +123,18 @@ def assign_ports(mesh: MeshConfig, *, rng: random.Random | None = None) -> MeshC
             ports[inst.name] = find_free_port(inst.settings.host, taken, rng=rng, port_range=port_range)
             taken.add(ports[inst.name])
     return mesh.with_ports(ports, head_port=head_port)
+
+
+def _port_range(mesh: MeshConfig) -> tuple[int, int]:
+    """The config's range; where the config sets none, ``$NEMO_GYM_CKPT_PORT_RANGE`` (``LOW-HIGH``) if given."""
+    configured = (mesh.ports.port_range_low, mesh.ports.port_range_high)
+    text = os.environ.get(PORT_RANGE_ENV)
+    if not text or mesh.ports.model_fields_set & {"port_range_low", "port_range_high"}:
+        return configured
+    low, sep, high = text.partition("-")
+    if not (sep and low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high) <= 65535):
+        raise LaunchError(f"{PORT_RANGE_ENV}={text!r}: expected LOW-HIGH, two ports in order (1-65535)")
+    return int(low), int(high)
 
 
 # ---- health --------------------------------------------------------------------------------------

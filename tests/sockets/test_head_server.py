@@ -16,6 +16,7 @@ from nemo_gym_ckpt.config import MeshConfig, load_config
 from nemo_gym_ckpt.launch.head import ThreadedServer, create_head_app, server_entries
 from nemo_gym_ckpt.launch.launcher import (
     PORT_RANGE,
+    PORT_RANGE_ENV,
     LaunchError,
     MeshLauncher,
     assign_ports,
@@ -128,6 +129,21 @@ def test_assign_ports_skips_ports_in_use(occupied: Callable[[], int]) -> None:
     placed = assign_ports(two_servers(), rng=ScriptedRandom([busy, free, other_busy, busy]))
     ports = {placed.head_server.port, *(inst.settings.port for inst in placed.instances.values())}
     assert free in ports and busy not in ports and other_busy not in ports and len(ports) == 3
+
+
+def test_the_port_range_variable_applies_where_the_config_sets_no_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PORT_RANGE_ENV, "17001-17040")
+    placed = assign_ports(two_servers())
+    ports = [placed.head_server.port, *(inst.settings.port for inst in placed.instances.values())]
+    assert all(port is not None and 17001 <= port <= 17040 for port in ports), ports
+    configured = load_config([FIXTURES / "two_string_match.yaml"],
+                             ["head_server.port=0", "+port_range_low=12001", "+port_range_high=12010"])
+    ports = [inst.settings.port for inst in assign_ports(configured).instances.values()]
+    assert all(port is not None and 12001 <= port <= 12010 for port in ports), ports  # the config wins
+    for text in ("17001", "17040-17001", "a-b", "1-70000"):
+        monkeypatch.setenv(PORT_RANGE_ENV, text)
+        with pytest.raises(LaunchError, match=f"{PORT_RANGE_ENV}=.*expected LOW-HIGH"):
+            assign_ports(two_servers())
 
 
 def test_find_free_port_gives_up_when_nothing_is_free(occupied: Callable[[], int]) -> None:
