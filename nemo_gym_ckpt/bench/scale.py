@@ -7,7 +7,8 @@ this process, one task per rollout slot, a rollout that ends replaced at once, a
 (``driver`` in ``cpu_ms_per_rollout``) to show it is not the bottleneck, and the coordinator has its
 own connection pool, so no control call waits behind the driver's rollouts.
 
-Once the environment holds its rollouts (or 60 s passed), ``pairs`` pairs of checkpoints are taken,
+Once the environment holds its rollouts (or 60 s passed) and 10 s more went by (the burst of starts
+over), ``pairs`` pairs of checkpoints are taken,
 each a **full** one (``incremental: false``) and, ``gap_s`` later, an **incremental** one whose base
 is that full one: full against incremental side by side, under the same load. Per checkpoint: the
 pause (prepare to resume) and its parts, and the bytes written (files of its directory that are no
@@ -76,6 +77,9 @@ LEVELS = (256, 1024, 2048, 4096, 10_000)
 QUICK_LEVELS = (6,)
 DEADLINE_S = 300.0
 WARM_S = 60.0
+SETTLE_S = 10.0
+"""Once the environment holds its rollouts, the level runs this long before its first checkpoint: the
+burst of starts is over, and the checkpoints see the level's steady state (not in ``quick`` form)."""
 FINISH_S = 1200.0
 OVERRIDES = ["single_agent_turn.environment_servers.single_agent_turn.overload_retry_after_s=10"]
 """Past the environment's capacity, a refused slot asks again every 10 s (not every second)."""
@@ -83,6 +87,8 @@ FAILED_SLOT_PAUSE_S = 1.0
 """A slot whose rollout failed waits this long before its next one: a failure that comes back at once
 must not spin the driver's loop (its checkpoints and every other slot wait for that loop)."""
 KEPT_FAILURES = 100
+_SAMPLE_KEYS = ("id", "pause_ms", "prepare_ms", "commit_ms", "bytes_written")
+"""What each checkpoint of a level reports in the row's ``checkpoints``, in the order taken."""
 """Failures kept as text (the first ones); all of them are counted."""
 
 
@@ -282,7 +288,7 @@ class _Bench:
             target = min(level, 4096) * 0.9
             while time.monotonic() < warm_until and (await self.episodes_live(client)) < target:
                 await asyncio.sleep(0.5)
-            await asyncio.sleep(min(2.0, self.gap_s * 2))
+            await asyncio.sleep(min(2.0, self.gap_s * 2) if self.quick else SETTLE_S)
             meter.start()
             window_began = time.perf_counter()
             samples: list[Result] = []
@@ -408,6 +414,8 @@ class _Bench:
             "full_bytes_by_participant": fulls[-1]["bytes_by_participant"],
             "incremental_bytes_by_participant": incrs[-1]["bytes_by_participant"],
             "records": fulls[-1]["records"],
+            "checkpoints": [{key: round(s[key], 1) if isinstance(s[key], float) else s[key] for key in _SAMPLE_KEYS}
+                            for s in samples],
             **{f"{name}_calls_p50_ms": {key: round(statistics.median(s["calls_ms"].get(key, 0.0) for s in group), 1)
                                          for key in group[0]["calls_ms"]} for name, group in
                (("full", fulls), ("incremental", incrs))},

@@ -38,11 +38,11 @@ from nemo_gym_ckpt.checkpoint.fileops import FileOps, file_size
 from nemo_gym_ckpt.checkpoint.incremental import (
     BaseIndex,
     IndexBuilder,
-    index_inline,
+    is_reference,
     link_files,
     plan,
-    reference_line,
     resolve,
+    span_line,
 )
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.errors import (
@@ -190,25 +190,28 @@ class RecordWriter:
         self._index = IndexBuilder(directory)
 
     def write_records(self, records: Sequence[Record]) -> None:
-        """Write every record of this commit: inline, or as a reference into a linked base file
+        """Write every record of this commit: inline, or in runs as a span of a linked base file
         (docs/protocol.md section 6.1), in chunks of about 4 MiB."""
         base = self.base
         decided = plan(records, base)
         if base is not None and decided.links:
             with self._lock, write_errors(self.directory):
                 self._stop.check()
-                linked = link_files(self._ops, base.directory, base.sizes, decided.links, self.directory)
-            self.linked = sorted(linked)
+                self.linked = sorted(link_files(self._ops, base.directory, base.sizes, decided.links, self.directory))
+        spans = {span.start: span for span in decided.spans if span.where.records_file in self.linked}
         chunk: list[bytes] = []
-        size = 0
-        for record, where in zip(records, decided.references, strict=True):
-            if where is not None and base is not None and where.records_file in self.linked:
-                line = reference_line(record, where)
-                self._index.referenced(record.raw, where, base.sizes[where.records_file])
-                self.referenced += 1
+        size, number = 0, 0
+        while number < len(records):
+            span = spans.get(number)
+            if span is not None and base is not None:
+                line = span_line(records, span)
+                self._index.referenced(records[span.start:span.stop], span.where, base.sizes[span.where.records_file])
+                self.referenced += span.stop - span.start
+                number = span.stop
             else:
-                line = record.raw
-                self._index.inline(line)
+                line = records[number].raw
+                self._index.inline(line, self.bytes + size)
+                number += 1
             chunk.append(line)
             size += len(line) + 1
             if size >= CHUNK_BYTES:
@@ -346,9 +349,10 @@ class CheckpointStore:
         if (manifest.kind, manifest.instance) != (kind, instance):
             raise InvalidCheckpointState(f"manifest is for {manifest.kind}/{manifest.instance}, "
                                          f"expected {kind}/{instance}")
-        records, size = self._read_records(directory / manifest.records_file, manifest, scope)
-        records, index = resolve(self.ops, directory, records, manifest.records_file)
-        self.remember(index_inline(index, records, manifest.records_file, size))
+        lines, size = self._read_records(directory / manifest.records_file, manifest, scope)
+        records, index = resolve(self.ops, directory, lines, manifest.records_file, scope, self.max_record_bytes)
+        index.sizes[manifest.records_file] = size
+        self.remember(index)
         return ReadResult(manifest, records, size)
 
     def _read_manifest(self, directory: Path) -> Manifest:
@@ -360,17 +364,18 @@ class CheckpointStore:
             raise InvalidCheckpointState(f"cannot read the manifest in {directory}: {error}") from None
         return Manifest.parse(content)
 
-    def _read_records(self, path: Path, manifest: Manifest, scope: Scope) -> tuple[list[Record], int]:
+    def _read_records(self, path: Path, manifest: Manifest, scope: Scope) -> tuple[list[tuple[Record, int]], int]:
+        """The lines in scope (and every span, which may hold records in scope) with their offsets."""
         digest, count, size, kept = hashlib.sha256(), 0, 0, []
         try:
             with self.ops.open_read(path) as file:
                 _check_records_size(file_size(file), manifest, self.max_record_bytes, path.name)
                 for line in read_bounded_lines(file, manifest.record_count, self.max_record_bytes, path.name):
                     digest.update(line)
+                    record = _parse_line(line, count + 1)
+                    if record.episode in scope or is_reference(record):
+                        kept.append((record, size))
                     count, size = count + 1, size + len(line)
-                    record = _parse_line(line, count)
-                    if record.episode in scope:
-                        kept.append(record)
         except OSError as error:
             raise InvalidCheckpointState(f"cannot read records {path.name}: {error.strerror}") from None
         if (digest.hexdigest(), count) != (manifest.records_sha256, manifest.record_count):

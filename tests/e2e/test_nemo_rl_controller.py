@@ -162,17 +162,19 @@ def assert_same_result(rollout_id: str, actual: dict[str, Any], expected: dict[s
 
 
 def model_records(checkpoint_dir: Path) -> dict[str, dict[str, Any]]:
-    """The policy model's records by capture key, a reference line (incremental) resolved to its record."""
+    """The policy model's records by capture key, a span line (incremental) replaced by its records."""
     where = checkpoint_dir / "gym" / "model" / MODEL
     manifest = orjson.loads((where / "manifest.json").read_bytes())
-    by_digest = {hashlib.sha256(line).hexdigest(): line for path in where.glob("records*.jsonl")
-                 for line in path.read_bytes().splitlines()}
     records = {}
     for line in (where / manifest["records_file"]).read_bytes().splitlines():
         record = orjson.loads(line)
-        if "same_as" in record:
-            record = orjson.loads(by_digest[record["same_as"]])
-        records[Episode(**record["episode_id"]).capture_key] = record
+        if "same_as" not in record:
+            records[Episode(**record["episode_id"]).capture_key] = record
+            continue
+        run = (where / record["records_file"]).read_bytes()[record["offset"]:record["offset"] + record["length"]]
+        assert hashlib.sha256(run).hexdigest() == record["same_as"]
+        for held in map(orjson.loads, run.splitlines()):
+            records[Episode(**held["episode_id"]).capture_key] = held
     return records
 
 

@@ -50,10 +50,12 @@ async def checkpoint(coordinator: Coordinator, cid: str, directory: Path, *, inc
 
 
 def references(directory: Path) -> int:
+    """How many records the spans of a checkpoint stand for."""
     count = 0
     for manifest in directory.glob("gym/*/*/manifest.json"):
         records = manifest.parent / orjson.loads(manifest.read_bytes())["records_file"]
-        count += sum(REFERENCE_KEY in orjson.loads(line) for line in records.read_bytes().splitlines())
+        lines = [orjson.loads(line) for line in records.read_bytes().splitlines()]
+        count += sum(line["lines"] for line in lines if REFERENCE_KEY in line)
     return count
 
 

@@ -1,10 +1,14 @@
-"""Incremental commits (docs/protocol.md section 6.1): unchanged records are references into hard-linked
-earlier records files; every directory reads alone, the base is never modified, pruning never breaks."""
+"""Incremental commits (docs/protocol.md section 6.1): runs of unchanged records are spans into hard-linked
+earlier records files; every directory reads alone, the base is never modified, pruning never breaks,
+and a span that does not hold what it claims is refused before anything is installed."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -59,8 +63,8 @@ def test_unchanged_records_are_referenced_and_read_back_exactly(root: Path) -> N
     moved = [record("r3", text="moved"), *records[:3], *records[4:]]  # r3 moved, the rest did not
     second = commit(store, root / "c2", moved)
 
-    references = [line for line in lines(root / "c2", second) if REFERENCE_KEY in line]
-    assert len(references) == 19 and second.record_count == 20
+    spans = [line for line in lines(root / "c2", second) if REFERENCE_KEY in line]
+    assert [span["lines"] for span in spans] == [3, 16] and second.record_count == 3  # r3 inline, two runs
     linked = where(root / "c2") / first.records_file
     assert linked.stat().st_ino == (where(root / "c1") / first.records_file).stat().st_ino
     assert written_bytes(root / "c2", [root / "c1"]) < 0.1 * written_bytes(root / "c1", [])
@@ -96,7 +100,7 @@ def test_a_restored_checkpoint_is_the_base_and_stays_untouched(root: Path) -> No
     fresh = CheckpointStore(root)
     read = fresh.read(root / "c1", "agent", "a1", EVERYONE)
     second = commit(fresh, root / "c2", list(read.records))
-    assert all(REFERENCE_KEY in line for line in lines(root / "c2", second))
+    assert [line["lines"] for line in lines(root / "c2", second)] == [20]  # one span stands for them all
     assert snapshot(root / "c1") == before
     again = CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
     assert [r.raw for r in again.records] == [r.raw for r in records]
@@ -111,9 +115,9 @@ def test_a_reference_that_does_not_match_is_refused(root: Path) -> None:
     content = linked.read_bytes().replace(b'"n":2', b'"n":7')
     linked.unlink()
     linked.write_bytes(content)  # the linked file no longer holds r2's bytes
-    with pytest.raises(InvalidCheckpointState, match="holds a line with the referenced digest"):
+    with pytest.raises(InvalidCheckpointState, match="do not hash to the span's digest"):
         CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
-    assert second.record_count == 4
+    assert second.record_count == 1  # one span
 
 
 async def test_an_adapter_record_may_not_look_like_a_reference(root: Path) -> None:
@@ -125,3 +129,98 @@ async def test_an_adapter_record_may_not_look_like_a_reference(root: Path) -> No
     pipeline = ExportPipeline(Adapter(), None, Telemetry("agent", "a1"), "c1")  # type: ignore[arg-type]
     with pytest.raises(InternalError, match="marks a reference"):
         await pipeline.run(writer, "agent", "a1")
+
+
+def test_a_run_of_small_records_is_one_line(root: Path) -> None:
+    records = [record(f"r{n}", n=n) for n in range(1000)]  # each shorter than a span line
+    store = CheckpointStore(root)
+    commit(store, root / "c1", records)
+    moved = [*records[:500], record("r500", n=-1), *records[501:]]
+    second = commit(store, root / "c2", moved)
+    assert second.record_count == 3 and written_bytes(root / "c2", [root / "c1"]) < 1000
+    assert [r.raw for r in CheckpointStore(root).read(root / "c2", "agent", "a1", everyone(1000)).records] == [
+        r.raw for r in moved]
+
+
+def test_a_restore_keeps_the_records_of_a_span_in_its_scope(root: Path) -> None:
+    records = [record(f"r{n}", n=n, text="v" * 300) for n in range(20)]
+    store = CheckpointStore(root)
+    commit(store, root / "c1", records)
+    commit(store, root / "c2", records)
+    scope = frozenset(RolloutIdentity(f"r{n}") for n in (0, 7, 19))
+    fresh = CheckpointStore(root)
+    read = fresh.read(root / "c2", "agent", "a1", scope)
+    assert [r.raw for r in read.records] == [records[n].raw for n in (0, 7, 19)]
+    third = commit(fresh, root / "c3", list(read.records))  # what was read is the next base, at its offsets
+    assert [r.raw for r in CheckpointStore(root).read(root / "c3", "agent", "a1", scope).records] == [
+        records[n].raw for n in (0, 7, 19)]
+    assert third.record_count == 3
+
+
+def test_the_same_bytes_twice_are_referenced_once(root: Path) -> None:
+    twice = [record("r1", text="u" * 400), record("r1", text="u" * 400)]
+    store = CheckpointStore(root)
+    commit(store, root / "c1", twice)
+    second = commit(store, root / "c2", twice)
+    assert [line.get("lines") for line in lines(root / "c2", second)] == [1, None]  # a span, then inline
+    read = CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
+    assert [r.raw for r in read.records] == [r.raw for r in twice]
+
+
+def forge(directory: Path, edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> None:
+    """Rewrite the records of ``directory`` through ``edit`` and seal them with a matching manifest."""
+    manifest_path = where(directory) / "manifest.json"
+    manifest = orjson.loads(manifest_path.read_bytes())
+    old = where(directory) / manifest["records_file"]
+    edited = edit([orjson.loads(line) for line in old.read_bytes().splitlines()])
+    content = b"".join(orjson.dumps(line) + b"\n" for line in edited)
+    digest = hashlib.sha256(content).hexdigest()
+    old.unlink()
+    (where(directory) / f"records-{digest}.jsonl").write_bytes(content)
+    manifest.update(records_file=f"records-{digest}.jsonl", records_sha256=digest,
+                    record_count=content.count(b"\n"))
+    manifest_path.unlink()
+    manifest_path.write_bytes(orjson.dumps(manifest))
+
+
+def first_span(edit: Callable[[dict[str, Any]], None]) -> Callable[[list[dict[str, Any]]], list[dict[str, Any]]]:
+    def apply(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        edit(next(line for line in lines if REFERENCE_KEY in line))
+        return lines
+    return apply
+
+
+def overlapping(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    span = next(line for line in lines if REFERENCE_KEY in line)
+    return [*lines, dict(span)]
+
+
+FORGED = {
+    "past the end": (first_span(lambda span: span.update(offset=span["offset"] + 10**6)), "past the end"),
+    "overlap": (overlapping, "overlap"),
+    "its own file": (first_span(lambda span: span.update(records_file="records-" + "0" * 64 + ".jsonl")),
+                     "cannot read the records file"),
+    "a count that lies": (first_span(lambda span: span.update(lines=span["lines"] - 1)), "whole lines"),
+    "a negative offset": (first_span(lambda span: span.update(offset=-1)), "non-negative"),
+    "an extra key": (first_span(lambda span: span.update(note=1)), "a span is"),
+    "a bool for a number": (first_span(lambda span: span.update(lines=True)), "non-negative integers"),
+    "another episode": (first_span(lambda span: span.update(episode_id={"rollout_id": "r9", "attempt": 0})),
+                        "the first of its episode_id"),
+    "a path": (first_span(lambda span: span.update(records_file="../" + span["records_file"])), "names another"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED))
+def test_a_span_that_does_not_hold_what_it_claims_is_refused(root: Path, case: str) -> None:
+    records = [record(f"r{n}", n=n, text="t" * 300) for n in range(8)]
+    store = CheckpointStore(root)
+    commit(store, root / "c1", records)
+    commit(store, root / "c2", [*records[:4], record("r4", n=-1), *records[5:]])
+    edit, message = FORGED[case]
+    forge(root / "c2", edit)
+    with pytest.raises(InvalidCheckpointState, match=message):
+        CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
+
+
+def everyone(count: int) -> frozenset[RolloutIdentity]:
+    return frozenset(RolloutIdentity(f"r{n}") for n in range(count))
