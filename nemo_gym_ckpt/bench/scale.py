@@ -87,9 +87,9 @@ FAILED_SLOT_PAUSE_S = 1.0
 """A slot whose rollout failed waits this long before its next one: a failure that comes back at once
 must not spin the driver's loop (its checkpoints and every other slot wait for that loop)."""
 KEPT_FAILURES = 100
+"""Failures kept as text (the first ones); all of them are counted."""
 _SAMPLE_KEYS = ("id", "pause_ms", "prepare_ms", "commit_ms", "bytes_written")
 """What each checkpoint of a level reports in the row's ``checkpoints``, in the order taken."""
-"""Failures kept as text (the first ones); all of them are counted."""
 
 
 @dataclass

@@ -11,9 +11,8 @@ stands for a run of consecutive inline lines of another records file of the same
 hard-linked into the new checkpoint's directory under its own name before any line refers to it, so
 every directory holds all it needs: the directory it came from is never modified, and deleting
 (pruning) an earlier checkpoint never breaks a later one. A span always stands for inline lines
-(never another span): one hop. One span line costs about what one record's reference used to, so a
-run of unchanged records costs a line, not a line per record; a run no longer than a span line
-would be is written inline.
+(never another span): one hop. A run of unchanged records costs one line of about 230 bytes however
+long it is; a run no longer than a span line would be is written inline.
 
 ``BaseIndex`` is what a participant remembers of its previous committed checkpoint (or of the one it
 restored from): the directory, the size of each records file, and for each record's bytes the file
@@ -65,6 +64,7 @@ __all__ = [
 
 REFERENCE_KEY = "same_as"
 SPAN_KEYS = ("episode_id", REFERENCE_KEY, "records_file", "offset", "length", "lines")
+_SPAN_KEY_SET = frozenset(SPAN_KEYS)
 KEEP_RATIO = 0.5
 """A base file is linked only if the records still in use fill at least this share of it."""
 RECORDS_FILE = re.compile(r"records-[0-9a-f]{64}\.jsonl")
@@ -109,7 +109,7 @@ class Plan:
 
 
 def plan(records: Sequence[Record], base: BaseIndex | None) -> Plan:
-    """The runs worth a span (longer than one, their file kept at least ``KEEP_RATIO`` full)."""
+    """The runs worth a span (longer than a span line, their file kept at least ``KEEP_RATIO`` full)."""
     if base is None:
         return Plan([], [])
     runs = [run for run in _runs(records, _located(records, base)) if run.length > SPAN_BYTES]
@@ -236,7 +236,7 @@ class _SpanLine:
 def _span_of(record: Record, records_file: str, max_record_bytes: int) -> _SpanLine:
     data: dict[str, Any] = record.data
     where = f"record of {record.episode.capture_key}"
-    if tuple(sorted(data)) != tuple(sorted(SPAN_KEYS)):
+    if data.keys() != _SPAN_KEY_SET:
         raise InvalidCheckpointState(f"{where}: a span is {{{', '.join(SPAN_KEYS)}}}")
     digest, name = data[REFERENCE_KEY], data["records_file"]
     numbers = [data[key] for key in ("offset", "length", "lines")]
@@ -315,15 +315,14 @@ def resolve(
 ) -> tuple[list[Record], BaseIndex]:
     """The records in ``scope``, in order, each span replaced by the records it stands for (checked);
     and the index of where each lives (``read``: the lines of ``records_file`` kept, with offsets)."""
-    spans = {id(record): _span_of(record, records_file, max_record_bytes) for record, _ in read
-             if is_reference(record)}
-    _check_disjoint(spans.values())
+    lines_read = [(record, offset, _span_of(record, records_file, max_record_bytes) if is_reference(record) else None)
+                  for record, offset in read]
+    _check_disjoint(span for _, _, span in lines_read if span is not None)
     index = BaseIndex(directory)
     resolved = []
     with ExitStack() as stack:
         files = _Files(ops, directory, stack)
-        for record, offset in read:
-            span = spans.get(id(record))
+        for record, offset, span in lines_read:
             if span is None:
                 lines = [(record, Inline(records_file, offset))] if record.episode in scope else []
             else:

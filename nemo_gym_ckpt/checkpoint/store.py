@@ -199,13 +199,14 @@ class RecordWriter:
                 self._stop.check()
                 self.linked = sorted(link_files(self._ops, base.directory, base.sizes, decided.links, self.directory))
         spans = {span.start: span for span in decided.spans if span.where.records_file in self.linked}
+        sizes = base.sizes if base is not None else {}
         chunk: list[bytes] = []
         size, number = 0, 0
         while number < len(records):
             span = spans.get(number)
-            if span is not None and base is not None:
+            if span is not None:
                 line = span_line(records, span)
-                self._index.referenced(records[span.start:span.stop], span.where, base.sizes[span.where.records_file])
+                self._index.referenced(records[span.start:span.stop], span.where, sizes[span.where.records_file])
                 self.referenced += span.stop - span.start
                 number = span.stop
             else:
