@@ -13,6 +13,8 @@ Routes (all also reachable under ``/ng-rollout/<capture_key>/``):
 - ``/ng-control/v1/generation-cut`` (+ ``/keep``, ``/status``): generation cuts, mounted only with
   checkpointing enabled (``cut_routes``, ``generation_cuts``); completions may then name their
   ``model_call`` and ask for a ``continuation`` of a staged prefix.
+- ``/ng-control/v1/generation-hold`` (+ ``/release``): no decode steps while a checkpoint is open,
+  mounted only with checkpointing enabled (``hold_routes``, ``generation_hold``).
 - ``GET /health`` (from the base app).
 
 The engine is loaded in the app's lifespan (``transformers`` on the CPU by default, ``vllm`` on a GPU);
@@ -44,6 +46,8 @@ from model_servers.inference_worker.completions import (
 from model_servers.inference_worker.cut_routes import check_bearer, make_cut_router
 from model_servers.inference_worker.engine import Engine
 from model_servers.inference_worker.generation_cuts import GenerationCuts
+from model_servers.inference_worker.generation_hold import GenerationHold
+from model_servers.inference_worker.hold_routes import make_hold_router
 from model_servers.inference_worker.live_generations import GenerationJob
 from model_servers.inference_worker.model_dir import model_dir_problem, resolve_model_path
 from model_servers.inference_worker.sampling import derive_seed
@@ -347,6 +351,7 @@ def _generation_cuts(ctx: ServerContext[Config]) -> GenerationCuts | None:
 def create_app(ctx: ServerContext[Config], *, engine_factory: EngineFactory = load_engine) -> FastAPI:
     """The worker app; the engine comes from ``engine_factory`` when the app starts."""
     worker = _Worker(ctx.settings, _generation_cuts(ctx))
+    hold = GenerationHold(lambda: worker.engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -359,6 +364,7 @@ def create_app(ctx: ServerContext[Config], *, engine_factory: EngineFactory = lo
         try:
             yield
         finally:
+            hold.close()
             worker.attach(None)
             await engine.aclose()
 
@@ -368,4 +374,5 @@ def create_app(ctx: ServerContext[Config], *, engine_factory: EngineFactory = lo
     token = ctx.mesh.checkpoint.control_auth_token
     if worker.cuts is not None and token is not None:
         app.include_router(make_cut_router(worker.cuts, token.get_secret_value()))
+        app.include_router(make_hold_router(hold, token.get_secret_value()))
     return close_on_shutdown(app, ctx.aclose)

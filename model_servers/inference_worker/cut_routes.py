@@ -22,7 +22,7 @@ from model_servers.inference_worker.generation_cuts import GenerationCuts
 from nemo_gym_ckpt.errors import PayloadTooLarge, Unauthorized
 from nemo_gym_ckpt.server import OrjsonResponse, declare_body
 
-__all__ = ["CUT_PREFIX", "MAX_BODY_BYTES", "check_bearer", "make_cut_router"]
+__all__ = ["CUT_PREFIX", "MAX_BODY_BYTES", "bounded_body", "check_bearer", "make_cut_router"]
 
 CUT_PREFIX = "/ng-control/v1/generation-cut"
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -36,12 +36,13 @@ def check_bearer(request: Request, expected: bytes) -> None:
         raise Unauthorized("missing or wrong control bearer token")
 
 
-async def _body(request: Request) -> bytes:
+async def bounded_body(request: Request, limit: int = MAX_BODY_BYTES, what: str = "generation-cut") -> bytes:
+    """The request's body, read as it comes; ``PayloadTooLarge`` once it passes ``limit`` bytes."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise PayloadTooLarge(f"generation-cut bodies are limited to {MAX_BODY_BYTES} bytes")
+        if size > limit:
+            raise PayloadTooLarge(f"{what} bodies are limited to {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -55,12 +56,12 @@ def make_cut_router(cuts: GenerationCuts, token: str) -> APIRouter:
     @router.post("", openapi_extra=declare_body(CutRequest))
     async def cut(request: Request) -> dict[str, Any]:
         check_bearer(request, expected)
-        return await cuts.cut(parse_strict(CutRequest, await _body(request)))
+        return await cuts.cut(parse_strict(CutRequest, await bounded_body(request)))
 
     @router.post("/keep", openapi_extra=declare_body(KeepRequest))
     async def keep(request: Request) -> dict[str, Any]:
         check_bearer(request, expected)
-        return await cuts.keep(parse_strict(KeepRequest, await _body(request)))
+        return await cuts.keep(parse_strict(KeepRequest, await bounded_body(request)))
 
     @router.get("/status")
     async def status(request: Request) -> dict[str, Any]:

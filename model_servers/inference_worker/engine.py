@@ -12,16 +12,22 @@ logits) (see ``sampling.py``), so a continued run draws what the uninterrupted r
     ├── TransformersEngine   transformers_engine.py (CPU, the embedded default)
     └── VllmEngine           vllm_engine.py (GPU)
 
+Pausing: an engine whose ``pausable`` is true stops taking decode steps between
+``pause_generation()`` and ``resume_generation()`` (vLLM's ``mode="keep"``: requests stay admitted,
+frozen at a token boundary, and go on after the resume; new ones wait). A checkpoint of a CPU mesh
+uses it so that the commits do not share the cores with generation (``generation_hold``).
+
 This module imports neither torch nor transformers: ``app.py`` imports it while configs load.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 __all__ = [
     "ChatTemplateRequest",
@@ -146,9 +152,14 @@ class Engine(abc.ABC):
     ``contextlib.aclosing`` so that stopping early cancels the request at once.
     """
 
+    #: Whether ``pause_generation`` stops this engine's steps (it awaits ``_unpaused`` before each).
+    pausable: ClassVar[bool] = False
+
     def __init__(self, *, policy_version: int = 0) -> None:
         self._policy_version = 0
         self.policy_version = policy_version
+        self._running = asyncio.Event()
+        self._running.set()
 
     @property
     @abc.abstractmethod
@@ -169,6 +180,25 @@ class Engine(abc.ABC):
         if value < 0:
             raise ValueError(f"policy_version must be >= 0, got {value}")
         self._policy_version = value
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    def pause_generation(self) -> None:
+        """Take no more steps until ``resume_generation`` (requests stay admitted, frozen)."""
+        if not self.pausable:
+            raise TypeError(f"{type(self).__name__} does not pause")
+        self._running.clear()
+
+    def resume_generation(self) -> None:
+        """Go on stepping every request ``pause_generation`` froze (a no-op when not paused)."""
+        self._running.set()
+
+    async def _unpaused(self) -> None:
+        """Return at once unless paused; then when resumed."""
+        if not self._running.is_set():
+            await self._running.wait()
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Start background work (a scheduler); called once before the first ``generate``."""

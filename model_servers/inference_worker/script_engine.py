@@ -50,6 +50,8 @@ class _Answer:
 class ScriptEngine(Engine):
     """Answers by ``rules`` (first match), else ``default``; tokens through ``tokenizer``."""
 
+    pausable = True
+
     def __init__(self, tokenizer: HFTokenizer, rules: Sequence[ScriptRule], default: str, *,
                  context_length: int = SCRIPT_CONTEXT_LENGTH, policy_version: int = 0) -> None:
         super().__init__(policy_version=policy_version)
@@ -100,6 +102,7 @@ class ScriptEngine(Engine):
         for index, token in enumerate(rest[: request.max_tokens]):
             if answer.delay_s:
                 await asyncio.sleep(answer.delay_s)
+            await self._unpaused()
             last = index + 1 == min(len(rest), request.max_tokens)
             finish: FinishReason | None = "stop" if token in stops else "length" if last else None
             yield TokenStep(token, 0.0, finish)

@@ -82,6 +82,8 @@ class _Slot:
 class TransformersEngine(Engine):
     """A ``transformers`` causal LM on the CPU with continuous batching of decode steps."""
 
+    pausable = True
+
     def __init__(
         self,
         model: Any,
@@ -212,6 +214,7 @@ class TransformersEngine(Engine):
 
     async def _run(self) -> None:
         while True:
+            await self._unpaused()  # a step already running finishes; none starts while paused
             batch = self._next_batch()
             if not batch:
                 self._wakeup.clear()

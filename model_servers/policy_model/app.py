@@ -62,6 +62,9 @@ class Config(ServerConfig):
     # token lines the capture ledger holds in memory before it spills them (capture_memory.py)
     capture_memory_max_bytes: int = Field(256 * 1024 * 1024, ge=0, le=1 << 40)
     capture_spill_dir: str | None = None
+    # no decode steps on the worker while a checkpoint is open (generation_hold.py): for a CPU mesh,
+    # where the worker shares the cores with the commits; off on a GPU
+    hold_generation_in_checkpoints: bool = False
 
     @model_validator(mode="after")
     def _one_backend(self) -> Config:
@@ -79,6 +82,9 @@ class Config(ServerConfig):
         if self.generation_cuts and not (self.checkpoint_policy and self.worker is not None):
             raise ValueError("generation_cuts needs checkpoint_policy: true and a worker (an upstream server "
                              "cannot be cut)")
+        if self.hold_generation_in_checkpoints and not (self.checkpoint_policy and self.worker is not None):
+            raise ValueError("hold_generation_in_checkpoints needs checkpoint_policy: true and a worker (an "
+                             "upstream server cannot be held)")
         return self
 
 
@@ -140,6 +146,7 @@ def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> Fa
         policy = mount_policy_participant(
             app, ctx, backend, worker_url=worker_url, generation_cuts=settings.generation_cuts,
             cut_control_url=settings.generation_cut_url, clock=clock, capture_memory=memory,
+            hold_generation=settings.hold_generation_in_checkpoints,
         )
     app.include_router(make_router(policy.backend if policy else backend, defaults))
     return close_on_shutdown(app, ctx.aclose)

@@ -37,6 +37,10 @@ each durable cut goes into its episode's record; ``committed`` answers the kept 
 the worker, which the commit's reply does not wait for. The cuts go over a client of their own
 (``CONTROL_CONNECTIONS`` connections), never the data pool the generations being cut hold.
 
+Generation hold (``hold_generation_in_checkpoints: true``, see ``generation_hold``): from the moment
+the participant is ready inside a checkpoint (``paused``) to its resume (``resumed``) the worker
+takes no decode steps; the commit extends the hold to its own deadline. Over the same control client.
+
 The commit reply carries what NeMo RL's adapter checks: ``staging_keys`` (sorted, unique) and
 ``staging_keys_by_episode``: one entry per exported record, by the capture key of its
 ``episode_id`` (the checkpointed attempt), with the sorted staging keys of its cut (``[]`` for a
@@ -58,6 +62,7 @@ from model_servers.policy_model.backend import Backend
 from model_servers.policy_model.capture_memory import CaptureMemory
 from model_servers.policy_model.custody import Custody, CustodyBackend
 from model_servers.policy_model.cuts import CutClient, CutRecord, GenerationCutter
+from model_servers.policy_model.generation_hold import GenerationHolder, HoldClient
 from model_servers.policy_model.ledger import CUT_KEY, LedgerBook
 from model_servers.policy_model.token_sidecar import CallTokens, SidecarStore
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
@@ -91,6 +96,7 @@ class PolicyAdapter:
         self.ledgers = ledgers
         self.generation_cuts = generation_cuts
         self.cutter = cutter
+        self.holder: GenerationHolder | None = None
         self._commit: tuple[str, float] | None = None  # (checkpoint id, deadline) of the commit running
         self._cuts: dict[RolloutIdentity, CutRecord] = {}
         self._kept: dict[str, list[str]] = {}  # capture key of each exported record -> its staging keys
@@ -111,9 +117,19 @@ class PolicyAdapter:
     async def readiness(self) -> Readiness:
         return Readiness(blockers=self.calls.delivering_keys(), counts=self.counts())
 
+    def paused(self, checkpoint_id: str, until_ts: float) -> None:
+        if self.holder is not None:
+            self.holder.paused(checkpoint_id, until_ts)
+
+    def resumed(self, checkpoint_id: str) -> None:
+        if self.holder is not None:
+            self.holder.resumed(checkpoint_id)
+
     async def before_export(self, checkpoint_id: str, scope: Scope | None, deadline_ts: float) -> None:
         """Cut the calls in flight (never fails: a failed cut leaves those calls to be generated again)."""
         self._commit, self._cuts = (checkpoint_id, deadline_ts), {}
+        if self.holder is not None:
+            self.holder.extend(checkpoint_id, deadline_ts)
         if self.cutter is not None:
             self._cuts = await self.cutter.cut(checkpoint_id, scope, deadline_ts, self.ledgers.lineage)
 
@@ -155,7 +171,9 @@ class PolicyAdapter:
 
     def status_extras(self) -> Mapping[str, Any]:
         timings = {"generation_cut_ms": self.cutter.timings} if self.cutter and self.cutter.timings else {}
-        return {"checkpoint_policy": True, "generation_cuts": self.generation_cuts, **self.counts(), **timings}
+        hold = self.holder.status() if self.holder is not None else {}
+        return {"checkpoint_policy": True, "generation_cuts": self.generation_cuts, **self.counts(), **timings,
+                **hold}
 
 
 def kept_staging_keys(items: Sequence[ExportItem]) -> list[str]:
@@ -195,12 +213,14 @@ def mount_policy_participant(
     cut_control_url: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
     capture_memory: CaptureMemory | None = None,
+    hold_generation: bool = False,
 ) -> PolicyParticipant | None:
     """Mount the model participant on ``app`` (``None``, nothing mounted, with checkpointing off).
 
     With ``generation_cuts``, the cuts go to ``cut_control_url`` (default: ``worker_url`` without its
     ``/v1``) over a client of their own (``CONTROL_CONNECTIONS``): a cut never waits behind the calls
-    generating on that worker. ``capture_memory`` bounds the token lines the ledgers hold in memory.
+    generating on that worker. With ``hold_generation``, the worker there is held while a checkpoint
+    is open, over the same client. ``capture_memory`` bounds the token lines the ledgers hold in memory.
     """
     calls, ledgers = ActiveCalls(), LedgerBook(capture_memory)
     adapter = PolicyAdapter(calls, ledgers, generation_cuts=generation_cuts)
@@ -209,17 +229,20 @@ def mount_policy_participant(
         return None
     participant.store = SidecarStore(participant.store, adapter.sidecar_lines)
     _mount_capture_route(app, participant, ledgers)
-    if generation_cuts:
+    if generation_cuts or hold_generation:
         if worker_url is None and cut_control_url is None:
-            raise ValueError("generation cuts need the inference worker's url (or a cut control url)")
+            raise ValueError("generation cuts and holds need the inference worker's url (or a cut control url)")
         token = ctx.mesh.checkpoint.control_auth_token
         assert token is not None  # the config refuses checkpointing without a token
         control = ctx.client.for_control(CONTROL_CONNECTIONS)
         if control is not ctx.client:
             close_on_shutdown(app, control.aclose)
-        url = cut_control_url or control_root(worker_url or "")
-        client = CutClient(control, url, token.get_secret_value(), ctx.name)
-        adapter.cutter = GenerationCutter(calls, client, participant.clock, participant.telemetry)
+        url, secret = cut_control_url or control_root(worker_url or ""), token.get_secret_value()
+        if generation_cuts:
+            client = CutClient(control, url, secret, ctx.name)
+            adapter.cutter = GenerationCutter(calls, client, participant.clock, participant.telemetry)
+        if hold_generation:
+            adapter.holder = GenerationHolder(HoldClient(control, url, secret), participant.clock)
     custody = Custody(participant, calls, ledgers, generation_cuts=generation_cuts)
     return PolicyParticipant(participant, adapter, CustodyBackend(backend, custody))
 

@@ -450,17 +450,19 @@ async def _levels(
 
 def scale(
     *, levels: Sequence[int] = LEVELS, pairs: int = 3, gap_s: float = 1.0, quick: bool = False,
-    variants: dict[str, list[str]] | None = None, progress: Path | None = None,
+    variants: dict[str, list[str]] | None = None, progress: Path | None = None, overrides: Sequence[str] = (),
 ) -> Result:
-    """Pause, bytes and restore, full against incremental, at each level of rollouts in flight."""
+    """Pause, bytes and restore, full against incremental, at each level of rollouts in flight
+    (``overrides``: config overrides of the mesh, after the suite's own)."""
     if quick:
         levels, pairs = QUICK_LEVELS, 1
     with tempfile.TemporaryDirectory(prefix="ngc-bench-scale-") as directory:
         root = Path(directory)
-        with launched_mesh([*enabled_overrides(root), *OVERRIDES]) as launcher:
+        with launched_mesh([*enabled_overrides(root), *OVERRIDES, *overrides]) as launcher:
             began = loadavg()
             rows = asyncio.run(_levels(launcher, root, levels, pairs, gap_s, progress, quick))
-    return {"config": "configs/quickstart.yaml", "pairs_per_level": pairs, "gap_s": gap_s, "cpus": os.cpu_count(),
+    return {"config": "configs/quickstart.yaml", "overrides": list(overrides), "pairs_per_level": pairs,
+            "gap_s": gap_s, "cpus": os.cpu_count(),
             "loadavg_at_start": began, "loadavg_at_end": loadavg(), "levels": rows,
             "variants": compare_variants(variants or {}, quick=quick)}
 

@@ -25,6 +25,12 @@ commit, after the readiness check and before ``export``, with the commit's deadl
 it to cut the generations in flight within half of the time left. It must not fail the commit for
 work it can do without (a failed generation cut is only logged).
 
+Optional (``PauseWindow``): ``paused(checkpoint_id, until_ts)`` runs once when a prepare finds the
+participant ready (its work parked until the resume; ``until_ts``, the lease's expiry, bounds the
+pause), and ``resumed(checkpoint_id)`` when the checkpoint closes (resume, abort, lease expiry,
+after a restore too, so possibly without a ``paused`` before it). Both are synchronous and must not
+block or raise: the model uses them to hold its worker's generation (``generation_hold``).
+
 Optional (``StopCommitted``): ``stop_committed(scope)`` runs after ``committed`` of a commit sent
 with ``stop: true`` (the controller stops the mesh next): free what the records do not hold
 (sandboxes, child processes, connections). Bounded by the commit's deadline; a failure is logged
@@ -40,7 +46,8 @@ from typing import Any, Protocol, runtime_checkable
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["MAX_BLOCKERS", "BeforeExport", "ExportItem", "ParticipantAdapter", "Readiness", "StopCommitted"]
+__all__ = ["MAX_BLOCKERS", "BeforeExport", "ExportItem", "ParticipantAdapter", "PauseWindow", "Readiness",
+           "StopCommitted"]
 
 MAX_BLOCKERS = 100
 ExportItem = Record | Mapping[str, Any]
@@ -90,6 +97,15 @@ class BeforeExport(Protocol):
     """An adapter that works once per commit before its export, knowing the commit's deadline."""
 
     async def before_export(self, checkpoint_id: str, scope: Scope | None, deadline_ts: float) -> None: ...
+
+
+@runtime_checkable
+class PauseWindow(Protocol):
+    """An adapter told when its participant is ready inside a checkpoint, and when it resumes."""
+
+    def paused(self, checkpoint_id: str, until_ts: float) -> None: ...
+
+    def resumed(self, checkpoint_id: str) -> None: ...
 
 
 @runtime_checkable

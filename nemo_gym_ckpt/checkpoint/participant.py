@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nemo_gym_ckpt.checkpoint.adapter import BeforeExport, ParticipantAdapter, Readiness, StopCommitted
+from nemo_gym_ckpt.checkpoint.adapter import BeforeExport, ParticipantAdapter, PauseWindow, Readiness, StopCommitted
 from nemo_gym_ckpt.checkpoint.admission import RetireMarks, Signal
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock, wait_until
 from nemo_gym_ckpt.checkpoint.lease import Lease
@@ -300,6 +300,8 @@ class Participant:
             if readiness.ready:
                 self.phase = advance(self.phase, Op.READY)
                 open_.prepared = {"phase": self.phase, "report": self._last_report}
+                if isinstance(self.adapter, PauseWindow):
+                    self.adapter.paused(open_.checkpoint_id, open_.lease.expires_at)
                 return open_.prepared
             if self.clock.now() >= deadline_ts:
                 self.telemetry.event("prepare_not_ready")
@@ -519,6 +521,8 @@ class Participant:
         if open_.watchdog is not None:
             open_.watchdog.cancel()
         self.phase = advance(self.phase, Op.RESUME)
+        if isinstance(self.adapter, PauseWindow):
+            self.adapter.resumed(open_.checkpoint_id)
         self.signal.notify()
         self._gate_changed()
 

@@ -143,6 +143,7 @@ class ScriptedEngine(Engine):
                 if self.gate is not None:
                     await self.gate.acquire()
                 await asyncio.sleep(self.pace_s)
+                await self._unpaused()  # only ever paused in a subclass with ``pausable = True``
                 if index == self.fail_after:
                     raise Unavailable("the scripted engine lost its device")
                 token = self.script[index % len(self.script)]

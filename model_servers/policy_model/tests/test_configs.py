@@ -8,6 +8,7 @@ import pytest
 
 from model_servers.policy_model.app import Config, tokenizer_dir
 from nemo_gym_ckpt.config import load_config, load_config_dict
+from nemo_gym_ckpt.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -49,3 +50,13 @@ def test_tokenizer_comes_from_the_worker_model_unless_named(tmp_path: Path) -> N
     assert tokenizer_dir(settings, mesh) == tmp_path.resolve()
     named = settings.model_copy(update={"tokenizer_path": Path("/elsewhere")})
     assert tokenizer_dir(named, mesh) == Path("/elsewhere")
+
+
+@pytest.mark.parametrize("setting", ["generation_cuts", "hold_generation_in_checkpoints"])
+def test_cuts_and_holds_need_the_policy_participant_and_a_worker(setting: str) -> None:
+    upstream = {"base_url": "http://127.0.0.1:9/v1", "model": "m"}
+    for settings in ({"worker": WORKER_REF}, {"upstream": upstream, "checkpoint_policy": True}):
+        raw = {"inference_worker": {"responses_api_models": {"inference_worker": {}}},
+               "policy_model": {"responses_api_models": {"policy_model": {**settings, setting: True}}}}
+        with pytest.raises(ConfigError, match=f"{setting} needs checkpoint_policy: true and a worker"):
+            load_config_dict(raw)

@@ -357,6 +357,45 @@ async def test_a_prepare_waiting_when_the_checkpoint_is_resumed_stops(
         await asyncio.wait_for(pending, WAIT_S)
 
 
+class WindowAdapter(GatedAdapter):
+    """Records the pause window the participant reports (``PauseWindow``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.window: list[tuple[str, str, float | None]] = []
+
+    def paused(self, checkpoint_id: str, until_ts: float) -> None:
+        self.window.append(("paused", checkpoint_id, until_ts))
+
+    def resumed(self, checkpoint_id: str) -> None:
+        self.window.append(("resumed", checkpoint_id, None))
+
+
+async def test_the_pause_window_opens_once_ready_and_closes_at_the_resume_or_the_lease(
+    root: Path, clock: FakeClock
+) -> None:
+    adapter = WindowAdapter()
+    participant = Participant(kind="agent", instance="a1", adapter=adapter, store=CheckpointStore(root),
+                              lease_grace_s=GRACE_S, clock=clock)
+    adapter.participant = participant
+    adapter.put(RolloutIdentity("r1"), {"turn": 1})
+    adapter.set_busy(RolloutIdentity("r1"), True)
+    pending = asyncio.create_task(participant.prepare(control(clock, "c1", seconds=10)))
+    await until(lambda: participant.status()["report"] is not None)
+    assert adapter.window == []  # not ready: the work is not parked, nothing is paused
+    adapter.set_busy(RolloutIdentity("r1"), False)
+    await asyncio.wait_for(pending, WAIT_S)
+    await participant.prepare(control(clock, "c1", seconds=10))  # a retry opens no second window
+    await participant.resume(control(clock, "c1"))
+    await participant.resume(control(clock, "c1"))
+    await participant.prepare(control(clock, "c2", seconds=10))
+    clock.advance(10 + GRACE_S)
+    assert participant.status()["phase"] == "idle"
+    expiry = FAKE_CLOCK_START + 10 + GRACE_S
+    assert adapter.window == [("paused", "c1", expiry), ("resumed", "c1", None),
+                              ("paused", "c2", clock.now()), ("resumed", "c2", None)]
+
+
 async def test_the_blockers_listed_are_capped_but_restarts_are_not(
     gated: Participant, clock: FakeClock
 ) -> None:
