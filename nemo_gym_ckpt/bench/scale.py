@@ -15,7 +15,8 @@ pause (prepare to resume) and its parts, and the bytes written (files of its dir
 hard link of a file of an earlier checkpoint). Before each checkpoint the rollouts finished since
 the last one are forgotten, as the collector does. Per level: the fsync'd sequential write floor of
 the full checkpoint's size, measured in the same run right after, and the commit's write speed over
-it; rollouts/s and CPU ms per rollout of every process; the peak memory (``VmHWM``) of every server.
+it; rollouts/s and CPU ms per rollout of every process; the peak memory (``VmHWM``) of every server;
+the worker's generation-hold counts (``generation_hold``: holds, releases, expiries, milliseconds held).
 
 Then every server gets SIGKILL, fresh processes restore from the last full checkpoint (timed; not at
 2,048, the level kept for the commit's write speed, nor in ``quick`` form: process starts take a
@@ -58,6 +59,7 @@ from nemo_gym_ckpt.bench.mesh import (
 )
 from nemo_gym_ckpt.bench.stats import quantiles_ms
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
+from nemo_gym_ckpt.checkpoint.hold_wire import HOLD_ROUTE
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.errors import GymError, Overloaded
@@ -248,6 +250,12 @@ class _Bench:
                                        headers={"authorization": f"Bearer {TOKEN}"})
         return int(status.get("extras", {}).get("episodes", 0))
 
+    async def generation_hold(self, client: MeshClient) -> Result:
+        """The worker's hold counts (``hold_generation_in_checkpoints``; all zero when it is off)."""
+        status: Result = await client.get_json(f"{self.urls.worker}{HOLD_ROUTE}", rollout_prefix=False,
+                                               headers={"authorization": f"Bearer {TOKEN}"})
+        return status
+
     async def checkpoint(
         self, coordinator: _TimedCoordinator, cid: str, incremental: bool, in_flight: list[RolloutIdentity]
     ) -> Result:
@@ -310,6 +318,7 @@ class _Bench:
             usage = meter.stop()
             finished_in_window = sum(1 for end in driver.ends if end >= window_began)
             peaks = _peak_memory_mb(self.launcher.pids)
+            hold = await self.generation_hold(client)
             in_flight_at_kill = dict(driver.in_flight)
             waiting_at_kill = set(driver.waiting)
             finished_before = Counter(driver.finished)
@@ -329,6 +338,7 @@ class _Bench:
         restore_incr = await self.restore(latest, scope, keep=True)
         row = self.summary(level, samples, floor, restore_full, restore_incr, usage, finished_in_window, window_s,
                            peaks, driver, load_at_start, forgotten)
+        row["generation_hold"] = hold
         if final:
             row["crash"] = await self.finish_after_crash(latest, scope, restore_incr, in_flight_at_kill,
                                                          waiting_at_kill, finished_before)
