@@ -83,8 +83,10 @@ SETTLE_S = 10.0
 """Once the environment holds its rollouts, the level runs this long before its first checkpoint: the
 burst of starts is over, and the checkpoints see the level's steady state (not in ``quick`` form)."""
 FINISH_S = 1200.0
-OVERRIDES = ["single_agent_turn.environment_servers.single_agent_turn.overload_retry_after_s=10"]
-"""Past the environment's capacity, a refused slot asks again every 10 s (not every second)."""
+OVERRIDES = ["single_agent_turn.environment_servers.single_agent_turn.overload_retry_after_s=10",
+             "policy_model.responses_api_models.policy_model.hold_generation_in_checkpoints=true"]
+"""Past the environment's capacity, a refused slot asks again every 10 s (not every second); the worker
+takes no decode step while a checkpoint is open (docs/benchmarks.md, "The generation hold")."""
 FAILED_SLOT_PAUSE_S = 1.0
 """A slot whose rollout failed waits this long before its next one: a failure that comes back at once
 must not spin the driver's loop (its checkpoints and every other slot wait for that loop)."""

@@ -1,7 +1,8 @@
 """The generation hold over real sockets: the policy model and the real inference worker on uvicorn.
 
 With ``hold_generation_in_checkpoints``, a call generating when the policy model becomes ready
-inside a checkpoint takes no token from then to the resume, and ends exactly as an uninterrupted
+inside a checkpoint takes no token from then to the resume (but the one step already running), and
+ends exactly as an uninterrupted
 call; a hold the worker cannot take (the policy model pointed at a server without the routes) is
 counted and the checkpoint goes on.
 """
@@ -113,7 +114,7 @@ async def test_a_call_takes_no_token_from_ready_to_resume_and_ends_unchanged(tmp
         held = await until(worker, HOLD_ROUTE, lambda status: status["held_by"] is None)
         ended = await asyncio.wait_for(running, WAIT_S)
         extras = (await get(policy, f"{CONTROL_PREFIX}/status"))["extras"]
-    assert during == 0 and not running.cancelled()
+    assert during <= 1 and not running.cancelled()  # at most the step running when the hold came
     assert ended == uninterrupted
     assert (held["holds"], held["releases"], held["expired"]) == (1, 1, 0)
     assert extras["releases_sent"] == 1 and extras["hold_failures"] == 0 and extras["holds_sent"] >= 1

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 __all__ = ["serving"]
 
-START_DEADLINE_S = 10.0
+START_DEADLINE_S = 60.0  # the worker loads its model in its lifespan: slow on a busy 2-core machine
 
 
 @asynccontextmanager
