@@ -80,11 +80,6 @@ class GenerationHolder:
             self.holding = None
             self._send("release", self.client.release(checkpoint_id))
 
-    async def drain(self, timeout_s: float) -> None:
-        """Wait (bounded) for what was sent to be answered."""
-        if self._last is not None:
-            await asyncio.wait({self._last}, timeout=timeout_s)
-
     def status(self) -> dict[str, Any]:
         return {"generation_held_by": self.holding, **self.counts}
 
