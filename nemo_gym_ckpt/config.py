@@ -186,7 +186,9 @@ class CheckpointConfig(StrictModel):
     ``enabled``, ``control_auth_token`` and ``lease_grace_seconds`` are upstream's keys; the others
     are this project's: ``root`` (optional; when set, every ``checkpoint_dir`` must resolve inside
     it, else any absolute one is accepted), ``max_deadline_seconds`` (how far ahead of the server's
-    clock a ``deadline_ts`` may be) and ``max_record_bytes`` (the largest record line a restore reads).
+    clock a ``deadline_ts`` may be), ``max_record_bytes`` (the largest record line a restore reads) and
+    ``pause_garbage_collection`` (no automatic garbage collection in a server while a checkpoint is
+    open there, at most a minute at a time: ``checkpoint/collector_pause.py``).
     """
 
     enabled: bool = False
@@ -195,6 +197,7 @@ class CheckpointConfig(StrictModel):
     root: Path | None = None
     max_deadline_seconds: float = Field(default=DEFAULT_MAX_DEADLINE_SECONDS, gt=0, le=MAX_DEADLINE_SECONDS_BOUND)
     max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1024, le=1 << 40)
+    pause_garbage_collection: bool = True
 
     @model_validator(mode="after")
     def _token_when_enabled(self) -> CheckpointConfig:

@@ -58,6 +58,7 @@ from nemo_gym_ckpt.bench.mesh import (
     task_rows,
 )
 from nemo_gym_ckpt.bench.stats import quantiles_ms
+from nemo_gym_ckpt.checkpoint.collector_pause import PROCESS_COLLECTOR
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
 from nemo_gym_ckpt.checkpoint.hold_wire import HOLD_ROUTE
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
@@ -92,7 +93,7 @@ FAILED_SLOT_PAUSE_S = 1.0
 must not spin the driver's loop (its checkpoints and every other slot wait for that loop)."""
 KEPT_FAILURES = 100
 """Failures kept as text (the first ones); all of them are counted."""
-_SAMPLE_KEYS = ("id", "pause_ms", "prepare_ms", "commit_ms", "bytes_written")
+_SAMPLE_KEYS = ("id", "started_at", "pause_ms", "prepare_ms", "commit_ms", "bytes_written", "calls_ms")
 """What each checkpoint of a level reports in the row's ``checkpoints``, in the order taken."""
 
 
@@ -265,7 +266,8 @@ class _Bench:
         deadline = time.time() + DEADLINE_S
         directory = self.root / cid
         coordinator.calls.clear()
-        began = time.perf_counter()
+        PROCESS_COLLECTOR.hold(self)  # the driver's own full collections (4,096 tasks) stay out of the pause
+        began, started_at = time.perf_counter(), time.time()
         try:
             prepared = await coordinator.prepare(cid, deadline_ts=deadline)
             prepared_at = time.perf_counter()
@@ -276,9 +278,10 @@ class _Bench:
             committed_at = time.perf_counter()
         finally:
             await coordinator.resume(cid, deadline_ts=time.time() + DEADLINE_S)
+            PROCESS_COLLECTOR.release(self)
         resumed_at = time.perf_counter()
         written = _written_bytes(directory, self.seen)
-        return {"id": cid, "incremental": incremental, "directory": directory,
+        return {"id": cid, "started_at": started_at, "incremental": incremental, "directory": directory,
                 "episodes": [parse_capture_key(key) for key in committed.episode_ids()],
                 "committed_at": committed_at,
                 "pause_ms": 1000 * (resumed_at - began), "prepare_ms": 1000 * (prepared_at - began),

@@ -64,6 +64,8 @@ class FollowerParticipant(Participant):
                 self._open = _Open(str(checkpoint_id), Lease(self.clock, self.lease_grace_s, float(expires_at)))
             self._open.lease.expires_at = float(expires_at)
             self.phase = Phase(gate.get("phase", Phase.PREPARING))
+        if self.collector is not None:  # the worker's own collector is off while its coordinator's checkpoint is open
+            (self.collector.release if self._open is None else self.collector.hold)(self)
         self.signal.notify()
         self.gate_signal.notify()
 

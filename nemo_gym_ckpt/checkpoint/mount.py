@@ -26,6 +26,7 @@ from starlette.routing import BaseRoute
 
 from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
+from nemo_gym_ckpt.checkpoint.collector_pause import PROCESS_COLLECTOR
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.follower import FollowerParticipant, WorkerLink
 from nemo_gym_ckpt.checkpoint.participant import Participant
@@ -76,6 +77,7 @@ def mount_checkpointing(
         clock=clock,
         telemetry=telemetry.for_participant(kind, name) if telemetry else None,
         max_deadline_s=config.max_deadline_seconds,
+        collector=PROCESS_COLLECTOR if config.pause_garbage_collection else None,
     )
     forward = None
     if isinstance(participant, FollowerParticipant):  # a worker of a multi-worker server

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 from nemo_gym_ckpt.checkpoint.adapter import BeforeExport, ParticipantAdapter, PauseWindow, Readiness, StopCommitted
 from nemo_gym_ckpt.checkpoint.admission import RetireMarks, Signal
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock, wait_until
+from nemo_gym_ckpt.checkpoint.collector_pause import CollectorPause
 from nemo_gym_ckpt.checkpoint.lease import Lease
 from nemo_gym_ckpt.checkpoint.models import (
     CommitRequest,
@@ -114,7 +115,9 @@ class Participant:
         clock: Clock = SYSTEM_CLOCK,
         telemetry: Telemetry | None = None,
         max_deadline_s: float = DEFAULT_MAX_DEADLINE_S,
+        collector: CollectorPause | None = None,
     ) -> None:
+        """``collector``: held off from a checkpoint's opening to its close (``collector_pause.py``)."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         if not _INSTANCE.fullmatch(instance):
@@ -123,6 +126,7 @@ class Participant:
             raise ValueError("lease_grace_s and max_deadline_s must be > 0")
         self.kind, self.instance, self.adapter, self.store = kind, instance, adapter, store
         self.lease_grace_s, self.clock, self.max_deadline_s = lease_grace_s, clock, max_deadline_s
+        self.collector = collector
         self.telemetry = telemetry or Telemetry(kind, instance)
         self.phase = Phase.IDLE
         self.marks = RetireMarks()
@@ -274,6 +278,8 @@ class Participant:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.collector is not None:
+            self.collector.release(self)
 
     # ---- prepare ----------------------------------------------------------------------------
 
@@ -484,6 +490,8 @@ class Participant:
     def _open_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> _Open:
         open_ = _Open(checkpoint_id, Lease.start(self.clock, self.lease_grace_s, deadline_ts, self._gate_changed))
         self._open = open_
+        if self.collector is not None:
+            self.collector.hold(self)
         open_.watchdog = self._spawn(open_.lease.watch(lambda: self._expire(open_)))
         self.signal.notify()
         self._gate_changed()
@@ -511,6 +519,8 @@ class Participant:
     def _close(self, open_: _Open) -> None:
         """Resume: stop the write before its commit point (or let a passed one finish), reopen."""
         self._open = None
+        if self.collector is not None:
+            self.collector.release(self)
         self._fence(open_.checkpoint_id)
         if open_.stop.stop():
             for op, job in open_.jobs.items():
