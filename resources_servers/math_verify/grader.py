@@ -6,6 +6,12 @@ for good. So grades run in a small pool of worker processes (spawned, started on
 grade that overruns its deadline gets its worker killed and replaced, and comes back as
 ``"timeout"``; a worker that dies mid-grade comes back as ``"worker_died"``. The server never
 waits longer than the deadline for one grade, and a stuck input never outlives it.
+
+A worker's start (a new interpreter importing ``math_verify`` and sympy: seconds on a busy machine)
+is not charged to a grade: a new worker says it is ready once its imports are done, and only then
+gets a grade and its deadline. A worker not ready within ``START_TIMEOUT_S`` is killed and its grade
+comes back as ``"worker_died"``. Otherwise the answer graded right after a timeout (whose worker was
+replaced) would time out too on a loaded machine, and a correct answer would get reward 0.0.
 """
 
 from __future__ import annotations
@@ -20,10 +26,14 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Literal
 
-__all__ = ["Grade", "GradeStatus", "GraderPool", "grade_answer"]
+__all__ = ["START_TIMEOUT_S", "Grade", "GradeStatus", "GraderPool", "grade_answer", "load_math_verify"]
 
 GradeStatus = Literal["ok", "timeout", "worker_died"]
 GradeFn = Callable[[str, str], tuple[bool, str | None]]
+WarmUp = Callable[[], None]
+START_TIMEOUT_S = 60.0
+"""How long a new worker may take to import what it grades with before it is given up."""
+_READY = "ready"
 
 
 @dataclass(frozen=True)
@@ -44,12 +54,20 @@ def grade_answer(expected: str, text: str) -> tuple[bool, str | None]:
     return bool(gold and answer and verify(gold, answer, timeout_seconds=None)), extracted
 
 
-def _serve(conn: Connection, grade: GradeFn) -> None:
-    """A worker's loop: (expected, text) in, grade out, until ``None`` or the parent is gone."""
+def load_math_verify() -> None:
+    """Import what ``grade_answer`` uses (a worker's warm-up, before it says it is ready)."""
+    import math_verify  # noqa: F401
+
+
+def _serve(conn: Connection, grade: GradeFn, warm_up: WarmUp) -> None:
+    """A worker's loop: ready once warmed up, then (expected, text) in, grade out, until ``None``
+    or the parent is gone."""
     # the deadline is ours (see above): math-verify's "timeout is disabled" and parse-failure
     # warnings are expected here and would only flood the server log
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     with conn:
+        warm_up()
+        conn.send(_READY)
         while True:
             try:
                 job = conn.recv()
@@ -63,14 +81,24 @@ def _serve(conn: Connection, grade: GradeFn) -> None:
 class _Worker:
     """One worker process and the parent's end of its pipe."""
 
-    def __init__(self, grade: GradeFn) -> None:
+    def __init__(self, grade: GradeFn, warm_up: WarmUp) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.process: BaseProcess = context.Process(
-            target=_serve, args=(child, grade), name="math-verify-worker", daemon=True
+            target=_serve, args=(child, grade, warm_up), name="math-verify-worker", daemon=True
         )
         self.process.start()
         child.close()
+        self.warmed = False
+
+    async def ready(self, timeout_s: float) -> bool:
+        """Whether the worker has finished its warm-up, waiting up to ``timeout_s`` for a new one."""
+        if not self.warmed:
+            try:
+                self.warmed = await asyncio.to_thread(self.conn.poll, timeout_s) and self.conn.recv() == _READY
+            except EOFError:
+                return False
+        return self.warmed
 
     async def grade(self, expected: str, text: str, timeout_s: float) -> Grade:
         self.conn.send((expected, text))
@@ -91,19 +119,24 @@ class _Worker:
 class GraderPool:
     """At most ``workers`` grades at once, each bounded by ``timeout_s``."""
 
-    def __init__(self, workers: int, timeout_s: float, grade: GradeFn = grade_answer) -> None:
-        self.timeout_s = timeout_s
-        self._grade = grade
+    def __init__(
+        self, workers: int, timeout_s: float, grade: GradeFn = grade_answer, warm_up: WarmUp = load_math_verify,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self._grade, self._warm_up = grade, warm_up
         self._slots = asyncio.Semaphore(workers)
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
 
     async def grade(self, expected: str, text: str) -> Grade:
         async with self._slots:
-            worker = self._idle.pop() if self._idle else _Worker(self._grade)
+            worker = self._idle.pop() if self._idle else _Worker(self._grade, self._warm_up)
             self._busy.add(worker)
             result: Grade | None = None
             try:
+                if not await worker.ready(self.start_timeout_s):
+                    return Grade("worker_died")
                 result = await worker.grade(expected, text, self.timeout_s)
                 return result
             finally:

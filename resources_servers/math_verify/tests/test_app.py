@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 from nemo_gym_ckpt.config import load_config_dict
 from nemo_gym_ckpt.context import ServerContext
 from resources_servers.math_verify.app import create_app
-from resources_servers.math_verify.grader import GraderPool
+from resources_servers.math_verify.grader import Grade, GraderPool
 
 pytestmark = pytest.mark.unit
 
@@ -28,6 +29,16 @@ def answer(text: str) -> dict[str, Any]:
 def crash(expected: str, text: str) -> tuple[bool, str | None]:
     """A grade function whose worker process dies (runs in the spawned worker)."""
     os._exit(3)
+
+
+def same(expected: str, text: str) -> tuple[bool, str | None]:
+    """A grade function that answers at once (runs in the spawned worker)."""
+    return expected == text, text
+
+
+def slow_start() -> None:
+    """A worker warm-up that takes 2 s, as importing sympy does on a busy machine."""
+    time.sleep(2.0)
 
 
 @pytest.fixture
@@ -97,6 +108,24 @@ async def test_a_dead_worker_is_replaced() -> None:
         assert (await pool.grade("1", "1")).status == "worker_died"
         assert pool.live_workers == 0
         assert (await pool.grade("1", "1")).status == "worker_died"
+    finally:
+        await pool.aclose()
+
+
+async def test_a_workers_start_is_not_charged_to_the_grade() -> None:
+    pool = GraderPool(workers=1, timeout_s=0.5, grade=same, warm_up=slow_start)
+    try:
+        assert await pool.grade("7", "7") == Grade("ok", True, "7")
+        assert pool.live_workers == 1
+    finally:
+        await pool.aclose()
+
+
+async def test_a_worker_that_does_not_start_in_time_is_given_up() -> None:
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=same, warm_up=slow_start, start_timeout_s=0.2)
+    try:
+        assert (await pool.grade("7", "7")).status == "worker_died"
+        assert pool.live_workers == 0
     finally:
         await pool.aclose()
 
