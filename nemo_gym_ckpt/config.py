@@ -57,6 +57,7 @@ from nemo_gym_ckpt.config_sources import (
 from nemo_gym_ckpt.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_FULL_COLLECTION_INTERVAL_SECONDS",
     "FOLDER_OF_TYPE",
     "KNOWN_TOP_LEVEL_KEYS",
     "MAX_WORKERS",
@@ -129,6 +130,7 @@ _M = TypeVar("_M", bound=BaseModel)
 DEFAULT_MAX_DEADLINE_SECONDS = 24 * 3600.0
 MAX_DEADLINE_SECONDS_BOUND = 365 * 24 * 3600.0
 DEFAULT_MAX_RECORD_BYTES = 64 * 1024 * 1024
+DEFAULT_FULL_COLLECTION_INTERVAL_SECONDS = 300.0
 
 
 class StrictModel(BaseModel):
@@ -188,7 +190,10 @@ class CheckpointConfig(StrictModel):
     it, else any absolute one is accepted), ``max_deadline_seconds`` (how far ahead of the server's
     clock a ``deadline_ts`` may be), ``max_record_bytes`` (the largest record line a restore reads) and
     ``pause_garbage_collection`` (no automatic garbage collection in a server while a checkpoint is
-    open there, at most a minute at a time: ``checkpoint/collector_pause.py``).
+    open there, at most a minute at a time: ``checkpoint/collector_pause.py``) and
+    ``full_collection_interval_seconds`` (a server's full garbage collections run on this schedule,
+    never while a checkpoint is open, instead of Python's own; ``null`` keeps Python's:
+    ``checkpoint/collector_schedule.py``).
     """
 
     enabled: bool = False
@@ -198,6 +203,8 @@ class CheckpointConfig(StrictModel):
     max_deadline_seconds: float = Field(default=DEFAULT_MAX_DEADLINE_SECONDS, gt=0, le=MAX_DEADLINE_SECONDS_BOUND)
     max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1024, le=1 << 40)
     pause_garbage_collection: bool = True
+    full_collection_interval_seconds: float | None = Field(default=DEFAULT_FULL_COLLECTION_INTERVAL_SECONDS, gt=0,
+                                                           le=86_400)
 
     @model_validator(mode="after")
     def _token_when_enabled(self) -> CheckpointConfig:

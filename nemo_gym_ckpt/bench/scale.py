@@ -59,10 +59,12 @@ from nemo_gym_ckpt.bench.mesh import (
 )
 from nemo_gym_ckpt.bench.stats import quantiles_ms
 from nemo_gym_ckpt.checkpoint.collector_pause import PROCESS_COLLECTOR
+from nemo_gym_ckpt.checkpoint.collector_schedule import PROCESS_FULL_COLLECTIONS
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
 from nemo_gym_ckpt.checkpoint.hold_wire import HOLD_ROUTE
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.config import DEFAULT_FULL_COLLECTION_INTERVAL_SECONDS
 from nemo_gym_ckpt.errors import GymError, Overloaded
 from nemo_gym_ckpt.identity import RolloutIdentity, parse_capture_key
 from nemo_gym_ckpt.launch.launcher import MeshLauncher
@@ -455,11 +457,17 @@ async def _levels(
 ) -> list[Result]:
     bench = _Bench(launcher, root, pairs, gap_s, quick)
     rows = []
-    for index, level in enumerate(levels):
-        rows.append(await bench.level(level, final=index == len(levels) - 1))
-        if progress is not None:  # each level as it ends: a long run keeps what it measured
-            with progress.open("a") as file:
-                file.write(json.dumps(rows[-1], default=str) + "\n")
+    # the driver's own full collections (its thousands of slots) on the servers' schedule, so that
+    # none holds its control calls either
+    PROCESS_FULL_COLLECTIONS.start(DEFAULT_FULL_COLLECTION_INTERVAL_SECONDS)
+    try:
+        for index, level in enumerate(levels):
+            rows.append(await bench.level(level, final=index == len(levels) - 1))
+            if progress is not None:  # each level as it ends: a long run keeps what it measured
+                with progress.open("a") as file:
+                    file.write(json.dumps(rows[-1], default=str) + "\n")
+    finally:
+        PROCESS_FULL_COLLECTIONS.stop()
     return rows
 
 

@@ -27,6 +27,7 @@ from starlette.routing import BaseRoute
 from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.checkpoint.collector_pause import PROCESS_COLLECTOR
+from nemo_gym_ckpt.checkpoint.collector_schedule import PROCESS_FULL_COLLECTIONS
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.follower import FollowerParticipant, WorkerLink
 from nemo_gym_ckpt.checkpoint.participant import Participant
@@ -89,6 +90,8 @@ def mount_checkpointing(
     app.include_router(make_router(participant, config.control_auth_token.get_secret_value(), forward))
     app.add_middleware(ControlFirst)  # control calls ahead of data requests on a busy server
     _last_once_started(app, [route for route in app.router.routes if id(route) not in before])
+    if config.full_collection_interval_seconds is not None:
+        _full_collections_while_running(app, config.full_collection_interval_seconds)
     close_on_shutdown(app, participant.aclose)
     return participant
 
@@ -113,6 +116,22 @@ def _start_with_app(app: FastAPI, link: WorkerLink) -> None:
                 yield state
         finally:
             await link.aclose()
+
+    app.router.lifespan_context = lifespan
+
+
+def _full_collections_while_running(app: FastAPI, interval_s: float) -> None:
+    """The process's full collections on a schedule from the app's start to its shutdown."""
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(instance: FastAPI) -> AsyncIterator[Any]:
+        PROCESS_FULL_COLLECTIONS.start(interval_s)
+        try:
+            async with inner(instance) as state:
+                yield state
+        finally:
+            PROCESS_FULL_COLLECTIONS.stop()
 
     app.router.lifespan_context = lifespan
 
