@@ -225,10 +225,14 @@ class ResourcesAdapter:
             return restored
         if identity is None or (scope is not None and identity not in scope):
             return None
-        record: dict[str, Any] = {"episode_id": identity.to_json(), "session_id": session.session_id}
-        if self.mode == "exported":
-            record["state"] = await self.server.export_session(session)
-        return record
+        if self.mode == "exported":  # the server's state, asked afresh at every commit
+            return {"episode_id": identity.to_json(), "session_id": session.session_id,
+                    "state": await self.server.export_session(session)}
+        encoded = session.encoded  # stateless: the record is the session's id and identity
+        if encoded is None or encoded.episode != identity:
+            encoded = session.encoded = Record.from_data({"episode_id": identity.to_json(),
+                                                          "session_id": session.session_id})
+        return encoded
 
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
         """Drop the restored, untouched sessions that this commit's scope left out."""

@@ -32,13 +32,16 @@ class Session:
     """One seeded session: its id, the rollout identity it was opened under, its JSON state.
 
     ``restored`` is the checkpoint record a restored session came from, kept until a call touches
-    the session (it is then exported afresh); it takes no part in equality.
+    the session (it is then exported afresh); ``encoded`` is the record a stateless server last
+    exported for it (its id and identity only: built once, a lookup at each later commit). Neither
+    takes part in equality.
     """
 
     session_id: str
     identity: RolloutIdentity | None
     state: dict[str, Any] = field(default_factory=dict)
     restored: Record | None = field(default=None, compare=False, repr=False)
+    encoded: Record | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         identity = self.identity.to_json() if self.identity else None

@@ -24,6 +24,7 @@ import orjson
 import pytest
 from fastapi import FastAPI
 
+from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
 from nemo_gym_ckpt.config import load_config_dict
@@ -383,6 +384,26 @@ async def test_stateless_records_carry_membership_only(start: Callable[..., Any]
         committed = await checkpoint(on.control, "c1", root / "ck")
     (record,) = records_of(root / "ck", committed)
     assert set(record) == {"episode_id", "session_id"} and record["episode_id"] == episode("r2", 3)
+
+
+async def test_a_stateless_sessions_record_is_encoded_once(
+    start: Callable[..., Any], root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    encoded: list[dict[str, Any]] = []
+    from_data = Record.from_data.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[Record], data: dict[str, Any]) -> Record:
+        encoded.append(dict(data))
+        return from_data(cls, data)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Record, "from_data", classmethod(counted))
+    async with start(CalculatorTools, "calculator_tools") as on:
+        await on.seed("r1")
+        first = await checkpoint(on.control, "c1", root / "c1", incremental=False)
+        assert len(encoded) == 1
+        second = await checkpoint(on.control, "c2", root / "c2", incremental=False)
+    assert len(encoded) == 1  # the second commit looked the record up
+    assert records_of(root / "c1", first) == records_of(root / "c2", second) == encoded
 
 
 async def test_exported_records_carry_the_state(start: Callable[..., Any], root: Path) -> None:
