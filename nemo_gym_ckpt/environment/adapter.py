@@ -19,7 +19,9 @@ task:
 - **restarts** (``Episode.restart``, marked by a step from the seed reply's or the agent's
   ``x-ng-checkpoint-restart: 1``) never park, never block and are never exported;
 - **export**: ``{episode_id, task_digest, boundary}`` per live, continuable episode: its last
-  boundary (``null`` before the first step completed: start over, keeping the lineage);
+  boundary (``null`` before the first step completed: start over, keeping the lineage). Each
+  boundary's record is encoded once, when the episode reaches it (before and after every step), so
+  a commit's capture is a lookup per episode, also the first commit after a burst of starts;
 - **restore**: each record is checked (fields, digest, boundary, its next step in the program) and
   installed, all or nothing, as an ``Installed`` boundary of the next attempt. The controller's
   ``/run`` of that attempt with the same task row continues from it (another row:
@@ -307,10 +309,15 @@ class EpisodesAdapter:
         await self._hold(episode)
 
     async def _hold(self, episode: Episode) -> None:
-        """Park at this boundary while a checkpoint is open (restarts never park)."""
+        """Encode the record of this boundary now, on the data plane, so that a commit only looks
+        it up; then park here while a checkpoint is open (restarts never park, nor are exported)."""
         participant = self._participant()
         live = self.live.get(episode.identity.capture_key)
-        if live is None or episode.restart or participant.checkpoint_id is None:
+        if live is None or episode.restart:
+            return
+        if live.unchanged_record() is None:
+            live.encoded()
+        if participant.checkpoint_id is None:
             return
         live.parked = True
         participant.notify_changed()

@@ -26,6 +26,7 @@ from model_servers.inference_worker.default_model_data import make_problem
 from nemo_gym_ckpt.capture import without_token_arrays
 from nemo_gym_ckpt.checkpoint.models import ControlRequest
 from nemo_gym_ckpt.checkpoint.participant import Participant
+from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
 from nemo_gym_ckpt.config import CheckpointConfig
 from nemo_gym_ckpt.environment.adapter import EpisodesAdapter, RunLimits
@@ -153,6 +154,31 @@ async def test_an_episode_reaching_a_boundary_during_a_checkpoint_parks_until_re
         reply = await asyncio.wait_for(run, WAIT_S)
         assert reply.status_code == 200, reply.text
         assert gate.closed == ["p1"] and (await extras(pt))["episodes"] == 0
+
+
+async def test_a_commit_looks_up_the_record_encoded_when_the_episode_reached_its_boundary(
+    root: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    encoded: list[dict[str, Any]] = []
+    from_data = Record.from_data.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[Record], data: dict[str, Any]) -> Record:
+        encoded.append(dict(data))
+        return from_data(cls, data)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Record, "from_data", classmethod(counted))
+    async with started("single_agent_turn", root, clock) as (stack, pt):
+        control, gate = Control(pt), stack.server
+        run = start_run(pt, "p1", env_row("single_agent_turn"))
+        await until(lambda: ("p1", "1") in gate.activations, "the activation arrived")
+        before = len(encoded)
+        assert before >= 1  # on the data plane, as the episode entered its steps
+        await control.ok("prepare", checkpoint_id="c1")
+        committed = await control.ok("commit", checkpoint_id="c1", checkpoint_dir=str(root / "c1"))
+        assert committed["episode_ids"] == ["p1"] and len(encoded) == before
+        await control.ok("resume", checkpoint_id="c1")
+        await stack.helpers["agent"].post("/_test/release/p1")
+        assert (await asyncio.wait_for(run, WAIT_S)).status_code == 200
 
 
 async def _parked(pt: ParticipantUnderTest) -> bool:
