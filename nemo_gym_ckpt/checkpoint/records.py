@@ -51,6 +51,13 @@ class Record:
         return cls(raw, data if isinstance(data, dict) else dict(data), episode)
 
     @classmethod
+    def of_strings(cls, episode: RolloutIdentity, **fields: str) -> Record:
+        """``{episode_id, **fields}`` with string values under keys the caller's code names: no token
+        array can be in it, so it is encoded without ``from_data``'s checks (a session's id)."""
+        data: dict[str, Any] = {"episode_id": episode.to_json(), **fields}
+        return cls(orjson.dumps(data), data, episode)
+
+    @classmethod
     def from_raw(cls, raw: bytes) -> Record:
         """Parse one line of a records file; anything malformed is ``InvalidCheckpointState``."""
         try:

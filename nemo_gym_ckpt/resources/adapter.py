@@ -230,8 +230,7 @@ class ResourcesAdapter:
                     "state": await self.server.export_session(session)}
         encoded = session.encoded  # stateless: the record is the session's id and identity
         if encoded is None or encoded.episode != identity:
-            encoded = session.encoded = Record.from_data({"episode_id": identity.to_json(),
-                                                          "session_id": session.session_id})
+            encoded = session.encoded = Record.of_strings(identity, session_id=session.session_id)
         return encoded
 
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:

@@ -9,6 +9,7 @@ import pytest
 
 from nemo_gym_ckpt.agent.sessions import Activation, AgentSession, AgentSessions, Turn
 from nemo_gym_ckpt.checkpoint.participant import Participant
+from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
 from nemo_gym_ckpt.environment.adapter import LiveEpisode
 from nemo_gym_ckpt.environment.episode import Episode, Program, Step
@@ -47,3 +48,9 @@ def test_an_episode_record_is_built_once_per_boundary() -> None:
     live.episode.boundary = live.episode.boundary.advance(None, {"done": True})
     moved = live.encoded()
     assert moved is not first and moved.data["boundary"]["state"] == {"done": True}
+
+
+def test_a_record_of_strings_has_the_bytes_from_data_gives() -> None:
+    identity = RolloutIdentity("r1", 2)
+    quick = Record.of_strings(identity, session_id='s"1\\u')
+    assert quick == Record.from_data({"episode_id": identity.to_json(), "session_id": 's"1\\u'})
