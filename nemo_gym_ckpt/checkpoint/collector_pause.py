@@ -11,8 +11,12 @@ until it closes (resume, abort, lease expiry), and the process's collector runs 
 pause, where it costs a rollout some latency and the checkpoint nothing. Reference counting goes on,
 so only cyclic garbage waits. Bounds:
 
-- the collector comes back after ``MAX_OFF_S`` at the latest, even with the checkpoint still open
-  (a controller that died, a lease of minutes), from a timer thread that needs no event loop;
+- the collector comes back after ``max_off_s`` (``MAX_OFF_S``) at the latest, even with the
+  checkpoint still open (a controller that died, a lease of minutes): one watchdog thread per
+  process, started by the first hold, looks every ``max_off_s / 4`` (at most every second) and needs
+  no event loop. Holding and releasing only flip flags under a lock: no thread is started or woken
+  inside a checkpoint (a thread woken there takes the interpreter lock from the server's event loop
+  at the next switch interval, in the middle of a prepare or a resume);
 - a process whose collector was already off (the application turned it off) is left as it was;
 - several holders in one process (tests mount several servers in one) share it: it is back on once
   the last one lets go.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from typing import Any
 
 __all__ = ["MAX_OFF_S", "PROCESS_COLLECTOR", "CollectorPause"]
@@ -43,8 +48,9 @@ class CollectorPause:
         self.counts = {"pauses": 0, "timed_out": 0}
         self._holders: set[int] = set()
         self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
+        self._since: float | None = None  # when the collector went off (None: not paused by us)
         self._turned_off = False  # this pause turned the collector off (it was on)
+        self._watchdog: threading.Thread | None = None
 
     @property
     def holding(self) -> bool:
@@ -53,16 +59,17 @@ class CollectorPause:
     def hold(self, holder: object) -> None:
         """Keep the collector off until ``release(holder)`` (or the time bound)."""
         with self._lock:
-            if self._holders or self._timer is not None:
+            if self._holders:
                 self._holders.add(id(holder))
                 return
             self._holders.add(id(holder))
             self.counts["pauses"] += 1
             self._turned_off = gc.isenabled()
             gc.disable()
-            self._timer = threading.Timer(self.max_off_s, self._time_out)
-            self._timer.daemon = True
-            self._timer.start()
+            self._since = time.monotonic()
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="collector-pause-bound", daemon=True)
+                self._watchdog.start()
 
     def release(self, holder: object) -> None:
         """``holder`` lets go; the collector is back on once no holder is left. Idempotent."""
@@ -74,17 +81,18 @@ class CollectorPause:
     def status(self) -> dict[str, Any]:
         return {"collector_paused": self.holding, **self.counts}
 
-    def _time_out(self) -> None:
-        with self._lock:
-            if self._timer is not None:
-                self.counts["timed_out"] += 1
-                self._holders.clear()
-                self._end()
+    def _watch(self) -> None:
+        every_s = min(1.0, self.max_off_s / 4)
+        while True:
+            time.sleep(every_s)
+            with self._lock:
+                if self._since is not None and time.monotonic() - self._since >= self.max_off_s:
+                    self.counts["timed_out"] += 1
+                    self._holders.clear()
+                    self._end()
 
     def _end(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._since = None
         if self._turned_off:
             gc.enable()
             self._turned_off = False

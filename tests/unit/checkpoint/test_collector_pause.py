@@ -6,6 +6,7 @@ its coordinator's gate, and the checkpoint block's switch."""
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,6 +89,25 @@ def test_the_collector_comes_back_after_the_bound_with_the_holder_still_holding(
     assert gc.isenabled()
     with pytest.raises(ValueError):
         CollectorPause(max_off_s=0)
+
+
+def test_holding_starts_no_thread_after_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    pause, holder = CollectorPause(), object()
+    pause.hold(holder)
+    pause.release(holder)
+    started: list[threading.Thread] = []
+    start = threading.Thread.start
+
+    def counted(thread: threading.Thread) -> None:
+        started.append(thread)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    for _ in range(3):  # one watchdog for the process's life: nothing started per checkpoint
+        pause.hold(holder)
+        assert not gc.isenabled()
+        pause.release(holder)
+    assert gc.isenabled() and started == []
 
 
 async def test_a_participant_holds_it_from_its_first_prepare_to_the_resume(root: Path, clock: FakeClock) -> None:
