@@ -363,24 +363,33 @@ class AgentSessions:
     # ---- prepare ----------------------------------------------------------------------------
 
     async def readiness(self) -> Readiness:
-        sessions = list(self.sessions.values())
-        restarts = [session.key for session in sessions if session.restart]
-        blockers = [session.key for session in sessions if not session.restart and session.call == "tool"]
-        return Readiness(blockers=blockers, counts=self._counts(), restarts=restarts)
+        return self._survey(with_lists=True)
 
     def _counts(self) -> dict[str, int]:
-        sessions = list(self.sessions.values())
-        return {
-            "sessions": len(sessions),
-            "running": sum(1 for session in sessions if session.running is not None),
-            "awaiting_model": sum(1 for session in sessions if session.call == "model"),
-            "in_tool_call": sum(1 for session in sessions if session.call == "tool"),
-            "parked": sum(1 for session in sessions if session.parked),
-            "restored": sum(1 for session in sessions if session.restored is not None),
-            "restarts": sum(1 for session in sessions if session.restart),
-            "model_calls": self.completed_calls["model"],
-            "tool_calls": self.completed_calls["tool"],
-        }
+        return dict(self._survey(with_lists=False).counts)
+
+    def _survey(self, *, with_lists: bool) -> Readiness:
+        """Blockers (a tool call in flight), restarts and counts in one pass over the sessions."""
+        restarts: list[str] = []
+        blockers: list[str] = []
+        running = awaiting_model = in_tool = parked = restored = restart_count = 0
+        for session in self.sessions.values():
+            call = session.call
+            running += session.running is not None
+            awaiting_model += call == "model"
+            in_tool += call == "tool"
+            parked += session.parked
+            restored += session.restored is not None
+            if session.restart:
+                restart_count += 1
+                if with_lists:
+                    restarts.append(session.key)
+            elif call == "tool" and with_lists:
+                blockers.append(session.key)
+        counts = {"sessions": len(self.sessions), "running": running, "awaiting_model": awaiting_model,
+                  "in_tool_call": in_tool, "parked": parked, "restored": restored, "restarts": restart_count,
+                  "model_calls": self.completed_calls["model"], "tool_calls": self.completed_calls["tool"]}
+        return Readiness(blockers=blockers, counts=counts, restarts=restarts)
 
     # ---- commit -----------------------------------------------------------------------------
 

@@ -329,21 +329,32 @@ class EpisodesAdapter:
     # ---- prepare ----------------------------------------------------------------------------
 
     async def readiness(self) -> Readiness:
-        episodes = list(self.live.values())
-        restarts = [live.key for live in episodes if live.episode.restart]
-        blockers = [live.key for live in episodes if not live.episode.restart and live.episode.mode == "wait"]
-        return Readiness(blockers=blockers, counts=self._counts(), restarts=restarts)
+        return self._survey(with_lists=True)
 
     def _counts(self) -> dict[str, int]:
-        episodes = [live.episode for live in self.live.values()]
-        return {
-            "episodes": len(episodes),
-            "parked": sum(1 for live in self.live.values() if live.parked),
-            "in_wait_step": sum(1 for episode in episodes if episode.mode == "wait"),
-            "in_replay_step": sum(1 for episode in episodes if episode.mode == "replay"),
-            "restarts": sum(1 for episode in episodes if episode.restart),
-            "installed": len(self.installed),
-        }
+        return dict(self._survey(with_lists=False).counts)
+
+    def _survey(self, *, with_lists: bool) -> Readiness:
+        """Blockers, restarts and counts in one pass over the live episodes (a prepare looks again
+        each time an episode parks or leaves a step)."""
+        restarts: list[str] = []
+        blockers: list[str] = []
+        parked = in_wait = in_replay = restart_count = 0
+        for live in self.live.values():
+            episode = live.episode
+            mode = episode.current_mode
+            parked += live.parked
+            in_wait += mode == "wait"
+            in_replay += mode == "replay"
+            if episode.restart:
+                restart_count += 1
+                if with_lists:
+                    restarts.append(live.key)
+            elif mode == "wait" and with_lists:
+                blockers.append(live.key)
+        counts = {"episodes": len(self.live), "parked": parked, "in_wait_step": in_wait,
+                  "in_replay_step": in_replay, "restarts": restart_count, "installed": len(self.installed)}
+        return Readiness(blockers=blockers, counts=counts, restarts=restarts)
 
     # ---- commit -----------------------------------------------------------------------------
 
