@@ -18,7 +18,8 @@ Generic over a ``ParticipantAdapter`` (the kind-specific part). docs/protocol.md
 - a commit whose scope names a restart is ``restart_in_scope``; a commit with ``stop`` frees, once
   its write is durable, what the adapter holds outside its records (``StopCommitted``); a failure
   there is logged and never fails the commit;
-- data-plane requests wait (``admit``) while a checkpoint is open; retired attempts are refused.
+- data-plane requests wait (``admit``) while a checkpoint is open, and go on after it at most
+  ``PER_TURN`` per turn of the event loop (``Pacer``); retired attempts are refused.
 
 All state changes happen in synchronous code between awaits, so no lock is needed; every wait is
 bounded by a deadline on the injected clock.
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from nemo_gym_ckpt.checkpoint.adapter import BeforeExport, ParticipantAdapter, PauseWindow, Readiness, StopCommitted
-from nemo_gym_ckpt.checkpoint.admission import RetireMarks, Signal
+from nemo_gym_ckpt.checkpoint.admission import Pacer, RetireMarks, Signal
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock, wait_until
 from nemo_gym_ckpt.checkpoint.collector_pause import CollectorPause
 from nemo_gym_ckpt.checkpoint.lease import Lease
@@ -132,6 +133,7 @@ class Participant:
         self.marks = RetireMarks()
         self.signal = Signal()  # readiness may have changed: what a prepare waits on
         self.gate_signal = Signal()  # admission may have changed (open, close, lease, retire): what requests wait on
+        self.pacer = Pacer()  # requests that waited go on at most PER_TURN per turn of the loop
         self._open: _Open | None = None
         self._fenced: OrderedDict[str, None] = OrderedDict()  # ids opened here, then closed
         self._fenced_unopened: OrderedDict[str, None] = OrderedDict()  # ids only named by a resume
@@ -441,10 +443,15 @@ class Participant:
     async def _admit(self, identity: RolloutIdentity | None, deadline_ts: float | None) -> None:
         if identity is None:
             raise RolloutIdRequired("checkpointing is on: a rollout-scoped request needs /ng-rollout/<key>/")
+        woken = False
         while True:
             self._expire_if_due()
             self.marks.check(identity)
             if self.phase is Phase.IDLE:
+                if woken:  # woken with every other parked request: go on at the pacer's pace, then
+                    woken = False  # look again (a retire or the next checkpoint may have come meanwhile)
+                    await self.pacer.turn()
+                    continue
                 self._served = True
                 return
             changed = self.gate_signal.current  # not ``signal``: every park notifies that one
@@ -457,6 +464,7 @@ class Participant:
                 await wait_until(self.clock, changed.wait(), until)
             finally:
                 self._waiting -= 1
+            woken = True
 
     # ---- the open checkpoint ----------------------------------------------------------------
 
