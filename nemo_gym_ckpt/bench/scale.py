@@ -194,6 +194,20 @@ def _written_bytes(directory: Path, seen: set[tuple[int, int]]) -> dict[str, int
     return written
 
 
+def _write_speed(writes: dict[str, Any]) -> float:
+    """MB/s of the participants' own writes of one commit, run side by side: their bytes over the
+    longest write (first byte to the manifest's link and the directory's fsync, in each one's thread)."""
+    longest_ms = max((write["write_ms"] for write in writes.values()), default=0.0)
+    return sum(write["bytes"] for write in writes.values()) / max(longest_ms, 1e-6) / 1e3
+
+
+def _per_participant_p50(samples: list[Result], key: str) -> dict[str, float]:
+    """The median of one ``last_commit`` figure, per participant, over checkpoints."""
+    names = {name for sample in samples for name in sample["writes"]}
+    return {name: round(statistics.median(s["writes"][name][key] for s in samples if name in s["writes"]), 1)
+            for name in sorted(names)}
+
+
 def _sequential_floor(root: Path, size: int) -> float:
     """MB/s of writing ``size`` bytes to one new file and fsyncing it (the disk's floor, right now)."""
     size = max(size, 1 << 20)
@@ -283,7 +297,10 @@ class _Bench:
             PROCESS_COLLECTOR.release(self)
         resumed_at = time.perf_counter()
         written = _written_bytes(directory, self.seen)
+        writes = {name: status["last_commit"] for name, status in (await coordinator.status()).items()
+                  if (status.get("last_commit") or {}).get("checkpoint_id") == cid}
         return {"id": cid, "started_at": started_at, "incremental": incremental, "directory": directory,
+                "writes": writes, "write_mb_s": _write_speed(writes),
                 "episodes": [parse_capture_key(key) for key in committed.episode_ids()],
                 "committed_at": committed_at,
                 "pause_ms": 1000 * (resumed_at - began), "prepare_ms": 1000 * (prepared_at - began),
@@ -439,6 +456,11 @@ class _Bench:
             "commit_write_mb_s_full": [round(v, 1) for v in commit_speeds],
             "fsync_floor_mb_s": round(floor, 1),
             "commit_over_floor": round(statistics.median(commit_speeds) / max(floor, 1e-9), 3),
+            "participant_write_mb_s_full": [round(s["write_mb_s"], 1) for s in fulls],
+            "participant_write_over_floor": round(statistics.median(s["write_mb_s"] for s in fulls) / max(floor, 1e-9),
+                                                  3),
+            "participant_write_ms_p50_full": _per_participant_p50(fulls, "write_ms"),
+            "participant_capture_ms_p50_full": _per_participant_p50(fulls, "capture_ms"),
             "restore_full_ms": restore_full["restore_ms"] if restore_full else None,
             "restore_incremental_ms": restore_incr["restore_ms"],
             "restore_scope": restore_incr["scope"], "processes_start_s": restore_incr["processes_start_s"],

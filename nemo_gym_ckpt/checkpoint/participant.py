@@ -141,6 +141,7 @@ class Participant:
         self._installed = False
         self._waiting = 0
         self._last_report: dict[str, Any] | None = None
+        self._last_commit: dict[str, Any] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._gate_watchers: list[Callable[[], None]] = []
 
@@ -166,6 +167,7 @@ class Participant:
             "retired_rollouts": len(self.marks),
             "report": self._last_report,
             "waiting_requests": self._waiting,
+            "last_commit": self._last_commit,
             "extras": dict(self.adapter.status_extras()),
         }
 
@@ -352,6 +354,7 @@ class Participant:
         with self.telemetry.span("write", **{ATTR.ID: open_.checkpoint_id}) as span:
             manifest, exported = await open_.pipeline.run(writer, self.kind, self.instance)
             self.telemetry.moved(Op.COMMIT, span, writer.count, writer.bytes)
+        self._last_commit = {"checkpoint_id": open_.checkpoint_id, **open_.pipeline.timings}
         extras = await self.adapter.committed(scope)
         if stop:
             await self._free_after_stop(open_.checkpoint_id, scope, deadline_ts)

@@ -15,6 +15,8 @@ the store's ``StopSignal``. A failure that is not a protocol error is a bug and 
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
 from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter
 from nemo_gym_ckpt.checkpoint.incremental import refuse_reserved
@@ -38,6 +40,9 @@ class ExportPipeline:
             checkpoint_id,
         )
         self._export: asyncio.Task[list[Record]] | None = None
+        self.timings: dict[str, Any] = {}
+        """Once run: ``records``, ``bytes``, ``capture_ms`` (on the event loop) and ``write_ms`` (in the
+        worker thread, from the first byte to the manifest's link and the directory's fsync)."""
 
     def cancel_export(self) -> None:
         if self._export is not None:
@@ -47,9 +52,13 @@ class ExportPipeline:
         """The manifest written and the capture keys exported; on failure the writer is aborted."""
         finished = False
         try:
+            began = time.perf_counter()
             self._export = asyncio.ensure_future(self._capture())
             records = await self._export
-            manifest = await asyncio.to_thread(self._write, writer, records, kind, instance)
+            captured = time.perf_counter()
+            manifest, write_s = await asyncio.to_thread(self._timed_write, writer, records, kind, instance)
+            self.timings = {"records": writer.count, "bytes": writer.bytes,
+                            "capture_ms": round(1000 * (captured - began), 2), "write_ms": round(1000 * write_s, 2)}
             finished = True
         finally:
             if not finished:
@@ -68,6 +77,10 @@ class ExportPipeline:
             span.set_attribute(ATTR.RECORDS, len({record.episode for record in records}))
             return records
 
-    def _write(self, writer: RecordWriter, records: list[Record], kind: str, instance: str) -> Manifest:
+    def _timed_write(
+        self, writer: RecordWriter, records: list[Record], kind: str, instance: str
+    ) -> tuple[Manifest, float]:
+        began = time.perf_counter()
         writer.write_records(records)
-        return writer.finish(kind, instance, self.checkpoint_id)
+        manifest = writer.finish(kind, instance, self.checkpoint_id)
+        return manifest, time.perf_counter() - began

@@ -28,6 +28,8 @@ def test_the_quick_scale_suite_reports_its_shape(tmp_path: Path) -> None:
     for kind in ("full", "incremental"):
         assert level[f"{kind}_pause"]["p50_ms"] > 0 and level[f"{kind}_bytes_written_p50"] > 0
     assert level["records"]["single_agent_turn"] > 0 and level["fsync_floor_mb_s"] > 0
+    assert level["participant_write_over_floor"] > 0  # each participant's own write, from its status
+    assert set(level["participant_write_ms_p50_full"]) == set(level["records"])
     assert level["restore_incremental_ms"] > 0 and set(level["peak_memory_mb"]) >= {"policy_model", "simple_agent"}
     hold = level["generation_hold"]  # the bench holds the worker from ready to resume
     assert hold["holds"] >= 2 and hold["releases"] == hold["holds"] and hold["expired"] == 0

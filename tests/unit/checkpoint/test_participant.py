@@ -128,6 +128,19 @@ async def test_a_retried_commit_awaits_the_same_work(
     assert gated.phase == "committed"
 
 
+async def test_status_tells_what_the_last_commit_wrote_and_how_long_it_took(
+    gated: Participant, clock: FakeClock, root: Path
+) -> None:
+    assert gated.status()["last_commit"] is None
+    adapter_of(gated).gate.set()
+    await gated.prepare(control(clock, "c1"))
+    await gated.commit(commit_request(clock, "c1", root / "ck"))
+    last = gated.status()["last_commit"]
+    [records] = (root / "ck").rglob("records-*.jsonl")
+    assert (last["checkpoint_id"], last["records"], last["bytes"]) == ("c1", 2, records.stat().st_size)
+    assert last["capture_ms"] >= 0 and last["write_ms"] > 0
+
+
 async def test_the_work_outlives_the_deadline_of_the_request_that_started_it(
     gated: Participant, clock: FakeClock, root: Path
 ) -> None:
