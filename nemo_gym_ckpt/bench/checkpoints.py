@@ -36,14 +36,21 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_ckpt.bench.mesh import CALL_TIMEOUT_S, CpuMeter, launched_mesh, loadavg, mesh_urls, task_rows
+from nemo_gym_ckpt.bench.mesh import (
+    CALL_TIMEOUT_S,
+    CpuMeter,
+    checkpoint_root,
+    launched_mesh,
+    loadavg,
+    mesh_urls,
+    task_rows,
+)
 from nemo_gym_ckpt.bench.stats import percentile, quantiles_ms
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
@@ -257,11 +264,9 @@ def prepare_latency(
     """Prepare, commit and resume latency with each level of rollouts in flight (quickstart mesh)."""
     if quick:
         levels, checkpoints, gap_s = QUICK_LEVELS, 2, 0.2
-    with tempfile.TemporaryDirectory(prefix="ngc-bench-prepare-") as directory:
-        root = Path(directory)
-        with launched_mesh(enabled_overrides(root)) as launcher:
-            load_at_start = loadavg()
-            rows = asyncio.run(_levels(launcher, root, levels, checkpoints, gap_s))
+    with checkpoint_root("ngc-bench-prepare-") as root, launched_mesh(enabled_overrides(root)) as launcher:
+        load_at_start = loadavg()
+        rows = asyncio.run(_levels(launcher, root, levels, checkpoints, gap_s))
     return {"config": "configs/quickstart.yaml", "checkpoints_per_level": checkpoints, "gap_s": gap_s,
             "cpus": os.cpu_count(), "loadavg_at_start": load_at_start, "levels": rows}
 
@@ -369,7 +374,7 @@ def checkpoint_overhead(*, rounds: int = 18, batch: int = 48, concurrency: int =
     """Rollouts/s with checkpointing enabled but idle over the same mesh with it off, interleaved."""
     if quick:
         rounds, batch, concurrency = 2, 8, 4
-    with tempfile.TemporaryDirectory(prefix="ngc-bench-overhead-") as directory, ExitStack() as stack:
+    with checkpoint_root("ngc-bench-overhead-") as directory, ExitStack() as stack:
         launchers = {name: stack.enter_context(launched_mesh(enabled_overrides(directory) if name == "on" else []))
                      for name in MESHES}
         load_at_start = loadavg()

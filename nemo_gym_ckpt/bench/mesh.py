@@ -9,6 +9,8 @@ reads the CPU seconds of each server process, of the bench itself and of the mac
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -26,6 +28,7 @@ __all__ = [
     "QUICKSTART",
     "CpuMeter",
     "MeshUrls",
+    "checkpoint_root",
     "launched_mesh",
     "loadavg",
     "mesh_urls",
@@ -38,6 +41,17 @@ Result = dict[str, Any]
 QUICKSTART = PROJECT_ROOT / "configs" / "quickstart.yaml"
 CALL_TIMEOUT_S = 600.0
 MESH_READY_S = 300.0
+
+
+@contextmanager
+def checkpoint_root(prefix: str) -> Iterator[Path]:
+    """A temporary checkpoint root, removed at the end together with what the inference worker
+    staged beside it (``<root>.generation-cuts``, its default staging directory)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as directory:
+        try:
+            yield Path(directory)
+        finally:
+            shutil.rmtree(f"{directory}.generation-cuts", ignore_errors=True)
 
 
 def _process_cpu_s(pid: int) -> float | None:

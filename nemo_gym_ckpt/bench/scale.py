@@ -39,7 +39,6 @@ import asyncio
 import json
 import os
 import statistics
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -52,6 +51,7 @@ from nemo_gym_ckpt.bench.mesh import (
     CALL_TIMEOUT_S,
     MESH_READY_S,
     CpuMeter,
+    checkpoint_root,
     launched_mesh,
     loadavg,
     mesh_urls,
@@ -501,11 +501,10 @@ def scale(
     (``overrides``: config overrides of the mesh, after the suite's own)."""
     if quick:
         levels, pairs = QUICK_LEVELS, 1
-    with tempfile.TemporaryDirectory(prefix="ngc-bench-scale-") as directory:
-        root = Path(directory)
-        with launched_mesh([*enabled_overrides(root), *OVERRIDES, *overrides]) as launcher:
-            began = loadavg()
-            rows = asyncio.run(_levels(launcher, root, levels, pairs, gap_s, progress, quick))
+    with (checkpoint_root("ngc-bench-scale-") as root,
+          launched_mesh([*enabled_overrides(root), *OVERRIDES, *overrides]) as launcher):
+        began = loadavg()
+        rows = asyncio.run(_levels(launcher, root, levels, pairs, gap_s, progress, quick))
     return {"config": "configs/quickstart.yaml", "overrides": list(overrides), "pairs_per_level": pairs,
             "gap_s": gap_s, "cpus": os.cpu_count(),
             "loadavg_at_start": began, "loadavg_at_end": loadavg(), "levels": rows,

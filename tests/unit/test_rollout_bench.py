@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from nemo_gym_ckpt.bench.mesh import checkpoint_root
 from nemo_gym_ckpt.bench.rollouts import CpuMeter, replay_of, window_loop
 from nemo_gym_ckpt.errors import Unavailable
 
@@ -60,3 +62,12 @@ def test_the_cpu_meter_charges_each_process() -> None:
         pytest.skip("no /proc: only the driver is measured")
     assert usage["cpu_s"]["me"] >= 0 and usage["cpu_s"]["driver"] > 0
     assert usage["mesh_busy_cores"] > 0 and "machine_busy_cores" in usage
+
+
+def test_a_bench_root_goes_with_the_staging_the_worker_made_beside_it() -> None:
+    with checkpoint_root("ngc-test-root-") as root:
+        staging = Path(f"{root}.generation-cuts") / "inference_worker"
+        staging.mkdir(parents=True)
+        (staging / "cut-0.jsonl").write_text("{}\n")
+        assert root.is_dir()
+    assert not root.exists() and not staging.parent.exists()
