@@ -10,9 +10,10 @@ body can make a participant hold more than the body's own (bounded) size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, WithJsonSchema
 
 from nemo_gym_ckpt.errors import InvalidRequest
 from nemo_gym_ckpt.identity import (
@@ -20,6 +21,7 @@ from nemo_gym_ckpt.identity import (
     MAX_ROLLOUT_ID_LENGTH,
     ROLLOUT_ID_PATTERN,
     RolloutIdentity,
+    identity_of_episode_id,
     rollout_id_problem,
 )
 
@@ -81,14 +83,45 @@ class ControlRequest(_Body):
     deadline_ts: float = Field(ge=0, le=MAX_TIMESTAMP, allow_inf_nan=False)
 
 
-EpisodeList = Annotated[list[EpisodeId], Field(max_length=MAX_LIST_ITEMS)]
+def _episode_list_schema(minimum: int) -> dict[str, Any]:
+    item = {"type": "object", "additionalProperties": False, "required": ["rollout_id"], "properties": {
+        "rollout_id": {"type": "string", "minLength": 1, "maxLength": MAX_ROLLOUT_ID_LENGTH,
+                       "pattern": ROLLOUT_ID_PATTERN},
+        "attempt": {"type": "integer", "minimum": 0, "maximum": MAX_ATTEMPT, "default": 0}}}
+    return {"type": "array", "items": item, "minItems": minimum, "maxItems": MAX_LIST_ITEMS}
+
+
+def _identities(minimum: int) -> Callable[[Any], tuple[RolloutIdentity, ...]]:
+    """``[{rollout_id, attempt?}, ...]`` read straight into identities, each checked once (what
+    ``EpisodeId`` checks): a commit's scope of 4,096 episodes is read by every participant inside the
+    pause, and a model instance per entry, then an identity, cost twice as much."""
+
+    def identities(value: Any) -> tuple[RolloutIdentity, ...]:
+        if type(value) is not list:
+            raise ValueError("must be a list of {rollout_id, attempt} objects")
+        if not minimum <= len(value) <= MAX_LIST_ITEMS:
+            raise ValueError(f"must hold {minimum} to {MAX_LIST_ITEMS} entries, got {len(value)}")
+        read = []
+        for number, item in enumerate(value):
+            try:
+                read.append(identity_of_episode_id(item))
+            except InvalidRequest as error:
+                raise ValueError(f"entry {number}: {error.detail}") from None
+        return tuple(read)
+
+    return identities
+
+
+EpisodeList = Annotated[Any, PlainValidator(_identities(0)), WithJsonSchema(_episode_list_schema(0))]
+"""A scope: a tuple of identities once read (at most ``MAX_LIST_ITEMS``)."""
+NonEmptyEpisodeList = Annotated[Any, PlainValidator(_identities(1)), WithJsonSchema(_episode_list_schema(1))]
 
 
 class _Scoped(ControlRequest):
     episode_ids: EpisodeList | None = None
 
     def episodes(self) -> list[RolloutIdentity] | None:
-        return None if self.episode_ids is None else [episode.identity() for episode in self.episode_ids]
+        return None if self.episode_ids is None else list(self.episode_ids)
 
 
 class CommitRequest(_Scoped):
@@ -105,7 +138,7 @@ class RestoreRequest(_Scoped):
 
 
 class RetireRequest(_Scoped):
-    episode_ids: list[EpisodeId] = Field(min_length=1, max_length=MAX_LIST_ITEMS)
+    episode_ids: NonEmptyEpisodeList
 
 
 class ForgetRequest(ControlRequest):
