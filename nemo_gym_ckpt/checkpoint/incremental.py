@@ -23,10 +23,17 @@ keeps more than about twice the bytes it needs; a link that fails (another file 
 replaced directory) also falls back to inline. A commit asked with ``incremental: false`` references
 nothing.
 
+A record that changed since the base, when the base has an inline line of the same episode, may be
+written as a **patch** of that line instead (``patches.py``): the bytes it keeps of its start and end,
+and what it inserts between them. ``plan`` chooses one when its line is at most half the record's
+bytes; the base line's file is then linked like a span's, and counts towards ``KEEP_RATIO``.
+
 Reading (``resolve``): each span's bytes are read from its file at its offset, line by line with the
 record bound, and checked: its digest, its length, its line count, inline lines only, and the first
-one's ``episode_id``. Spans into one file may not overlap, so a restore reads each byte at most
-once. Every byte installed is checked against a digest.
+one's ``episode_id``; each patch's base line is read and checked (one whole inline line), and the
+patched bytes must hash to the patch's digest and be a record of its ``episode_id``. The byte ranges
+of spans and patches into one file may not overlap, so a restore reads each byte at most once. Every
+byte installed is checked against a digest.
 """
 
 from __future__ import annotations
@@ -42,8 +49,10 @@ from typing import Any, BinaryIO
 import orjson
 
 from nemo_gym_ckpt.checkpoint.fileops import FileOps, file_size
-from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.checkpoint.patches import Patch, PatchLine, apply_patch, patch_between, read_patch_line
+from nemo_gym_ckpt.checkpoint.records import PATCH_KEY, REFERENCE_KEYS, SPAN_KEY, Record, Scope, is_reference
 from nemo_gym_ckpt.errors import InternalError, InvalidCheckpointState
+from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = [
     "KEEP_RATIO",
@@ -54,7 +63,6 @@ __all__ = [
     "Inline",
     "Plan",
     "Span",
-    "is_reference",
     "link_files",
     "plan",
     "refuse_reserved",
@@ -62,7 +70,7 @@ __all__ = [
     "span_line",
 ]
 
-REFERENCE_KEY = "same_as"
+REFERENCE_KEY = SPAN_KEY
 SPAN_KEYS = ("episode_id", REFERENCE_KEY, "records_file", "offset", "length", "lines")
 _SPAN_KEY_SET = frozenset(SPAN_KEYS)
 KEEP_RATIO = 0.5
@@ -83,11 +91,14 @@ class Inline:
 
 @dataclass
 class BaseIndex:
-    """A committed (or restored-from) checkpoint of this participant, as the next commit sees it."""
+    """A committed (or restored-from) checkpoint of this participant, as the next commit sees it:
+    where each record's bytes are inline (``lines``), for each episode the inline line a changed
+    record of it may be patched from (``episodes``: its bytes and place), and the files' sizes."""
 
     directory: Path
     lines: dict[bytes, Inline] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
+    episodes: dict[RolloutIdentity, tuple[bytes, Inline]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,27 +113,34 @@ class Span:
 
 @dataclass
 class Plan:
-    """One commit's choice: the base files to link, and the runs of records written as spans."""
+    """One commit's choice: the base files to link, the runs of records written as spans, and the
+    records written as patches."""
 
     links: list[str]
     spans: list[Span]
+    patches: list[Patch] = field(default_factory=list)
 
 
 def plan(records: Sequence[Record], base: BaseIndex | None) -> Plan:
-    """The runs worth a span (longer than a span line, their file kept at least ``KEEP_RATIO`` full)."""
+    """The runs worth a span (longer than a span line) and the changed records worth a patch, into
+    base files kept at least ``KEEP_RATIO`` full."""
     if base is None:
         return Plan([], [])
-    runs = [run for run in _runs(records, _located(records, base)) if run.length > SPAN_BYTES]
-    live: dict[str, int] = {}
-    for run in runs:
-        live[run.where.records_file] = live.get(run.where.records_file, 0) + run.length
-    kept = {name for name, size in live.items() if size >= KEEP_RATIO * base.sizes.get(name, 0)}
-    return Plan(sorted(kept), [run for run in runs if run.where.records_file in kept])
-
-
-def _located(records: Sequence[Record], base: BaseIndex) -> list[Inline | None]:
-    """Each record's inline line in the base; a line is used once (the same bytes again are inline)."""
     used: set[Inline] = set()
+    found = _located(records, base, used)
+    runs = [run for run in _runs(records, found) if run.length > SPAN_BYTES]
+    patches = _patches(records, found, base, used)
+    live: dict[str, int] = {}
+    for name, length in [(run.where.records_file, run.length) for run in runs] + \
+            [(patch.records_file, patch.length) for patch in patches]:
+        live[name] = live.get(name, 0) + length
+    kept = {name for name, size in live.items() if size >= KEEP_RATIO * base.sizes.get(name, 0)}
+    return Plan(sorted(kept), [run for run in runs if run.where.records_file in kept],
+                [patch for patch in patches if patch.records_file in kept])
+
+
+def _located(records: Sequence[Record], base: BaseIndex, used: set[Inline]) -> list[Inline | None]:
+    """Each record's inline line in the base; a line is used once (the same bytes again are inline)."""
     found: list[Inline | None] = []
     for record in records:
         where = base.lines.get(record.raw)
@@ -132,6 +150,23 @@ def _located(records: Sequence[Record], base: BaseIndex) -> list[Inline | None]:
             used.add(where)
         found.append(where)
     return found
+
+
+def _patches(records: Sequence[Record], found: Sequence[Inline | None], base: BaseIndex,
+             used: set[Inline]) -> list[Patch]:
+    """The records not in the base that are worth a patch of their episode's base line (a line used
+    once, and never one a span stands for)."""
+    patches = []
+    for number, (record, where) in enumerate(zip(records, found, strict=True)):
+        candidate = base.episodes.get(record.episode) if where is None else None
+        if candidate is None or candidate[1] in used:
+            continue
+        old, at = candidate
+        patch = patch_between(number, record.raw, old, at.records_file, at.offset)
+        if patch is not None:
+            used.add(at)
+            patches.append(patch)
+    return patches
 
 
 def _runs(records: Sequence[Record], found: Sequence[Inline | None]) -> list[Span]:
@@ -190,37 +225,45 @@ class IndexBuilder:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._inline: list[tuple[bytes, int]] = []
+        self._inline: list[tuple[Record, int]] = []
         self._referenced: list[tuple[bytes, Inline]] = []
+        self._bases: list[tuple[RolloutIdentity, bytes, Inline]] = []
         self.sizes: dict[str, int] = {}
 
-    def inline(self, raw: bytes, offset: int) -> None:
-        self._inline.append((raw, offset))
+    def inline(self, record: Record, offset: int) -> None:
+        self._inline.append((record, offset))
 
     def referenced(self, run: Sequence[Record], where: Inline, size: int) -> None:
         offset = where.offset
         for record in run:
-            self._referenced.append((record.raw, Inline(where.records_file, offset)))
+            at = Inline(where.records_file, offset)
+            self._referenced.append((record.raw, at))
+            self._bases.append((record.episode, record.raw, at))
             offset += len(record.raw) + 1
         self.sizes[where.records_file] = size
 
+    def patched(self, record: Record, patch: Patch, size: int) -> None:
+        """``record`` was written as ``patch``: its episode's base line stays the one it patched."""
+        self._bases.append((record.episode, patch.base, Inline(patch.records_file, patch.offset)))
+        self.sizes[patch.records_file] = size
+
     def finish(self, records_file: str, size: int) -> BaseIndex:
         lines = dict(self._referenced)
-        lines.update((raw, Inline(records_file, offset)) for raw, offset in self._inline)
-        return BaseIndex(self.directory, lines, {**self.sizes, records_file: size})
+        episodes = {episode: (raw, at) for episode, raw, at in self._bases}
+        for record, offset in self._inline:
+            at = Inline(records_file, offset)
+            lines[record.raw] = at
+            episodes[record.episode] = (record.raw, at)
+        return BaseIndex(self.directory, lines, {**self.sizes, records_file: size}, episodes)
 
 
 def refuse_reserved(record: Record) -> None:
-    """An adapter's record may not look like a span (a bug, like a token array)."""
-    if REFERENCE_KEY in record.data:
-        raise InternalError(f"records never carry the key {REFERENCE_KEY!r} (it marks a reference)")
+    """An adapter's record may not look like a span or a patch (a bug, like a token array)."""
+    if is_reference(record):
+        raise InternalError(f"records never carry the keys {REFERENCE_KEYS} (they mark a reference)")
 
 
 # ---- reading --------------------------------------------------------------------------------------
-
-
-def is_reference(record: Record) -> bool:
-    return REFERENCE_KEY in record.data
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,33 +276,46 @@ class _SpanLine:
     lines: int
 
 
-def _span_of(record: Record, records_file: str, max_record_bytes: int) -> _SpanLine:
+def _reference_fields(record: Record, records_file: str, key: str, numbers: tuple[str, ...]) -> dict[str, Any]:
+    """What spans and patches share, checked: a digest under ``key``, another records file of the
+    directory, and ``numbers`` that are non-negative integers."""
     data: dict[str, Any] = record.data
     where = f"record of {record.episode.capture_key}"
-    if data.keys() != _SPAN_KEY_SET:
-        raise InvalidCheckpointState(f"{where}: a span is {{{', '.join(SPAN_KEYS)}}}")
-    digest, name = data[REFERENCE_KEY], data["records_file"]
-    numbers = [data[key] for key in ("offset", "length", "lines")]
+    digest, name = data.get(key), data.get("records_file")
     if not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
-        raise InvalidCheckpointState(f"{where}: a span's {REFERENCE_KEY} is a SHA-256 hex digest")
+        raise InvalidCheckpointState(f"{where}: a reference's {key} is a SHA-256 hex digest")
     if not isinstance(name, str) or not RECORDS_FILE.fullmatch(name) or name == records_file:
-        raise InvalidCheckpointState(f"{where}: a span names another records-<sha256>.jsonl of its directory")
-    if any(type(value) is not int or value < 0 for value in numbers):
-        raise InvalidCheckpointState(f"{where}: a span's offset, length and lines are non-negative integers")
-    offset, length, lines = numbers
+        raise InvalidCheckpointState(f"{where}: a reference names another records-<sha256>.jsonl of its directory")
+    values = {number: data.get(number) for number in numbers}
+    if any(type(value) is not int or value < 0 for value in values.values()):
+        raise InvalidCheckpointState(f"{where}: a reference's {', '.join(numbers)} are non-negative integers")
+    return {"digest": digest, "records_file": name, **values}
+
+
+def _span_of(record: Record, records_file: str, max_record_bytes: int) -> _SpanLine:
+    where = f"record of {record.episode.capture_key}"
+    if record.data.keys() != _SPAN_KEY_SET:
+        raise InvalidCheckpointState(f"{where}: a span is {{{', '.join(SPAN_KEYS)}}}")
+    fields = _reference_fields(record, records_file, REFERENCE_KEY, ("offset", "length", "lines"))
+    offset, length, lines = fields["offset"], fields["length"], fields["lines"]
     if not 0 < lines <= length <= lines * (max_record_bytes + 1):
         raise InvalidCheckpointState(f"{where}: a span of {lines} lines cannot be {length} bytes "
                                      f"(records of at most {max_record_bytes} bytes)")
-    return _SpanLine(record, digest, name, offset, length, lines)
+    return _SpanLine(record, fields["digest"], fields["records_file"], offset, length, lines)
 
 
-def _check_disjoint(spans: Iterable[_SpanLine]) -> None:
-    """Spans into one file may not overlap: each byte of a restore is read once."""
+def _patch_of(record: Record, records_file: str, max_record_bytes: int) -> PatchLine:
+    fields = _reference_fields(record, records_file, PATCH_KEY, ("offset", "length", "keep_head", "keep_tail"))
+    return read_patch_line(record, fields, max_record_bytes)
+
+
+def _check_disjoint(ranges: Iterable[tuple[str, int, int]]) -> None:
+    """Spans and patch bases into one file may not overlap: each byte of a restore is read once."""
     ends: dict[str, int] = {}
-    for span in sorted(spans, key=lambda span: (span.records_file, span.offset)):
-        if span.offset < ends.get(span.records_file, 0):
-            raise InvalidCheckpointState(f"spans into {span.records_file} overlap at offset {span.offset}")
-        ends[span.records_file] = span.offset + span.length
+    for name, offset, length in sorted(ranges):
+        if offset < ends.get(name, 0):
+            raise InvalidCheckpointState(f"spans or patches into {name} overlap at offset {offset}")
+        ends[name] = offset + length
 
 
 class _Files:
@@ -313,23 +369,48 @@ def resolve(
     ops: FileOps, directory: Path, read: Sequence[tuple[Record, int]], records_file: str, scope: Scope,
     max_record_bytes: int,
 ) -> tuple[list[Record], BaseIndex]:
-    """The records in ``scope``, in order, each span replaced by the records it stands for (checked);
-    and the index of where each lives (``read``: the lines of ``records_file`` kept, with offsets)."""
-    lines_read = [(record, offset, _span_of(record, records_file, max_record_bytes) if is_reference(record) else None)
+    """The records in ``scope``, in order, each span replaced by the records it stands for and each
+    patch by the record it makes (checked); and the index of where each lives (``read``: the lines of
+    ``records_file`` kept, with offsets)."""
+    lines_read = [(record, offset, _reference_of(record, records_file, max_record_bytes))
                   for record, offset in read]
-    _check_disjoint(span for _, _, span in lines_read if span is not None)
+    _check_disjoint((ref.records_file, ref.offset, ref.length) for _, _, ref in lines_read if ref is not None)
     index = BaseIndex(directory)
-    resolved = []
+    resolved: list[Record] = []
     with ExitStack() as stack:
         files = _Files(ops, directory, stack)
-        for record, offset, span in lines_read:
-            if span is None:
+        for record, offset, reference in lines_read:
+            if isinstance(reference, PatchLine):
+                _install_patch(files, reference, scope, index, resolved)
+                continue
+            if reference is None:
                 lines = [(record, Inline(records_file, offset))] if record.episode in scope else []
             else:
-                lines = [(line, Inline(span.records_file, at))
-                         for line, at in _read_span(files, span, scope, max_record_bytes)]
+                lines = [(line, Inline(reference.records_file, at))
+                         for line, at in _read_span(files, reference, scope, max_record_bytes)]
             for line, where in lines:
                 resolved.append(line)
                 index.lines.setdefault(line.raw, where)
+                index.episodes[line.episode] = (line.raw, where)
         index.sizes.update(files.sizes)
     return resolved, index
+
+
+def _reference_of(record: Record, records_file: str, max_record_bytes: int) -> _SpanLine | PatchLine | None:
+    if SPAN_KEY in record.data:
+        return _span_of(record, records_file, max_record_bytes)
+    if PATCH_KEY in record.data:
+        return _patch_of(record, records_file, max_record_bytes)
+    return None
+
+
+def _install_patch(files: _Files, patch: PatchLine, scope: Scope, index: BaseIndex, resolved: list[Record]) -> None:
+    """Read a patch's base line and make its record (every patch is checked, one in scope kept)."""
+    try:
+        base_line = files.at(patch.records_file, patch.offset, patch.length).read(patch.length)
+    except OSError as error:
+        raise InvalidCheckpointState(f"cannot read the records file {patch.records_file}: {error.strerror}") from None
+    record = apply_patch(patch, base_line)
+    if record.episode in scope:
+        resolved.append(record)
+        index.episodes[record.episode] = (base_line[:-1], Inline(patch.records_file, patch.offset))

@@ -21,11 +21,17 @@ from nemo_gym_ckpt.capture import RECORD_FORBIDDEN_KEYS
 from nemo_gym_ckpt.errors import GymError, InternalError, InvalidCheckpointState
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["TOKEN_ARRAY_KEYS", "Record", "Scope", "episode_of", "scope_of"]
+__all__ = ["PATCH_KEY", "REFERENCE_KEYS", "SPAN_KEY", "TOKEN_ARRAY_KEYS", "Record", "Scope", "episode_of",
+           "is_reference", "scope_of"]
 
 Scope = frozenset[RolloutIdentity]
 
 TOKEN_ARRAY_KEYS = RECORD_FORBIDDEN_KEYS
+SPAN_KEY = "same_as"
+PATCH_KEY = "patch_of"
+REFERENCE_KEYS = (SPAN_KEY, PATCH_KEY)
+"""The keys that mark a line of an incremental checkpoint as a reference (a span, a patch) rather
+than a record (docs/protocol.md section 6.1); no record an adapter exports may carry one."""
 _TOKEN_KEYS = frozenset(TOKEN_ARRAY_KEYS)
 _KEY_MARKS = tuple(f'{key}"'.encode() for key in TOKEN_ARRAY_KEYS)
 
@@ -72,6 +78,12 @@ class Record:
             return cls(raw, data, episode_of(data))
         except GymError as error:
             raise InvalidCheckpointState(f"a record has no valid episode_id: {error.detail}") from None
+
+
+def is_reference(record: Record) -> bool:
+    """A span or a patch line, not a record (``REFERENCE_KEYS``)."""
+    data = record.data
+    return SPAN_KEY in data or PATCH_KEY in data
 
 
 def episode_of(data: Mapping[str, Any]) -> RolloutIdentity:

@@ -38,13 +38,13 @@ from nemo_gym_ckpt.checkpoint.fileops import FileOps, file_size
 from nemo_gym_ckpt.checkpoint.incremental import (
     BaseIndex,
     IndexBuilder,
-    is_reference,
     link_files,
     plan,
     resolve,
     span_line,
 )
-from nemo_gym_ckpt.checkpoint.records import Record, Scope
+from nemo_gym_ckpt.checkpoint.patches import patch_line
+from nemo_gym_ckpt.checkpoint.records import Record, Scope, is_reference
 from nemo_gym_ckpt.errors import (
     CheckpointConflict,
     InvalidCheckpointState,
@@ -182,6 +182,7 @@ class RecordWriter:
         self.count = 0
         self.bytes = 0
         self.referenced = 0
+        self.patched = 0
         self.linked: list[str] = []
         self._fd: int | None = None
         self._temps: list[Path] = []
@@ -190,8 +191,8 @@ class RecordWriter:
         self._index = IndexBuilder(directory)
 
     def write_records(self, records: Sequence[Record]) -> None:
-        """Write every record of this commit: inline, or in runs as a span of a linked base file
-        (docs/protocol.md section 6.1), in chunks of about 4 MiB."""
+        """Write every record of this commit: inline, in runs as a span of a linked base file, or as
+        a patch of a line of one (docs/protocol.md section 6.1), in chunks of about 4 MiB."""
         base = self.base
         decided = plan(records, base)
         if base is not None and decided.links:
@@ -199,19 +200,25 @@ class RecordWriter:
                 self._stop.check()
                 self.linked = sorted(link_files(self._ops, base.directory, base.sizes, decided.links, self.directory))
         spans = {span.start: span for span in decided.spans if span.where.records_file in self.linked}
+        patches = {patch.index: patch for patch in decided.patches if patch.records_file in self.linked}
         sizes = base.sizes if base is not None else {}
         chunk: list[bytes] = []
         size, number = 0, 0
         while number < len(records):
-            span = spans.get(number)
+            span, patch = spans.get(number), patches.get(number)
             if span is not None:
                 line = span_line(records, span)
                 self._index.referenced(records[span.start:span.stop], span.where, sizes[span.where.records_file])
                 self.referenced += span.stop - span.start
                 number = span.stop
+            elif patch is not None:
+                line = patch_line(records[number], patch)
+                self._index.patched(records[number], patch, sizes[patch.records_file])
+                self.patched += 1
+                number += 1
             else:
                 line = records[number].raw
-                self._index.inline(line, self.bytes + size)
+                self._index.inline(records[number], self.bytes + size)
                 number += 1
             chunk.append(line)
             size += len(line) + 1

@@ -1,6 +1,7 @@
 """Incremental commits (docs/protocol.md section 6.1): runs of unchanged records are spans into hard-linked
-earlier records files; every directory reads alone, the base is never modified, pruning never breaks,
-and a span that does not hold what it claims is refused before anything is installed."""
+earlier records files, records that changed a little are patches of their base line; every directory
+reads alone, the base is never modified, pruning never breaks, and a span or a patch that does not hold
+what it claims is refused before anything is installed."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from typing import Any
 import orjson
 import pytest
 
-from nemo_gym_ckpt.checkpoint.incremental import REFERENCE_KEY
+from nemo_gym_ckpt.checkpoint.incremental import REFERENCE_KEY, refuse_reserved
 from nemo_gym_ckpt.checkpoint.pipeline import ExportPipeline
-from nemo_gym_ckpt.checkpoint.records import Record
+from nemo_gym_ckpt.checkpoint.records import PATCH_KEY, Record
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, Manifest, StopSignal
 from nemo_gym_ckpt.checkpoint.telemetry import Telemetry
 from nemo_gym_ckpt.errors import InternalError, InvalidCheckpointState
@@ -127,7 +128,7 @@ async def test_an_adapter_record_may_not_look_like_a_reference(root: Path) -> No
 
     writer = CheckpointStore(root).open_writer(root / "c1", "agent", "a1", StopSignal())
     pipeline = ExportPipeline(Adapter(), None, Telemetry("agent", "a1"), "c1")  # type: ignore[arg-type]
-    with pytest.raises(InternalError, match="marks a reference"):
+    with pytest.raises(InternalError, match="mark a reference"):
         await pipeline.run(writer, "agent", "a1")
 
 
@@ -224,3 +225,103 @@ def test_a_span_that_does_not_hold_what_it_claims_is_refused(root: Path, case: s
 
 def everyone(count: int) -> frozenset[RolloutIdentity]:
     return frozenset(RolloutIdentity(f"r{n}") for n in range(count))
+
+
+# ---- patches ---------------------------------------------------------------------------------------
+
+
+def grown(rollout: str, turns: int, **extra: object) -> Record:
+    """A session's record after ``turns`` turns: each one appends a message, as a conversation grows."""
+    messages = [{"role": "user" if n % 2 else "assistant", "content": f"turn {n}: " + "é" * 200} for n in range(turns)]
+    return Record.from_data({"episode_id": {"rollout_id": rollout, "attempt": 0},
+                             "session": {"messages": messages, "turns": turns, **extra}})
+
+
+def patches_in(directory: Path, manifest: Manifest) -> list[dict[str, Any]]:
+    return [line for line in lines(directory, manifest) if PATCH_KEY in line]
+
+
+def test_a_record_that_grew_is_a_patch_of_its_base_line(root: Path) -> None:
+    records = [grown(f"r{n}", 6) for n in range(10)]
+    store = CheckpointStore(root)
+    commit(store, root / "c1", records)
+    before = snapshot(root / "c1")
+    moved = [*records[:3], grown("r3", 7), *records[4:]]  # r3 took one more turn
+    second = commit(store, root / "c2", moved)
+    [patch] = patches_in(root / "c2", second)
+    assert len(orjson.dumps(patch)) < 0.5 * len(moved[3].raw) and patch["episode_id"] == {"rollout_id": "r3",
+                                                                                           "attempt": 0}
+    assert written_bytes(root / "c2", [root / "c1"]) < 0.15 * written_bytes(root / "c1", [])
+    assert snapshot(root / "c1") == before
+    shutil.rmtree(root / "c1")  # the patch's base file is linked into c2
+    read = CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
+    assert [r.raw for r in read.records] == [r.raw for r in moved]
+
+
+def test_a_patched_record_is_patched_again_from_the_same_inline_line(root: Path) -> None:
+    records = [grown(f"r{n}", 6) for n in range(10)]
+    store = CheckpointStore(root)
+    first = commit(store, root / "c1", records)
+    moved = [grown("r0", 8), *records[1:]]
+    commit(store, root / "c2", moved)
+    fresh = CheckpointStore(root)  # after a restore too: what was read is the base
+    read = fresh.read(root / "c2", "agent", "a1", EVERYONE)
+    third = commit(fresh, root / "c3", list(read.records))
+    [patch] = patches_in(root / "c3", third)
+    assert patch["records_file"] == first.records_file  # one hop: never a patch of a patch
+    assert [r.raw for r in CheckpointStore(root).read(root / "c3", "agent", "a1", EVERYONE).records] == [
+        r.raw for r in moved]
+
+
+def test_a_record_that_changed_a_lot_is_written_whole(root: Path) -> None:
+    store = CheckpointStore(root)
+    commit(store, root / "c1", [grown(f"r{n}", 6) for n in range(10)])
+    changed = [grown("r0", 2, note="x" * 2000), *(grown(f"r{n}", 6) for n in range(1, 10))]
+    assert patches_in(root / "c2", commit(store, root / "c2", changed)) == []
+
+
+def test_an_adapter_record_may_not_look_like_a_patch(root: Path) -> None:
+    bad = Record.from_data({"episode_id": {"rollout_id": "r1", "attempt": 0}, PATCH_KEY: "x"})
+    with pytest.raises(InternalError, match="mark a reference"):
+        refuse_reserved(bad)
+
+
+def first_patch(edit: Callable[[dict[str, Any]], None]) -> Callable[[list[dict[str, Any]]], list[dict[str, Any]]]:
+    def apply(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        edit(next(line for line in lines if PATCH_KEY in line))
+        return lines
+    return apply
+
+
+def patch_over_a_span(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    span = next(line for line in lines if REFERENCE_KEY in line)
+    next(line for line in lines if PATCH_KEY in line).update(offset=span["offset"])
+    return lines
+
+
+FORGED_PATCHES = {
+    "another insert": (first_patch(lambda patch: patch.update(insert=patch["insert"] + " ")), "do not hash"),
+    "more kept than the line": (first_patch(lambda patch: patch.update(keep_tail=patch["length"])), "keeps"),
+    "not at a line's start": (first_patch(lambda patch: patch.update(offset=patch["offset"] + 1)),
+                              "whole line|JSON|overlap"),
+    "a length that lies": (first_patch(lambda patch: patch.update(length=patch["length"] - 1)), "whole line"),
+    "an insert that is not text": (first_patch(lambda patch: patch.update(insert=7)), "insert is a string"),
+    "an extra key": (first_patch(lambda patch: patch.update(note=1)), "a patch is"),
+    "a negative keep": (first_patch(lambda patch: patch.update(keep_head=-1)), "non-negative"),
+    "another episode": (first_patch(lambda patch: patch.update(episode_id={"rollout_id": "r9", "attempt": 0})),
+                        "of the patch's episode_id"),
+    "over a span's lines": (patch_over_a_span, "overlap"),
+    "past the end": (first_patch(lambda patch: patch.update(offset=10**6)), "past the end"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED_PATCHES))
+def test_a_patch_that_does_not_hold_what_it_claims_is_refused(root: Path, case: str) -> None:
+    records = [grown(f"r{n}", 6) for n in range(8)]
+    store = CheckpointStore(root)
+    commit(store, root / "c1", records)
+    commit(store, root / "c2", [*records[:4], grown("r4", 7), *records[5:]])
+    edit, message = FORGED_PATCHES[case]
+    forge(root / "c2", edit)
+    with pytest.raises(InvalidCheckpointState, match=message):
+        CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
