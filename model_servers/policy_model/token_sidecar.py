@@ -262,7 +262,7 @@ class SidecarWrite:
 def write_sidecars(
     ops: FileOps, directory: Path, tokens: Sequence[CallTokens], base: SidecarIndex | None, stop: StopSignal
 ) -> SidecarWrite:
-    """Make every line of ``tokens`` durable in ``directory``: base files still at least half in use
+    """Make every line of ``tokens`` durable in ``directory``: base files still at least a quarter in use
     are hard-linked (docs/protocol.md section 6.1), the other lines go to one new sidecar file."""
     linked: set[str] = set()
     if base is not None:

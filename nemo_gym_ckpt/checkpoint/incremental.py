@@ -18,10 +18,10 @@ long it is; a run no longer than a span line would be is written inline.
 restored from): the directory, the size of each records file, and for each record's bytes the file
 and offset of the inline line holding them. ``plan`` finds the runs: records consecutive in the new
 commit whose lines are consecutive in one base file. A file whose records still in use add up to
-less than half of its size is not linked (its records are written inline again), so no checkpoint
-keeps more than about twice the bytes it needs; a link that fails (another file system, a pruned or
-replaced directory) also falls back to inline. A commit asked with ``incremental: false`` references
-nothing.
+less than a quarter of its size is not linked (its records are written inline again), so no
+checkpoint keeps more than about four times the bytes it needs; a link that fails (another file
+system, a pruned or replaced directory) also falls back to inline. A commit asked with
+``incremental: false`` references nothing.
 
 A record that changed since the base, when the base has an inline line of the same episode, may be
 written as a **patch** of that line instead (``patches.py``): the bytes it keeps of its start and end,
@@ -73,8 +73,9 @@ __all__ = [
 REFERENCE_KEY = SPAN_KEY
 SPAN_KEYS = ("episode_id", REFERENCE_KEY, "records_file", "offset", "length", "lines")
 _SPAN_KEY_SET = frozenset(SPAN_KEYS)
-KEEP_RATIO = 0.5
-"""A base file is linked only if the records still in use fill at least this share of it."""
+KEEP_RATIO = 0.25
+"""A base file is linked only if the records still in use fill at least this share of it: no directory
+holds more than about 1 / KEEP_RATIO times the bytes its records need."""
 RECORDS_FILE = re.compile(r"records-[0-9a-f]{64}\.jsonl")
 SPAN_BYTES = 256
 """About the length of a span line: a run no longer than this is written inline."""

@@ -94,6 +94,15 @@ def test_a_base_file_mostly_out_of_use_is_not_linked(root: Path) -> None:
     assert sorted(p.name for p in where(root / "c2").iterdir()) == sorted(["manifest.json", second.records_file])
 
 
+def test_a_base_file_a_third_in_use_is_linked(root: Path) -> None:
+    store = CheckpointStore(root)
+    first = commit(store, root / "c1", [record(f"r{n}", text="y" * 1000) for n in range(9)])
+    kept = [*(record(f"r{n}", text="y" * 1000) for n in range(3)), *(record(f"r{n}", text="new") for n in range(3, 9))]
+    second = commit(store, root / "c2", kept)  # a third of c1's file still in use: referenced, not written again
+    assert next(line.get("lines") for line in lines(root / "c2", second)) == 3
+    assert (where(root / "c2") / first.records_file).exists()
+
+
 def test_a_restored_checkpoint_is_the_base_and_stays_untouched(root: Path) -> None:
     records = [record(f"r{n}", n=n, text="z" * 500) for n in range(20)]
     commit(CheckpointStore(root), root / "c1", records)
