@@ -7,6 +7,9 @@
   of the directory: the floor any durable commit pays), as a ratio.
 - ``admission_overhead``: what ``admit`` costs a data-plane request when checkpointing is on and
   idle (the hot path), per call.
+- ``session_growth``: multi-turn sessions (each record the whole conversation), a full checkpoint,
+  then a share of them one turn longer and an incremental one: the bytes it wrote (patches of the
+  sessions that grew, spans for the rest) against the bytes of the grown records written whole.
 
 Every figure is measured within the run against its own baseline; each function returns a dict.
 """
@@ -14,6 +17,7 @@ Every figure is measured within the run against its own baseline; each function 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import secrets
 import statistics
@@ -30,13 +34,14 @@ from nemo_gym_ckpt.bench.stats import quantiles_ms
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest
 from nemo_gym_ckpt.checkpoint.participant import Participant
-from nemo_gym_ckpt.checkpoint.store import CheckpointStore
+from nemo_gym_ckpt.checkpoint.records import Record
+from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.launch.head import ThreadedServer
 from nemo_gym_ckpt.launch.launcher import find_free_port, wait_for_health
 from nemo_gym_ckpt.testing.minimal import SessionsAdapter, create_head_stub
 
-__all__ = ["admission_overhead", "commit_throughput", "cycle_latency", "run_all"]
+__all__ = ["admission_overhead", "commit_throughput", "cycle_latency", "run_all", "session_growth"]
 
 Result = dict[str, Any]
 KINDS = ("environment", "model", "agent", "resources", "resources")
@@ -51,6 +56,7 @@ def run_all(quick: bool = False) -> Result:
         "cycle": cycle_latency(cycles=10 if quick else 100),
         "commit_throughput": commit_throughput(records=1_000 if quick else 10_000),
         "admission": admission_overhead(calls=20_000 if quick else 200_000),
+        "session_growth": session_growth(sessions=100 if quick else 2_000),
     }
 
 
@@ -184,6 +190,60 @@ def commit_throughput(
         "commit_records_per_s": round(commit_mb_s * MB / record_bytes),
         "ratio_to_fsync_write": round(commit_mb_s / floor_mb_s, 3),
     }
+
+
+def session_growth(
+    *, sessions: int = 2_000, turns: int = 20, grown_share: float = 0.3, message_bytes: int = 400,
+    root: Path | None = None,
+) -> Result:
+    """Bytes an incremental commit writes when ``grown_share`` of ``sessions`` conversations of
+    ``turns`` messages took one more turn since the full one, against those sessions written whole."""
+    every = max(1, round(1 / grown_share))
+    with _workdir(root) as directory:
+        store = CheckpointStore(directory)
+        records = [_session_record(n, turns, message_bytes) for n in range(sessions)]
+        _commit_records(store, directory / "full", records)
+        grown = [_session_record(n, turns + 1, message_bytes) if n % every == 0 else record
+                 for n, record in enumerate(records)]
+        began = time.perf_counter()
+        _commit_records(store, directory / "incremental", grown)
+        elapsed = time.perf_counter() - began
+        full_bytes = _new_bytes(directory / "full", set())
+        written = _new_bytes(directory / "incremental", _inodes(directory / "full"))
+    whole = sum(len(record.raw) + 1 for n, record in enumerate(grown) if n % every == 0)
+    return {"sessions": sessions, "turns": turns, "grown": len(range(0, sessions, every)),
+            "full_bytes": full_bytes, "incremental_bytes": written, "grown_records_whole_bytes": whole,
+            "incremental_over_full": round(written / full_bytes, 4),
+            "incremental_over_grown_whole": round(written / whole, 4),
+            "incremental_commit_ms": round(1000 * elapsed, 1)}
+
+
+def _session_record(number: int, turns: int, message_bytes: int) -> Record:
+    messages = [{"role": "user" if turn % 2 else "assistant", "content": _text(f"{number}.{turn}", message_bytes)}
+                for turn in range(turns)]
+    return Record.from_data({"episode_id": {"rollout_id": f"s{number:07d}", "attempt": 0},
+                             "session": {"messages": messages, "turns": turns}})
+
+
+def _text(seed: str, size: int) -> str:
+    """``size`` characters that depend only on ``seed`` (a turn's text is the same at every commit)."""
+    block = hashlib.sha256(seed.encode()).hexdigest()
+    return (block * (size // len(block) + 1))[:size]
+
+
+def _commit_records(store: CheckpointStore, directory: Path, records: list[Record]) -> None:
+    writer = store.open_writer(directory, "agent", "bench", StopSignal())
+    writer.write_records(records)
+    writer.finish("agent", "bench", directory.name)
+
+
+def _inodes(directory: Path) -> set[tuple[int, int]]:
+    return {(path.stat().st_dev, path.stat().st_ino) for path in directory.rglob("*") if path.is_file()}
+
+
+def _new_bytes(directory: Path, earlier: set[tuple[int, int]]) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*")
+               if path.is_file() and (path.stat().st_dev, path.stat().st_ino) not in earlier)
 
 
 def _filled_adapter(records: int, record_bytes: int) -> SessionsAdapter:
