@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from nemo_gym_ckpt.checkpoint.adapter import BeforeExport, ParticipantAdapter, PauseWindow, Readiness, StopCommitted
-from nemo_gym_ckpt.checkpoint.admission import Pacer, RetireMarks, Signal
+from nemo_gym_ckpt.checkpoint.admission import RetireMarks, Signal
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock, wait_until
 from nemo_gym_ckpt.checkpoint.collector_pause import CollectorPause
 from nemo_gym_ckpt.checkpoint.lease import Lease
@@ -48,6 +48,7 @@ from nemo_gym_ckpt.checkpoint.models import (
     RestoreRequest,
     RetireRequest,
 )
+from nemo_gym_ckpt.checkpoint.pacer import Pacer
 from nemo_gym_ckpt.checkpoint.phases import Op, Phase, advance
 from nemo_gym_ckpt.checkpoint.pipeline import ExportPipeline
 from nemo_gym_ckpt.checkpoint.records import Scope

@@ -22,10 +22,11 @@ installs it, so with checkpointing off nothing of this runs.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from contextlib import suppress
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from nemo_gym_ckpt.checkpoint.pacer import Pacer
 
 __all__ = ["DATA_PER_TURN", "MAX_DEFER_S", "ControlFirst"]
 
@@ -41,9 +42,7 @@ class ControlFirst:
         self.app = app
         self.per_turn = per_turn
         self.control = 0
-        self._started = 0
-        self._waiting: deque[asyncio.Future[None]] = deque()
-        self._turn_scheduled = False
+        self._pacer = Pacer(per_turn)
         self._quiet = asyncio.Event()
         self._quiet.set()
 
@@ -72,28 +71,4 @@ class ControlFirst:
         if self.control:
             with suppress(TimeoutError):
                 await asyncio.wait_for(self._quiet.wait(), MAX_DEFER_S)
-        if not self._waiting and self._started < self.per_turn:
-            self._started += 1
-            self._schedule()
-            return
-        future = asyncio.get_running_loop().create_future()
-        self._waiting.append(future)
-        self._schedule()
-        await future
-
-    def _schedule(self) -> None:
-        if not self._turn_scheduled:
-            self._turn_scheduled = True
-            asyncio.get_running_loop().call_soon(self._next_turn)
-
-    def _next_turn(self) -> None:
-        """Runs once per turn of the loop (``call_soon``): let the next ``per_turn`` waiters start."""
-        self._turn_scheduled = False
-        self._started = 0
-        while self._waiting and self._started < self.per_turn:
-            future = self._waiting.popleft()
-            if not future.done():
-                future.set_result(None)
-                self._started += 1
-        if self._waiting or self._started:
-            self._schedule()
+        await self._pacer.turn()

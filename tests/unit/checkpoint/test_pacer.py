@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_ckpt.checkpoint.admission import Pacer
 from nemo_gym_ckpt.checkpoint.models import ControlRequest
+from nemo_gym_ckpt.checkpoint.pacer import Pacer
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
 from nemo_gym_ckpt.identity import RolloutIdentity
