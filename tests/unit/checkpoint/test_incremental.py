@@ -193,11 +193,19 @@ def forge(directory: Path, edit: Callable[[list[dict[str, Any]]], list[dict[str,
     manifest_path.write_bytes(orjson.dumps(manifest))
 
 
-def first_span(edit: Callable[[dict[str, Any]], None]) -> Callable[[list[dict[str, Any]]], list[dict[str, Any]]]:
+Edit = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
+
+
+def first_with(key: str, edit: Callable[[dict[str, Any]], None]) -> Edit:
+    """An edit of the first line holding ``key`` (a span's or a patch's)."""
     def apply(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        edit(next(line for line in lines if REFERENCE_KEY in line))
+        edit(next(line for line in lines if key in line))
         return lines
     return apply
+
+
+def first_span(edit: Callable[[dict[str, Any]], None]) -> Callable[[list[dict[str, Any]]], list[dict[str, Any]]]:
+    return first_with(REFERENCE_KEY, edit)
 
 
 def overlapping(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -296,10 +304,7 @@ def test_an_adapter_record_may_not_look_like_a_patch(root: Path) -> None:
 
 
 def first_patch(edit: Callable[[dict[str, Any]], None]) -> Callable[[list[dict[str, Any]]], list[dict[str, Any]]]:
-    def apply(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        edit(next(line for line in lines if PATCH_KEY in line))
-        return lines
-    return apply
+    return first_with(PATCH_KEY, edit)
 
 
 def patch_over_a_span(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
