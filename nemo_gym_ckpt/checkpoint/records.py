@@ -33,7 +33,11 @@ REFERENCE_KEYS = (SPAN_KEY, PATCH_KEY)
 """The keys that mark a line of an incremental checkpoint as a reference (a span, a patch) rather
 than a record (docs/protocol.md section 6.1); no record an adapter exports may carry one."""
 _TOKEN_KEYS = frozenset(TOKEN_ARRAY_KEYS)
-_KEY_MARKS = tuple(f'{key}"'.encode() for key in TOKEN_ARRAY_KEYS)
+_ALL_MARKS = {f'{key}"'.encode() for key in TOKEN_ARRAY_KEYS}
+_KEY_MARKS = tuple(sorted(mark for mark in _ALL_MARKS if not any(other != mark and mark.endswith(other)
+                                                               for other in _ALL_MARKS)))
+"""The marks to search for: one that ends with another is found by that one (``token_ids"`` finds
+``prompt_token_ids"``), so each record's bytes are scanned fewer times."""
 
 
 @dataclass(frozen=True, slots=True)
