@@ -91,6 +91,34 @@ def _episode_list_schema(minimum: int) -> dict[str, Any]:
     return {"type": "array", "items": item, "minItems": minimum, "maxItems": MAX_LIST_ITEMS}
 
 
+SEEN_LIMIT = 65_536
+_EPISODE_ID_KEYS = frozenset({"rollout_id", "attempt"})
+
+
+class _SeenIdentities:
+    """Entries read before, by ``(rollout_id, attempt)``: a participant reads much the same scope at
+    every checkpoint, and a lookup costs a tenth of the checks. At most ``SEEN_LIMIT`` (then emptied)."""
+
+    def __init__(self) -> None:
+        self.known: dict[tuple[str, int], RolloutIdentity] = {}
+
+    def identity(self, item: Any) -> RolloutIdentity:
+        if type(item) is dict and item.keys() <= _EPISODE_ID_KEYS:
+            rollout_id, attempt = item.get("rollout_id"), item.get("attempt", 0)
+            if type(rollout_id) is str and type(attempt) is int:
+                known = self.known.get((rollout_id, attempt))
+                if known is not None:
+                    return known
+        identity = identity_of_episode_id(item)
+        if len(self.known) >= SEEN_LIMIT:
+            self.known.clear()
+        self.known[(identity.rollout_id, identity.attempt)] = identity
+        return identity
+
+
+_SEEN = _SeenIdentities()
+
+
 def _identities(minimum: int) -> Callable[[Any], tuple[RolloutIdentity, ...]]:
     """``[{rollout_id, attempt?}, ...]`` read straight into identities, each checked once (what
     ``EpisodeId`` checks): a commit's scope of 4,096 episodes is read by every participant inside the
@@ -104,7 +132,7 @@ def _identities(minimum: int) -> Callable[[Any], tuple[RolloutIdentity, ...]]:
         read = []
         for number, item in enumerate(value):
             try:
-                read.append(identity_of_episode_id(item))
+                read.append(_SEEN.identity(item))
             except InvalidRequest as error:
                 raise ValueError(f"entry {number}: {error.detail}") from None
         return tuple(read)
