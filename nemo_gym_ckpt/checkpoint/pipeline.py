@@ -6,7 +6,7 @@ those in scope) into one list. A record the adapter hands back unchanged (a ``Re
 nothing here; a new one is encoded once (``Record.from_data``: orjson, and a byte search for token
 arrays). The write then runs in one worker thread, once: references to what the previous committed
 checkpoint already holds (``incremental``), the other records inline, hashed and written in chunks
-of about 4 MiB, then the records sealed and the manifest linked. One thread hand-off per commit,
+of about 256 KiB, then the records sealed and the manifest linked. One thread hand-off per commit,
 whatever the number of records. ``cancel_export`` stops the capture at once (a resume must not let
 it read the adapter's state again); a write already in its thread stops at its next chunk through
 the store's ``StopSignal``. A failure that is not a protocol error is a bug and propagates as such.

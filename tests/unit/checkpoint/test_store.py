@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import threading
 from pathlib import Path
 
 import orjson
 import pytest
 
+from nemo_gym_ckpt.checkpoint.fileops import WRITE_SLICE, FileOps
 from nemo_gym_ckpt.checkpoint.records import Record
-from nemo_gym_ckpt.checkpoint.store import MANIFEST_NAME, CheckpointStore, Manifest, StopSignal, WriteStopped
+from nemo_gym_ckpt.checkpoint.store import (
+    CHUNK_BYTES,
+    MANIFEST_NAME,
+    CheckpointStore,
+    Manifest,
+    StopSignal,
+    WriteStopped,
+)
 from nemo_gym_ckpt.errors import (
     CheckpointConflict,
     InternalError,
@@ -245,3 +254,46 @@ def test_paths_resolve_as_paths_do_and_symlink_escapes_are_refused(
     with pytest.raises(InvalidRequest):
         store.read(ck, "resources", "s1", frozenset())
     assert list(outside.iterdir()) == []
+
+
+
+@pytest.fixture
+def write_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every ``os.write`` system call made while the test runs (the real call is made)."""
+    calls: list[int] = []
+    real_write = os.write
+
+    def counted(fd: int, data: bytes | memoryview) -> int:
+        calls.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", counted)
+    return calls
+
+
+def test_a_large_write_goes_to_the_kernel_in_slices(root: Path, write_calls: list[int]) -> None:
+    data = os.urandom(2 * WRITE_SLICE + 17)
+    ops, path = FileOps(), root / "big"
+    fd = ops.open_new(path)
+    try:
+        ops.write(fd, data)
+    finally:
+        ops.close(fd)
+    assert write_calls == [WRITE_SLICE, WRITE_SLICE, 17]
+    assert path.read_bytes() == data
+
+
+def test_records_are_joined_hashed_and_written_a_chunk_at_a_time(root: Path, write_calls: list[int]) -> None:
+    store = CheckpointStore(root)
+    records = [record(f"r{n}", text="x" * 2000) for n in range(1000)]
+    longest = max(len(r.raw) for r in records) + 1
+    writer = store.open_writer(root / "ck", "resources", "s1", StopSignal())
+    writer.write_records(records)
+    manifest = writer.finish("resources", "s1", "c1")
+    records_calls = write_calls[:-1]  # the last one is the manifest's
+    assert CHUNK_BYTES <= 512 << 10  # small enough to stay in the CPU's cache from join to hash
+    assert len(records_calls) >= sum(len(r.raw) + 1 for r in records) // (CHUNK_BYTES + longest) >= 3
+    assert max(records_calls) <= CHUNK_BYTES + longest
+    content = (writer.directory / manifest.records_file).read_bytes()
+    assert content == b"".join(r.raw + b"\n" for r in records)
+    assert hashlib.sha256(content).hexdigest() == manifest.records_sha256
