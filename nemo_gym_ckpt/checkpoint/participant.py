@@ -28,6 +28,7 @@ bounded by a deadline on the injected clock.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from collections import OrderedDict
@@ -348,13 +349,13 @@ class Participant:
         _check_committable(await self.adapter.readiness(), scope)
         if isinstance(self.adapter, BeforeExport):
             await self.adapter.before_export(open_.checkpoint_id, scope, deadline_ts)
-        open_writer = self.store.open_writer
-        writer = await asyncio.to_thread(open_writer, directory, self.kind, self.instance, open_.stop,
-                                         incremental=incremental)
+        open_writer = functools.partial(self.store.open_writer, directory, self.kind, self.instance, open_.stop,
+                                        incremental=incremental)
         open_.pipeline = ExportPipeline(self.adapter, scope, self.telemetry, open_.checkpoint_id)
         with self.telemetry.span("write", **{ATTR.ID: open_.checkpoint_id}) as span:
-            manifest, exported = await open_.pipeline.run(writer, self.kind, self.instance)
-            self.telemetry.moved(Op.COMMIT, span, writer.count, writer.bytes)
+            manifest, exported = await open_.pipeline.run(open_writer, self.kind, self.instance)
+            timings = open_.pipeline.timings
+            self.telemetry.moved(Op.COMMIT, span, timings["records"], timings["bytes"])
         self._last_commit = {"checkpoint_id": open_.checkpoint_id, **open_.pipeline.timings}
         extras = await self.adapter.committed(scope)
         if stop:

@@ -4,18 +4,21 @@ sections 4 and 6).
 The capture runs on the event loop and only collects: it iterates the adapter's records (keeping
 those in scope) into one list. A record the adapter hands back unchanged (a ``Record`` it kept) costs
 nothing here; a new one is encoded once (``Record.from_data``: orjson, and a byte search for token
-arrays). The write then runs in one worker thread, once: references to what the previous committed
-checkpoint already holds (``incremental``), the other records inline, hashed and written in chunks
-of about 256 KiB, then the records sealed and the manifest linked. One thread hand-off per commit,
-whatever the number of records. ``cancel_export`` stops the capture at once (a resume must not let
-it read the adapter's state again); a write already in its thread stops at its next chunk through
-the store's ``StopSignal``. A failure that is not a protocol error is a bug and propagates as such.
+arrays). Meanwhile a worker thread opens the writer (the directories made and fsynced, the records
+file created: a few ms of system calls that need no record). The write then runs in one worker
+thread, once: references to what the previous committed checkpoint already holds
+(``incremental``), the other records inline, hashed and written in chunks of about 256 KiB, then the
+records sealed and the manifest linked. Two thread hand-offs per commit, whatever the number of
+records. ``cancel_export`` stops the capture at once (a resume must not let it read the adapter's
+state again); a write already in its thread stops at its next chunk through the store's
+``StopSignal``. A failure that is not a protocol error is a bug and propagates as such.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter
@@ -23,6 +26,7 @@ from nemo_gym_ckpt.checkpoint.incremental import refuse_reserved
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import Manifest, RecordWriter
 from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
+from nemo_gym_ckpt.errors import GymError
 
 __all__ = ["ExportPipeline"]
 
@@ -48,21 +52,28 @@ class ExportPipeline:
         if self._export is not None:
             self._export.cancel()
 
-    async def run(self, writer: RecordWriter, kind: str, instance: str) -> tuple[Manifest, list[str]]:
-        """The manifest written and the capture keys exported; on failure the writer is aborted."""
-        finished = False
+    async def run(
+        self, open_writer: Callable[[], RecordWriter], kind: str, instance: str
+    ) -> tuple[Manifest, list[str]]:
+        """The manifest written and the capture keys exported. ``open_writer`` (directories made and
+        fsynced, the records file created) runs in a thread while the capture runs on the loop; on
+        failure the writer, once open, is aborted."""
+        opening = asyncio.ensure_future(asyncio.to_thread(open_writer))
+        writer: RecordWriter | None = None
         try:
             began = time.perf_counter()
             self._export = asyncio.ensure_future(self._capture())
             records = await self._export
             captured = time.perf_counter()
+            writer = await asyncio.shield(opening)
             manifest, write_s = await asyncio.to_thread(self._timed_write, writer, records, kind, instance)
             self.timings = {"records": writer.count, "bytes": writer.bytes,
                             "capture_ms": round(1000 * (captured - began), 2), "write_ms": round(1000 * write_s, 2)}
-            finished = True
-        finally:
-            if not finished:
-                await asyncio.to_thread(writer.abort)
+        except BaseException:
+            opened = writer or await _opened(opening)
+            if opened is not None:
+                await asyncio.to_thread(opened.abort)
+            raise
         return manifest, list(dict.fromkeys(record.episode.capture_key for record in records))
 
     async def _capture(self) -> list[Record]:
@@ -84,3 +95,12 @@ class ExportPipeline:
         writer.write_records(records)
         manifest = writer.finish(kind, instance, self.checkpoint_id)
         return manifest, time.perf_counter() - began
+
+
+async def _opened(opening: asyncio.Future[RecordWriter]) -> RecordWriter | None:
+    """The writer ``opening`` opens, once its thread is done; ``None`` if opening it failed (the
+    error that ends the commit is another one)."""
+    try:
+        return await asyncio.shield(opening)
+    except (GymError, OSError):
+        return None

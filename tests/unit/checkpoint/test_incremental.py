@@ -138,7 +138,7 @@ async def test_an_adapter_record_may_not_look_like_a_reference(root: Path) -> No
     writer = CheckpointStore(root).open_writer(root / "c1", "agent", "a1", StopSignal())
     pipeline = ExportPipeline(Adapter(), None, Telemetry("agent", "a1"), "c1")  # type: ignore[arg-type]
     with pytest.raises(InternalError, match="mark a reference"):
-        await pipeline.run(writer, "agent", "a1")
+        await pipeline.run(lambda: writer, "agent", "a1")
 
 
 def test_a_run_of_small_records_is_one_line(root: Path) -> None:
