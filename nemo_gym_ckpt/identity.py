@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_gym_ckpt.errors import InvalidRequest
@@ -71,10 +71,12 @@ def rollout_id_problem(rollout_id: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class RolloutIdentity:
-    """One attempt of one rollout."""
+    """One attempt of one rollout. Its hash is computed once: a checkpoint looks up every episode in
+    sets and dicts several times in each participant, inside the pause."""
 
     rollout_id: str
     attempt: int = 0
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         problem = rollout_id_problem(self.rollout_id)
@@ -82,6 +84,14 @@ class RolloutIdentity:
             raise InvalidRequest(problem)
         if not 0 <= self.attempt <= MAX_ATTEMPT:
             raise InvalidRequest(f"attempt must be in 0..{MAX_ATTEMPT}, got {self.attempt}")
+        object.__setattr__(self, "_hash", hash((self.rollout_id, self.attempt)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[RolloutIdentity], tuple[str, int]]:
+        """Rebuilt from its fields (checked, and hashed again: a string's hash differs by process)."""
+        return RolloutIdentity, (self.rollout_id, self.attempt)
 
     @property
     def capture_key(self) -> str:

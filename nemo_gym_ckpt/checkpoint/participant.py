@@ -334,8 +334,9 @@ class Participant:
             self._check_deadline(request.deadline_ts)
             advance(self.phase, Op.COMMIT)
             assert open_ is not None  # commit is only allowed from prepared
-            for episode in episodes or ():
-                self.marks.check(episode)
+            if self.marks:  # no retired rollout: nothing to check
+                for episode in episodes or ():
+                    self.marks.check(episode)
             open_.lease.renew(request.deadline_ts)
             work = self._run_commit(open_, directory, scope, request.deadline_ts, stop=request.stop,
                                     incremental=request.incremental)
@@ -599,7 +600,7 @@ def _check_committable(readiness: Readiness, scope: Scope | None) -> None:
     if not readiness.ready:
         raise InvalidPhase(f"commit expected a ready participant, got {len(readiness.blockers)} blockers "
                            f"({', '.join(readiness.blockers[:5])})")
-    if scope is not None:
+    if scope is not None and readiness.restarts:
         restarts = {episode.capture_key for episode in scope} & set(readiness.restarts)
         if restarts:
             listed = sorted(restarts)[:10]

@@ -43,7 +43,7 @@ class ExportPipeline:
             telemetry,
             checkpoint_id,
         )
-        self._export: asyncio.Task[list[Record]] | None = None
+        self._export: asyncio.Task[tuple[list[Record], list[str]]] | None = None
         self.timings: dict[str, Any] = {}
         """Once run: ``records``, ``bytes``, ``capture_ms`` (on the event loop) and ``write_ms`` (in the
         worker thread, from the first byte to the manifest's link and the directory's fsync)."""
@@ -63,7 +63,7 @@ class ExportPipeline:
         try:
             began = time.perf_counter()
             self._export = asyncio.ensure_future(self._capture())
-            records = await self._export
+            records, exported = await self._export
             captured = time.perf_counter()
             writer = await asyncio.shield(opening)
             manifest, write_s = await asyncio.to_thread(self._timed_write, writer, records, kind, instance)
@@ -74,9 +74,10 @@ class ExportPipeline:
             if opened is not None:
                 await asyncio.to_thread(opened.abort)
             raise
-        return manifest, list(dict.fromkeys(record.episode.capture_key for record in records))
+        return manifest, exported
 
-    async def _capture(self) -> list[Record]:
+    async def _capture(self) -> tuple[list[Record], list[str]]:
+        """The records in scope, and the capture keys of their episodes (each once, in order)."""
         with self.telemetry.span("export", **{ATTR.ID: self.checkpoint_id}) as span:
             records = []
             async for item in self.adapter.export(self.scope):
@@ -85,8 +86,9 @@ class ExportPipeline:
                     continue
                 refuse_reserved(record)
                 records.append(record)
-            span.set_attribute(ATTR.RECORDS, len({record.episode for record in records}))
-            return records
+            exported = list(dict.fromkeys(record.episode.capture_key for record in records))
+            span.set_attribute(ATTR.RECORDS, len(exported))
+            return records, exported
 
     def _timed_write(
         self, writer: RecordWriter, records: list[Record], kind: str, instance: str
