@@ -16,9 +16,9 @@ What it does for the participant (docs/protocol.md section 13):
   joined); while fewer workers than expected are registered a ``<kind>-workers-unregistered:<n>``
   blocker holds it, and a worker lost while the checkpoint is open blocks it with
   ``<kind>-worker-lost`` until the checkpoint closes;
-- commit: every worker exports (in pages of at most ``PAGE_BYTES``), worker after worker; records
-  installed on every worker by a restore and still untouched come back once; one records file,
-  one manifest, written here;
+- commit: every worker exports (in pages of at most ``PAGE_BYTES``; all start at once, their pages
+  are read worker after worker); records installed on every worker by a restore and still untouched
+  come back once; one records file, one manifest, written here;
 - restore: every worker checks and installs the records (all or nothing on each); the first
   worker whose request names a restored attempt claims it (``claim``), and the others drop their
   copy of that rollout, so its state lives in one worker from then on;
@@ -291,21 +291,31 @@ class WorkerFanout:
         return Readiness(blockers=blockers, counts=counts, restarts=restarts)
 
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
+        """Every worker's records, worker after worker. All workers start their export at once (they
+        are processes of their own: their captures run side by side), and their first pages wait
+        here; the later pages of each are asked for in turn. At most a page per worker is held."""
         seen: set[bytes] = set()  # a restored record every worker still holds, untouched, comes once
-        for worker in list(self.hub.workers.values()):
-            page = await worker.channel.call("export", {"scope": scope_to_wire(scope), "first": True},
-                                             CALL_TIMEOUT_S)
-            while True:
-                for value in page["items"]:
-                    item = item_from_wire(value)
-                    if isinstance(item, Record):
-                        if item.raw in seen:
-                            continue
-                        seen.add(item.raw)
-                    yield item
-                if page["done"]:
-                    break
-                page = await worker.channel.call("export", {"first": False}, CALL_TIMEOUT_S)
+        workers = list(self.hub.workers.values())
+        first = {"scope": scope_to_wire(scope), "first": True}
+        firsts = [asyncio.ensure_future(worker.channel.call("export", first, CALL_TIMEOUT_S)) for worker in workers]
+        try:
+            for worker, first_page in zip(workers, firsts, strict=True):
+                page = await first_page
+                while True:
+                    for value in page["items"]:
+                        item = item_from_wire(value)
+                        if isinstance(item, Record):
+                            if item.raw in seen:
+                                continue
+                            seen.add(item.raw)
+                        yield item
+                    if page["done"]:
+                        break
+                    page = await worker.channel.call("export", {"first": False}, CALL_TIMEOUT_S)
+        finally:
+            for pending in firsts:
+                pending.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)  # nothing left unretrieved
 
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
         replies = await self.hub.broadcast("committed", {"scope": scope_to_wire(scope)}, CALL_TIMEOUT_S)

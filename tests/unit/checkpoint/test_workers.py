@@ -359,6 +359,29 @@ async def test_one_manifest_holds_every_workers_records_and_a_restore_is_claimed
         await fresh.hub.aclose()
 
 
+async def test_every_worker_starts_its_export_before_the_pages_are_read_in_turn(
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(follower_module, "PAGE_BYTES", 1024)  # several pages per worker
+    calls: list[tuple[int, bool]] = []
+    real_page = WorkerLink._export_page
+
+    async def logged(self: WorkerLink, body: dict[str, object]) -> dict[str, object]:
+        calls.append((self.pid, bool(body.get("first"))))
+        return await real_page(self, body)
+
+    monkeypatch.setattr(WorkerLink, "_export_page", logged)
+    for number, each in enumerate(server.workers):
+        for n in range(20):
+            each.adapter.put(RolloutIdentity(f"w{number}-r{n}"), {"text": "x" * 200})
+    directory = tmp_path / "ck"
+    reply = await commit(server, "c1", directory)
+    first, second = (each.link.pid for each in server.workers)
+    assert calls.index((second, True)) < calls.index((first, False))  # the second began before page 2 of the first
+    assert len(reply["episode_ids"]) == 40 and len(records_in(directory)) == 40  # type: ignore[arg-type]
+    assert calls.count((first, True)) == calls.count((second, True)) == 1
+
+
 async def test_retire_and_forget_reach_every_worker(server: Server) -> None:
     for each in server.workers:
         each.adapter.put(A, {})
