@@ -32,6 +32,7 @@ from nemo_gym_ckpt.errors import InvalidRequest
 __all__ = [
     "CURRENT_IDENTITY",
     "DISPATCH_KEYS",
+    "KNOWN_LIMIT",
     "MAX_ATTEMPT",
     "MAX_ROLLOUT_ID_LENGTH",
     "ROLLOUT_ID_PATTERN",
@@ -40,6 +41,7 @@ __all__ = [
     "current_identity",
     "identity_of_episode_id",
     "identity_of_row",
+    "known_identity",
     "naming_the_attempt",
     "parse_capture_key",
     "request_identity",
@@ -102,6 +104,25 @@ class RolloutIdentity:
 
     def to_json(self) -> dict[str, object]:
         return {"rollout_id": self.rollout_id, "attempt": self.attempt}
+
+
+KNOWN_LIMIT = 65_536
+_KNOWN: dict[tuple[str, int], RolloutIdentity] = {}
+
+
+def known_identity(rollout_id: str, attempt: int) -> RolloutIdentity:
+    """``RolloutIdentity(rollout_id, attempt)``, looked up when one was made here before: a
+    checkpoint reads much the same episodes again and again (every scope, every record of a worker
+    or a file), and a lookup costs a tenth of the checks. At most ``KNOWN_LIMIT`` are remembered,
+    then the memory is emptied. Raises ``InvalidRequest`` as the constructor does."""
+    key = (rollout_id, attempt)
+    known = _KNOWN.get(key)
+    if known is None:
+        known = RolloutIdentity(rollout_id, attempt)
+        if len(_KNOWN) >= KNOWN_LIMIT:
+            _KNOWN.clear()
+        _KNOWN[key] = known
+    return known
 
 
 def parse_capture_key(key: str) -> RolloutIdentity:

@@ -22,6 +22,7 @@ from nemo_gym_ckpt.identity import (
     ROLLOUT_ID_PATTERN,
     RolloutIdentity,
     identity_of_episode_id,
+    known_identity,
     rollout_id_problem,
 )
 
@@ -91,32 +92,17 @@ def _episode_list_schema(minimum: int) -> dict[str, Any]:
     return {"type": "array", "items": item, "minItems": minimum, "maxItems": MAX_LIST_ITEMS}
 
 
-SEEN_LIMIT = 65_536
 _EPISODE_ID_KEYS = frozenset({"rollout_id", "attempt"})
 
 
-class _SeenIdentities:
-    """Entries read before, by ``(rollout_id, attempt)``: a participant reads much the same scope at
-    every checkpoint, and a lookup costs a tenth of the checks. At most ``SEEN_LIMIT`` (then emptied)."""
-
-    def __init__(self) -> None:
-        self.known: dict[tuple[str, int], RolloutIdentity] = {}
-
-    def identity(self, item: Any) -> RolloutIdentity:
-        if type(item) is dict and item.keys() <= _EPISODE_ID_KEYS:
-            rollout_id, attempt = item.get("rollout_id"), item.get("attempt", 0)
-            if type(rollout_id) is str and type(attempt) is int:
-                known = self.known.get((rollout_id, attempt))
-                if known is not None:
-                    return known
-        identity = identity_of_episode_id(item)
-        if len(self.known) >= SEEN_LIMIT:
-            self.known.clear()
-        self.known[(identity.rollout_id, identity.attempt)] = identity
-        return identity
-
-
-_SEEN = _SeenIdentities()
+def _identity(item: Any) -> RolloutIdentity:
+    """One entry: a well-formed ``{rollout_id, attempt?}`` is looked up (``known_identity``: a
+    participant reads much the same scope at every checkpoint); anything else gets every check."""
+    if type(item) is dict and item.keys() <= _EPISODE_ID_KEYS:
+        rollout_id, attempt = item.get("rollout_id"), item.get("attempt", 0)
+        if type(rollout_id) is str and type(attempt) is int and 0 <= attempt <= MAX_ATTEMPT:
+            return known_identity(rollout_id, attempt)
+    return identity_of_episode_id(item)
 
 
 def _identities(minimum: int) -> Callable[[Any], tuple[RolloutIdentity, ...]]:
@@ -132,7 +118,7 @@ def _identities(minimum: int) -> Callable[[Any], tuple[RolloutIdentity, ...]]:
         read = []
         for number, item in enumerate(value):
             try:
-                read.append(_SEEN.identity(item))
+                read.append(_identity(item))
             except InvalidRequest as error:
                 raise ValueError(f"entry {number}: {error.detail}") from None
         return tuple(read)

@@ -19,7 +19,7 @@ import orjson
 
 from nemo_gym_ckpt.capture import RECORD_FORBIDDEN_KEYS
 from nemo_gym_ckpt.errors import GymError, InternalError, InvalidCheckpointState
-from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.identity import RolloutIdentity, known_identity
 
 __all__ = ["PATCH_KEY", "REFERENCE_KEYS", "SPAN_KEY", "TOKEN_ARRAY_KEYS", "Record", "Scope", "episode_of",
            "is_reference", "scope_of"]
@@ -98,7 +98,7 @@ def episode_of(data: Mapping[str, Any]) -> RolloutIdentity:
     rollout_id, attempt = episode.get("rollout_id"), episode.get("attempt")
     if not isinstance(rollout_id, str) or type(attempt) is not int:
         raise InvalidCheckpointState("episode_id must be {rollout_id: str, attempt: int}")
-    return RolloutIdentity(rollout_id, attempt)
+    return known_identity(rollout_id, attempt)
 
 
 def scope_of(episodes: list[RolloutIdentity] | None) -> Scope | None:
@@ -111,7 +111,10 @@ def _may_hold_token_arrays(raw: bytes) -> bool:
     A key is written ``"name"`` (then optional whitespace and ``:``), so its bytes hold ``name"``;
     inside a string every quote is escaped (``\\"``), so string text never does. Only a ``\\u``
     escape could spell a key otherwise (orjson writes none in keys; a file read back may)."""
-    return b"\\u" in raw or any(mark in raw for mark in _KEY_MARKS)
+    for mark in _KEY_MARKS:  # a loop, not any() over a generator: this runs for every record
+        if mark in raw:
+            return True
+    return b"\\u" in raw
 
 
 def _refuse_token_arrays(data: Any, error: type[GymError]) -> None:

@@ -1,5 +1,6 @@
 """A rollout identity's hash is computed once and never travels: equal identities hash alike, and one
-sent to another process (another string hash seed) is hashed again there."""
+sent to another process (another string hash seed) is hashed again there. Identities made before are
+looked up (``known_identity``), within a bound, and a bad one is refused all the same."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import pickle
 import subprocess
 import sys
 
+import orjson
 import pytest
 
-from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt import identity as identity_module
+from nemo_gym_ckpt.checkpoint.records import Record
+from nemo_gym_ckpt.errors import InvalidRequest
+from nemo_gym_ckpt.identity import RolloutIdentity, known_identity
 
 pytestmark = pytest.mark.unit
 
@@ -36,3 +41,15 @@ def test_an_identity_sent_to_another_process_is_hashed_there() -> None:
     done = subprocess.run([sys.executable, "-c", _UNPICKLE], input=sent, capture_output=True, env=env,
                           timeout=60, check=True)
     assert done.stdout.split() == [b"True", b"True"]
+
+
+def test_identities_made_before_are_looked_up_and_a_bad_one_is_still_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    line = orjson.dumps({"episode_id": {"rollout_id": "rollout-9", "attempt": 1}, "state": {}})
+    assert Record.from_raw(line).episode is Record.from_raw(line).episode  # one identity, not one per read
+    assert known_identity("rollout-9", 1) is Record.from_raw(line).episode
+    with pytest.raises(InvalidRequest, match="must match"):
+        known_identity("no spaces allowed", 0)
+    monkeypatch.setattr(identity_module, "KNOWN_LIMIT", 5)
+    for number in range(12):
+        known_identity(f"many-{number}", 0)
+    assert len(identity_module._KNOWN) <= 5

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
+from nemo_gym_ckpt import identity as identity_module
 from nemo_gym_ckpt.checkpoint import models
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, RetireRequest, parse_body
 from nemo_gym_ckpt.errors import InvalidRequest
@@ -50,6 +51,6 @@ def test_a_retire_needs_one_entry_and_a_scope_has_a_bound() -> None:
 
 
 def test_the_entries_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models, "SEEN_LIMIT", 10)
+    monkeypatch.setattr(identity_module, "KNOWN_LIMIT", 10)
     parse_body(CommitRequest, commit_body([{"rollout_id": f"b{n}"} for n in range(25)]))
-    assert len(models._SEEN.known) <= 10
+    assert len(identity_module._KNOWN) <= 10
