@@ -158,6 +158,7 @@ TASK_INDEX, ROLLOUT_INDEX, ATTEMPT_INDEX, ROLLOUT_ID = (
 DISPATCH_KEYS = (TASK_INDEX, ROLLOUT_INDEX, ATTEMPT_INDEX, ROLLOUT_ID)
 """The keys NeMo Gym's collector adds to a task row when it dispatches it."""
 _MAX_ATTEMPT = 999_999_999
+_EPISODE_ID_KEYS = frozenset({"rollout_id", "attempt"})
 
 
 def _count(row: Mapping[str, Any], key: str) -> int | None:
@@ -187,7 +188,7 @@ def identity_of_row(row: Mapping[str, Any]) -> RolloutIdentity | None:
 
 def identity_of_episode_id(episode_id: Any) -> RolloutIdentity:
     """NeMo Gym's ``EpisodeId`` ``{rollout_id, attempt?}`` as an identity (``InvalidRequest`` if malformed)."""
-    if not isinstance(episode_id, dict) or not set(episode_id) <= {"rollout_id", "attempt"}:
+    if not isinstance(episode_id, dict) or not episode_id.keys() <= _EPISODE_ID_KEYS:
         raise InvalidRequest("episode_id must be an object {rollout_id, attempt}")
     rollout_id = episode_id.get("rollout_id")
     if not isinstance(rollout_id, str):
@@ -195,7 +196,7 @@ def identity_of_episode_id(episode_id: Any) -> RolloutIdentity:
     attempt = episode_id.get("attempt", 0)
     if type(attempt) is not int or not 0 <= attempt <= _MAX_ATTEMPT:
         raise InvalidRequest(f"episode_id.attempt must be an integer from 0 to {_MAX_ATTEMPT}")
-    return RolloutIdentity(rollout_id, attempt)
+    return known_identity(rollout_id, attempt)
 
 
 def request_identity(named: RolloutIdentity | None) -> RolloutIdentity | None:

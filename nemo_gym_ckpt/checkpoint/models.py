@@ -22,7 +22,6 @@ from nemo_gym_ckpt.identity import (
     ROLLOUT_ID_PATTERN,
     RolloutIdentity,
     identity_of_episode_id,
-    known_identity,
     rollout_id_problem,
 )
 
@@ -92,19 +91,6 @@ def _episode_list_schema(minimum: int) -> dict[str, Any]:
     return {"type": "array", "items": item, "minItems": minimum, "maxItems": MAX_LIST_ITEMS}
 
 
-_EPISODE_ID_KEYS = frozenset({"rollout_id", "attempt"})
-
-
-def _identity(item: Any) -> RolloutIdentity:
-    """One entry: a well-formed ``{rollout_id, attempt?}`` is looked up (``known_identity``: a
-    participant reads much the same scope at every checkpoint); anything else gets every check."""
-    if type(item) is dict and item.keys() <= _EPISODE_ID_KEYS:
-        rollout_id, attempt = item.get("rollout_id"), item.get("attempt", 0)
-        if type(rollout_id) is str and type(attempt) is int and 0 <= attempt <= MAX_ATTEMPT:
-            return known_identity(rollout_id, attempt)
-    return identity_of_episode_id(item)
-
-
 def _identities(minimum: int) -> Callable[[Any], tuple[RolloutIdentity, ...]]:
     """``[{rollout_id, attempt?}, ...]`` read straight into identities, each checked once (what
     ``EpisodeId`` checks): a commit's scope of 4,096 episodes is read by every participant inside the
@@ -118,7 +104,7 @@ def _identities(minimum: int) -> Callable[[Any], tuple[RolloutIdentity, ...]]:
         read = []
         for number, item in enumerate(value):
             try:
-                read.append(_identity(item))
+                read.append(identity_of_episode_id(item))
             except InvalidRequest as error:
                 raise ValueError(f"entry {number}: {error.detail}") from None
         return tuple(read)

@@ -357,7 +357,7 @@ class Participant:
             manifest, exported = await open_.pipeline.run(open_writer, self.kind, self.instance)
             timings = open_.pipeline.timings
             self.telemetry.moved(Op.COMMIT, span, timings["records"], timings["bytes"])
-        self._last_commit = {"checkpoint_id": open_.checkpoint_id, **open_.pipeline.timings}
+        self._last_commit = {"checkpoint_id": open_.checkpoint_id, **timings}
         extras = await self.adapter.committed(scope)
         if stop:
             await self._free_after_stop(open_.checkpoint_id, scope, deadline_ts)
