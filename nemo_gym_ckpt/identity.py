@@ -21,7 +21,7 @@ index in its task (``without_attempt_keys``): NeMo Gym's verifiers read them.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -39,6 +39,7 @@ __all__ = [
     "ROLLOUT_PREFIX",
     "RolloutIdentity",
     "current_identity",
+    "identities_of_episode_ids",
     "identity_of_episode_id",
     "identity_of_row",
     "known_identity",
@@ -197,6 +198,22 @@ def identity_of_episode_id(episode_id: Any) -> RolloutIdentity:
     if type(attempt) is not int or not 0 <= attempt <= _MAX_ATTEMPT:
         raise InvalidRequest(f"episode_id.attempt must be an integer from 0 to {_MAX_ATTEMPT}")
     return known_identity(rollout_id, attempt)
+
+
+def identities_of_episode_ids(items: Iterable[Any]) -> list[RolloutIdentity]:
+    """Each item read as ``identity_of_episode_id`` reads it (raising the same ``InvalidRequest``),
+    for a scope of thousands: an item that names an identity made here before, with no other key,
+    costs one lookup (``known_identity`` holds only identities that passed their checks)."""
+    known = _KNOWN.get
+    read: list[RolloutIdentity] = []
+    for item in items:
+        identity = None
+        if type(item) is dict:
+            rollout_id, attempt = item.get("rollout_id"), item.get("attempt", 0)
+            if type(rollout_id) is str and type(attempt) is int and len(item) == 1 + ("attempt" in item):
+                identity = known((rollout_id, attempt))
+        read.append(identity if identity is not None else identity_of_episode_id(item))
+    return read
 
 
 def request_identity(named: RolloutIdentity | None) -> RolloutIdentity | None:

@@ -21,6 +21,7 @@ from nemo_gym_ckpt.identity import (
     MAX_ROLLOUT_ID_LENGTH,
     ROLLOUT_ID_PATTERN,
     RolloutIdentity,
+    identities_of_episode_ids,
     identity_of_episode_id,
     rollout_id_problem,
 )
@@ -101,13 +102,15 @@ def _identities(minimum: int) -> Callable[[Any], tuple[RolloutIdentity, ...]]:
             raise ValueError("must be a list of {rollout_id, attempt} objects")
         if not minimum <= len(value) <= MAX_LIST_ITEMS:
             raise ValueError(f"must hold {minimum} to {MAX_LIST_ITEMS} entries, got {len(value)}")
-        read = []
-        for number, item in enumerate(value):
-            try:
-                read.append(identity_of_episode_id(item))
-            except InvalidRequest as error:
-                raise ValueError(f"entry {number}: {error.detail}") from None
-        return tuple(read)
+        try:
+            return tuple(identities_of_episode_ids(value))
+        except InvalidRequest:
+            for number, item in enumerate(value):  # which entry: the message names it
+                try:
+                    identity_of_episode_id(item)
+                except InvalidRequest as error:
+                    raise ValueError(f"entry {number}: {error.detail}") from None
+            raise
 
     return identities
 
