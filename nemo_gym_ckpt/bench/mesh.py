@@ -3,7 +3,9 @@
 ``launched_mesh`` starts a config (the quickstart by default) on a free head port with server lines
 dropped; ``mesh_urls`` follows the environment's references to every hop of a rollout; ``CpuMeter``
 reads the CPU seconds of each server process, of the bench itself and of the machine over a window
-(from ``/proc``); ``loadavg`` says how loaded the machine was.
+(from ``/proc``); ``PhaseCpu`` the CPU milliseconds of each of them in each phase of one pause
+(``/proc/<pid>/task/*/schedstat``: nanoseconds, where ``stat`` counts 10 ms ticks); ``loadavg``
+says how loaded the machine was.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "QUICKSTART",
     "CpuMeter",
     "MeshUrls",
+    "PhaseCpu",
     "checkpoint_root",
     "launched_mesh",
     "loadavg",
@@ -70,6 +73,22 @@ def _children(pid: int) -> list[int]:
         return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+
+
+def _process_cpu_ns(pid: int) -> int | None:
+    """Nanoseconds on a CPU of every thread of ``pid`` and of its live child processes, or None
+    without ``/proc`` (a thread that ends while it is read counts no more)."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for thread in threads:
+        try:
+            total += int(Path(f"/proc/{pid}/task/{thread}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total + sum(_process_cpu_ns(child) or 0 for child in _children(pid))
 
 
 def _machine_cpu_s() -> tuple[float, float] | None:
@@ -156,3 +175,30 @@ def launched_mesh(overrides: Sequence[str] = (), config: Path = QUICKSTART) -> I
 def loadavg() -> list[float]:
     """The machine's load averages (1, 5, 15 minutes), rounded."""
     return [round(value, 2) for value in os.getloadavg()]
+
+
+class PhaseCpu:
+    """CPU milliseconds of each server process and of this one (``driver``) between marks: one mark
+    before a pause, one after each of its phases. Each mark reads a few files per thread (about a
+    millisecond for a mesh); ``marks_ms`` says how long the marks inside the pause took."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self._pids = pids
+        self._marks: list[tuple[float, dict[str, int | None]]] = []
+
+    def mark(self) -> None:
+        began = time.perf_counter()
+        readings = {name: _process_cpu_ns(pid) for name, pid in self._pids.items()}
+        readings["driver"] = time.process_time_ns()
+        self._marks.append((time.perf_counter() - began, readings))
+
+    def phases(self, names: Sequence[str]) -> Result:
+        """``{phase: {process: ms}}`` for the phases between consecutive marks, and ``marks_ms``."""
+        if len(self._marks) != len(names) + 1:
+            raise ValueError(f"{len(names)} phases need {len(names) + 1} marks, got {len(self._marks)}")
+        phases: Result = {}
+        for name, (_, before), (_, after) in zip(names, self._marks[:-1], self._marks[1:], strict=True):
+            phases[name] = {process: round((end - start) / 1e6, 1) for process, start in before.items()
+                            if start is not None and (end := after.get(process)) is not None}
+        phases["marks_ms"] = round(1000 * sum(took for took, _ in self._marks[1:-1]), 2)
+        return phases

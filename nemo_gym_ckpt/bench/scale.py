@@ -17,7 +17,9 @@ the last one are forgotten, as the collector does. Per level: the fsync'd sequen
 the full checkpoint's size (the median of ``FLOOR_SAMPLES`` writes), measured in the same run right
 after, and the commit's write speed over it; rollouts/s and CPU ms per rollout of every process;
 the peak memory (``VmHWM``) of every server; the worker's generation-hold counts
-(``generation_hold``: holds, releases, expiries, milliseconds held).
+(``generation_hold``: holds, releases, expiries, milliseconds held). With ``phase_cpu`` each pause
+also reads the CPU of every process after each of its phases (``PhaseCpu``), and each level reports
+the median split (``pause_cpu_ms_p50``): which process worked, and whether the two cores were busy.
 
 Then every server gets SIGKILL, fresh processes restore from the last full checkpoint (timed; not at
 2,048, the level kept for the commit's write speed, nor in ``quick`` form: process starts take a
@@ -52,6 +54,7 @@ from nemo_gym_ckpt.bench.mesh import (
     CALL_TIMEOUT_S,
     MESH_READY_S,
     CpuMeter,
+    PhaseCpu,
     checkpoint_root,
     launched_mesh,
     loadavg,
@@ -98,6 +101,8 @@ KEPT_FAILURES = 100
 """Failures kept as text (the first ones); all of them are counted."""
 FLOOR_SAMPLES = 5
 """The fsync floor is the median of this many writes (one write alone read 416-855 MB/s in one session)."""
+PHASES = ("prepare", "commit", "resume")
+"""The phases of a pause, in order (``phase_cpu``: the CPU of each process in each)."""
 _SAMPLE_KEYS = ("id", "started_at", "pause_ms", "prepare_ms", "commit_ms", "bytes_written", "calls_ms")
 """What each checkpoint of a level reports in the row's ``checkpoints``, in the order taken."""
 
@@ -204,6 +209,27 @@ def _write_speed(writes: dict[str, Any]) -> float:
     return sum(write["bytes"] for write in writes.values()) / max(longest_ms, 1e-6) / 1e3
 
 
+def _no_mark() -> None:
+    return None
+
+
+def _phase_cpu_p50(samples: list[Result]) -> Result:
+    """Per phase of the pause: each process's CPU ms (p50 over checkpoints), their sum, and the busy
+    cores (the sum over the phase's wall time; 2 here means both cores worked for the pause)."""
+    result: Result = {}
+    for phase in PHASES:
+        per = [s["cpu_ms"][phase] for s in samples]
+        totals = [sum(p.values()) for p in per]
+        walls = [s[f"{phase}_ms"] for s in samples]
+        result[phase] = {
+            **{name: round(statistics.median(p.get(name, 0.0) for p in per), 1) for name in per[0]},
+            "total": round(statistics.median(totals), 1),
+            "busy_cores": round(statistics.median(t / max(w, 1e-6) for t, w in zip(totals, walls, strict=True)), 2),
+        }
+    result["marks_ms"] = round(statistics.median(s["cpu_ms"]["marks_ms"] for s in samples), 2)
+    return result
+
+
 def _per_participant_p50(samples: list[Result], key: str) -> dict[str, float]:
     """The median of one ``last_commit`` figure, per participant, over checkpoints."""
     names = {name for sample in samples for name in sample["writes"]}
@@ -258,8 +284,12 @@ class _TimedCoordinator(Coordinator):
 
 
 class _Bench:
-    def __init__(self, launcher: MeshLauncher, root: Path, pairs: int, gap_s: float, quick: bool = False) -> None:
+    def __init__(
+        self, launcher: MeshLauncher, root: Path, pairs: int, gap_s: float, quick: bool = False,
+        phase_cpu: bool = False,
+    ) -> None:
         self.launcher, self.root, self.pairs, self.gap_s, self.quick = launcher, root, pairs, gap_s, quick
+        self.phase_cpu = phase_cpu
         self.urls = mesh_urls(launcher.mesh)
         self.tasks = task_rows(launcher.mesh)
         self.seen: set[tuple[int, int]] = set()
@@ -285,20 +315,26 @@ class _Bench:
         deadline = time.time() + DEADLINE_S
         directory = self.root / cid
         coordinator.calls.clear()
+        cpu = PhaseCpu(self.launcher.pids) if self.phase_cpu else None
+        mark = cpu.mark if cpu is not None else _no_mark
         PROCESS_COLLECTOR.hold(self)  # the driver's own full collections (4,096 tasks) stay out of the pause
+        mark()
         began, started_at = time.perf_counter(), time.time()
         try:
             prepared = await coordinator.prepare(cid, deadline_ts=deadline)
             prepared_at = time.perf_counter()
+            mark()
             if not prepared.prepared:
                 raise RuntimeError(f"{cid} was not prepared by its deadline")
             committed = await coordinator.commit(cid, deadline_ts=deadline, checkpoint_dir=str(directory),
                                                  episode_ids=prepared.continued(in_flight), incremental=incremental)
             committed_at = time.perf_counter()
+            mark()
         finally:
             await coordinator.resume(cid, deadline_ts=time.time() + DEADLINE_S)
             PROCESS_COLLECTOR.release(self)
         resumed_at = time.perf_counter()
+        mark()
         written = _written_bytes(directory, self.seen)
         writes = {name: status["last_commit"] for name, status in (await coordinator.status()).items()
                   if (status.get("last_commit") or {}).get("checkpoint_id") == cid}
@@ -310,7 +346,8 @@ class _Bench:
                 "commit_ms": 1000 * (committed_at - prepared_at), "resume_ms": 1000 * (resumed_at - committed_at),
                 "bytes_written": sum(written.values()), "bytes_by_participant": written,
                 "records": {name: m["record_count"] for name, m in committed.manifests().items()},
-                "calls_ms": {f"{op}.{kind}": round(ms, 1) for op, kind, ms in coordinator.calls}}
+                "calls_ms": {f"{op}.{kind}": round(ms, 1) for op, kind, ms in coordinator.calls},
+                **({"cpu_ms": cpu.phases(PHASES)} if cpu is not None else {})}
 
     async def level(self, level: int, final: bool) -> Result:
         load_at_start = loadavg()
@@ -465,6 +502,7 @@ class _Bench:
                                                   3),
             "participant_write_ms_p50_full": _per_participant_p50(fulls, "write_ms"),
             "participant_capture_ms_p50_full": _per_participant_p50(fulls, "capture_ms"),
+            **({"pause_cpu_ms_p50": _phase_cpu_p50(samples)} if "cpu_ms" in samples[0] else {}),
             "restore_full_ms": restore_full["restore_ms"] if restore_full else None,
             "restore_incremental_ms": restore_incr["restore_ms"],
             "restore_scope": restore_incr["scope"], "processes_start_s": restore_incr["processes_start_s"],
@@ -479,9 +517,9 @@ class _Bench:
 
 async def _levels(
     launcher: MeshLauncher, root: Path, levels: Sequence[int], pairs: int, gap_s: float, progress: Path | None,
-    quick: bool,
+    quick: bool, phase_cpu: bool = False,
 ) -> list[Result]:
-    bench = _Bench(launcher, root, pairs, gap_s, quick)
+    bench = _Bench(launcher, root, pairs, gap_s, quick, phase_cpu)
     rows = []
     # the driver's own full collections (its thousands of slots) on the servers' schedule, so that
     # none holds its control calls either
@@ -500,15 +538,18 @@ async def _levels(
 def scale(
     *, levels: Sequence[int] = LEVELS, pairs: int = 3, gap_s: float = 1.0, quick: bool = False,
     variants: dict[str, list[str]] | None = None, progress: Path | None = None, overrides: Sequence[str] = (),
+    phase_cpu: bool = False,
 ) -> Result:
     """Pause, bytes and restore, full against incremental, at each level of rollouts in flight
-    (``overrides``: config overrides of the mesh, after the suite's own)."""
+    (``overrides``: config overrides of the mesh, after the suite's own; ``phase_cpu``: the CPU of
+    each process in each phase of each pause, ``pause_cpu_ms_p50``, at the price of two readings of
+    ``/proc`` inside each pause, ``marks_ms``)."""
     if quick:
         levels, pairs = QUICK_LEVELS, 1
     with (checkpoint_root("ngc-bench-scale-") as root,
           launched_mesh([*enabled_overrides(root), *OVERRIDES, *overrides]) as launcher):
         began = loadavg()
-        rows = asyncio.run(_levels(launcher, root, levels, pairs, gap_s, progress, quick))
+        rows = asyncio.run(_levels(launcher, root, levels, pairs, gap_s, progress, quick, phase_cpu))
     return {"config": "configs/quickstart.yaml", "overrides": list(overrides), "pairs_per_level": pairs,
             "gap_s": gap_s, "cpus": os.cpu_count(),
             "loadavg_at_start": began, "loadavg_at_end": loadavg(), "levels": rows,
