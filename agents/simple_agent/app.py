@@ -10,7 +10,8 @@ Routes (also under ``/ng-rollout/<capture_key>/``, where the capture key names t
   incomplete response. Answers a Responses object whose ``output`` is the whole trajectory and whose
   ``usage`` is summed; the resources cookies as they stand after the last tool call come back as
   ``Set-Cookie``. The header ``x-ng-agent-activation: <n>`` (1-based) numbers the calls of one
-  episode.
+  episode. With checkpointing on, each reply says ``x-ng-checkpoint-close: replay``: its ``/close``
+  may run again, so an environment need not hold a checkpoint for it.
 - ``POST /training-token-capture/v1/responses`` (NeMo Gym's training-capture path, under the
   rollout prefix): the same activation, token ids asked for even without ``return_token_ids``.
 - ``POST /run`` (what NeMo Gym's ``legacy_agent`` relays; its rollout named by the prefix or the
@@ -90,7 +91,7 @@ from nemo_gym_ckpt.agent.sessions import ActivationReply, AgentSessions, Turn
 from nemo_gym_ckpt.aggregate_metrics import mount_aggregate_metrics
 from nemo_gym_ckpt.bounds import MAX_ITEMS, Text
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
-from nemo_gym_ckpt.checkpoint.headers import ACTIVATION_HEADER, RESTART_HEADER
+from nemo_gym_ckpt.checkpoint.headers import ACTIVATION_HEADER, CLOSE_HEADER, RESTART_HEADER
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
@@ -470,6 +471,8 @@ class SimpleAgent:
             response.set_cookie(name, value, httponly=True, samesite="lax")
         if not self.checkpoint_sessions:
             response.headers[RESTART_HEADER] = "1"
+        if self.checkpoint is not None:  # its /close may run again: an environment need not wait for it
+            response.headers[CLOSE_HEADER] = "replay"
         return response
 
     async def close(self) -> dict[str, bool]:

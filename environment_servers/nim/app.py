@@ -12,7 +12,8 @@ Steps (``nemo_gym_ckpt.environment.episode``):
   observation;
 - ``act`` (replay): one agent activation and one move; repeats until the game is over or
   ``max_turns`` activations;
-- ``close_agent`` (wait): agent ``POST /close``;
+- ``close_agent``: agent ``POST /close``; ``replay`` when the agent's last activation reply said its
+  ``/close`` may run again (``x-ng-checkpoint-close: replay``), else ``wait``;
 - ``return`` (replay): the rollout row: the task row, ``response`` (every item after the task's own
   input: observations and agent outputs), ``reward``, ``winner``, ``moves``, ``invalid_actions``,
   ``activations``.
@@ -45,7 +46,9 @@ from nemo_gym_ckpt.environment.base import (
     AgentClient,
     EnvironmentConfig,
     EpisodeTask,
+    close_step_mode,
     mount_environment,
+    note_agent_close,
     note_token_arrays,
 )
 from nemo_gym_ckpt.environment.episode import Episode, Program, Step
@@ -83,7 +86,7 @@ class Nim:
             [
                 Step("start", self.start, "replay"),
                 Step("act", self.act, "replay", stage="agent"),
-                Step("close_agent", self.close_agent, "wait", stage="agent"),
+                Step("close_agent", self.close_agent, close_step_mode, stage="agent"),
                 Step("return", self.finish, "replay"),
             ],
             cleanup=self.cleanup,
@@ -118,6 +121,7 @@ class Nim:
             episode.mark_restart()
         output = reply.response["output"]
         note_token_arrays(state, output)
+        note_agent_close(state, reply)
         state["transcript"].extend(output)
         state["usage"] = add_usage(state["usage"], reply.response.get("usage"))
         state["last_response"] = {k: v for k, v in reply.response.items() if k != "output"}

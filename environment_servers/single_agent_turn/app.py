@@ -8,7 +8,9 @@
   ``x-ng-checkpoint-verify`` and ``x-ng-checkpoint-restart`` answers;
 - ``invoke_agent`` (replay): agent ``POST /v1/responses`` as activation 1, the body the row's
   ``responses_create_params``, the resources cookies passed explicitly;
-- ``close_agent`` (wait): agent ``POST /close``, which frees the agent session;
+- ``close_agent``: agent ``POST /close``, which frees the agent session; ``replay`` when the agent's
+  activation reply said its ``/close`` may run again (``x-ng-checkpoint-close: replay``, as the simple
+  agent's does), else ``wait``;
 - ``verify`` (the mode the seed reply announced; default wait): resources ``POST /verify`` with the
   row and ``response``;
 - ``close_session`` (replay): resources ``POST /close_session`` with NeMo Gym's body
@@ -50,8 +52,10 @@ from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment.base import (
     AgentClient,
     EnvironmentConfig,
+    close_step_mode,
     cookies_of,
     mount_environment,
+    note_agent_close,
     note_token_arrays,
 )
 from nemo_gym_ckpt.environment.episode import Episode, Program, Step, StepMode
@@ -88,7 +92,7 @@ class SingleAgentTurn:
             [
                 Step("seed", self.seed, "replay", stage="seed"),
                 Step("invoke_agent", self.invoke_agent, "replay", stage="agent"),
-                Step("close_agent", self.close_agent, "wait", stage="agent"),
+                Step("close_agent", self.close_agent, close_step_mode, stage="agent"),
                 Step("verify", self.verify, verify_mode, stage="verification"),
                 Step("close_session", self.close_session, "replay", stage="cleanup"),
                 Step("return", self.finish, "replay"),
@@ -127,6 +131,7 @@ class SingleAgentTurn:
         resources["cookies"] = reply.cookies
         episode.state["response"] = reply.response
         note_token_arrays(episode.state, reply.response["output"])
+        note_agent_close(episode.state, reply)
         return "close_agent"
 
     async def close_agent(self, episode: Episode) -> str:

@@ -51,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from nemo_gym_ckpt.aggregate_metrics import mount_aggregate_metrics
 from nemo_gym_ckpt.capture import TOKEN_ARRAYS, without_token_arrays
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
-from nemo_gym_ckpt.checkpoint.headers import ACTIVATION_HEADER, RESTART_HEADER
+from nemo_gym_ckpt.checkpoint.headers import ACTIVATION_HEADER, CLOSE_HEADER, RESTART_HEADER
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
@@ -64,6 +64,7 @@ from nemo_gym_ckpt.environment.episode import (
     EpisodeHooks,
     Program,
     StepBudget,
+    StepMode,
     run_episode,
 )
 from nemo_gym_ckpt.errors import BadInput, GymError, InternalError, InvalidRequest, StorageError, UpstreamError
@@ -78,6 +79,7 @@ from nemo_gym_ckpt.identity import (
 from nemo_gym_ckpt.server import OrjsonResponse, declare_body
 
 __all__ = [
+    "CLOSE_REPLAYS_NOTE",
     "EPISODE_REQUEST_KEYS",
     "REFILL_PATH",
     "TOKEN_ARRAYS_NOTE",
@@ -87,6 +89,7 @@ __all__ = [
     "EpisodeTask",
     "RunRequest",
     "Runner",
+    "close_step_mode",
     "cookies_of",
     "episode_failure",
     "episode_reply",
@@ -94,6 +97,7 @@ __all__ = [
     "lacks_token_arrays",
     "mount_environment",
     "mount_run",
+    "note_agent_close",
     "note_token_arrays",
     "read_run",
     "read_task",
@@ -113,6 +117,8 @@ REFILL_PATH = "/v1/responses/refill"
 """The agent route that puts token arrays back on output items (rollout-scoped)."""
 AGENTS_TYPE = "responses_api_agents"
 TOKEN_ARRAYS_NOTE = "agent_token_arrays"
+CLOSE_REPLAYS_NOTE = "agent_close_replays"
+"""In an episode's state: the agent's last activation reply said its ``/close`` may run again."""
 """The state key ``note_token_arrays`` sets: the agent's items came with token arrays."""
 
 
@@ -380,12 +386,13 @@ def cookies_of(response: httpx.Response) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class AgentReply:
-    """One activation's answer: the Responses object, the resources cookies after it, and whether
-    the agent declared itself restart-only."""
+    """One activation's answer: the Responses object, the resources cookies after it, whether the
+    agent declared itself restart-only, and whether it declared that its ``/close`` may run again."""
 
     response: dict[str, Any]
     cookies: dict[str, str]
     restart: bool = False
+    close_replays: bool = False
 
 
 @dataclass
@@ -416,7 +423,8 @@ class AgentClient:
             raise UpstreamError(f"agent activation {activation} answered no Responses object")
         restart = reply.headers.get(RESTART_HEADER) == "1"
         self.restart_only = self.restart_only or restart
-        return AgentReply(response, {**cookies, **cookies_of(reply)}, restart)
+        return AgentReply(response, {**cookies, **cookies_of(reply)}, restart,
+                          close_replays=reply.headers.get(CLOSE_HEADER) == "replay")
 
     async def refilled(
         self, identity: RolloutIdentity, state: Mapping[str, Any], items: list[dict[str, Any]]
@@ -459,6 +467,20 @@ def is_model_item(item: Mapping[str, Any]) -> bool:
 def lacks_token_arrays(items: list[dict[str, Any]]) -> bool:
     """Whether a model item among ``items`` is without its token arrays."""
     return any(is_model_item(item) and not all(name in item for name in TOKEN_ARRAYS) for item in items)
+
+
+def note_agent_close(state: MutableMapping[str, Any], reply: AgentReply) -> None:
+    """Note in the episode state whether the agent's last reply said its ``/close`` may run again."""
+    if reply.close_replays:
+        state[CLOSE_REPLAYS_NOTE] = True
+    else:
+        state.pop(CLOSE_REPLAYS_NOTE, None)
+
+
+def close_step_mode(state: Mapping[str, Any]) -> StepMode:
+    """The mode of a step that closes the agent's session: ``replay`` when the agent said its
+    ``/close`` may run again (``CLOSE_HEADER``), else ``wait`` (an agent that says nothing)."""
+    return "replay" if state.get(CLOSE_REPLAYS_NOTE) is True else "wait"
 
 
 def note_token_arrays(state: MutableMapping[str, Any], items: list[dict[str, Any]]) -> None:

@@ -127,7 +127,8 @@ async def test_off_mounts_nothing_and_deduplicates_nothing(
         status = await pt.client.get("/ng-control/v1/checkpoint/status", headers=AUTH)
         assert status.status_code == 404
         assert (await invoke(pt, "r", 3)).status_code == 200
-        assert (await invoke(pt, "r", 3)).status_code == 200
+        again = await invoke(pt, "r", 3)
+        assert again.status_code == 200 and "x-ng-checkpoint-close" not in again.headers  # replies as before
         assert len(model.calls) == 4  # ran twice
         assert (await pt.client.post("/v1/responses", json=BODY)).status_code == 200  # no identity needed
 
@@ -141,6 +142,7 @@ async def test_a_completed_activation_answers_again_without_running(root: Path, 
         first = await invoke(pt, "r", 1)
         assert first.status_code == 200 and output_types(first) == ["function_call", "function_call_output",
                                                                     "message"]
+        assert first.headers["x-ng-checkpoint-close"] == "replay"  # its /close may run again
         again = await invoke(pt, "r", 1)
         assert again.status_code == 200 and again.json() == first.json() and len(model.calls) == 2
         assert (await extras(pt))["tool_calls"] == 1

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request, Response
 
 from model_servers.inference_worker.default_model_data import make_problem
 from nemo_gym_ckpt.capture import without_token_arrays
+from nemo_gym_ckpt.checkpoint.headers import CLOSE_HEADER
 from nemo_gym_ckpt.checkpoint.models import ControlRequest
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record
@@ -337,6 +338,53 @@ async def test_a_restart_only_agent_makes_episodes_restarts_from_then_on(
         assert (await asyncio.wait_for(first, WAIT_S)).status_code == 200  # never parked
         assert (await asyncio.wait_for(second, WAIT_S)).status_code == 200
         await control.ok("resume", checkpoint_id="c1")
+
+
+class ReplayableCloseGate(GateAgent):
+    """A gate agent whose activation replies say its ``/close`` may run again, as a checkpointed
+    simple agent's do."""
+
+    def app(self) -> FastAPI:
+        app = super().app()
+
+        @app.middleware("http")
+        async def declare(request: Request, call_next: Any) -> Any:
+            response = await call_next(request)
+            if request.url.path.endswith("/v1/responses"):
+                response.headers[CLOSE_HEADER] = "replay"
+            return response
+
+        return app
+
+
+@pytest.mark.parametrize("implementation", ENVIRONMENTS)
+async def test_a_close_the_agent_may_run_again_never_blocks_and_runs_again_after_a_restore(
+    implementation: str, root: Path, clock: FakeClock
+) -> None:
+    directory, scope = root / "ck", [{"rollout_id": "k1"}]
+    async with started(implementation, root, clock, gate=ReplayableCloseGate()) as (stack, pt):
+        control, agent = Control(pt), stack.helpers["agent"]
+        await agent.post("/_test/arm/k1")  # its activations answer at once, its /close is held
+        run = start_run(pt, "k1", env_row(implementation))
+        await until(lambda: "k1" in stack.server.closed, "the close arrived")
+        report = (await control.ok("prepare", checkpoint_id="c1"))["report"]
+        assert report["ready"] is True and report["blockers"] == [] and report["counts"]["in_replay_step"] == 1
+        await control.ok("commit", checkpoint_id="c1", checkpoint_dir=str(directory), episode_ids=scope)
+        await control.ok("resume", checkpoint_id="c1")
+        await agent.post("/_test/release/k1")
+        assert (await asyncio.wait_for(run, WAIT_S)).status_code == 200
+    [records] = directory.rglob("records-*.jsonl")
+    [record] = [orjson.loads(line) for line in records.read_bytes().splitlines()]
+    assert record["boundary"]["next_step"] == "close_agent"  # exported at the boundary before the close
+    fresh = ReplayableCloseGate()
+    fresh.gates.everything = True
+    async with started(implementation, root, clock, gate=fresh) as (_, pt):
+        control = Control(pt)
+        await control.ok("restore", checkpoint_id="back", checkpoint_dir=str(directory), episode_ids=scope)
+        await control.ok("resume", checkpoint_id="back")
+        reply = await pt.client.post("/ng-rollout/k1-a1/run", json=env_row(implementation))
+        assert reply.status_code == 200, reply.text
+    assert fresh.closed == ["k1-a1"] and fresh.activations == []  # the close ran again, nothing else did
 
 
 # ---- retire, forget, /run checks ----------------------------------------------------------------
