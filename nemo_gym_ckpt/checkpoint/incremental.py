@@ -44,7 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import orjson
 
@@ -82,9 +82,9 @@ SPAN_BYTES = 256
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-@dataclass(frozen=True, slots=True)
-class Inline:
-    """Where a record's bytes are written inline: a records file and the offset of the line."""
+class Inline(NamedTuple):
+    """Where a record's bytes are written inline: a records file and the offset of the line (a
+    tuple: a commit makes, hashes and compares one per record)."""
 
     records_file: str
     offset: int
@@ -115,11 +115,13 @@ class Span:
 @dataclass
 class Plan:
     """One commit's choice: the base files to link, the runs of records written as spans, and the
-    records written as patches."""
+    records written as patches; ``found``: each record's inline line in the base (``None`` where it
+    has none), which a span's records keep as their place."""
 
     links: list[str]
     spans: list[Span]
     patches: list[Patch] = field(default_factory=list)
+    found: list[Inline | None] = field(default_factory=list)
 
 
 def plan(records: Sequence[Record], base: BaseIndex | None) -> Plan:
@@ -137,7 +139,7 @@ def plan(records: Sequence[Record], base: BaseIndex | None) -> Plan:
         live[name] = live.get(name, 0) + length
     kept = {name for name, size in live.items() if size >= KEEP_RATIO * base.sizes.get(name, 0)}
     return Plan(sorted(kept), [run for run in runs if run.where.records_file in kept],
-                [patch for patch in patches if patch.records_file in kept])
+                [patch for patch in patches if patch.records_file in kept], found)
 
 
 def _located(records: Sequence[Record], base: BaseIndex, used: set[Inline]) -> list[Inline | None]:
@@ -190,10 +192,7 @@ def _runs(records: Sequence[Record], found: Sequence[Inline | None]) -> list[Spa
 def span_line(records: Sequence[Record], span: Span) -> bytes:
     """The line that stands for ``records[span.start:span.stop]`` (their bytes hashed here)."""
     run = records[span.start:span.stop]
-    digest = hashlib.sha256()
-    for record in run:
-        digest.update(record.raw)
-        digest.update(b"\n")
+    digest = hashlib.sha256(b"\n".join([*(record.raw for record in run), b""]))  # one pass: a newline after each
     return orjson.dumps({"episode_id": run[0].episode.to_json(), REFERENCE_KEY: digest.hexdigest(),
                          "records_file": span.where.records_file, "offset": span.where.offset,
                          "length": span.length, "lines": len(run)})
@@ -234,14 +233,13 @@ class IndexBuilder:
     def inline(self, record: Record, offset: int) -> None:
         self._inline.append((record, offset))
 
-    def referenced(self, run: Sequence[Record], where: Inline, size: int) -> None:
-        offset = where.offset
-        for record in run:
-            at = Inline(where.records_file, offset)
-            self._referenced.append((record.raw, at))
-            self._bases.append((record.episode, record.raw, at))
-            offset += len(record.raw) + 1
-        self.sizes[where.records_file] = size
+    def referenced(self, run: Sequence[Record], places: Sequence[Inline], records_file: str, size: int) -> None:
+        """``run`` written as a span: each record stays where the base has it (``places``, from the
+        plan: consecutive lines of ``records_file``)."""
+        raws = [record.raw for record in run]
+        self._referenced.extend(zip(raws, places, strict=True))
+        self._bases.extend(zip([record.episode for record in run], raws, places, strict=True))
+        self.sizes[records_file] = size
 
     def patched(self, record: Record, patch: Patch, size: int) -> None:
         """``record`` was written as ``patch``: its episode's base line stays the one it patched."""

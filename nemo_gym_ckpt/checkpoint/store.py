@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePath
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar, cast
 
 import orjson
 
@@ -38,6 +38,7 @@ from nemo_gym_ckpt.checkpoint.fileops import FileOps, file_size
 from nemo_gym_ckpt.checkpoint.incremental import (
     BaseIndex,
     IndexBuilder,
+    Inline,
     link_files,
     plan,
     resolve,
@@ -211,7 +212,9 @@ class RecordWriter:
             span, patch = spans.get(number), patches.get(number)
             if span is not None:
                 line = span_line(records, span)
-                self._index.referenced(records[span.start:span.stop], span.where, sizes[span.where.records_file])
+                places = cast("list[Inline]", decided.found[span.start:span.stop])  # a span's lines all are
+                self._index.referenced(records[span.start:span.stop], places, span.where.records_file,
+                                       sizes[span.where.records_file])
                 self.referenced += span.stop - span.start
                 number = span.stop
             elif patch is not None:

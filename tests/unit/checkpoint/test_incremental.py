@@ -290,6 +290,22 @@ def test_a_patched_record_is_patched_again_from_the_same_inline_line(root: Path)
         r.raw for r in moved]
 
 
+def test_records_a_span_stood_for_keep_their_place_in_the_commits_after_it(root: Path) -> None:
+    records = [grown(f"r{n}", 6) for n in range(10)]
+    store = CheckpointStore(root)
+    first = commit(store, root / "c1", records)
+    for label in ("c2", "c3"):  # unchanged twice: one span each time, into the first file
+        [span] = lines(root / label, commit(store, root / label, records))
+        assert span["lines"] == 10 and span["records_file"] == first.records_file and span["offset"] == 0
+    moved = [*records[:5], grown("r5", 7), *records[6:]]
+    fourth = commit(store, root / "c4", moved)  # patched from the line the first file holds
+    [patch] = patches_in(root / "c4", fourth)
+    assert patch["records_file"] == first.records_file and len(lines(root / "c4", fourth)) == 3
+    for label, expected in (("c3", records), ("c4", moved)):
+        read = CheckpointStore(root).read(root / label, "agent", "a1", EVERYONE)
+        assert [r.raw for r in read.records] == [r.raw for r in expected]
+
+
 def test_a_record_that_changed_a_lot_is_written_whole(root: Path) -> None:
     store = CheckpointStore(root)
     commit(store, root / "c1", [grown(f"r{n}", 6) for n in range(10)])
