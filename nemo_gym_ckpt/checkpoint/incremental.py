@@ -43,6 +43,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -233,6 +234,13 @@ class IndexBuilder:
     def inline(self, record: Record, offset: int) -> None:
         self._inline.append((record, offset))
 
+    def inline_all(self, records: Sequence[Record], raws: Sequence[bytes], offset: int) -> None:
+        """``records`` (their bytes ``raws``) written inline one after another from ``offset``."""
+        if not raws:
+            return
+        offsets = accumulate((len(raw) + 1 for raw in raws[:-1]), initial=offset)
+        self._inline.extend(zip(records, offsets, strict=True))
+
     def referenced(self, run: Sequence[Record], places: Sequence[Inline], records_file: str, size: int) -> None:
         """``run`` written as a span: each record stays where the base has it (``places``, from the
         plan: consecutive lines of ``records_file``)."""
@@ -249,8 +257,9 @@ class IndexBuilder:
     def finish(self, records_file: str, size: int) -> BaseIndex:
         lines = dict(self._referenced)
         episodes = {episode: (raw, at) for episode, raw, at in self._bases}
+        make = tuple.__new__  # Inline(...) without its Python-level constructor: one per inline record
         for record, offset in self._inline:
-            at = Inline(records_file, offset)
+            at: Inline = make(Inline, (records_file, offset))
             lines[record.raw] = at
             episodes[record.episode] = (record.raw, at)
         return BaseIndex(self.directory, lines, {**self.sizes, records_file: size}, episodes)

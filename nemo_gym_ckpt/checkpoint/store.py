@@ -205,6 +205,9 @@ class RecordWriter:
                 self.linked = sorted(link_files(self._ops, base.directory, base.sizes, decided.links, self.directory))
         spans = {span.start: span for span in decided.spans if span.where.records_file in self.linked}
         patches = {patch.index: patch for patch in decided.patches if patch.records_file in self.linked}
+        if not spans and not patches:  # nothing referenced (a full commit): every record inline
+            self._write_inline(records)
+            return
         sizes = base.sizes if base is not None else {}
         chunk: list[bytes] = []
         size, number = 0, 0
@@ -232,6 +235,18 @@ class RecordWriter:
                 self.write_lines(chunk)
                 chunk, size = [], 0
         self.write_lines(chunk)
+
+    def _write_inline(self, records: Sequence[Record]) -> None:
+        """Every record inline, in chunks of about ``CHUNK_BYTES``: one pass, no per-record plan."""
+        raws = [record.raw for record in records]
+        self._index.inline_all(records, raws, self.bytes)
+        start, size = 0, 0
+        for number, raw in enumerate(raws):
+            size += len(raw) + 1
+            if size >= CHUNK_BYTES:
+                self.write_lines(raws[start:number + 1])
+                start, size = number + 1, 0
+        self.write_lines(raws[start:])
 
     def start(self) -> None:
         with self._lock, write_errors(self.directory):

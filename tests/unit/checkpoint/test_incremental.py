@@ -85,6 +85,15 @@ def test_a_full_commit_references_nothing_and_is_todays_layout(root: Path) -> No
     assert sorted(p.name for p in where(root / "c2").iterdir()) == sorted(["manifest.json", full.records_file])
 
 
+def test_a_commit_of_no_records_is_an_empty_file_full_or_incremental(root: Path) -> None:
+    store = CheckpointStore(root)
+    commit(store, root / "c0", [record("r1")])
+    for label, incremental in (("c1", False), ("c2", True)):
+        manifest = commit(store, root / label, [], incremental=incremental)
+        assert manifest.record_count == 0 and (where(root / label) / manifest.records_file).read_bytes() == b""
+        assert CheckpointStore(root).read(root / label, "agent", "a1", EVERYONE).records == []
+
+
 def test_a_base_file_mostly_out_of_use_is_not_linked(root: Path) -> None:
     store = CheckpointStore(root)
     commit(store, root / "c1", [record(f"r{n}", text="y" * 1000) for n in range(10)])
