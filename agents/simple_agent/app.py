@@ -328,7 +328,7 @@ class SimpleAgent:
         """One checkpointed activation: the loop from its restored state, or afresh."""
         resume = turn.resume
         state = LoopState.from_json(resume) if resume is not None else self.fresh_state(body, cookies)
-        turn.track(state.to_json)
+        turn.track(state.view)
         if resume is not None and self.settings.return_token_ids:
             await self._reattach_tokens(state)
         await run_loop(state, GatedCalls(calls, turn))
@@ -363,7 +363,7 @@ class SimpleAgent:
         else:
             state = LoopState.from_json(resume)
         if turn is not None:
-            turn.track(state.to_json)
+            turn.track(state.view)
             if resume is not None and self.settings.return_token_ids:
                 await self._reattach_tokens(state)
         await run_loop(state, GatedCalls(self.calls, turn) if turn is not None else self.calls)

@@ -97,6 +97,12 @@ class LoopState:
         data: dict[str, Any] = orjson.loads(orjson.dumps(self))
         return data
 
+    def view(self) -> dict[str, Any]:
+        """The fields as they stand, in order, sharing their lists and dicts with this state: for a
+        caller that copies what it keeps, as an agent's record does (it copies every container and
+        leaves the token arrays out, so a copy of them first, as ``to_json`` makes, is wasted)."""
+        return {name: getattr(self, name) for name in _FIELD_ORDER}
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LoopState:
         """A state read back (an independent copy); ``ValueError`` when it is not one."""
@@ -104,7 +110,8 @@ class LoopState:
         return cls(**copy.deepcopy(data))
 
 
-_STATE_FIELDS = frozenset(f.name for f in fields(LoopState))
+_FIELD_ORDER = tuple(f.name for f in fields(LoopState))
+_STATE_FIELDS = frozenset(_FIELD_ORDER)
 _STATE_ADAPTER = TypeAdapter(LoopState)
 
 

@@ -18,7 +18,8 @@ activation with ``x-ng-agent-activation: <n>`` (1-based, docs/protocol.md sectio
   not run twice. A session about to make a call while a checkpoint is open parks until resume.
 - **snapshots**: the work registers ``turn.track(snapshot)``, a function answering its JSON state
   at the last boundary. It is evaluated only when a commit exports the session: nothing is copied
-  per step.
+  per step. The answer may share its lists and dicts with the live state: the record copies every
+  one of them (leaving token arrays out) before the work can run again.
 - **records**: ``{"episode_id", "session": {"completed", "completed_digest", "reply", "running"}}``:
   the last completed activation (its index, request digest and reply, so that a re-invocation after
   a restore gets the same answer) and the one running, if any (``{"index", "request_digest",
