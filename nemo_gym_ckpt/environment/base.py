@@ -401,7 +401,8 @@ class AgentClient:
 
     Activations go over ``activations`` (the context's ``long_calls``), every other call over
     ``client``: a close never waits for a connection behind thousands of running activations (a
-    prepare waits for the episodes in their ``close_agent`` step).
+    prepare waits for the episodes in a ``close_agent`` step whose agent did not say its close may
+    run again).
     """
 
     client: MeshClient

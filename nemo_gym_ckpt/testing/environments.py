@@ -6,7 +6,8 @@ until its capture key is released (``/_test/release/<key>``, ``/_test/release_al
 what is held. ``EnvHooks`` are the conformance suite's ``DataHooks`` over an environment whose agent
 is a gate: ``request`` starts a ``/run`` in the background and returns once the episode is live
 (held inside its agent activation, a replay step) or the ``/run`` was answered (a refusal);
-``block`` keeps the episode inside ``close_agent`` (a wait step). The task rows come from the
+``block`` keeps the episode inside ``close_agent`` (a wait step: the gate agent never says its close
+may run again). The task rows come from the
 ``row`` callable the test passes (the environment's own row shape).
 """
 
