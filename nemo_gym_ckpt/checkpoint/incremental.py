@@ -257,9 +257,8 @@ class IndexBuilder:
     def finish(self, records_file: str, size: int) -> BaseIndex:
         lines = dict(self._referenced)
         episodes = {episode: (raw, at) for episode, raw, at in self._bases}
-        make = tuple.__new__  # Inline(...) without its Python-level constructor: one per inline record
         for record, offset in self._inline:
-            at: Inline = make(Inline, (records_file, offset))
+            at = Inline(records_file, offset)
             lines[record.raw] = at
             episodes[record.episode] = (record.raw, at)
         return BaseIndex(self.directory, lines, {**self.sizes, records_file: size}, episodes)

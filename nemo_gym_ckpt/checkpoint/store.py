@@ -26,7 +26,7 @@ import hashlib
 import re
 import secrets
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePath
@@ -39,12 +39,14 @@ from nemo_gym_ckpt.checkpoint.incremental import (
     BaseIndex,
     IndexBuilder,
     Inline,
+    Plan,
+    Span,
     link_files,
     plan,
     resolve,
     span_line,
 )
-from nemo_gym_ckpt.checkpoint.patches import patch_line
+from nemo_gym_ckpt.checkpoint.patches import Patch, patch_line
 from nemo_gym_ckpt.checkpoint.records import Record, Scope, is_reference
 from nemo_gym_ckpt.errors import (
     CheckpointConflict,
@@ -205,12 +207,19 @@ class RecordWriter:
                 self.linked = sorted(link_files(self._ops, base.directory, base.sizes, decided.links, self.directory))
         spans = {span.start: span for span in decided.spans if span.where.records_file in self.linked}
         patches = {patch.index: patch for patch in decided.patches if patch.records_file in self.linked}
-        if not spans and not patches:  # nothing referenced (a full commit): every record inline
-            self._write_inline(records)
-            return
-        sizes = base.sizes if base is not None else {}
-        chunk: list[bytes] = []
-        size, number = 0, 0
+        if not spans and not patches:  # nothing referenced (a full commit): every record inline, at once
+            raws = [record.raw for record in records]
+            self._index.inline_all(records, raws, self.bytes)
+            self._write_chunked(raws)
+        else:
+            self._write_chunked(self._planned_lines(records, decided, spans, patches))
+
+    def _planned_lines(
+        self, records: Sequence[Record], decided: Plan, spans: dict[int, Span], patches: dict[int, Patch]
+    ) -> Iterator[bytes]:
+        """Each line of this commit in order (a span, a patch or a record), noted in the index."""
+        sizes = self.base.sizes if self.base is not None else {}
+        offset, number = self.bytes, 0
         while number < len(records):
             span, patch = spans.get(number), patches.get(number)
             if span is not None:
@@ -227,26 +236,22 @@ class RecordWriter:
                 number += 1
             else:
                 line = records[number].raw
-                self._index.inline(records[number], self.bytes + size)
+                self._index.inline(records[number], offset)
                 number += 1
+            yield line
+            offset += len(line) + 1
+
+    def _write_chunked(self, lines: Iterable[bytes]) -> None:
+        """Write ``lines`` in chunks of about ``CHUNK_BYTES``."""
+        chunk: list[bytes] = []
+        size = 0
+        for line in lines:
             chunk.append(line)
             size += len(line) + 1
             if size >= CHUNK_BYTES:
                 self.write_lines(chunk)
                 chunk, size = [], 0
         self.write_lines(chunk)
-
-    def _write_inline(self, records: Sequence[Record]) -> None:
-        """Every record inline, in chunks of about ``CHUNK_BYTES``: one pass, no per-record plan."""
-        raws = [record.raw for record in records]
-        self._index.inline_all(records, raws, self.bytes)
-        start, size = 0, 0
-        for number, raw in enumerate(raws):
-            size += len(raw) + 1
-            if size >= CHUNK_BYTES:
-                self.write_lines(raws[start:number + 1])
-                start, size = number + 1, 0
-        self.write_lines(raws[start:])
 
     def start(self) -> None:
         with self._lock, write_errors(self.directory):

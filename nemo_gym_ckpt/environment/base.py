@@ -117,9 +117,10 @@ REFILL_PATH = "/v1/responses/refill"
 """The agent route that puts token arrays back on output items (rollout-scoped)."""
 AGENTS_TYPE = "responses_api_agents"
 TOKEN_ARRAYS_NOTE = "agent_token_arrays"
-CLOSE_REPLAYS_NOTE = "agent_close_replays"
-"""In an episode's state: the agent's last activation reply said its ``/close`` may run again."""
 """The state key ``note_token_arrays`` sets: the agent's items came with token arrays."""
+CLOSE_REPLAYS_NOTE = "agent_close_replays"
+"""The state key ``note_agent_close`` sets: the agent's last activation reply said its ``/close`` may
+run again."""
 
 
 class EnvironmentConfig(ServerConfig):
