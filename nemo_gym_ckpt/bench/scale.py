@@ -501,6 +501,7 @@ class _Bench:
             "participant_write_over_floor": round(statistics.median(s["write_mb_s"] for s in fulls) / max(floor, 1e-9),
                                                   3),
             "participant_write_ms_p50_full": _per_participant_p50(fulls, "write_ms"),
+            "participant_write_cpu_ms_p50_full": _per_participant_p50(fulls, "write_cpu_ms"),
             "participant_capture_ms_p50_full": _per_participant_p50(fulls, "capture_ms"),
             **({"pause_cpu_ms_p50": _phase_cpu_p50(samples)} if "cpu_ms" in samples[0] else {}),
             "restore_full_ms": restore_full["restore_ms"] if restore_full else None,

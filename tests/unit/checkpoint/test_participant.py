@@ -139,6 +139,7 @@ async def test_status_tells_what_the_last_commit_wrote_and_how_long_it_took(
     [records] = (root / "ck").rglob("records-*.jsonl")
     assert (last["checkpoint_id"], last["records"], last["bytes"]) == ("c1", 2, records.stat().st_size)
     assert last["capture_ms"] >= 0 and last["write_ms"] > 0
+    assert 0 < last["write_cpu_ms"] <= last["write_ms"] + 1  # one clock per thread, its own rounding
 
 
 async def test_the_work_outlives_the_deadline_of_the_request_that_started_it(
