@@ -221,43 +221,67 @@ def link_files(
     return linked
 
 
+class _KeptRun(NamedTuple):
+    """Records a span stands for, each at its place in the base."""
+
+    run: Sequence[Record]
+    places: Sequence[Inline]
+
+
+class _KeptPatch(NamedTuple):
+    """A patched record's episode, with the base line (bytes and place) the patch was made from."""
+
+    episode: RolloutIdentity
+    raw: bytes
+    at: Inline
+
+
 class IndexBuilder:
-    """Collects where each record of one commit lives; ``finish`` names the new records file."""
+    """Collects where each record of one commit lives; ``finish`` names the new records file and
+    makes the index. What a commit notes here is cheap (a full commit notes one run); the index's
+    per-record work is ``finish``'s, which the store runs after the pause (``CheckpointStore.settle``)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._inline: list[tuple[Record, int]] = []
-        self._referenced: list[tuple[bytes, Inline]] = []
-        self._bases: list[tuple[RolloutIdentity, bytes, Inline]] = []
+        self._inline_runs: list[tuple[Sequence[Record], int]] = []
+        self._kept: list[_KeptRun | _KeptPatch] = []  # in order: what stays where the base has it
         self.sizes: dict[str, int] = {}
 
     def inline(self, record: Record, offset: int) -> None:
         self._inline.append((record, offset))
 
-    def inline_all(self, records: Sequence[Record], raws: Sequence[bytes], offset: int) -> None:
-        """``records`` (their bytes ``raws``) written inline one after another from ``offset``."""
-        if not raws:
-            return
-        offsets = accumulate((len(raw) + 1 for raw in raws[:-1]), initial=offset)
-        self._inline.extend(zip(records, offsets, strict=True))
+    def inline_all(self, records: Sequence[Record], offset: int) -> None:
+        """``records`` written inline one after another from ``offset``."""
+        if records:
+            self._inline_runs.append((records, offset))
 
     def referenced(self, run: Sequence[Record], places: Sequence[Inline], records_file: str, size: int) -> None:
         """``run`` written as a span: each record stays where the base has it (``places``, from the
         plan: consecutive lines of ``records_file``)."""
-        raws = [record.raw for record in run]
-        self._referenced.extend(zip(raws, places, strict=True))
-        self._bases.extend(zip([record.episode for record in run], raws, places, strict=True))
+        self._kept.append(_KeptRun(run, places))
         self.sizes[records_file] = size
 
     def patched(self, record: Record, patch: Patch, size: int) -> None:
         """``record`` was written as ``patch``: its episode's base line stays the one it patched."""
-        self._bases.append((record.episode, patch.base, Inline(patch.records_file, patch.offset)))
+        self._kept.append(_KeptPatch(record.episode, patch.base, Inline(patch.records_file, patch.offset)))
         self.sizes[patch.records_file] = size
 
     def finish(self, records_file: str, size: int) -> BaseIndex:
-        lines = dict(self._referenced)
-        episodes = {episode: (raw, at) for episode, raw, at in self._bases}
-        for record, offset in self._inline:
+        lines: dict[bytes, Inline] = {}
+        episodes: dict[RolloutIdentity, tuple[bytes, Inline]] = {}
+        for kept in self._kept:
+            if isinstance(kept, _KeptPatch):  # its episode's line in the base stays the one it patched
+                episodes[kept.episode] = (kept.raw, kept.at)
+                continue
+            for record, at in zip(kept.run, kept.places, strict=True):
+                lines[record.raw] = at
+                episodes[record.episode] = (record.raw, at)
+        placed = [*self._inline]
+        for run, start in self._inline_runs:
+            offsets = accumulate((len(record.raw) + 1 for record in run[:-1]), initial=start)
+            placed.extend(zip(run, offsets, strict=True))
+        for record, offset in placed:
             at = Inline(records_file, offset)
             lines[record.raw] = at
             episodes[record.episode] = (record.raw, at)

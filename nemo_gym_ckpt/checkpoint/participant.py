@@ -549,6 +549,8 @@ class Participant:
             self.adapter.resumed(open_.checkpoint_id)
         self.signal.notify()
         self._gate_changed()
+        if self.store.unsettled:  # the last commit's index, per record: made now, off the pause
+            self._spawn(asyncio.to_thread(self.store.settle))
 
     def _fence(self, checkpoint_id: str, *, opened: bool = True) -> None:
         """Fence an id: opened ones and ones only named by a resume are remembered apart (64 each)."""

@@ -22,6 +22,7 @@ inside it (no ``..``, no symlink escape); without one (``root=None``) any absolu
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import re
 import secrets
@@ -175,8 +176,8 @@ class RecordWriter:
     """One participant's write of one checkpoint; its methods run in a worker thread, in order.
 
     ``base`` (set by the store) is the previous committed checkpoint: ``write_records`` references
-    what did not change since (``incremental``). Once the manifest is linked, ``on_commit`` gets the
-    index of this checkpoint, the base of the next one.
+    what did not change since (``incremental``). Once the manifest is linked, ``on_commit`` gets
+    what makes the index of this checkpoint, the base of the next one (made later, off the pause).
     """
 
     def __init__(self, ops: FileOps, directory: Path, stop: StopSignal) -> None:
@@ -193,7 +194,7 @@ class RecordWriter:
         self._fd: int | None = None
         self._temps: list[Path] = []
         self.base: BaseIndex | None = None
-        self.on_commit: Callable[[BaseIndex], None] | None = None
+        self.on_commit: Callable[[Callable[[], BaseIndex]], None] | None = None
         self._index = IndexBuilder(directory)
 
     def write_records(self, records: Sequence[Record]) -> None:
@@ -208,9 +209,8 @@ class RecordWriter:
         spans = {span.start: span for span in decided.spans if span.where.records_file in self.linked}
         patches = {patch.index: patch for patch in decided.patches if patch.records_file in self.linked}
         if not spans and not patches:  # nothing referenced (a full commit): every record inline, at once
-            raws = [record.raw for record in records]
-            self._index.inline_all(records, raws, self.bytes)
-            self._write_chunked(raws)
+            self._index.inline_all(records, self.bytes)
+            self._write_chunked([record.raw for record in records])
         else:
             self._write_chunked(self._planned_lines(records, decided, spans, patches))
 
@@ -288,7 +288,7 @@ class RecordWriter:
             self._temps.remove(temp)
             self._ops.fsync_dir(self.directory)
         if self.on_commit is not None:
-            self.on_commit(self._index.finish(manifest.records_file, self.bytes))
+            self.on_commit(functools.partial(self._index.finish, manifest.records_file, self.bytes))
         return manifest
 
     def abort(self) -> None:
@@ -340,11 +340,37 @@ class CheckpointStore:
         self.root = None if root is None else Path(root)
         self.ops = ops or FileOps()
         self.max_record_bytes = max_record_bytes
-        self.base: BaseIndex | None = None  # the previous committed (or restored-from) checkpoint
+        self._base: BaseIndex | None = None
+        self._pending: Callable[[], BaseIndex] | None = None
+        self._settling = threading.Lock()
+
+    @property
+    def base(self) -> BaseIndex | None:
+        """The previous committed (or restored-from) checkpoint's index, made now if it is not yet."""
+        self.settle()
+        return self._base
 
     def remember(self, index: BaseIndex) -> None:
-        """The checkpoint just committed (or restored from) is the base of the next commit."""
-        self.base = index
+        """The checkpoint just restored from is the base of the next commit."""
+        with self._settling:
+            self._base, self._pending = index, None
+
+    def remember_later(self, make: Callable[[], BaseIndex]) -> None:
+        """The checkpoint just committed is the base of the next commit; ``make`` makes its index
+        (per record, so not inside the pause: ``settle`` runs it after resume, or the next commit does)."""
+        with self._settling:
+            self._pending = make
+
+    @property
+    def unsettled(self) -> bool:
+        """A committed checkpoint's index is still to be made (``settle``)."""
+        return self._pending is not None
+
+    def settle(self) -> None:
+        """Make the pending index of the last commit now (in a thread; one at a time)."""
+        with self._settling:
+            if self._pending is not None:
+                self._base, self._pending = self._pending(), None
 
     def locate(self, checkpoint_dir: str) -> Path:
         """The resolved ``checkpoint_dir``, confined to the root (a relative path resolves against the
@@ -367,7 +393,7 @@ class CheckpointStore:
         _check_inside(self.root, directory)
         writer = self.new_writer(directory, stop)
         writer.base = self.base if incremental and self.base is not None and self.base.directory != directory else None
-        writer.on_commit = self.remember
+        writer.on_commit = self.remember_later
         writer.start()
         return writer
 

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
-from nemo_gym_ckpt.checkpoint.incremental import REFERENCE_KEY, refuse_reserved
+from nemo_gym_ckpt.checkpoint.incremental import REFERENCE_KEY, BaseIndex, IndexBuilder, refuse_reserved
 from nemo_gym_ckpt.checkpoint.pipeline import ExportPipeline
 from nemo_gym_ckpt.checkpoint.records import PATCH_KEY, Record
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, Manifest, StopSignal
@@ -74,6 +74,30 @@ def test_unchanged_records_are_referenced_and_read_back_exactly(root: Path) -> N
     shutil.rmtree(root / "c1")  # pruning the base never breaks a kept checkpoint
     read = CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
     assert sorted(r.raw for r in read.records) == sorted(r.raw for r in moved)
+
+
+def test_a_commit_leaves_its_index_to_be_made_after_it_and_the_next_commit_sees_it_whole(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[str] = []
+    finish = IndexBuilder.finish
+
+    def counted(builder: IndexBuilder, records_file: str, size: int) -> BaseIndex:
+        made.append(records_file)
+        return finish(builder, records_file, size)
+
+    monkeypatch.setattr(IndexBuilder, "finish", counted)
+    records = [record(f"r{n}", text="x" * 300, n=n) for n in range(20)]
+    store = CheckpointStore(root)
+    first = commit(store, root / "c1", records)
+    assert made == [] and store.unsettled  # the commit made no index: its per-record work comes later
+    store.settle()
+    assert made == [first.records_file] and not store.unsettled
+    assert store.base is not None and len(store.base.lines) == 20 and len(store.base.episodes) == 20
+    second = commit(store, root / "c2", records)  # references all of the first: the index was whole
+    assert [span["lines"] for span in lines(root / "c2", second)] == [20] and store.unsettled
+    third = commit(store, root / "c3", records)  # not settled in between: the next commit makes it
+    assert [span["lines"] for span in lines(root / "c3", third)] == [20] and len(made) == 2
 
 
 def test_a_full_commit_references_nothing_and_is_todays_layout(root: Path) -> None:

@@ -142,6 +142,19 @@ async def test_status_tells_what_the_last_commit_wrote_and_how_long_it_took(
     assert 0 < last["write_cpu_ms"] <= last["write_ms"] + 1  # one clock per thread, its own rounding
 
 
+async def test_the_index_of_a_commit_is_made_after_resume_not_inside_the_pause(
+    gated: Participant, clock: FakeClock, root: Path
+) -> None:
+    adapter_of(gated).gate.set()
+    await gated.prepare(control(clock, "c1"))
+    await gated.commit(commit_request(clock, "c1", root / "ck"))
+    assert gated.store.unsettled  # committed, still paused: the per-record index is not made yet
+    await gated.resume(control(clock, "c1"))
+    assert await gated.wait_idle(WAIT_S)
+    assert not gated.store.unsettled and gated.store.base is not None
+    assert len(gated.store.base.episodes) == 2
+
+
 async def test_the_work_outlives_the_deadline_of_the_request_that_started_it(
     gated: Participant, clock: FakeClock, root: Path
 ) -> None:
