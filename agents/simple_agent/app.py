@@ -41,8 +41,8 @@ Checkpointing (``docs/participants.md``, "Agents"): with the mesh's ``checkpoint
 agent is a participant of kind ``agent`` over ``nemo_gym_ckpt.agent.sessions.AgentSessions``: the
 activation header deduplicates (a completed activation invoked again answers the same reply;
 skipping ahead is ``activation_out_of_order``), every model and tool call is a boundary of the
-loop, and the session's ``LoopState`` is exported at commit (evaluated then, never copied per
-call). A restored session continues its loop under the next capture key without making a
+loop, and the session's record is built from its ``LoopState`` as each call starts (a commit
+only looks it up). A restored session continues its loop under the next capture key without making a
 completed model or tool call again. With ``return_token_ids``, a restored loop first asks the
 policy model for the token arrays of the calls it made before the checkpoint (``GET
 /v1/capture/tokens`` under its capture key; the policy model keeps them in its token sidecar) and

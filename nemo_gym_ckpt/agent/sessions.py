@@ -17,9 +17,11 @@ activation with ``x-ng-agent-activation: <n>`` (1-based, docs/protocol.md sectio
   the call is simply made again after a restore). A tool call in flight blocks a prepare: it must
   not run twice. A session about to make a call while a checkpoint is open parks until resume.
 - **snapshots**: the work registers ``turn.track(snapshot)``, a function answering its JSON state
-  at the last boundary. It is evaluated only when a commit exports the session: nothing is copied
-  per step. The answer may share its lists and dicts with the live state: the record copies every
-  one of them (leaving token arrays out) before the work can run again.
+  at the last boundary. It is evaluated, and the session's record built from it, where the session
+  stands still: as each call starts, and as it parks (``encode_now``), on the data plane and only
+  with checkpointing on; a commit then only looks the record up, and builds it only for a session
+  that moved since. The answer may share its lists and dicts with the live state: the record copies
+  every one of them (leaving token arrays out) before the work can run again.
 - **records**: ``{"episode_id", "session": {"completed", "completed_digest", "reply", "running"}}``:
   the last completed activation (its index, request digest and reply, so that a re-invocation after
   a restore gets the same answer) and the one running, if any (``{"index", "request_digest",
@@ -220,6 +222,7 @@ class Turn:
         await self._sessions.park(self.session)
         self.session.call = kind
         self.activation.version += 1
+        self._sessions.encode_now(self.session)  # the state stands still until the call ends
         try:
             yield
             self._sessions.completed_calls[kind] += 1
@@ -346,12 +349,20 @@ class AgentSessions:
         participant = self._participant()
         if session.restart or participant.checkpoint_id is None:
             return
+        self.encode_now(session)
         session.parked = True
         participant.notify_changed()
         try:
             await participant.admit(session.identity)
         finally:
             session.parked = False
+
+    def encode_now(self, session: AgentSession) -> None:
+        """Build the session's record now, on the data plane, where it stands still until it moves
+        again (parked, or in a call): a commit that finds it there only looks it up. The record is
+        built again only if the session moved since (``AgentSession.encoded``)."""
+        if self.participant is not None and not session.restart and session.restored is None:
+            session.encoded()
 
     def notify(self) -> None:
         if self.participant is not None:

@@ -204,44 +204,49 @@ async def _reported(pt: ParticipantUnderTest) -> bool:
     return (await Control(pt).status())["report"] is not None
 
 
-# ---- the loop state, exported lazily ------------------------------------------------------------
+# ---- the loop state, encoded where it stands still ----------------------------------------------
 
 
-async def test_the_snapshot_is_evaluated_only_at_export(root: Path, clock: FakeClock) -> None:
+async def test_the_snapshot_is_evaluated_when_a_call_starts_and_a_commit_only_looks_it_up(
+    root: Path, clock: FakeClock
+) -> None:
     sessions = AgentSessions()
     participant = Participant(kind="agent", instance="a", adapter=sessions, store=CheckpointStore(root),
                               lease_grace_s=600.0, clock=clock)
     sessions.participant = participant
     evaluated: list[int] = []
-    proceed = asyncio.Event()
+    in_third_call, proceed = asyncio.Event(), asyncio.Event()
 
     async def work(turn: Turn) -> ActivationReply:
         state = {"calls": 0}
         turn.track(lambda: evaluated.append(state["calls"]) or dict(state))
         for _ in range(3):
             async with turn.call("model"):
+                if state["calls"] == 2:
+                    in_third_call.set()
+                    await proceed.wait()
                 state["calls"] += 1
-        await proceed.wait()
         return ActivationReply({"output": []}, {})
 
     token = CURRENT_IDENTITY.set(RolloutIdentity("s"))
     try:
         run = asyncio.create_task(sessions.activate(1, {"input": "x"}, work))
-        await until(lambda: sessions.completed_calls["model"] == 3, "three calls made")
-        assert evaluated == []
+        await asyncio.wait_for(in_third_call.wait(), WAIT_S)
+        assert evaluated == [0, 1, 2]  # once per call, as it starts: on the data plane
         deadline = clock.now() + 30
         await participant.prepare(ControlRequest(checkpoint_id="c1", deadline_ts=deadline))
         directory = root / "ck"
         committed = await participant.commit(CommitRequest(checkpoint_id="c1", deadline_ts=deadline,
                                                            checkpoint_dir=str(directory)))
-        assert evaluated == [3]
+        assert evaluated == [0, 1, 2]  # the commit found the record of the call it waits in
         scope = frozenset({RolloutIdentity("s")})
         records = CheckpointStore(root).read(directory, "agent", "a", scope).records
-        assert [r.data["session"]["running"]["state"] for r in records] == [{"calls": 3}]
+        assert [r.data["session"]["running"]["state"] for r in records] == [{"calls": 2}]
         assert committed["episode_ids"] == ["s"]
         await participant.resume(ControlRequest(checkpoint_id="c1", deadline_ts=deadline))
         proceed.set()
         await asyncio.wait_for(run, WAIT_S)
+        assert evaluated == [0, 1, 2]  # no checkpoint open, no call left: nothing more
     finally:
         CURRENT_IDENTITY.reset(token)
         await participant.aclose()
