@@ -101,7 +101,7 @@ class RolloutIdentity:
         return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
 
     def next_attempt(self) -> RolloutIdentity:
-        return RolloutIdentity(self.rollout_id, self.attempt + 1)
+        return known_identity(self.rollout_id, self.attempt + 1)
 
     def to_json(self) -> dict[str, object]:
         return {"rollout_id": self.rollout_id, "attempt": self.attempt}
@@ -127,11 +127,15 @@ def known_identity(rollout_id: str, attempt: int) -> RolloutIdentity:
 
 
 def parse_capture_key(key: str) -> RolloutIdentity:
-    """``"r1"`` -> (r1, 0); ``"r1-a2"`` -> (r1, 2). Raises ``InvalidRequest`` for malformed keys."""
+    """``"r1"`` -> (r1, 0); ``"r1-a2"`` -> (r1, 2). Raises ``InvalidRequest`` for malformed keys.
+
+    The identity is the one ``known_identity`` holds: every request of a rollout names the same
+    object, so a checkpoint's scope (read the same way) finds each episode by identity, never by
+    comparing fields."""
     match = _ATTEMPT_SUFFIX.fullmatch(key)
     if match:
-        return RolloutIdentity(match["rid"], int(match["n"]))
-    return RolloutIdentity(key, 0)
+        return known_identity(match["rid"], int(match["n"]))
+    return known_identity(key, 0)
 
 
 def split_rollout_path(path: str) -> tuple[RolloutIdentity | None, str]:
@@ -178,13 +182,13 @@ def identity_of_row(row: Mapping[str, Any]) -> RolloutIdentity | None:
     if explicit is not None:
         if not isinstance(explicit, str):
             raise InvalidRequest(f"{ROLLOUT_ID} must be a string, got {explicit!r}")
-        return RolloutIdentity(explicit, attempt)
+        return known_identity(explicit, attempt)
     task, rollout = _count(row, TASK_INDEX), _count(row, ROLLOUT_INDEX)
     if task is None and rollout is None:
         return None
     if task is None or rollout is None:
         raise InvalidRequest(f"a row names its rollout with both {TASK_INDEX} and {ROLLOUT_INDEX}")
-    return RolloutIdentity(f"{task}-{rollout}", attempt)
+    return known_identity(f"{task}-{rollout}", attempt)
 
 
 def identity_of_episode_id(episode_id: Any) -> RolloutIdentity:

@@ -15,7 +15,13 @@ import pytest
 from nemo_gym_ckpt import identity as identity_module
 from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.errors import InvalidRequest
-from nemo_gym_ckpt.identity import RolloutIdentity, known_identity
+from nemo_gym_ckpt.identity import (
+    RolloutIdentity,
+    identities_of_episode_ids,
+    identity_of_row,
+    known_identity,
+    parse_capture_key,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -53,3 +59,13 @@ def test_identities_made_before_are_looked_up_and_a_bad_one_is_still_refused(mon
     for number in range(12):
         known_identity(f"many-{number}", 0)
     assert len(identity_module._KNOWN) <= 5
+
+
+def test_a_request_and_a_checkpoint_scope_name_one_identity_object() -> None:
+    scope = identities_of_episode_ids([{"rollout_id": "7-3", "attempt": 2}, {"rollout_id": "7-4"}])
+    assert parse_capture_key("7-3-a2") is scope[0] and parse_capture_key("7-4") is scope[1]
+    assert identity_of_row({"_ng_task_index": 7, "_ng_rollout_index": 4}) is scope[1]
+    assert identity_of_row({"_ng_rollout_id": "7-3", "_ng_attempt_index": 2}) is scope[0]
+    assert parse_capture_key("7-3-a1").next_attempt() is scope[0]
+    with pytest.raises(InvalidRequest):
+        parse_capture_key("bad key")
