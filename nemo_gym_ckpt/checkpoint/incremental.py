@@ -43,7 +43,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, chain
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -277,11 +277,9 @@ class IndexBuilder:
             for record, at in zip(kept.run, kept.places, strict=True):
                 lines[record.raw] = at
                 episodes[record.episode] = (record.raw, at)
-        placed = [*self._inline]
-        for run, start in self._inline_runs:
-            offsets = accumulate((len(record.raw) + 1 for record in run[:-1]), initial=start)
-            placed.extend(zip(run, offsets, strict=True))
-        for record, offset in placed:
+        runs = (zip(run, accumulate((len(record.raw) + 1 for record in run[:-1]), initial=start), strict=True)
+                for run, start in self._inline_runs)
+        for record, offset in chain(self._inline, *runs):
             at = Inline(records_file, offset)
             lines[record.raw] = at
             episodes[record.episode] = (record.raw, at)

@@ -392,7 +392,8 @@ class CheckpointStore:
             self._makedirs(directory)
         _check_inside(self.root, directory)
         writer = self.new_writer(directory, stop)
-        writer.base = self.base if incremental and self.base is not None and self.base.directory != directory else None
+        base = self.base if incremental else None  # made once here if the last commit's index is pending
+        writer.base = base if base is not None and base.directory != directory else None
         writer.on_commit = self.remember_later
         writer.start()
         return writer
