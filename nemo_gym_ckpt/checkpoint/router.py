@@ -13,8 +13,7 @@ import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from nemo_gym_ckpt.checkpoint.models import (
     CommitRequest,
@@ -22,7 +21,9 @@ from nemo_gym_ckpt.checkpoint.models import (
     ForgetRequest,
     RestoreRequest,
     RetireRequest,
+    load_json,
     parse_body,
+    parse_object,
 )
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.errors import PayloadTooLarge, Unauthorized
@@ -33,7 +34,7 @@ __all__ = ["CONTROL_PREFIX", "MAX_BODY_BYTES", "make_router"]
 CONTROL_PREFIX = "/ng-control/v1/checkpoint"
 MAX_BODY_BYTES = 32 * 1024 * 1024
 B = TypeVar("B", bound=ControlRequest)
-Handler = Callable[[Request], Awaitable[dict[str, Any]]]
+Handler = Callable[[Request], Awaitable[Response]]
 Forward = Callable[[str, dict[str, Any] | None], Awaitable[dict[str, Any]]]
 """Runs a control call elsewhere: (operation, its JSON body, ``None`` for status) -> the reply."""
 
@@ -49,11 +50,11 @@ def make_router(participant: Participant, auth_token: str, forward: Forward | No
     authorize = _bearer_check(auth_token.encode(), participant)
     router = APIRouter(prefix=CONTROL_PREFIX, default_response_class=OrjsonResponse)
 
-    async def status(request: Request) -> dict[str, Any]:
+    async def status(request: Request) -> Response:
         authorize(request)
         if forward is not None:
-            return await forward("status", None)
-        return participant.status()
+            return OrjsonResponse(await forward("status", None))
+        return OrjsonResponse(participant.status())
 
     router.add_api_route("/status", status, methods=["GET"])
     routes: list[tuple[str, type[Any], Callable[[Any], Awaitable[dict[str, Any]]]]] = [
@@ -75,20 +76,20 @@ def make_router(participant: Participant, auth_token: str, forward: Forward | No
 def _post(
     authorize: Callable[[Request], None], model: type[B], operation: Callable[[B], Awaitable[dict[str, Any]]]
 ) -> Handler:
-    async def handler(request: Request) -> dict[str, Any]:
+    async def handler(request: Request) -> Response:
         authorize(request)
         body = parse_body(model, await _read_body(request))
-        return await operation(body)
+        return OrjsonResponse(await operation(body))
 
     return handler
 
 
 def _forwarded(authorize: Callable[[Request], None], model: type[B], name: str, forward: Forward) -> Handler:
-    async def handler(request: Request) -> dict[str, Any]:
+    async def handler(request: Request) -> Response:
         authorize(request)
-        content = await _read_body(request)
-        parse_body(model, content)  # a bad body is refused here, before it travels
-        return await forward(name, orjson.loads(content))
+        body = load_json(await _read_body(request))
+        parse_object(model, body)  # a bad body is refused here, before it travels
+        return OrjsonResponse(await forward(name, body))
 
     return handler
 

@@ -39,8 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.channel import Channel
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK
@@ -50,7 +48,7 @@ from nemo_gym_ckpt.checkpoint.models import (
     ForgetRequest,
     RestoreRequest,
     RetireRequest,
-    parse_body,
+    parse_object,
 )
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
@@ -202,7 +200,7 @@ class WorkerHub:
         model = _CONTROL.get(operation) if isinstance(operation, str) else None
         if model is None or not isinstance(request, dict):
             raise InvalidRequest("control needs an operation and its request")
-        parsed = parse_body(model, orjson.dumps(request))
+        parsed = parse_object(model, request)
         result: dict[str, Any] = await getattr(participant, str(operation))(parsed)
         return result
 

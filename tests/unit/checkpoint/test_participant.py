@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import fastapi.routing
 import httpx
 import orjson
 import pytest
@@ -514,6 +515,23 @@ async def test_a_disk_error_during_commit_is_clear_and_the_participant_stays_res
         assert snapshot(root / "earlier") == before and manifests(root / "later") == []
         again = await cycle(client, "c2", str(root / "again"), incremental=False)  # a full write
         assert again["manifest"]["records_sha256"] == earlier["manifest"]["records_sha256"]
+
+
+async def test_control_replies_are_rendered_once_by_orjson_not_by_the_framework(
+    make_server: ServerFactory, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit reply lists every episode of its scope (4,096 in the scale bench): the route hands
+    back the JSON response itself, so FastAPI never validates and re-serializes the reply."""
+
+    def refuse(**_: Any) -> Any:
+        raise AssertionError("FastAPI serialized a control reply")
+
+    monkeypatch.setattr(fastapi.routing, "serialize_response", refuse)
+    server = make_server()
+    server.adapter.put(RolloutIdentity("r1"), {"x": 1})
+    async with client_of(server) as client:
+        committed = await cycle(client, "c1", str(root / "ck"))
+        assert committed["episode_ids"] == ["r1"] and (await call(client, "status"))["phase"] == "idle"
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:

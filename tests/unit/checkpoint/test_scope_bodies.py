@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 import pytest
+from pydantic import ValidationError
 
 from nemo_gym_ckpt import identity as identity_module
 from nemo_gym_ckpt.checkpoint import models
@@ -54,3 +55,40 @@ def test_the_entries_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(identity_module, "KNOWN_LIMIT", 10)
     parse_body(CommitRequest, commit_body([{"rollout_id": f"b{n}"} for n in range(25)]))
     assert len(identity_module._KNOWN) <= 10
+
+
+BODIES = [
+    b'{"checkpoint_id": "c1", "deadline_ts": 5, "checkpoint_dir": "/x"}',
+    b'{"checkpoint_id": "c1", "deadline_ts": 5.5, "checkpoint_dir": "/x", "stop": true, "incremental": false}',
+    b'{"checkpoint_id": "c1", "deadline_ts": "5", "checkpoint_dir": "/x"}',
+    b'{"checkpoint_id": "c1", "deadline_ts": 5, "checkpoint_dir": "/x", "stop": 1}',
+    b'{"checkpoint_id": "c1", "deadline_ts": 5, "checkpoint_dir": "/x", "extra": null}',
+    b'{"checkpoint_id": "c1", "deadline_ts": 5, "checkpoint_dir": "/x", "checkpoint_id": "c2"}',
+    b'{"checkpoint_id": "bad id", "deadline_ts": 5, "checkpoint_dir": "/x"}',
+    b'{"checkpoint_id": "c1", "deadline_ts": -1, "checkpoint_dir": "/x"}',
+    b'{"checkpoint_id": "c1", "deadline_ts": 5, "checkpoint_dir": ""}',
+    b'{"checkpoint_id": "c1", "deadline_ts": 5, "checkpoint_dir": "/x", "episode_ids": [{"rollout_id": "r"}]}',
+    b'{"checkpoint_id": "c1", "deadline_ts": 5, "checkpoint_dir": "/x", "episode_ids": {"rollout_id": "r"}}',
+    b'[{"checkpoint_id": "c1"}]', b'"c1"', b"null",
+]
+
+
+@pytest.mark.parametrize("content", BODIES)
+def test_a_body_read_by_orjson_is_accepted_or_refused_as_pydantic_reading_it_would(content: bytes) -> None:
+    """Every field is a JSON type, so strict validation of the object orjson read gives what
+    validating the JSON text itself gives: the same body, or a refusal naming the same fields."""
+    try:
+        expected: Any = CommitRequest.model_validate_json(content)
+    except ValidationError as error:
+        expected = sorted(".".join(str(part) for part in item["loc"]) or "body" for item in error.errors())
+    try:
+        got: Any = parse_body(CommitRequest, content)
+    except InvalidRequest as error:
+        got = sorted(problem.split(": ")[0] for problem in error.detail.split("; "))
+    assert got == expected
+
+
+@pytest.mark.parametrize("content", [b'{"checkpoint_id": "c1",', b"", b'{"deadline_ts": 1e400}', b"\xff"])
+def test_bytes_that_are_not_json_are_refused_as_such(content: bytes) -> None:
+    with pytest.raises(InvalidRequest, match=r"^body: not valid JSON"):
+        parse_body(CommitRequest, content)
