@@ -74,12 +74,17 @@ def rollout_id_problem(rollout_id: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class RolloutIdentity:
-    """One attempt of one rollout. Its hash is computed once: a checkpoint looks up every episode in
-    sets and dicts several times in each participant, inside the pause."""
+    """One attempt of one rollout. Its hash and its ``capture_key`` are computed once: a checkpoint
+    looks up every episode in sets and dicts, and names it, several times in each participant,
+    inside the pause.
+
+    ``capture_key`` is how the attempt is named on the wire (``/ng-rollout/<capture_key>/``, commit
+    replies): the rollout id for attempt 0, ``<rollout_id>-a<attempt>`` after it."""
 
     rollout_id: str
     attempt: int = 0
     _hash: int = field(init=False, repr=False, compare=False, default=0)
+    capture_key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         problem = rollout_id_problem(self.rollout_id)
@@ -88,6 +93,8 @@ class RolloutIdentity:
         if not 0 <= self.attempt <= MAX_ATTEMPT:
             raise InvalidRequest(f"attempt must be in 0..{MAX_ATTEMPT}, got {self.attempt}")
         object.__setattr__(self, "_hash", hash((self.rollout_id, self.attempt)))
+        key = self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
+        object.__setattr__(self, "capture_key", key)
 
     def __hash__(self) -> int:
         return self._hash
@@ -95,10 +102,6 @@ class RolloutIdentity:
     def __reduce__(self) -> tuple[type[RolloutIdentity], tuple[str, int]]:
         """Rebuilt from its fields (checked, and hashed again: a string's hash differs by process)."""
         return RolloutIdentity, (self.rollout_id, self.attempt)
-
-    @property
-    def capture_key(self) -> str:
-        return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
 
     def next_attempt(self) -> RolloutIdentity:
         return known_identity(self.rollout_id, self.attempt + 1)

@@ -87,7 +87,8 @@ class ExportPipeline:
                 record = item if isinstance(item, Record) else Record.from_data(item)
                 if self.scope is not None and record.episode not in self.scope:
                     continue
-                refuse_reserved(record)
+                if record.reference:
+                    refuse_reserved(record)
                 records.append(record)
             exported = list(dict.fromkeys(record.episode.capture_key for record in records))
             span.set_attribute(ATTR.RECORDS, len(exported))

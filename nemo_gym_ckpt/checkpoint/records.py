@@ -12,7 +12,7 @@ common record costs a few substring searches instead of a walk over every value.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -42,11 +42,17 @@ _KEY_MARKS = tuple(sorted(mark for mark in _ALL_MARKS if not any(other != mark a
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """A record's exact JSON bytes (no newline), its parsed object and its episode."""
+    """A record's exact JSON bytes (no newline), its parsed object and its episode; ``reference``
+    (known when it is made) tells whether it is a span or a patch line (``REFERENCE_KEYS``), so a
+    commit's check of every record it writes reads one attribute."""
 
     raw: bytes
     data: dict[str, Any]
     episode: RolloutIdentity
+    reference: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reference", SPAN_KEY in self.data or PATCH_KEY in self.data)
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> Record:
@@ -86,8 +92,7 @@ class Record:
 
 def is_reference(record: Record) -> bool:
     """A span or a patch line, not a record (``REFERENCE_KEYS``)."""
-    data = record.data
-    return SPAN_KEY in data or PATCH_KEY in data
+    return record.reference
 
 
 def episode_of(data: Mapping[str, Any]) -> RolloutIdentity:

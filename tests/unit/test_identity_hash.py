@@ -69,3 +69,12 @@ def test_a_request_and_a_checkpoint_scope_name_one_identity_object() -> None:
     assert parse_capture_key("7-3-a1").next_attempt() is scope[0]
     with pytest.raises(InvalidRequest):
         parse_capture_key("bad key")
+
+
+def test_the_capture_key_is_made_once_with_the_identity_and_travels_rebuilt() -> None:
+    first, later = RolloutIdentity("rollout-7"), RolloutIdentity("rollout-7", 2)
+    assert (first.capture_key, later.capture_key) == ("rollout-7", "rollout-7-a2")
+    assert later.capture_key is later.capture_key  # one string, not one per read
+    assert parse_capture_key(later.capture_key) == later
+    assert pickle.loads(pickle.dumps(later)).capture_key == "rollout-7-a2"
+    assert RolloutIdentity("rollout-7", 2) == later and "capture_key" not in repr(later)

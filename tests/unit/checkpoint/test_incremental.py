@@ -352,6 +352,18 @@ def test_an_adapter_record_may_not_look_like_a_patch(root: Path) -> None:
         refuse_reserved(bad)
 
 
+@pytest.mark.parametrize("key", [REFERENCE_KEY, PATCH_KEY])
+def test_a_record_knows_from_its_making_whether_it_is_a_reference(key: str) -> None:
+    """The commit checks each record it writes by one attribute, set when the record is made (read
+    back, encoded, or made from strings); the pipeline refuses one that is set (above)."""
+    plain = {"episode_id": {"rollout_id": "r1", "attempt": 0}, "note": key}
+    marked = {**plain, key: "x"}
+    assert not Record.from_data(plain).reference and not Record.from_raw(orjson.dumps(plain)).reference
+    assert Record.from_data(marked).reference and Record.from_raw(orjson.dumps(marked)).reference
+    assert not Record.of_strings(RolloutIdentity("r1"), note=key).reference
+    assert Record.of_strings(RolloutIdentity("r1"), **{key: "x"}).reference
+
+
 def first_patch(edit: Callable[[dict[str, Any]], None]) -> Callable[[list[dict[str, Any]]], list[dict[str, Any]]]:
     return first_with(PATCH_KEY, edit)
 
