@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 from nemo_gym_ckpt.checkpoint.adapter import BeforeExport, ParticipantAdapter, PauseWindow, Readiness, StopCommitted
 from nemo_gym_ckpt.checkpoint.admission import RetireMarks, Signal
+from nemo_gym_ckpt.checkpoint.background import in_background
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock, wait_until
 from nemo_gym_ckpt.checkpoint.collector_pause import CollectorPause
 from nemo_gym_ckpt.checkpoint.lease import Lease
@@ -550,7 +551,12 @@ class Participant:
         self.signal.notify()
         self._gate_changed()
         if self.store.unsettled:  # the last commit's index, per record: made now, off the pause
-            self._spawn(asyncio.to_thread(self.store.settle))
+            self._spawn(self._settle())
+
+    async def _settle(self) -> None:
+        """Make the last commit's index in the background thread (lowest priority: the rest of the
+        mesh's resume and the rollouts let go come first)."""
+        await in_background(self.store.settle)
 
     def _fence(self, checkpoint_id: str, *, opened: bool = True) -> None:
         """Fence an id: opened ones and ones only named by a resume are remembered apart (64 each)."""

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import shutil
+import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ import orjson
 import pytest
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem
+from nemo_gym_ckpt.checkpoint.background import LOWEST_PRIORITY
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest, RestoreRequest, RetireRequest
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.participant import REMEMBERED_IDS, Participant
@@ -154,6 +158,32 @@ async def test_the_index_of_a_commit_is_made_after_resume_not_inside_the_pause(
     assert await gated.wait_idle(WAIT_S)
     assert not gated.store.unsettled and gated.store.base is not None
     assert len(gated.store.base.episodes) == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+async def test_the_index_is_made_in_a_thread_of_the_lowest_priority(
+    gated: Participant, clock: FakeClock, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rest of the mesh's resume and the rollouts let go come first; the loop's thread (and so
+    every other thread the process starts) keeps its priority."""
+    seen: list[tuple[str, int]] = []
+    settle = gated.store.settle
+
+    def watched() -> None:
+        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        settle()
+
+    monkeypatch.setattr(gated.store, "settle", watched)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    adapter_of(gated).gate.set()
+    await gated.prepare(control(clock, "c1"))
+    await gated.commit(commit_request(clock, "c1", root / "ck"))
+    await gated.resume(control(clock, "c1"))
+    assert await gated.wait_idle(WAIT_S)
+    [priority] = [priority for name, priority in seen if name.startswith("checkpoint-background")]
+    assert priority == LOWEST_PRIORITY  # (the commit's writer looks too, from its own thread)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before < LOWEST_PRIORITY
+    assert not gated.store.unsettled
 
 
 async def test_the_work_outlives_the_deadline_of_the_request_that_started_it(
