@@ -15,7 +15,9 @@ task:
   standing still while a checkpoint is open (prepare or restore until resume or lease expiry), so
   neither parking nor a ``replay`` step waiting on a parked agent or model uses it up;
 - **readiness**: every live episode parked at a boundary, between steps, inside a ``replay`` step,
-  or a restart; an episode inside a ``wait`` step blocks;
+  or a restart; an episode inside a ``wait`` step blocks. Kept as the episodes move
+  (``ReadinessTally``: each episode tells it when its step's mode changes or it is marked a restart),
+  so a prepare or a commit asks without walking the episodes;
 - **restarts** (``Episode.restart``, marked by a step from the seed reply's or the agent's
   ``x-ng-checkpoint-restart: 1``) never park, never block and are never exported;
 - **export**: ``{episode_id, task_digest, boundary}`` per live, continuable episode: its last
@@ -45,6 +47,7 @@ from nemo_gym_ckpt.checkpoint.clock import wait_until
 from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.environment.episode import Boundary, Episode, Program, Step, StepBudget, run_episode, task_digest
+from nemo_gym_ckpt.environment.tally import ReadinessTally
 from nemo_gym_ckpt.errors import InvalidCheckpointState, InvalidPhase, InvalidRequest, StaleAttempt
 from nemo_gym_ckpt.identity import RolloutIdentity
 
@@ -232,6 +235,7 @@ class EpisodesAdapter:
         self.participant: Participant | None = None
         self.live: dict[str, LiveEpisode] = {}
         self.installed: dict[str, Installed] = {}
+        self.tally = ReadinessTally()
         self._budget_clock: CheckpointFreeClock | None = None
 
     @property
@@ -263,7 +267,16 @@ class EpisodesAdapter:
             live = self._continue(installed, task)
             del self.installed[key]
         self.live[key] = live
+        live.episode.watcher = self._watch
+        self.tally.moved(key, live.episode)
         return live
+
+    def _watch(self, episode: Episode) -> None:
+        """An episode's step mode or restart mark changed: keep the tally (live episodes only)."""
+        key = episode.identity.capture_key
+        live = self.live.get(key)
+        if live is not None and live.episode is episode:
+            self.tally.moved(key, episode)
 
     def _continue(self, installed: Installed, task: dict[str, Any]) -> LiveEpisode:
         digest = task_digest(task)
@@ -288,6 +301,8 @@ class EpisodesAdapter:
         finally:
             if self.live.get(live.key) is live:
                 del self.live[live.key]
+                self.tally.left(live.key)
+            live.episode.watcher = None
             self._participant().notify_changed()
 
     @staticmethod
@@ -320,11 +335,13 @@ class EpisodesAdapter:
         if participant.checkpoint_id is None:
             return
         live.parked = True
+        self.tally.parked += 1
         participant.notify_changed()
         try:
             await participant.admit(episode.identity)
         finally:
             live.parked = False
+            self.tally.parked -= 1
 
     # ---- prepare ----------------------------------------------------------------------------
 
@@ -335,26 +352,8 @@ class EpisodesAdapter:
         return dict(self._survey(with_lists=False).counts)
 
     def _survey(self, *, with_lists: bool) -> Readiness:
-        """Blockers, restarts and counts in one pass over the live episodes (a prepare looks again
-        each time an episode parks or leaves a step)."""
-        restarts: list[str] = []
-        blockers: list[str] = []
-        parked = in_wait = in_replay = restart_count = 0
-        for live in self.live.values():
-            episode = live.episode
-            mode = episode.current_mode
-            parked += live.parked
-            in_wait += mode == "wait"
-            in_replay += mode == "replay"
-            if episode.restart:
-                restart_count += 1
-                if with_lists:
-                    restarts.append(live.key)
-            elif mode == "wait" and with_lists:
-                blockers.append(live.key)
-        counts = {"episodes": len(self.live), "parked": parked, "in_wait_step": in_wait,
-                  "in_replay_step": in_replay, "restarts": restart_count, "installed": len(self.installed)}
-        return Readiness(blockers=blockers, counts=counts, restarts=restarts)
+        """Blockers, restarts and counts, from the tally kept as episodes move (no walk over them)."""
+        return self.tally.readiness(len(self.live), len(self.installed), with_lists=with_lists)
 
     # ---- commit -----------------------------------------------------------------------------
 

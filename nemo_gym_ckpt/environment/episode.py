@@ -204,6 +204,9 @@ class Episode:
     current_mode: StepMode | None = None
     restart: bool = False
     _task_digest: str | None = field(default=None, repr=False)
+    watcher: Callable[[Episode], None] | None = field(default=None, repr=False)
+    """Told each time ``current_mode`` is set or cleared and when the episode is marked a restart
+    (the checkpoint adapter keeps its readiness tally with it); it must not raise."""
 
     @classmethod
     def start(cls, identity: RolloutIdentity, task: Mapping[str, Any], program: Program) -> Episode:
@@ -234,6 +237,12 @@ class Episode:
     def mark_restart(self) -> None:
         """This episode cannot be captured: it starts over after a crash (sticky)."""
         self.restart = True
+        self.changed()
+
+    def changed(self) -> None:
+        """Tell the watcher (if any) that the step's mode or the restart mark changed."""
+        if self.watcher is not None:
+            self.watcher(self)
 
     def record(self) -> dict[str, Any]:
         """``{episode_id, task_digest, boundary}``; boundary null before the first step completes.
@@ -325,6 +334,7 @@ async def _run_step(episode: Episode, step: Step, budget: StepBudget) -> None:
     episode.state = episode.boundary.state()
     episode.current_mode = step.mode_for(episode.state)
     episode.current = step
+    episode.changed()
     started = budget.clock.now()
     timer = asyncio.timeout(None)
     try:
@@ -347,6 +357,7 @@ async def _run_step(episode: Episode, step: Step, budget: StepBudget) -> None:
         budget.spent_s += budget.clock.now() - started
         episode.current = None
         episode.current_mode = None
+        episode.changed()
     episode.boundary = episode.boundary.advance(next_step, episode.state)
 
 
