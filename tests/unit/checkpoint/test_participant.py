@@ -108,6 +108,13 @@ def commit_request(
     )
 
 
+async def committed(participant: Participant, clock: FakeClock, directory: Path) -> None:
+    """Checkpoint ``c1`` prepared and committed into ``directory`` (the export let go), not resumed."""
+    adapter_of(participant).gate.set()
+    await participant.prepare(control(clock, "c1"))
+    await participant.commit(commit_request(clock, "c1", directory))
+
+
 def manifests(root: Path) -> list[Path]:
     return sorted(root.rglob("manifest.json"))
 
@@ -137,9 +144,7 @@ async def test_status_tells_what_the_last_commit_wrote_and_how_long_it_took(
     gated: Participant, clock: FakeClock, root: Path
 ) -> None:
     assert gated.status()["last_commit"] is None
-    adapter_of(gated).gate.set()
-    await gated.prepare(control(clock, "c1"))
-    await gated.commit(commit_request(clock, "c1", root / "ck"))
+    await committed(gated, clock, root / "ck")
     last = gated.status()["last_commit"]
     [records] = (root / "ck").rglob("records-*.jsonl")
     assert (last["checkpoint_id"], last["records"], last["bytes"]) == ("c1", 2, records.stat().st_size)
@@ -150,9 +155,7 @@ async def test_status_tells_what_the_last_commit_wrote_and_how_long_it_took(
 async def test_the_index_of_a_commit_is_made_after_resume_not_inside_the_pause(
     gated: Participant, clock: FakeClock, root: Path
 ) -> None:
-    adapter_of(gated).gate.set()
-    await gated.prepare(control(clock, "c1"))
-    await gated.commit(commit_request(clock, "c1", root / "ck"))
+    await committed(gated, clock, root / "ck")
     assert gated.store.unsettled  # committed, still paused: the per-record index is not made yet
     await gated.resume(control(clock, "c1"))
     assert await gated.wait_idle(WAIT_S)
@@ -175,9 +178,7 @@ async def test_the_index_is_made_in_a_thread_of_the_lowest_priority(
 
     monkeypatch.setattr(gated.store, "settle", watched)
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    adapter_of(gated).gate.set()
-    await gated.prepare(control(clock, "c1"))
-    await gated.commit(commit_request(clock, "c1", root / "ck"))
+    await committed(gated, clock, root / "ck")
     await gated.resume(control(clock, "c1"))
     assert await gated.wait_idle(WAIT_S)
     [priority] = [priority for name, priority in seen if name.startswith("checkpoint-background")]
@@ -346,9 +347,7 @@ async def test_readiness_changes_do_not_wake_the_requests_that_wait_for_resume(
 async def test_a_retired_attempt_waiting_for_resume_is_refused_at_once(
     gated: Participant, clock: FakeClock, root: Path
 ) -> None:
-    adapter_of(gated).gate.set()
-    await gated.prepare(control(clock, "c1"))
-    await gated.commit(commit_request(clock, "c1", root / "ck"))
+    await committed(gated, clock, root / "ck")
     await gated.resume(control(clock, "c1"))
     fresh = Participant(
         kind="agent",
