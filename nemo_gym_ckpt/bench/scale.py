@@ -67,7 +67,7 @@ from nemo_gym_ckpt.checkpoint.collector_schedule import PROCESS_FULL_COLLECTIONS
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
 from nemo_gym_ckpt.checkpoint.hold_wire import HOLD_ROUTE
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
-from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.client import EncodedJson, MeshClient
 from nemo_gym_ckpt.config import DEFAULT_FULL_COLLECTION_INTERVAL_SECONDS
 from nemo_gym_ckpt.errors import GymError, Overloaded
 from nemo_gym_ckpt.identity import RolloutIdentity, parse_capture_key
@@ -275,7 +275,7 @@ class _TimedCoordinator(Coordinator):
         super().__init__(head_url, TOKEN, required_kinds=("model",))
         self.calls: list[tuple[str, str, float]] = []
 
-    async def _call(self, participant: ParticipantRef, op: str, body: dict[str, Any], deadline_ts: float) -> Outcome:
+    async def _call(self, participant: ParticipantRef, op: str, body: EncodedJson, deadline_ts: float) -> Outcome:
         began = time.perf_counter()
         try:
             return await super()._call(participant, op, body, deadline_ts)

@@ -36,7 +36,7 @@ import yaml
 
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
-from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.client import EncodedJson, MeshClient
 from nemo_gym_ckpt.errors import GymError, NotFound, Unavailable, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity
 
@@ -71,7 +71,6 @@ PREPARE_STAGES: tuple[tuple[str, ...], ...] = (("environment",), ("model",), ("a
 RESUME_STAGES: tuple[tuple[str, ...], ...] = tuple(reversed(PREPARE_STAGES))
 RETIRE_STAGES: tuple[tuple[str, ...], ...] = (("environment",), ("agent",), ("model", "resources"))
 ALL_AT_ONCE: tuple[tuple[str, ...], ...] = (("environment", "model", "agent", "resources"),)
-Body = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -377,11 +376,12 @@ class Coordinator:
     async def _fan_out(
         self, participants: list[ParticipantRef], op: str, body: dict[str, Any], deadline_ts: float
     ) -> list[Outcome]:
+        encoded = EncodedJson(orjson.dumps(body))  # once, whatever the number of participants
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(self._call(p, op, body, deadline_ts)) for p in participants]
+            tasks = [group.create_task(self._call(p, op, encoded, deadline_ts)) for p in participants]
         return [task.result() for task in tasks]
 
-    async def _call(self, participant: ParticipantRef, op: str, body: Body, deadline_ts: float) -> Outcome:
+    async def _call(self, participant: ParticipantRef, op: str, body: EncodedJson, deadline_ts: float) -> Outcome:
         timeout_s = max(deadline_ts - time.time(), 0.0) + CALL_GRACE_S
         try:
             reply = await self.client.post_json(

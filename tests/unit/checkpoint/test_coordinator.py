@@ -323,3 +323,26 @@ async def test_every_commit_body_carries_stop_as_upstreams_does() -> None:
                                  episode_ids=[RolloutIdentity("r", 2)])
     assert [body["stop"] for body in bodies] == [False, True]
     assert "episode_ids" not in bodies[0] and bodies[1]["episode_ids"] == [{"rollout_id": "r", "attempt": 2}]
+
+
+async def test_a_commit_body_is_encoded_once_for_every_participant(
+    mesh: Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its scope names thousands of episodes: one encoding, the same bytes sent to all five."""
+    scope = [RolloutIdentity(f"r{n}") for n in range(50)]
+    encoded: list[Any] = []
+    real_dumps = orjson.dumps
+
+    def counting_dumps(value: Any, *args: Any, **kwargs: Any) -> bytes:
+        if isinstance(value, dict) and {"episode_ids", "checkpoint_dir"} <= value.keys():  # a commit body
+            encoded.append(value)
+        return real_dumps(value, *args, **kwargs)
+
+    monkeypatch.setattr(orjson, "dumps", counting_dumps)
+    async with mesh.coordinator() as coordinator:
+        await coordinator.prepare("c1", deadline_ts=deadline())
+        committed = await coordinator.commit("c1", deadline_ts=deadline(), checkpoint_dir=str(mesh.config.root / "ck"),
+                                             episode_ids=scope)
+        await coordinator.resume("c1", deadline_ts=deadline())
+    assert len(encoded) == 1 and len(encoded[0]["episode_ids"]) == 50
+    assert set(committed.manifests()) == set(mesh.servers)
