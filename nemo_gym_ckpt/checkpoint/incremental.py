@@ -177,14 +177,16 @@ def _runs(records: Sequence[Record], found: Sequence[Inline | None]) -> list[Spa
     """Maximal runs of records whose base lines follow each other in one file."""
     runs: list[Span] = []
     start, first, length = 0, None, 0
+    file, follows_at = "", -1  # where the next line of the current run would be (none: -1)
     for number, (record, where) in enumerate(zip(records, found, strict=True)):
-        follows = (where is not None and first is not None and where.records_file == first.records_file
-                   and where.offset == first.offset + length)
-        if not follows:
+        if where is None or where[1] != follows_at or where[0] != file:
             if first is not None:
                 runs.append(Span(start, number, first, length))
             start, first, length = number, where, 0
-        length += len(record.raw) + 1
+            file, follows_at = where if where is not None else ("", -1)
+        size = len(record.raw) + 1
+        length += size
+        follows_at += size
     if first is not None:
         runs.append(Span(start, len(records), first, length))
     return runs

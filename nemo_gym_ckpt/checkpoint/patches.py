@@ -52,9 +52,10 @@ class Patch:
     keep_tail: int
 
 
-def _common_head(new: memoryview, old: memoryview) -> int:
+def _common_head(new: bytes, old: bytes) -> int:
     low, high = 0, min(len(new), len(old))
-    while low < high:  # the longest equal prefix, found with slice comparisons (no byte loop in Python)
+    while low < high:  # the longest equal prefix, found with slice comparisons (no byte loop in Python;
+        # bytes slices: a copy and one memcmp each, where a memoryview's == compares item by item, 5-16x slower)
         middle = (low + high + 1) // 2
         if new[:middle] == old[:middle]:
             low = middle
@@ -63,7 +64,7 @@ def _common_head(new: memoryview, old: memoryview) -> int:
     return low
 
 
-def _common_tail(new: memoryview, old: memoryview, head: int) -> int:
+def _common_tail(new: bytes, old: bytes, head: int) -> int:
     low, high = 0, min(len(new), len(old)) - head
     while low < high:
         middle = (low + high + 1) // 2
@@ -81,9 +82,10 @@ def _continues_a_character(data: bytes, at: int) -> bool:
 def patch_between(index: int, new: bytes, old: bytes, records_file: str, offset: int) -> Patch | None:
     """The patch that writes ``new`` from the base line ``old`` (at ``offset`` of ``records_file``), or
     ``None`` when it would not be worth it (``PATCH_WORTH``)."""
-    new_view, old_view = memoryview(new), memoryview(old)
-    head = _common_head(new_view, old_view)
-    tail = _common_tail(new_view, old_view, head)
+    if PATCH_WORTH * len(new) < _LINE_OVERHEAD:  # too short for any patch to be worth it: no search
+        return None
+    head = _common_head(new, old)
+    tail = _common_tail(new, old, head)
     while head and _continues_a_character(new, head):
         head -= 1
     while tail and _continues_a_character(new, len(new) - tail):

@@ -6,6 +6,7 @@ what it claims is refused before anything is installed."""
 from __future__ import annotations
 
 import hashlib
+import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ import orjson
 import pytest
 
 from nemo_gym_ckpt.checkpoint.incremental import REFERENCE_KEY, BaseIndex, IndexBuilder, refuse_reserved
+from nemo_gym_ckpt.checkpoint.patches import patch_between
 from nemo_gym_ckpt.checkpoint.pipeline import ExportPipeline
 from nemo_gym_ckpt.checkpoint.records import PATCH_KEY, Record
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, Manifest, StopSignal
@@ -400,3 +402,38 @@ def test_a_patch_that_does_not_hold_what_it_claims_is_refused(root: Path, case: 
     forge(root / "c2", edit)
     with pytest.raises(InvalidCheckpointState, match=message):
         CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
+
+
+def _patch_by_byte_steps(new: bytes, old: bytes) -> tuple[int, int] | None:
+    """What a patch keeps (head, tail), found one byte at a time: the reference ``patch_between`` is
+    checked against (whatever search it does, it must find these)."""
+    head = 0
+    while head < min(len(new), len(old)) and new[head] == old[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(new), len(old)) - head and new[-1 - tail] == old[-1 - tail]:
+        tail += 1
+    while head and head < len(new) and new[head] & 0xC0 == 0x80:
+        head -= 1
+    while tail and len(new) - tail < len(new) and new[len(new) - tail] & 0xC0 == 0x80:
+        tail -= 1
+    return None if 330 + len(new) - head - tail > 0.5 * len(new) else (head, tail)
+
+
+def test_a_patch_keeps_what_a_byte_by_byte_comparison_finds() -> None:
+    """Random edits (text with multi-byte characters, records short and long, changes at either end,
+    in the middle, or none): the bytes a patch keeps, and whether it is worth making, are exactly a
+    byte-by-byte comparison's; the patched line rebuilds the record."""
+    rng = random.Random(15)
+    alphabet = "abcxyz{}\":,0123456789 éß€😀"
+    for _ in range(400):
+        old = "".join(rng.choice(alphabet) for _ in range(rng.choice((20, 300, 700, 2000)))).encode()
+        cut, drop = rng.randrange(len(old) + 1), rng.randrange(40)
+        insert = "".join(rng.choice(alphabet) for _ in range(rng.randrange(60))).encode()
+        new = (old[:cut] + insert + old[cut + drop:]).decode("utf-8", "replace").encode()
+        patch = patch_between(0, new, old, "records-x.jsonl", 0)
+        expected = _patch_by_byte_steps(new, old)
+        assert (None if patch is None else (patch.keep_head, patch.keep_tail)) == expected
+        if patch is not None:
+            assert new == old[:patch.keep_head] + new[patch.keep_head:len(new) - patch.keep_tail] + \
+                old[len(old) - patch.keep_tail:]
