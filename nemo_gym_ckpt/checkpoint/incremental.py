@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple, TypeVar, cast
 
 import orjson
 
@@ -56,6 +56,7 @@ from nemo_gym_ckpt.errors import InternalError, InvalidCheckpointState
 from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = [
+    "INDEX_STEP",
     "KEEP_RATIO",
     "REFERENCE_KEY",
     "SPAN_KEYS",
@@ -68,6 +69,7 @@ __all__ = [
     "plan",
     "refuse_reserved",
     "resolve",
+    "run_steps",
     "span_line",
 ]
 
@@ -79,6 +81,9 @@ KEEP_RATIO = 0.25
 holds more than about 1 / KEEP_RATIO times the bytes its records need."""
 RECORDS_FILE = re.compile(r"records-[0-9a-f]{64}\.jsonl")
 SPAN_BYTES = 256
+INDEX_STEP = 256
+"""Records an index is made of between two pauses of ``IndexBuilder.finish_in_steps``."""
+T = TypeVar("T")
 """About the length of a span line: a run no longer than this is written inline."""
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -241,7 +246,8 @@ class _KeptPatch(NamedTuple):
 class IndexBuilder:
     """Collects where each record of one commit lives; ``finish`` names the new records file and
     makes the index. What a commit notes here is cheap (a full commit notes one run); the index's
-    per-record work is ``finish``'s, which the store runs after the pause (``CheckpointStore.settle``)."""
+    per-record work is ``finish``'s, which the participant runs after the pause, a step at a time
+    (``CheckpointStore.settle_steps``)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -270,8 +276,14 @@ class IndexBuilder:
         self.sizes[patch.records_file] = size
 
     def finish(self, records_file: str, size: int) -> BaseIndex:
+        return run_steps(self.finish_in_steps(records_file, size))
+
+    def finish_in_steps(self, records_file: str, size: int) -> Generator[None, None, BaseIndex]:
+        """``finish``, pausing (a bare ``yield``) after every ``INDEX_STEP`` records: the index made
+        on an event loop that serves requests between the steps."""
         lines: dict[bytes, Inline] = {}
         episodes: dict[RolloutIdentity, tuple[bytes, Inline]] = {}
+        done = 0
         for kept in self._kept:
             if isinstance(kept, _KeptPatch):  # its episode's line in the base stays the one it patched
                 episodes[kept.episode] = (kept.raw, kept.at)
@@ -279,13 +291,30 @@ class IndexBuilder:
             for record, at in zip(kept.run, kept.places, strict=True):
                 lines[record.raw] = at
                 episodes[record.episode] = (record.raw, at)
+                done += 1
+                if done >= INDEX_STEP:
+                    done = 0
+                    yield
         runs = (zip(run, accumulate((len(record.raw) + 1 for record in run[:-1]), initial=start), strict=True)
                 for run, start in self._inline_runs)
         for record, offset in chain(self._inline, *runs):
             at = Inline(records_file, offset)
             lines[record.raw] = at
             episodes[record.episode] = (record.raw, at)
+            done += 1
+            if done >= INDEX_STEP:
+                done = 0
+                yield
         return BaseIndex(self.directory, lines, {**self.sizes, records_file: size}, episodes)
+
+
+def run_steps(steps: Generator[None, None, T]) -> T:
+    """What a stepped generator returns, its steps run one after another without pause."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast("T", done.value)
 
 
 def refuse_reserved(record: Record) -> None:

@@ -27,7 +27,7 @@ import hashlib
 import re
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePath
@@ -45,6 +45,7 @@ from nemo_gym_ckpt.checkpoint.incremental import (
     link_files,
     plan,
     resolve,
+    run_steps,
     span_line,
 )
 from nemo_gym_ckpt.checkpoint.patches import Patch, patch_line
@@ -72,6 +73,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+MakeIndex = Callable[[], Generator[None, None, BaseIndex]]
+"""Makes a committed checkpoint's index in steps (``IndexBuilder.finish_in_steps``)."""
 CHUNK_BYTES = 256 << 10
 """Records are joined, written and hashed this many bytes at a time: a chunk stays in the CPU's
 cache between the join, the write and the hash (2,048 lines of 1.1 KB: 2.3 ms against 9-10 ms in
@@ -194,7 +197,7 @@ class RecordWriter:
         self._fd: int | None = None
         self._temps: list[Path] = []
         self.base: BaseIndex | None = None
-        self.on_commit: Callable[[Callable[[], BaseIndex]], None] | None = None
+        self.on_commit: Callable[[MakeIndex], None] | None = None
         self._index = IndexBuilder(directory)
 
     def write_records(self, records: Sequence[Record]) -> None:
@@ -288,7 +291,7 @@ class RecordWriter:
             self._temps.remove(temp)
             self._ops.fsync_dir(self.directory)
         if self.on_commit is not None:
-            self.on_commit(functools.partial(self._index.finish, manifest.records_file, self.bytes))
+            self.on_commit(functools.partial(self._index.finish_in_steps, manifest.records_file, self.bytes))
         return manifest
 
     def abort(self) -> None:
@@ -341,7 +344,7 @@ class CheckpointStore:
         self.ops = ops or FileOps()
         self.max_record_bytes = max_record_bytes
         self._base: BaseIndex | None = None
-        self._pending: Callable[[], BaseIndex] | None = None
+        self._pending: MakeIndex | None = None
         self._settling = threading.Lock()
 
     @property
@@ -355,9 +358,10 @@ class CheckpointStore:
         with self._settling:
             self._base, self._pending = index, None
 
-    def remember_later(self, make: Callable[[], BaseIndex]) -> None:
-        """The checkpoint just committed is the base of the next commit; ``make`` makes its index
-        (per record, so not inside the pause: ``settle`` runs it after resume, or the next commit does)."""
+    def remember_later(self, make: MakeIndex) -> None:
+        """The checkpoint just committed is the base of the next commit; ``make`` makes its index in
+        steps (per record, so not inside the pause: ``settle_steps`` after resume, or the next
+        commit's ``settle``)."""
         with self._settling:
             self._pending = make
 
@@ -367,10 +371,21 @@ class CheckpointStore:
         return self._pending is not None
 
     def settle(self) -> None:
-        """Make the pending index of the last commit now (in a thread; one at a time)."""
+        """Make the pending index of the last commit now, at once (one at a time)."""
         with self._settling:
             if self._pending is not None:
-                self._base, self._pending = self._pending(), None
+                self._base, self._pending = run_steps(self._pending()), None
+
+    def settle_steps(self) -> Iterator[None]:
+        """Make the pending index a step at a time (``INDEX_STEP`` records; the caller rests between
+        steps). It is kept after the last step unless a ``settle`` (the next commit's) made it first."""
+        pending = self._pending
+        if pending is None:
+            return
+        index = yield from pending()
+        with self._settling:
+            if self._pending is pending:
+                self._base, self._pending = index, None
 
     def locate(self, checkpoint_dir: str) -> Path:
         """The resolved ``checkpoint_dir``, confined to the root (a relative path resolves against the

@@ -8,13 +8,14 @@ from __future__ import annotations
 import hashlib
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
+from nemo_gym_ckpt.checkpoint import incremental as incremental_module
 from nemo_gym_ckpt.checkpoint.incremental import REFERENCE_KEY, BaseIndex, IndexBuilder, refuse_reserved
 from nemo_gym_ckpt.checkpoint.patches import patch_between
 from nemo_gym_ckpt.checkpoint.pipeline import ExportPipeline
@@ -82,13 +83,13 @@ def test_a_commit_leaves_its_index_to_be_made_after_it_and_the_next_commit_sees_
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made: list[str] = []
-    finish = IndexBuilder.finish
+    finish_in_steps = IndexBuilder.finish_in_steps
 
-    def counted(builder: IndexBuilder, records_file: str, size: int) -> BaseIndex:
+    def counted(builder: IndexBuilder, records_file: str, size: int) -> Generator[None, None, BaseIndex]:
         made.append(records_file)
-        return finish(builder, records_file, size)
+        return finish_in_steps(builder, records_file, size)
 
-    monkeypatch.setattr(IndexBuilder, "finish", counted)
+    monkeypatch.setattr(IndexBuilder, "finish_in_steps", counted)
     records = [record(f"r{n}", text="x" * 300, n=n) for n in range(20)]
     store = CheckpointStore(root)
     first = commit(store, root / "c1", records)
@@ -100,6 +101,31 @@ def test_a_commit_leaves_its_index_to_be_made_after_it_and_the_next_commit_sees_
     assert [span["lines"] for span in lines(root / "c2", second)] == [20] and store.unsettled
     third = commit(store, root / "c3", records)  # not settled in between: the next commit makes it
     assert [span["lines"] for span in lines(root / "c3", third)] == [20] and len(made) == 2
+
+
+def test_an_index_made_in_steps_is_the_one_made_at_once_and_never_replaces_a_newer_one(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of ``INDEX_STEP`` records (here 3); a commit that needs the index while the steps are
+    midway makes it itself, and the steps, once done, keep nothing (the newer commit's index waits)."""
+    monkeypatch.setattr(incremental_module, "INDEX_STEP", 3)
+    records = [record(f"r{n}", text="x" * 300, n=n) for n in range(20)]
+    at_once, stepped = CheckpointStore(root / "a"), CheckpointStore(root / "b")
+    commit(at_once, root / "a" / "c1", records)
+    commit(stepped, root / "b" / "c1", records)
+    at_once.settle()
+    assert len(list(stepped.settle_steps())) == 6 and not stepped.unsettled  # 20 records, 3 a step
+    assert at_once.base is not None and stepped.base is not None
+    assert stepped.base.lines == at_once.base.lines and stepped.base.episodes == at_once.base.episodes
+    commit(stepped, root / "b" / "c2", records)
+    midway = stepped.settle_steps()
+    next(midway)
+    third = commit(stepped, root / "b" / "c3", records)  # made c2's index itself, then left its own
+    assert [span["lines"] for span in lines(root / "b" / "c3", third)] == [20] and stepped.unsettled
+    assert list(midway) == [None] * 5 and stepped.unsettled  # c2's steps ended: c3's index still waits
+    stepped.settle()
+    assert stepped.base is not None and {at.records_file for at in stepped.base.lines.values()} == {
+        next(iter(at_once.base.lines.values())).records_file}
 
 
 def test_a_full_commit_references_nothing_and_is_todays_layout(root: Path) -> None:

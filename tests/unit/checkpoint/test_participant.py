@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
 import shutil
-import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +16,8 @@ import httpx
 import orjson
 import pytest
 
+from nemo_gym_ckpt.checkpoint import incremental
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem
-from nemo_gym_ckpt.checkpoint.background import LOWEST_PRIORITY
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest, RestoreRequest, RetireRequest
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.participant import REMEMBERED_IDS, Participant
@@ -163,28 +161,36 @@ async def test_the_index_of_a_commit_is_made_after_resume_not_inside_the_pause(
     assert len(gated.store.base.episodes) == 2
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
-async def test_the_index_is_made_in_a_thread_of_the_lowest_priority(
+async def test_the_index_is_made_on_the_loop_in_steps_with_others_run_between(
     gated: Participant, clock: FakeClock, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The rest of the mesh's resume and the rollouts let go come first; the loop's thread (and so
-    every other thread the process starts) keeps its priority."""
-    seen: list[tuple[str, int]] = []
-    settle = gated.store.settle
+    """No other thread makes it (one that holds the interpreter's lock while the scheduler leaves it
+    waiting stalls the loop): each step (here one record) runs in the loop's thread, and the loop
+    runs other tasks between two steps."""
+    monkeypatch.setattr(incremental, "INDEX_STEP", 1)
+    log: list[tuple[str, bool]] = []
+    settle_steps = gated.store.settle_steps
 
-    def watched() -> None:
-        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-        settle()
+    def watched() -> Iterator[None]:
+        for step in settle_steps():
+            log.append(("step", threading.current_thread() is threading.main_thread()))
+            yield step
 
-    monkeypatch.setattr(gated.store, "settle", watched)
-    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    async def ticking() -> None:
+        while True:
+            log.append(("tick", True))
+            await asyncio.sleep(0)
+
+    monkeypatch.setattr(gated.store, "settle_steps", watched)
     await committed(gated, clock, root / "ck")
+    ticker = asyncio.create_task(ticking())
     await gated.resume(control(clock, "c1"))
     assert await gated.wait_idle(WAIT_S)
-    [priority] = [priority for name, priority in seen if name.startswith("checkpoint-background")]
-    assert priority == LOWEST_PRIORITY  # (the commit's writer looks too, from its own thread)
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before < LOWEST_PRIORITY
-    assert not gated.store.unsettled
+    ticker.cancel()
+    steps = [number for number, (what, _) in enumerate(log) if what == "step"]
+    assert len(steps) == 2 and all(on_loop for what, on_loop in log if what == "step")
+    assert any(what == "tick" for what, _ in log[steps[0] + 1:steps[1]])
+    assert not gated.store.unsettled and gated.store.base is not None and len(gated.store.base.episodes) == 2
 
 
 async def test_the_work_outlives_the_deadline_of_the_request_that_started_it(
