@@ -81,10 +81,10 @@ KEEP_RATIO = 0.25
 holds more than about 1 / KEEP_RATIO times the bytes its records need."""
 RECORDS_FILE = re.compile(r"records-[0-9a-f]{64}\.jsonl")
 SPAN_BYTES = 256
+"""About the length of a span line: a run no longer than this is written inline."""
 INDEX_STEP = 256
 """Records an index is made of between two pauses of ``IndexBuilder.finish_in_steps``."""
 T = TypeVar("T")
-"""About the length of a span line: a run no longer than this is written inline."""
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
