@@ -122,7 +122,9 @@ class ResourcesAdapter:
         self._parked: set[str] = set()
         self._parked_for: str | None = None
         self._served = False
-        self._installed = False
+        self._restored_of: dict[RolloutIdentity, list[str]] = {}
+        """The ids of the sessions a restore installed, by the attempt they are bound to: a seed looks up
+        its own attempt's here instead of walking every session (thousands, after a restore)."""
         self._retiring: dict[str, RolloutIdentity] = {}
 
     # ---- data plane -------------------------------------------------------------------------
@@ -134,8 +136,8 @@ class ResourcesAdapter:
 
     async def _enter(self, route: Route, named: RolloutIdentity | None) -> tuple[RolloutIdentity, bool]:
         identity = await self._admit(route, named)
-        if route == "seed" and self._installed:  # only a restored server holds restored sessions
-            await self._drop_where(lambda owner: owner == identity, restored_only=True)
+        if route == "seed" and self._restored_of:  # only a restored server holds restored sessions
+            await self._drop_restored(identity)
         blocking = self._blocks(route)
         self._in_flight[identity] += 1
         if blocking:
@@ -262,9 +264,9 @@ class ResourcesAdapter:
             if plan.session_id in seen:
                 raise InvalidCheckpointState(f"session {plan.session_id} appears in more than one record")
             seen.add(plan.session_id)
-        self._installed = bool(planned)
         for plan in planned:
             self.server.sessions.install(plan.session_id, plan.identity, plan.state, restored=plan.record)
+            self._restored_of.setdefault(plan.identity, []).append(plan.session_id)
 
     async def _plan(self, record: Record) -> _Planned:
         key = record.episode.capture_key
@@ -316,13 +318,21 @@ class ResourcesAdapter:
     async def forget(self, rollout_ids: Sequence[str]) -> None:
         gone = set(rollout_ids)
         await self._drop_where(lambda identity: identity is not None and identity.rollout_id in gone)
+        for identity in [identity for identity in self._restored_of if identity.rollout_id in gone]:
+            del self._restored_of[identity]
 
-    async def _drop_where(
-        self, condition: Callable[[RolloutIdentity | None], bool], *, restored_only: bool = False
-    ) -> None:
+    async def _drop_where(self, condition: Callable[[RolloutIdentity | None], bool]) -> None:
         for session in self.server.sessions:
-            if condition(session.identity) and (session.restored is not None or not restored_only):
+            if condition(session.identity):
                 await self.server.drop_session(session.session_id)
+
+    async def _drop_restored(self, identity: RolloutIdentity) -> None:
+        """Drop the sessions restored for ``identity`` that no call has touched yet (a touched one, or
+        one dropped since, stays as it is)."""
+        for session_id in self._restored_of.pop(identity, ()):
+            session = self.server.sessions.find(session_id)
+            if session is not None and session.restored is not None and session.identity == identity:
+                await self.server.drop_session(session_id)
 
     async def _until_quiet(self, condition: Callable[[RolloutIdentity | None], bool]) -> None:
         """Wait (the participant bounds it by the deadline) until no such request is in flight."""

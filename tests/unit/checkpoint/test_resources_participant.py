@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -32,6 +32,7 @@ from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.resources.base import ResourcesServer, Session, ToolArgs, tool
+from nemo_gym_ckpt.resources.sessions import SessionTable
 from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import CHECKS, Control, ParticipantUnderTest, check_participant
 from nemo_gym_ckpt.testing.resources import held, mesh_with, until_held
@@ -438,6 +439,37 @@ async def test_a_restored_session_keeps_its_cookie_under_the_next_attempt(
         assert (stale.status_code, stale.json()["error"]["code"]) == (409, "stale_attempt")
         (session,) = after.server.sessions
         assert session.identity == RolloutIdentity("r1", 2)
+
+
+async def test_a_seed_after_a_restore_drops_its_own_restored_session_without_walking_the_table(
+    start: Callable[..., Any], root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thousands of sessions after a restore: a seed must not cost a walk over all of them."""
+    async with start(KvStore, "kv_store") as before:
+        for key in ("r1", "r2", "r3"):
+            await before.seed(key, initial_state={"k": key})
+        await checkpoint(before.control, "c1", root / "ck")
+    async with start(KvStore, "kv_store") as after:
+        scope = [episode(key) for key in ("r1", "r2", "r3")]
+        await after.control.ok("restore", checkpoint_id="r", checkpoint_dir=str(root / "ck"), episode_ids=scope)
+        await after.control.ok("resume", checkpoint_id="r")
+        walks = 0
+        table_iter = SessionTable.__iter__
+
+        def counted(table: SessionTable) -> Iterator[Session]:
+            nonlocal walks
+            walks += 1
+            return table_iter(table)
+
+        monkeypatch.setattr(SessionTable, "__iter__", counted)
+        await after.seed("r9", initial_state={"k": "new"})  # no restored session of its own
+        await after.seed("r2-a1", initial_state={"k": "again"})  # starts over: its restored one goes
+        assert walks == 0
+        monkeypatch.undo()
+        by_attempt = {(s.identity.rollout_id, s.identity.attempt): s.restored is not None
+                      for s in after.server.sessions}
+        assert by_attempt == {("r1", 1): True, ("r3", 1): True, ("r9", 0): False, ("r2", 1): False}
+        assert (await after.extras())["restored_sessions"] == 2
 
 
 async def test_restored_content_is_exported_again_as_read_until_touched(
