@@ -15,7 +15,9 @@ pause (prepare to resume) and its parts, and the bytes written (files of its dir
 hard link of a file of an earlier checkpoint). Before each checkpoint the rollouts finished since
 the last one are forgotten, as the collector does. Per level: the fsync'd sequential write floor of
 the full checkpoint's size (the median of ``FLOOR_SAMPLES`` writes), measured in the same run right
-after, and the commit's write speed over it; rollouts/s and CPU ms per rollout of every process;
+after the mesh is stopped (quiet), and again while the level's rollouts still run (loaded: no
+checkpoint open, the write in a thread of the driver's process), and the commit's write speed over
+each; rollouts/s and CPU ms per rollout of every process;
 the peak memory (``VmHWM``) of every server; the worker's generation-hold counts
 (``generation_hold``: holds, releases, expiries, milliseconds held). With ``phase_cpu`` each pause
 also reads the CPU of every process after each of its phases (``PhaseCpu``), and each level reports
@@ -237,6 +239,11 @@ def _per_participant_p50(samples: list[Result], key: str) -> dict[str, float]:
             for name in sorted(names)}
 
 
+def _floor_size(samples: list[Result]) -> int:
+    """The size the floor is measured at: the median bytes of the level's full checkpoints."""
+    return int(statistics.median(s["bytes_written"] for s in samples if not s["incremental"]))
+
+
 def _sequential_floor(root: Path, size: int) -> float:
     """MB/s of writing ``size`` bytes to one new file and fsyncing it (the disk's floor, right now)."""
     size = max(size, 1 << 20)
@@ -380,6 +387,7 @@ class _Bench:
                                                          in_flight))
             window_s = time.perf_counter() - window_began
             usage = meter.stop()
+            loaded_floor = await self.loaded_floor(samples)
             finished_in_window = sum(1 for end in driver.ends if end >= window_began)
             peaks = _peak_memory_mb(self.launcher.pids)
             hold = await self.generation_hold(client)
@@ -393,8 +401,7 @@ class _Bench:
             await driver.join(30.0)
         fulls = [s for s in samples if not s["incremental"]]
         incrs = [s for s in samples if s["incremental"]]
-        floor_size = int(statistics.median(s["bytes_written"] for s in fulls))
-        floor = statistics.median(_sequential_floor(self.root, floor_size) for _ in range(FLOOR_SAMPLES))
+        floor = statistics.median(_sequential_floor(self.root, _floor_size(samples)) for _ in range(FLOOR_SAMPLES))
         timed_full = level != 2048 and not self.quick
         restore_full = await self.restore(fulls[-1], fulls[-1]["episodes"], keep=False) if timed_full else None
         latest = incrs[-1]
@@ -404,12 +411,23 @@ class _Bench:
         row = self.summary(level, samples, floor, restore_full, restore_incr, usage, finished_in_window, window_s,
                            peaks, driver, load_at_start, forgotten)
         row["generation_hold"] = hold
+        row["fsync_floor_loaded_mb_s"] = round(loaded_floor, 1)
+        row["participant_write_over_loaded_floor"] = round(
+            statistics.median(s["write_mb_s"] for s in fulls) / max(loaded_floor, 1e-9), 3)
         if final:
             row["crash"] = await self.finish_after_crash(latest, scope, restore_incr, in_flight_at_kill,
                                                          waiting_at_kill, finished_before)
         else:
             await self.forget_all(restore_incr["restored_ids"])
         return row
+
+    async def loaded_floor(self, samples: list[Result]) -> float:
+        """The fsync floor measured while the level's rollouts still run (no checkpoint open): what a
+        plain write of a full commit's size reaches under the load the commits ran under, written from
+        a thread of this process as a participant's writer thread writes beside its event loop."""
+        size = _floor_size(samples)
+        return statistics.median([await asyncio.to_thread(_sequential_floor, self.root, size)
+                                  for _ in range(FLOOR_SAMPLES)])
 
     async def restore(self, checkpoint: Result, scope: list[RolloutIdentity], *, keep: bool) -> Result:
         """Fresh processes (SIGKILL, restart), restore from ``checkpoint``, resume; timed."""
