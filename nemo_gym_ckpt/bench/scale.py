@@ -244,6 +244,11 @@ def _floor_size(samples: list[Result]) -> int:
     return int(statistics.median(s["bytes_written"] for s in samples if not s["incremental"]))
 
 
+def _median_floor(root: Path, size: int) -> float:
+    """The median of ``FLOOR_SAMPLES`` sequential floors of ``size`` bytes."""
+    return statistics.median(_sequential_floor(root, size) for _ in range(FLOOR_SAMPLES))
+
+
 def _sequential_floor(root: Path, size: int) -> float:
     """MB/s of writing ``size`` bytes to one new file and fsyncing it (the disk's floor, right now)."""
     size = max(size, 1 << 20)
@@ -387,7 +392,9 @@ class _Bench:
                                                          in_flight))
             window_s = time.perf_counter() - window_began
             usage = meter.stop()
-            loaded_floor = await self.loaded_floor(samples)
+            # the floor under the load the commits ran under (no checkpoint open), from a thread of
+            # this process, as a participant's writer thread writes beside its event loop
+            loaded_floor = await asyncio.to_thread(_median_floor, self.root, _floor_size(samples))
             finished_in_window = sum(1 for end in driver.ends if end >= window_began)
             peaks = _peak_memory_mb(self.launcher.pids)
             hold = await self.generation_hold(client)
@@ -401,33 +408,22 @@ class _Bench:
             await driver.join(30.0)
         fulls = [s for s in samples if not s["incremental"]]
         incrs = [s for s in samples if s["incremental"]]
-        floor = statistics.median(_sequential_floor(self.root, _floor_size(samples)) for _ in range(FLOOR_SAMPLES))
+        floor = _median_floor(self.root, _floor_size(samples))
         timed_full = level != 2048 and not self.quick
         restore_full = await self.restore(fulls[-1], fulls[-1]["episodes"], keep=False) if timed_full else None
         latest = incrs[-1]
         scope = [e for e in latest["episodes"] if finished_at.get(e.rollout_id, 0.0) <= latest["committed_at"]
                  or e.rollout_id in in_flight_at_kill]
         restore_incr = await self.restore(latest, scope, keep=True)
-        row = self.summary(level, samples, floor, restore_full, restore_incr, usage, finished_in_window, window_s,
-                           peaks, driver, load_at_start, forgotten)
+        row = self.summary(level, samples, (floor, loaded_floor), restore_full, restore_incr, usage,
+                           finished_in_window, window_s, peaks, driver, load_at_start, forgotten)
         row["generation_hold"] = hold
-        row["fsync_floor_loaded_mb_s"] = round(loaded_floor, 1)
-        row["participant_write_over_loaded_floor"] = round(
-            statistics.median(s["write_mb_s"] for s in fulls) / max(loaded_floor, 1e-9), 3)
         if final:
             row["crash"] = await self.finish_after_crash(latest, scope, restore_incr, in_flight_at_kill,
                                                          waiting_at_kill, finished_before)
         else:
             await self.forget_all(restore_incr["restored_ids"])
         return row
-
-    async def loaded_floor(self, samples: list[Result]) -> float:
-        """The fsync floor measured while the level's rollouts still run (no checkpoint open): what a
-        plain write of a full commit's size reaches under the load the commits ran under, written from
-        a thread of this process as a participant's writer thread writes beside its event loop."""
-        size = _floor_size(samples)
-        return statistics.median([await asyncio.to_thread(_sequential_floor, self.root, size)
-                                  for _ in range(FLOOR_SAMPLES)])
 
     async def restore(self, checkpoint: Result, scope: list[RolloutIdentity], *, keep: bool) -> Result:
         """Fresh processes (SIGKILL, restart), restore from ``checkpoint``, resume; timed."""
@@ -482,14 +478,16 @@ class _Bench:
                 "finish_s": round(time.perf_counter() - began, 1), "checkpoint": latest["id"]}
 
     def summary(
-        self, level: int, samples: list[Result], floor: float, restore_full: Result | None, restore_incr: Result,
-        usage: Result, finished: int, window_s: float, peaks: dict[str, float], driver: _Driver,
+        self, level: int, samples: list[Result], floors: tuple[float, float], restore_full: Result | None,
+        restore_incr: Result, usage: Result, finished: int, window_s: float, peaks: dict[str, float], driver: _Driver,
         load_at_start: list[float], forgotten: int,
     ) -> Result:
         def of(kind: bool) -> list[Result]:
             return [s for s in samples if s["incremental"] is kind]
 
         fulls, incrs = of(False), of(True)
+        floor, loaded_floor = floors  # quiet (the mesh stopped), and under the level's load
+        write_p50 = statistics.median(s["write_mb_s"] for s in fulls)
         full_bytes = statistics.median(s["bytes_written"] for s in fulls)
         commit_speeds = [s["bytes_written"] / max(s["commit_ms"], 1e-6) / 1e3 for s in fulls]
         count = max(finished, 1)
@@ -516,8 +514,9 @@ class _Bench:
             "fsync_floor_mb_s": round(floor, 1),
             "commit_over_floor": round(statistics.median(commit_speeds) / max(floor, 1e-9), 3),
             "participant_write_mb_s_full": [round(s["write_mb_s"], 1) for s in fulls],
-            "participant_write_over_floor": round(statistics.median(s["write_mb_s"] for s in fulls) / max(floor, 1e-9),
-                                                  3),
+            "participant_write_over_floor": round(write_p50 / max(floor, 1e-9), 3),
+            "fsync_floor_loaded_mb_s": round(loaded_floor, 1),
+            "participant_write_over_loaded_floor": round(write_p50 / max(loaded_floor, 1e-9), 3),
             "participant_write_ms_p50_full": _per_participant_p50(fulls, "write_ms"),
             "participant_write_cpu_ms_p50_full": _per_participant_p50(fulls, "write_cpu_ms"),
             "participant_capture_ms_p50_full": _per_participant_p50(fulls, "capture_ms"),
