@@ -174,6 +174,14 @@ class ResourcesAdapter:
         assert self.participant is not None, "the adapter is used only once mounted"
         return self.participant
 
+    def seeded(self, session: Session) -> Session:
+        """A seed opened ``session``. A stateless server builds its record here, on the data plane:
+        built at the first commit instead, the checkpoint after a burst of seeds built thousands of
+        them inside its pause (docs/protocol.md section 7)."""
+        if self.mode == "stateless" and session.identity is not None:
+            session.encoded = Record.of_strings(session.identity, session_id=session.session_id)
+        return session
+
     async def close_elsewhere(self, identity: RolloutIdentity) -> None:
         """A close found no session here: on a multi-worker server another worker may hold it."""
         await self._participant().close_elsewhere(identity)

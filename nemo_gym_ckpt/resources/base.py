@@ -549,7 +549,10 @@ class ResourcesServer(Generic[_C]):
             if existing.identity != identity:
                 raise InvalidRequest(f"session {session_id!r} belongs to another episode")
             return existing.session_id
-        return self.sessions.open(identity, await self.initial_state(task), session_id).session_id
+        session = self.sessions.open(identity, await self.initial_state(task), session_id)
+        if self.checkpoint is not None:
+            self.checkpoint.seeded(session)
+        return session.session_id
 
     async def _verify_route(self, request: Request) -> Response:
         signature = self.verify_signature

@@ -32,9 +32,9 @@ class Session:
     """One seeded session: its id, the rollout identity it was opened under, its JSON state.
 
     ``restored`` is the checkpoint record a restored session came from, kept until a call touches
-    the session (it is then exported afresh); ``encoded`` is the record a stateless server last
-    exported for it (its id and identity only: built once, a lookup at each later commit). Neither
-    takes part in equality.
+    the session (it is then exported afresh); ``encoded`` is the record of a stateless server's
+    session (its id and identity only: built once, at its seed, and looked up at each commit).
+    Neither takes part in equality.
     """
 
     session_id: str

@@ -387,7 +387,7 @@ async def test_stateless_records_carry_membership_only(start: Callable[..., Any]
     assert set(record) == {"episode_id", "session_id"} and record["episode_id"] == episode("r2", 3)
 
 
-async def test_a_stateless_sessions_record_is_encoded_once(
+async def test_a_stateless_sessions_record_is_encoded_once_at_its_seed(
     start: Callable[..., Any], root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     encoded: list[bytes] = []
@@ -402,6 +402,7 @@ async def test_a_stateless_sessions_record_is_encoded_once(
         monkeypatch.setattr(Record, name, counted)
     async with start(CalculatorTools, "calculator_tools") as on:
         await on.seed("r1")
+        assert len(encoded) == 1  # at the seed, on the data plane: no commit builds it in its pause
         first = await checkpoint(on.control, "c1", root / "c1", incremental=False)
         assert len(encoded) == 1
         second = await checkpoint(on.control, "c2", root / "c2", incremental=False)

@@ -228,6 +228,11 @@ async def test_seed_replies_declare_and_membership_is_exported_under_gyms_sessio
         assert reply.cookies[on.shell.cookie_name] == "sess-1"
         legacy = await on.seed("r2-a1")
         assert legacy.json() == {} and len(legacy.cookies[on.shell.cookie_name]) == 32
+        # each record made at its seed, on the data plane, so no commit builds it inside its pause
+        legacy_id = legacy.cookies[on.shell.cookie_name].encode()
+        assert {session.encoded.raw for session in on.shell.sessions if session.encoded} == {
+            b'{"episode_id":{"rollout_id":"r1","attempt":0},"session_id":"sess-1"}',
+            b'{"episode_id":{"rollout_id":"r2","attempt":1},"session_id":"%s"}' % legacy_id}
         await on.control.ok("prepare", checkpoint_id="c1")
         committed = await on.control.ok("commit", checkpoint_id="c1", checkpoint_dir=str(root / "ck"))
         await on.control.ok("resume", checkpoint_id="c1")
