@@ -178,8 +178,8 @@ class ResourcesAdapter:
         """A seed opened ``session``. A stateless server builds its record here, on the data plane:
         built at the first commit instead, the checkpoint after a burst of seeds built thousands of
         them inside its pause (docs/protocol.md section 7)."""
-        if self.mode == "stateless" and session.identity is not None:
-            session.encoded = Record.of_strings(session.identity, session_id=session.session_id)
+        if self.mode == "stateless":
+            _membership_record(session)
         return session
 
     async def close_elsewhere(self, identity: RolloutIdentity) -> None:
@@ -238,10 +238,7 @@ class ResourcesAdapter:
         if self.mode == "exported":  # the server's state, asked afresh at every commit
             return {"episode_id": identity.to_json(), "session_id": session.session_id,
                     "state": await self.server.export_session(session)}
-        encoded = session.encoded  # stateless: the record is the session's id and identity
-        if encoded is None or encoded.episode != identity:
-            encoded = session.encoded = Record.of_strings(identity, session_id=session.session_id)
-        return encoded
+        return _membership_record(session)
 
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
         """Drop the restored, untouched sessions that this commit's scope left out."""
@@ -401,3 +398,15 @@ def _check_marks(participant: Participant, identity: RolloutIdentity | None) -> 
     except GymError as error:
         participant.telemetry.event("refused", code=error.code)
         raise
+
+
+def _membership_record(session: Session) -> Record | None:
+    """A stateless session's record (its id and identity only), built once per identity and kept
+    on the session; ``None`` for a session without identity."""
+    identity = session.identity
+    if identity is None:
+        return None
+    encoded = session.encoded
+    if encoded is None or encoded.episode != identity:
+        encoded = session.encoded = Record.of_strings(identity, session_id=session.session_id)
+    return encoded

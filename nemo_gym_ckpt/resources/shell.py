@@ -259,10 +259,11 @@ class ResourcesShell:
         session.restored = None  # touched: exported afresh, under its current attempt
 
     def opened(self, session_id: str | None, identity: RolloutIdentity | None) -> str:
-        """A 2xx seed: the session's id (kept in the table while the declaration needs it)."""
+        """A 2xx seed: the session's id (kept in the table while the declaration needs it; a seed
+        again under the same id replaces it)."""
         session_id = session_id or uuid.uuid4().hex
         if self.checkpoint is not None:
-            self.sessions.add(self.checkpoint.seeded(Session(session_id, identity)))  # a seed again replaces it
+            self.sessions.add(self.checkpoint.seeded(Session(session_id, identity)))
         elif self.checkpoint_mode != "stateless":
             self.sessions.add(Session(session_id, identity))
         return session_id
