@@ -520,6 +520,7 @@ class _Bench:
             "participant_write_ms_p50_full": _per_participant_p50(fulls, "write_ms"),
             "participant_write_cpu_ms_p50_full": _per_participant_p50(fulls, "write_cpu_ms"),
             "participant_capture_ms_p50_full": _per_participant_p50(fulls, "capture_ms"),
+            "participant_open_wait_ms_p50_full": _per_participant_p50(fulls, "open_wait_ms"),
             **({"pause_cpu_ms_p50": _phase_cpu_p50(samples)} if "cpu_ms" in samples[0] else {}),
             "restore_full_ms": restore_full["restore_ms"] if restore_full else None,
             "restore_incremental_ms": restore_incr["restore_ms"],

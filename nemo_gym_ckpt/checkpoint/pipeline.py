@@ -7,11 +7,13 @@ nothing here; a new one is encoded once (``Record.from_data``: orjson, and a byt
 arrays). Meanwhile a worker thread opens the writer (the directories made and fsynced, the records
 file created: a few ms of system calls that need no record). The write then runs in one worker
 thread, once: references to what the previous committed checkpoint already holds
-(``incremental``), the other records inline, hashed and written in chunks of about 256 KiB, then the
+(``incremental``), the other records inline, hashed and written in chunks of about 1 MiB, then the
 records sealed and the manifest linked. Two thread hand-offs per commit, whatever the number of
-records. ``cancel_export`` stops the capture at once (a resume must not let it read the adapter's
-state again); a write already in its thread stops at its next chunk through the store's
-``StopSignal``. A failure that is not a protocol error is a bug and propagates as such.
+records. The whole of it runs with prompt hand-offs of the interpreter's lock (``prompt_switching``):
+the writer's threads make a dozen system calls beside a loop that is capturing or serving.
+``cancel_export`` stops the capture at once (a resume must not let it read the adapter's state
+again); a write already in its thread stops at its next chunk through the store's ``StopSignal``. A
+failure that is not a protocol error is a bug and propagates as such.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter
 from nemo_gym_ckpt.checkpoint.incremental import refuse_reserved
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import Manifest, RecordWriter
+from nemo_gym_ckpt.checkpoint.switching import prompt_switching
 from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
 from nemo_gym_ckpt.errors import GymError
 
@@ -48,7 +51,8 @@ class ExportPipeline:
         """Once run: ``records``, ``bytes``, ``capture_ms`` (on the event loop), ``write_ms`` (in the
         worker thread, from the first byte to the manifest's link and the directory's fsync) and
         ``write_cpu_ms`` (that thread's CPU time meanwhile: the rest of ``write_ms`` it waited, for the
-        disk, a core or the interpreter's lock)."""
+        disk, a core or the interpreter's lock) and ``open_wait_ms`` (from the capture's end until the
+        writer was open, in neither of the others)."""
 
     def cancel_export(self) -> None:
         if self._export is not None:
@@ -60,6 +64,12 @@ class ExportPipeline:
         """The manifest written and the capture keys exported. ``open_writer`` (directories made and
         fsynced, the records file created) runs in a thread while the capture runs on the loop; on
         failure the writer, once open, is aborted."""
+        with prompt_switching():
+            return await self._run(open_writer, kind, instance)
+
+    async def _run(
+        self, open_writer: Callable[[], RecordWriter], kind: str, instance: str
+    ) -> tuple[Manifest, list[str]]:
         opening = asyncio.ensure_future(asyncio.to_thread(open_writer))
         writer: RecordWriter | None = None
         try:
@@ -68,10 +78,12 @@ class ExportPipeline:
             records, exported = await self._export
             captured = time.perf_counter()
             writer = await asyncio.shield(opening)
+            ready = time.perf_counter()
             manifest, write_s, cpu_s = await asyncio.to_thread(self._timed_write, writer, records, kind, instance)
             self.timings = {"records": writer.count, "bytes": writer.bytes,
                             "capture_ms": round(1000 * (captured - began), 2), "write_ms": round(1000 * write_s, 2),
-                            "write_cpu_ms": round(1000 * cpu_s, 2)}
+                            "write_cpu_ms": round(1000 * cpu_s, 2),
+                            "open_wait_ms": round(1000 * (ready - captured), 2)}
         except BaseException:
             opened = writer or await _opened(opening)
             if opened is not None:

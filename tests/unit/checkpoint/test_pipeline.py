@@ -1,18 +1,20 @@
-"""The commit's pipeline: the writer opens in a thread while the capture runs, and nothing it opened
-outlives a failure."""
+"""The commit's pipeline: the writer opens in a thread while the capture runs, nothing it opened
+outlives a failure, and all of it runs with prompt hand-offs of the interpreter's lock."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from nemo_gym_ckpt.checkpoint.pipeline import ExportPipeline
 from nemo_gym_ckpt.checkpoint.records import Scope
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, RecordWriter, StopSignal
+from nemo_gym_ckpt.checkpoint.switching import COMMIT_SWITCH_INTERVAL_S, prompt_switching
 from nemo_gym_ckpt.checkpoint.telemetry import Telemetry
 from nemo_gym_ckpt.errors import Unavailable
 
@@ -79,3 +81,65 @@ async def test_a_failed_open_ends_the_commit_with_its_error(root: Path) -> None:
     with pytest.raises(Unavailable, match="the disk is gone"):
         await pipeline.run(open_writer, "agent", "a1")
     assert pipeline.timings == {}
+
+
+class _SeeingWriter(RecordWriter):
+    """A records writer that notes the switch interval its thread runs under."""
+
+    seen: list[float]
+
+    def write_records(self, records: Any) -> None:
+        self.seen.append(sys.getswitchinterval())
+        super().write_records(records)
+
+
+async def test_the_open_the_capture_and_the_write_run_with_prompt_switching(root: Path) -> None:
+    store = CheckpointStore(root)
+    seen: list[float] = []
+    before = sys.getswitchinterval()
+    assert before > COMMIT_SWITCH_INTERVAL_S  # CPython's default, 5 ms
+
+    def open_writer() -> RecordWriter:
+        seen.append(sys.getswitchinterval())
+        writer = store.open_writer(root / "c1", "agent", "a1", StopSignal())
+        writer.__class__ = _SeeingWriter
+        cast("_SeeingWriter", writer).seen = seen
+        return writer
+
+    await _pipeline(_Adapter()).run(open_writer, "agent", "a1")
+    assert seen == pytest.approx([COMMIT_SWITCH_INTERVAL_S] * 2, rel=0.05)  # opened, then written
+    assert sys.getswitchinterval() == before
+
+
+async def test_a_failed_commit_puts_the_switch_interval_back(root: Path) -> None:
+    before = sys.getswitchinterval()
+
+    def open_writer() -> RecordWriter:
+        raise Unavailable("the disk is gone")
+
+    with pytest.raises(Unavailable):
+        await _pipeline(_Adapter()).run(open_writer, "agent", "a1")
+    assert sys.getswitchinterval() == before
+
+
+def test_overlapping_entries_set_the_interval_once_and_the_last_one_out_puts_it_back() -> None:
+    before = sys.getswitchinterval()
+    first, second = prompt_switching(), prompt_switching()
+    first.__enter__()
+    second.__enter__()
+    assert sys.getswitchinterval() == pytest.approx(COMMIT_SWITCH_INTERVAL_S, rel=0.05)
+    first.__exit__(None, None, None)  # the other commit still writes
+    assert sys.getswitchinterval() == pytest.approx(COMMIT_SWITCH_INTERVAL_S, rel=0.05)
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == before
+
+
+def test_a_lower_interval_already_set_is_kept() -> None:
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(COMMIT_SWITCH_INTERVAL_S / 5)
+    try:
+        with prompt_switching():
+            assert sys.getswitchinterval() == pytest.approx(COMMIT_SWITCH_INTERVAL_S / 5, rel=0.05)
+        assert sys.getswitchinterval() == pytest.approx(COMMIT_SWITCH_INTERVAL_S / 5, rel=0.05)
+    finally:
+        sys.setswitchinterval(before)

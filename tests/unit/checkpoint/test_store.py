@@ -285,13 +285,13 @@ def test_a_large_write_goes_to_the_kernel_in_slices(root: Path, write_calls: lis
 
 def test_records_are_joined_hashed_and_written_a_chunk_at_a_time(root: Path, write_calls: list[int]) -> None:
     store = CheckpointStore(root)
-    records = [record(f"r{n}", text="x" * 2000) for n in range(1000)]
+    records = [record(f"r{n}", text="x" * 2000) for n in range(2000)]
     longest = max(len(r.raw) for r in records) + 1
     writer = store.open_writer(root / "ck", "resources", "s1", StopSignal())
     writer.write_records(records)
     manifest = writer.finish("resources", "s1", "c1")
     records_calls = write_calls[:-1]  # the last one is the manifest's
-    assert CHUNK_BYTES <= 512 << 10  # small enough to stay in the CPU's cache from join to hash
+    assert CHUNK_BYTES <= WRITE_SLICE  # one system call, in the CPU's cache from join to hash
     assert len(records_calls) >= sum(len(r.raw) + 1 for r in records) // (CHUNK_BYTES + longest) >= 3
     assert max(records_calls) <= CHUNK_BYTES + longest
     content = (writer.directory / manifest.records_file).read_bytes()
