@@ -10,6 +10,9 @@
 - ``session_growth``: multi-turn sessions (each record the whole conversation), a full checkpoint,
   then a share of them one turn longer and an incremental one: the bytes it wrote (patches of the
   sessions that grew, spans for the rest) against the bytes of the grown records written whole.
+- ``incremental_chain``: a full commit, then a chain of incremental ones, each after a few records
+  changed a little (every checkpoint incremental, as a trainer takes them): the writer's CPU of the
+  first and the last of the chain against a full commit's, and the bytes each wrote.
 
 Every figure is measured within the run against its own baseline; each function returns a dict.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import random
 import secrets
 import statistics
 import subprocess
@@ -41,7 +45,8 @@ from nemo_gym_ckpt.launch.head import ThreadedServer
 from nemo_gym_ckpt.launch.launcher import find_free_port, wait_for_health
 from nemo_gym_ckpt.testing.minimal import SessionsAdapter, create_head_stub
 
-__all__ = ["admission_overhead", "commit_throughput", "cycle_latency", "run_all", "session_growth"]
+__all__ = ["admission_overhead", "commit_throughput", "cycle_latency", "incremental_chain", "run_all",
+           "session_growth"]
 
 Result = dict[str, Any]
 KINDS = ("environment", "model", "agent", "resources", "resources")
@@ -57,6 +62,7 @@ def run_all(quick: bool = False) -> Result:
         "commit_throughput": commit_throughput(records=1_000 if quick else 10_000),
         "admission": admission_overhead(calls=20_000 if quick else 200_000),
         "session_growth": session_growth(sessions=100 if quick else 2_000),
+        "incremental_chain": incremental_chain(records=256 if quick else 4_096, commits=4 if quick else 12),
     }
 
 
@@ -216,6 +222,53 @@ def session_growth(
             "incremental_over_full": round(written / full_bytes, 4),
             "incremental_over_grown_whole": round(written / whole, 4),
             "incremental_commit_ms": round(1000 * elapsed, 1)}
+
+
+def incremental_chain(
+    *, records: int = 4_096, record_bytes: int = 700, changed_share: float = 0.03, commits: int = 12,
+    fulls: int = 3, root: Path | None = None,
+) -> Result:
+    """The writer thread's CPU (write and seal, as a participant's commit runs them) of ``fulls`` full
+    commits of ``records`` records, then of a chain of ``commits`` incremental ones, each after
+    ``changed_share`` of the records changed a few bytes (chosen by a seeded generator)."""
+    chosen = random.Random(15)
+    current = [_state_record(n, 0, record_bytes) for n in range(records)]
+    with _workdir(root) as directory:
+        store = CheckpointStore(directory)
+        full = [_timed_commit(store, directory / f"full-{n}", current, incremental=False) for n in range(fulls)]
+        chain, earlier = [], _inodes(directory)
+        for step in range(1, commits + 1):
+            for number in chosen.sample(range(records), max(1, round(changed_share * records))):
+                current[number] = _state_record(number, step, record_bytes)
+            chain.append(_timed_commit(store, directory / f"chain-{step}", current))
+            written = _new_bytes(directory / f"chain-{step}", earlier)
+            earlier |= _inodes(directory / f"chain-{step}")
+        full_bytes = _new_bytes(directory / "full-0", set())
+    full_cpu = statistics.median(full)
+    last = statistics.median(chain[-max(1, commits // 3):])
+    return {"records": records, "record_bytes": record_bytes, "changed_per_commit": round(changed_share * records),
+            "commits": commits, "full_write_cpu_ms": round(full_cpu, 2),
+            "first_incremental_write_cpu_ms": round(chain[0], 2), "last_incremental_write_cpu_ms": round(last, 2),
+            "first_over_full_cpu": round(chain[0] / full_cpu, 2), "last_over_full_cpu": round(last / full_cpu, 2),
+            "full_bytes": full_bytes, "last_incremental_bytes": written}
+
+
+def _state_record(number: int, version: int, size: int) -> Record:
+    return Record.from_data({"episode_id": {"rollout_id": f"r{number:07d}", "attempt": 0},
+                             "state": {"version": version, "text": _text(str(number), size)}})
+
+
+def _timed_commit(
+    store: CheckpointStore, directory: Path, records: list[Record], *, incremental: bool = True
+) -> float:
+    """The writer's CPU ms for one commit (its index made after, out of the timing, as after a pause)."""
+    writer = store.open_writer(directory, "environment", "bench", StopSignal(), incremental=incremental)
+    began = time.thread_time()
+    writer.write_records(records)
+    writer.finish("environment", "bench", directory.name)
+    elapsed = time.thread_time() - began
+    store.settle()
+    return 1000 * elapsed
 
 
 def _session_record(number: int, turns: int, message_bytes: int) -> Record:

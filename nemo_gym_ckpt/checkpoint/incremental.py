@@ -65,6 +65,7 @@ __all__ = [
     "Inline",
     "Plan",
     "Span",
+    "SpanPlace",
     "link_files",
     "plan",
     "refuse_reserved",
@@ -88,6 +89,15 @@ T = TypeVar("T")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+class SpanPlace(NamedTuple):
+    """The bytes a span stands for: a records file, an offset and a length (a file never changes once
+    written, so one place is one run of bytes, one digest and one span line)."""
+
+    records_file: str
+    offset: int
+    length: int
+
+
 class Inline(NamedTuple):
     """Where a record's bytes are written inline: a records file and the offset of the line (a
     tuple: a commit makes, hashes and compares one per record)."""
@@ -100,33 +110,42 @@ class Inline(NamedTuple):
 class BaseIndex:
     """A committed (or restored-from) checkpoint of this participant, as the next commit sees it:
     where each record's bytes are inline (``lines``), for each episode the inline line a changed
-    record of it may be patched from (``episodes``: its bytes and place), and the files' sizes."""
+    record of it may be patched from (``episodes``: its bytes and place), the files' sizes, and the
+    patch of each record written as one (``patch_lines``, each with its line: the same bytes from the
+    same base line are that line again, with no search and no hash), and the line of each span by its
+    bytes' place (``span_lines``: a run of the same records at the same place is that line again)."""
 
     directory: Path
     lines: dict[bytes, Inline] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     episodes: dict[RolloutIdentity, tuple[bytes, Inline]] = field(default_factory=dict)
+    patch_lines: dict[bytes, Patch] = field(default_factory=dict)
+    span_lines: dict[SpanPlace, bytes] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
-    """Records ``start:stop`` of a commit, whose lines are ``length`` bytes of a base file at ``where``."""
+class Span(NamedTuple):
+    """Records ``start:stop`` of a commit, whose lines are ``length`` bytes of a base file at ``where``
+    (a tuple: a commit makes one per run of records, changed or not)."""
 
     start: int
     stop: int
     where: Inline
     length: int
 
+    @property
+    def place(self) -> SpanPlace:
+        return SpanPlace(self.where.records_file, self.where.offset, self.length)
+
 
 @dataclass
 class Plan:
     """One commit's choice: the base files to link, the runs of records written as spans, and the
-    records written as patches; ``found``: each record's inline line in the base (``None`` where it
-    has none), which a span's records keep as their place."""
+    records written as patches (by their number in the commit); ``found``: each record's inline line
+    in the base (``None`` where it has none), which a span's records keep as their place."""
 
     links: list[str]
     spans: list[Span]
-    patches: list[Patch] = field(default_factory=list)
+    patches: dict[int, Patch] = field(default_factory=dict)
     found: list[Inline | None] = field(default_factory=list)
 
 
@@ -141,11 +160,11 @@ def plan(records: Sequence[Record], base: BaseIndex | None) -> Plan:
     patches = _patches(records, found, base, used)
     live: dict[str, int] = {}
     for name, length in [(run.where.records_file, run.length) for run in runs] + \
-            [(patch.records_file, patch.length) for patch in patches]:
+            [(patch.records_file, patch.length) for patch in patches.values()]:
         live[name] = live.get(name, 0) + length
     kept = {name for name, size in live.items() if size >= KEEP_RATIO * base.sizes.get(name, 0)}
     return Plan(sorted(kept), [run for run in runs if run.where.records_file in kept],
-                [patch for patch in patches if patch.records_file in kept], found)
+                {number: patch for number, patch in patches.items() if patch.records_file in kept}, found)
 
 
 def _located(records: Sequence[Record], base: BaseIndex, used: set[Inline]) -> list[Inline | None]:
@@ -162,19 +181,23 @@ def _located(records: Sequence[Record], base: BaseIndex, used: set[Inline]) -> l
 
 
 def _patches(records: Sequence[Record], found: Sequence[Inline | None], base: BaseIndex,
-             used: set[Inline]) -> list[Patch]:
+             used: set[Inline]) -> dict[int, Patch]:
     """The records not in the base that are worth a patch of their episode's base line (a line used
     once, and never one a span stands for)."""
-    patches = []
-    for number, (record, where) in enumerate(zip(records, found, strict=True)):
-        candidate = base.episodes.get(record.episode) if where is None else None
+    patches = {}
+    episodes, patch_lines = base.episodes, base.patch_lines
+    for number in [number for number, where in enumerate(found) if where is None]:
+        record = records[number]
+        candidate = episodes.get(record.episode)
         if candidate is None or candidate[1] in used:
             continue
         old, at = candidate
-        patch = patch_between(number, record.raw, old, at.records_file, at.offset)
+        patch = patch_lines.get(record.raw)  # the patch it was in the base: its line again if of this line
+        if patch is None or patch.records_file != at.records_file or patch.offset != at.offset:
+            patch = patch_between(record.raw, old, at.records_file, at.offset)
         if patch is not None:
             used.add(at)
-            patches.append(patch)
+            patches[number] = patch
     return patches
 
 
@@ -197,8 +220,12 @@ def _runs(records: Sequence[Record], found: Sequence[Inline | None]) -> list[Spa
     return runs
 
 
-def span_line(records: Sequence[Record], span: Span) -> bytes:
-    """The line that stands for ``records[span.start:span.stop]`` (their bytes hashed here)."""
+def span_line(records: Sequence[Record], span: Span, base: BaseIndex | None = None) -> bytes:
+    """The line that stands for ``records[span.start:span.stop]``: the base's line for the same place,
+    or made here (their bytes hashed)."""
+    known = None if base is None else base.span_lines.get(span.place)
+    if known is not None:
+        return known
     run = records[span.start:span.stop]
     digest = hashlib.sha256(b"\n".join([*(record.raw for record in run), b""]))  # one pass: a newline after each
     return orjson.dumps({"episode_id": run[0].episode.to_json(), REFERENCE_KEY: digest.hexdigest(),
@@ -229,18 +256,19 @@ def link_files(
 
 
 class _KeptRun(NamedTuple):
-    """Records a span stands for, each at its place in the base."""
+    """Records a span stands for, each at its place in the base, and the span's place and line."""
 
     run: Sequence[Record]
     places: Sequence[Inline]
+    place: SpanPlace
+    line: bytes
 
 
 class _KeptPatch(NamedTuple):
-    """A patched record's episode, with the base line (bytes and place) the patch was made from."""
+    """A patched record (its bytes, its episode) with the patch written, its line included."""
 
-    episode: RolloutIdentity
-    raw: bytes
-    at: Inline
+    record: Record
+    patch: Patch
 
 
 class IndexBuilder:
@@ -264,15 +292,17 @@ class IndexBuilder:
         if records:
             self._inline_runs.append((records, offset))
 
-    def referenced(self, run: Sequence[Record], places: Sequence[Inline], records_file: str, size: int) -> None:
-        """``run`` written as a span: each record stays where the base has it (``places``, from the
-        plan: consecutive lines of ``records_file``)."""
-        self._kept.append(_KeptRun(run, places))
-        self.sizes[records_file] = size
+    def referenced(self, run: Sequence[Record], places: Sequence[Inline], span: SpanPlace, line: bytes,
+                   size: int) -> None:
+        """``run`` written as the span ``line``: each record stays where the base has it (``places``, from
+        the plan: consecutive lines of the file at ``span``, ``size`` bytes)."""
+        self._kept.append(_KeptRun(run, places, span, line))
+        self.sizes[span.records_file] = size
 
     def patched(self, record: Record, patch: Patch, size: int) -> None:
-        """``record`` was written as ``patch``: its episode's base line stays the one it patched."""
-        self._kept.append(_KeptPatch(record.episode, patch.base, Inline(patch.records_file, patch.offset)))
+        """``record`` was written as ``patch`` (its ``line`` made): its episode's base line stays the one
+        it patched."""
+        self._kept.append(_KeptPatch(record, patch))
         self.sizes[patch.records_file] = size
 
     def finish(self, records_file: str, size: int) -> BaseIndex:
@@ -283,11 +313,16 @@ class IndexBuilder:
         on an event loop that serves requests between the steps."""
         lines: dict[bytes, Inline] = {}
         episodes: dict[RolloutIdentity, tuple[bytes, Inline]] = {}
+        patch_lines: dict[bytes, Patch] = {}
+        span_lines: dict[SpanPlace, bytes] = {}
         done = 0
         for kept in self._kept:
             if isinstance(kept, _KeptPatch):  # its episode's line in the base stays the one it patched
-                episodes[kept.episode] = (kept.raw, kept.at)
+                patch = kept.patch
+                episodes[kept.record.episode] = (patch.base, Inline(patch.records_file, patch.offset))
+                patch_lines[kept.record.raw] = patch
                 continue
+            span_lines[kept.place] = kept.line
             for record, at in zip(kept.run, kept.places, strict=True):
                 lines[record.raw] = at
                 episodes[record.episode] = (record.raw, at)
@@ -305,7 +340,8 @@ class IndexBuilder:
             if done >= INDEX_STEP:
                 done = 0
                 yield
-        return BaseIndex(self.directory, lines, {**self.sizes, records_file: size}, episodes)
+        return BaseIndex(self.directory, lines, {**self.sizes, records_file: size}, episodes, patch_lines,
+                         span_lines)
 
 
 def run_steps(steps: Generator[None, None, T]) -> T:
@@ -448,6 +484,7 @@ def resolve(
             else:
                 lines = [(line, Inline(reference.records_file, at))
                          for line, at in _read_span(files, reference, scope, max_record_bytes)]
+                index.span_lines[SpanPlace(reference.records_file, reference.offset, reference.length)] = record.raw
             for line, where in lines:
                 resolved.append(line)
                 index.lines.setdefault(line.raw, where)
@@ -474,3 +511,5 @@ def _install_patch(files: _Files, patch: PatchLine, scope: Scope, index: BaseInd
     if record.episode in scope:
         resolved.append(record)
         index.episodes[record.episode] = (base_line[:-1], Inline(patch.records_file, patch.offset))
+        index.patch_lines[record.raw] = Patch(base_line[:-1], patch.records_file, patch.offset, patch.length,
+                                              patch.keep_head, patch.keep_tail, line=patch.record.raw)

@@ -19,7 +19,7 @@ are cut on UTF-8 character boundaries, so the insert is text.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -40,16 +40,20 @@ _LINE_OVERHEAD = 330
 
 @dataclass(frozen=True, slots=True)
 class Patch:
-    """A commit's record ``index`` as bytes kept from its base line ``base`` (at ``offset`` of
-    ``records_file``, ``length`` bytes with the newline) around an insert."""
+    """A record as bytes kept from its base line ``base`` (at ``offset`` of ``records_file``, ``length``
+    bytes with the newline) around an insert; ``line``, once made, is the patch line (a record that
+    stays as it was is that line again at the next commit)."""
 
-    index: int
     base: bytes
     records_file: str
     offset: int
     length: int
     keep_head: int
     keep_tail: int
+    line: bytes | None = field(default=None, compare=False)
+
+    def with_line(self, line: bytes) -> Patch:
+        return Patch(self.base, self.records_file, self.offset, self.length, self.keep_head, self.keep_tail, line)
 
 
 def _common_head(new: bytes, old: bytes) -> int:
@@ -79,7 +83,7 @@ def _continues_a_character(data: bytes, at: int) -> bool:
     return at < len(data) and data[at] & 0xC0 == 0x80
 
 
-def patch_between(index: int, new: bytes, old: bytes, records_file: str, offset: int) -> Patch | None:
+def patch_between(new: bytes, old: bytes, records_file: str, offset: int) -> Patch | None:
     """The patch that writes ``new`` from the base line ``old`` (at ``offset`` of ``records_file``), or
     ``None`` when it would not be worth it (``PATCH_WORTH``)."""
     if PATCH_WORTH * len(new) < _LINE_OVERHEAD:  # too short for any patch to be worth it: no search
@@ -92,11 +96,13 @@ def patch_between(index: int, new: bytes, old: bytes, records_file: str, offset:
         tail -= 1
     if _LINE_OVERHEAD + len(new) - head - tail > PATCH_WORTH * len(new):
         return None
-    return Patch(index, old, records_file, offset, len(old) + 1, head, tail)
+    return Patch(old, records_file, offset, len(old) + 1, head, tail)
 
 
 def patch_line(record: Record, patch: Patch) -> bytes:
-    """The line that stands for ``record`` (its bytes hashed here)."""
+    """The line that stands for ``record`` (its bytes hashed here, unless the patch has its line)."""
+    if patch.line is not None:
+        return patch.line
     insert = record.raw[patch.keep_head:len(record.raw) - patch.keep_tail].decode()
     return orjson.dumps({"episode_id": record.episode.to_json(), PATCH_KEY: hashlib.sha256(record.raw).hexdigest(),
                          "records_file": patch.records_file, "offset": patch.offset, "length": patch.length,

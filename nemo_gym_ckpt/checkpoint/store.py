@@ -212,7 +212,7 @@ class RecordWriter:
                 self._stop.check()
                 self.linked = sorted(link_files(self._ops, base.directory, base.sizes, decided.links, self.directory))
         spans = {span.start: span for span in decided.spans if span.where.records_file in self.linked}
-        patches = {patch.index: patch for patch in decided.patches if patch.records_file in self.linked}
+        patches = {number: patch for number, patch in decided.patches.items() if patch.records_file in self.linked}
         if not spans and not patches:  # nothing referenced (a full commit): every record inline, at once
             self._index.inline_all(records, self.bytes)
             self._write_chunked([record.raw for record in records])
@@ -228,15 +228,16 @@ class RecordWriter:
         while number < len(records):
             span, patch = spans.get(number), patches.get(number)
             if span is not None:
-                line = span_line(records, span)
+                line = span_line(records, span, self.base)
                 places = cast("list[Inline]", decided.found[span.start:span.stop])  # a span's lines all are
-                self._index.referenced(records[span.start:span.stop], places, span.where.records_file,
+                self._index.referenced(records[span.start:span.stop], places, span.place, line,
                                        sizes[span.where.records_file])
                 self.referenced += span.stop - span.start
                 number = span.stop
             elif patch is not None:
                 line = patch_line(records[number], patch)
-                self._index.patched(records[number], patch, sizes[patch.records_file])
+                self._index.patched(records[number], patch if patch.line is not None else patch.with_line(line),
+                                    sizes[patch.records_file])
                 self.patched += 1
                 number += 1
             else:

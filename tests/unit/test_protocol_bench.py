@@ -1,4 +1,5 @@
-"""The checkpoint bench's in-process suites, small: their shape, and what ``session_growth`` compares."""
+"""The checkpoint bench's in-process suites, small: their shape, and what ``session_growth`` and
+``incremental_chain`` compare."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_ckpt.bench.protocol import session_growth
+from nemo_gym_ckpt.bench.protocol import incremental_chain, session_growth
 
 pytestmark = pytest.mark.unit
 
@@ -16,3 +17,11 @@ def test_session_growth_writes_the_turns_that_grew_not_the_sessions(tmp_path: Pa
     assert result["grown"] == 30 and result["full_bytes"] > result["grown_records_whole_bytes"] > 0
     assert result["incremental_over_grown_whole"] < 0.5  # patches and spans, not whole records
     assert 0 < result["incremental_over_full"] < 0.25 and result["incremental_commit_ms"] > 0
+
+
+def test_incremental_chain_times_a_full_commit_and_both_ends_of_a_chain(tmp_path: Path) -> None:
+    result = incremental_chain(records=200, record_bytes=500, changed_share=0.05, commits=3, fulls=2, root=tmp_path)
+    assert result["changed_per_commit"] == 10 and result["commits"] == 3
+    assert 0 < result["last_incremental_bytes"] < 0.5 * result["full_bytes"]  # spans and patches, not records
+    assert all(result[key] > 0 for key in ("full_write_cpu_ms", "first_incremental_write_cpu_ms",
+                                           "last_incremental_write_cpu_ms", "last_over_full_cpu"))

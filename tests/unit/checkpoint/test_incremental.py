@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from nemo_gym_ckpt.checkpoint import incremental as incremental_module
+from nemo_gym_ckpt.checkpoint import patches as patches_module
 from nemo_gym_ckpt.checkpoint.incremental import REFERENCE_KEY, BaseIndex, IndexBuilder, refuse_reserved
 from nemo_gym_ckpt.checkpoint.patches import patch_between
 from nemo_gym_ckpt.checkpoint.pipeline import ExportPipeline
@@ -351,6 +352,43 @@ def test_a_patched_record_is_patched_again_from_the_same_inline_line(root: Path)
         r.raw for r in moved]
 
 
+class NoHashing:
+    """Stands for ``hashlib`` where a commit must make no digest: any ``sha256`` is a failure."""
+
+    @staticmethod
+    def sha256(data: bytes = b"") -> Any:
+        raise AssertionError("a line the base already holds was hashed again")
+
+
+@pytest.mark.parametrize("base", ["committed", "restored"])
+def test_records_that_stayed_as_they_were_are_the_base_commits_span_and_patch_lines_again(
+    root: Path, monkeypatch: pytest.MonkeyPatch, base: str
+) -> None:
+    """A commit of records that did not move since the base costs no search and no hash: each span of
+    the same bytes and each patch of the same record from the same line is the base's line again."""
+    records = [grown(f"r{n}", 6) for n in range(10)]
+    store = CheckpointStore(root)
+    commit(store, root / "c1", records)
+    moved = [*records[:3], grown("r3", 7), *records[4:]]  # r3 a patch between two spans
+    second = commit(store, root / "c2", moved)
+    if base == "restored":
+        store = CheckpointStore(root)
+        moved = list(store.read(root / "c2", "agent", "a1", EVERYONE).records)
+    else:
+        store.settle()
+    monkeypatch.setattr(incremental_module, "hashlib", NoHashing)
+    monkeypatch.setattr(patches_module, "hashlib", NoHashing)
+    monkeypatch.setattr(incremental_module, "patch_between", lambda *args: pytest.fail("a patch searched again"))
+    third = commit(store, root / "c3", moved)
+    assert (where(root / "c3") / third.records_file).read_bytes() == (
+        where(root / "c2") / second.records_file).read_bytes()
+    monkeypatch.undo()
+    shutil.rmtree(root / "c1")
+    shutil.rmtree(root / "c2")
+    assert [r.raw for r in CheckpointStore(root).read(root / "c3", "agent", "a1", EVERYONE).records] == [
+        r.raw for r in moved]
+
+
 def test_records_a_span_stood_for_keep_their_place_in_the_commits_after_it(root: Path) -> None:
     records = [grown(f"r{n}", 6) for n in range(10)]
     store = CheckpointStore(root)
@@ -457,7 +495,7 @@ def test_a_patch_keeps_what_a_byte_by_byte_comparison_finds() -> None:
         cut, drop = rng.randrange(len(old) + 1), rng.randrange(40)
         insert = "".join(rng.choice(alphabet) for _ in range(rng.randrange(60))).encode()
         new = (old[:cut] + insert + old[cut + drop:]).decode("utf-8", "replace").encode()
-        patch = patch_between(0, new, old, "records-x.jsonl", 0)
+        patch = patch_between(new, old, "records-x.jsonl", 0)
         expected = _patch_by_byte_steps(new, old)
         assert (None if patch is None else (patch.keep_head, patch.keep_tail)) == expected
         if patch is not None:
