@@ -94,15 +94,16 @@ class ExportPipeline:
     async def _capture(self) -> tuple[list[Record], list[str]]:
         """The records in scope, and the capture keys of their episodes (each once, in order)."""
         with self.telemetry.span("export", **{ATTR.ID: self.checkpoint_id}) as span:
-            records = []
-            async for item in self.adapter.export(self.scope):
+            records: list[Record] = []
+            keep, scope = records.append, self.scope  # locals: this loop runs once per record
+            async for item in self.adapter.export(scope):
                 record = item if isinstance(item, Record) else Record.from_data(item)
-                if self.scope is not None and record.episode not in self.scope:
+                if scope is not None and record.episode not in scope:
                     continue
                 if record.reference:
                     refuse_reserved(record)
-                records.append(record)
-            exported = list(dict.fromkeys(record.episode.capture_key for record in records))
+                keep(record)
+            exported = list(dict.fromkeys([record.episode.capture_key for record in records]))
             span.set_attribute(ATTR.RECORDS, len(exported))
             return records, exported
 

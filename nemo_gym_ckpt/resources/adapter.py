@@ -220,25 +220,23 @@ class ResourcesAdapter:
     # ---- commit -----------------------------------------------------------------------------
 
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
+        """Each session's restored record while in scope, else its record (a stateless server's kept
+        one, an exported server's state asked afresh), in one loop with no call per session."""
         if self.mode == "restart_only":
             return
+        exported, retiring = self.mode == "exported", self._retiring
         for session in self.server.sessions:
-            item = await self._record_of(session, scope)
-            if item is not None:
-                yield item
+            if session.session_id in retiring:
+                continue
+            restored, identity = session.restored, session.identity
+            if restored is not None and (scope is None or restored.episode in scope):
+                yield restored
+            elif identity is not None and (scope is None or identity in scope):
+                yield await self._exported_record(session, identity) if exported else _member_record(session, identity)
 
-    async def _record_of(self, session: Session, scope: Scope | None) -> ExportItem | None:
-        if session.session_id in self._retiring:
-            return None
-        restored, identity = session.restored, session.identity
-        if restored is not None and (scope is None or restored.episode in scope):
-            return restored
-        if identity is None or (scope is not None and identity not in scope):
-            return None
-        if self.mode == "exported":  # the server's state, asked afresh at every commit
-            return {"episode_id": identity.to_json(), "session_id": session.session_id,
-                    "state": await self.server.export_session(session)}
-        return _membership_record(session)
+    async def _exported_record(self, session: Session, identity: RolloutIdentity) -> dict[str, Any]:
+        return {"episode_id": identity.to_json(), "session_id": session.session_id,
+                "state": await self.server.export_session(session)}
 
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
         """Drop the restored, untouched sessions that this commit's scope left out."""
@@ -404,9 +402,11 @@ def _membership_record(session: Session) -> Record | None:
     """A stateless session's record (its id and identity only), built once per identity and kept
     on the session; ``None`` for a session without identity."""
     identity = session.identity
-    if identity is None:
-        return None
+    return None if identity is None else _member_record(session, identity)
+
+
+def _member_record(session: Session, identity: RolloutIdentity) -> Record:
     encoded = session.encoded
-    if encoded is None or encoded.episode != identity:
+    if encoded is None or (encoded.episode is not identity and encoded.episode != identity):
         encoded = session.encoded = Record.of_strings(identity, session_id=session.session_id)
     return encoded
