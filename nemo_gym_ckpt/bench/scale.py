@@ -16,8 +16,10 @@ hard link of a file of an earlier checkpoint). Before each checkpoint the rollou
 the last one are forgotten, as the collector does. Per level: the fsync'd sequential write floor of
 the full checkpoint's size (the median of ``FLOOR_SAMPLES`` writes), measured in the same run right
 after the mesh is stopped (quiet), and again while the level's rollouts still run (loaded: no
-checkpoint open, the write in a thread of the driver's process), and the commit's write speed over
-each; rollouts/s and CPU ms per rollout of every process;
+checkpoint open, the write in a thread of the driver's process), and each participant's full
+commit written through the store by all at once with nothing else running (``floors.py``,
+``writes_at_once``: what the writes reach with the cores to themselves), and the commit's write
+speed over each; rollouts/s and CPU ms per rollout of every process;
 the peak memory (``VmHWM``) of every server; the worker's generation-hold counts
 (``generation_hold``: holds, releases, expiries, milliseconds held). With ``phase_cpu`` each pause
 also reads the CPU of every process after each of its phases (``PhaseCpu``), and each level reports
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_ckpt.bench.checkpoints import TOKEN, enabled_overrides
+from nemo_gym_ckpt.bench.floors import median_floor, median_writes_at_once
 from nemo_gym_ckpt.bench.mesh import (
     CALL_TIMEOUT_S,
     MESH_READY_S,
@@ -101,8 +104,6 @@ FAILED_SLOT_PAUSE_S = 1.0
 must not spin the driver's loop (its checkpoints and every other slot wait for that loop)."""
 KEPT_FAILURES = 100
 """Failures kept as text (the first ones); all of them are counted."""
-FLOOR_SAMPLES = 5
-"""The fsync floor is the median of this many writes (one write alone read 416-855 MB/s in one session)."""
 PHASES = ("prepare", "commit", "resume")
 """The phases of a pause, in order (``phase_cpu``: the CPU of each process in each)."""
 _SAMPLE_KEYS = ("id", "started_at", "pause_ms", "prepare_ms", "commit_ms", "bytes_written", "calls_ms")
@@ -244,30 +245,6 @@ def _floor_size(samples: list[Result]) -> int:
     return int(statistics.median(s["bytes_written"] for s in samples if not s["incremental"]))
 
 
-def _median_floor(root: Path, size: int) -> float:
-    """The median of ``FLOOR_SAMPLES`` sequential floors of ``size`` bytes."""
-    return statistics.median(_sequential_floor(root, size) for _ in range(FLOOR_SAMPLES))
-
-
-def _sequential_floor(root: Path, size: int) -> float:
-    """MB/s of writing ``size`` bytes to one new file and fsyncing it (the disk's floor, right now)."""
-    size = max(size, 1 << 20)
-    path = root / f".floor-{os.getpid()}"
-    chunk = os.urandom(1 << 20)
-    began = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        left = size
-        while left > 0:
-            left -= os.write(fd, chunk[: min(left, len(chunk))])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-        elapsed = time.perf_counter() - began
-        path.unlink()
-    return size / elapsed / 1e6
-
-
 def _peak_memory_mb(pids: dict[str, int]) -> dict[str, float]:
     peaks = {}
     for name, pid in pids.items():
@@ -394,7 +371,7 @@ class _Bench:
             usage = meter.stop()
             # the floor under the load the commits ran under (no checkpoint open), from a thread of
             # this process, as a participant's writer thread writes beside its event loop
-            loaded_floor = await asyncio.to_thread(_median_floor, self.root, _floor_size(samples))
+            loaded_floor = await asyncio.to_thread(median_floor, self.root, _floor_size(samples))
             finished_in_window = sum(1 for end in driver.ends if end >= window_began)
             peaks = _peak_memory_mb(self.launcher.pids)
             hold = await self.generation_hold(client)
@@ -408,14 +385,15 @@ class _Bench:
             await driver.join(30.0)
         fulls = [s for s in samples if not s["incremental"]]
         incrs = [s for s in samples if s["incremental"]]
-        floor = _median_floor(self.root, _floor_size(samples))
+        floor = median_floor(self.root, _floor_size(samples))
+        at_once = median_writes_at_once(self.root, fulls[-1]["bytes_by_participant"])
         timed_full = level != 2048 and not self.quick
         restore_full = await self.restore(fulls[-1], fulls[-1]["episodes"], keep=False) if timed_full else None
         latest = incrs[-1]
         scope = [e for e in latest["episodes"] if finished_at.get(e.rollout_id, 0.0) <= latest["committed_at"]
                  or e.rollout_id in in_flight_at_kill]
         restore_incr = await self.restore(latest, scope, keep=True)
-        row = self.summary(level, samples, (floor, loaded_floor), restore_full, restore_incr, usage,
+        row = self.summary(level, samples, (floor, loaded_floor, at_once), restore_full, restore_incr, usage,
                            finished_in_window, window_s, peaks, driver, load_at_start, forgotten)
         row["generation_hold"] = hold
         if final:
@@ -478,7 +456,7 @@ class _Bench:
                 "finish_s": round(time.perf_counter() - began, 1), "checkpoint": latest["id"]}
 
     def summary(
-        self, level: int, samples: list[Result], floors: tuple[float, float], restore_full: Result | None,
+        self, level: int, samples: list[Result], floors: tuple[float, float, float], restore_full: Result | None,
         restore_incr: Result, usage: Result, finished: int, window_s: float, peaks: dict[str, float], driver: _Driver,
         load_at_start: list[float], forgotten: int,
     ) -> Result:
@@ -486,7 +464,7 @@ class _Bench:
             return [s for s in samples if s["incremental"] is kind]
 
         fulls, incrs = of(False), of(True)
-        floor, loaded_floor = floors  # quiet (the mesh stopped), and under the level's load
+        floor, loaded_floor, at_once = floors  # quiet (the mesh stopped), under the level's load, the writes alone
         write_p50 = statistics.median(s["write_mb_s"] for s in fulls)
         full_bytes = statistics.median(s["bytes_written"] for s in fulls)
         commit_speeds = [s["bytes_written"] / max(s["commit_ms"], 1e-6) / 1e3 for s in fulls]
@@ -517,6 +495,8 @@ class _Bench:
             "participant_write_over_floor": round(write_p50 / max(floor, 1e-9), 3),
             "fsync_floor_loaded_mb_s": round(loaded_floor, 1),
             "participant_write_over_loaded_floor": round(write_p50 / max(loaded_floor, 1e-9), 3),
+            "writes_at_once_mb_s": round(at_once, 1),
+            "participant_write_over_writes_at_once": round(write_p50 / max(at_once, 1e-9), 3),
             "participant_write_ms_p50_full": _per_participant_p50(fulls, "write_ms"),
             "participant_write_cpu_ms_p50_full": _per_participant_p50(fulls, "write_cpu_ms"),
             "participant_capture_ms_p50_full": _per_participant_p50(fulls, "capture_ms"),

@@ -30,6 +30,7 @@ def test_the_quick_scale_suite_reports_its_shape(tmp_path: Path) -> None:
     assert level["records"]["single_agent_turn"] > 0 and level["fsync_floor_mb_s"] > 0
     assert level["participant_write_over_floor"] > 0  # each participant's own write, from its status
     assert level["fsync_floor_loaded_mb_s"] > 0 and level["participant_write_over_loaded_floor"] > 0
+    assert level["writes_at_once_mb_s"] > 0 and level["participant_write_over_writes_at_once"] > 0
     assert set(level["participant_write_ms_p50_full"]) == set(level["records"])
     assert level["restore_incremental_ms"] > 0 and set(level["peak_memory_mb"]) >= {"policy_model", "simple_agent"}
     hold = level["generation_hold"]  # the bench holds the worker from ready to resume
