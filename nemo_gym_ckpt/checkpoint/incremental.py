@@ -220,12 +220,8 @@ def _runs(records: Sequence[Record], found: Sequence[Inline | None]) -> list[Spa
     return runs
 
 
-def span_line(records: Sequence[Record], span: Span, base: BaseIndex | None = None) -> bytes:
-    """The line that stands for ``records[span.start:span.stop]``: the base's line for the same place,
-    or made here (their bytes hashed)."""
-    known = None if base is None else base.span_lines.get(span.place)
-    if known is not None:
-        return known
+def span_line(records: Sequence[Record], span: Span) -> bytes:
+    """The line that stands for ``records[span.start:span.stop]`` (their bytes hashed here)."""
     run = records[span.start:span.stop]
     digest = hashlib.sha256(b"\n".join([*(record.raw for record in run), b""]))  # one pass: a newline after each
     return orjson.dumps({"episode_id": run[0].episode.to_json(), REFERENCE_KEY: digest.hexdigest(),

@@ -224,13 +224,15 @@ class RecordWriter:
     ) -> Iterator[bytes]:
         """Each line of this commit in order (a span, a patch or a record), noted in the index."""
         sizes = self.base.sizes if self.base is not None else {}
+        known = self.base.span_lines if self.base is not None else {}  # a span of the same place: its line
         offset, number = self.bytes, 0
         while number < len(records):
             span, patch = spans.get(number), patches.get(number)
             if span is not None:
-                line = span_line(records, span, self.base)
+                place = span.place
+                line = known.get(place) or span_line(records, span)
                 places = cast("list[Inline]", decided.found[span.start:span.stop])  # a span's lines all are
-                self._index.referenced(records[span.start:span.stop], places, span.place, line,
+                self._index.referenced(records[span.start:span.stop], places, place, line,
                                        sizes[span.where.records_file])
                 self.referenced += span.stop - span.start
                 number = span.stop
