@@ -3,7 +3,8 @@ touches them, through one ``FileOps`` seam.
 
 Write, per participant, under ``<checkpoint_dir>/gym/<kind>/<instance>/``:
 
-1. stream the record lines to ``.records-<random>.tmp``, hashing (SHA-256) and counting; fsync;
+1. stream the record lines to ``.records-<random>.tmp``, hashing (SHA-256) and counting, the
+   writeback of each chunk started once it is written (``FileOps.start_writeback``); fsync;
 2. rename it to ``records-<sha256>.jsonl``; fsync the directory;
 3. write ``.manifest-<random>.tmp``, fsync it, hard-link it to ``manifest.json`` (never replaced:
    an identical manifest already there is the same commit, a different one an error); fsync the
@@ -277,6 +278,7 @@ class RecordWriter:
             chunk = b"\n".join([*lines, b""])  # a newline after each, one copy
             with write_errors(self.directory):
                 self._ops.write(self._fd, chunk)
+                self._ops.start_writeback(self._fd, self.bytes, len(chunk))  # the disk works while we hash
             self._hash.update(chunk)
             self.bytes += len(chunk)
             self.count += len(lines)

@@ -297,3 +297,53 @@ def test_records_are_joined_hashed_and_written_a_chunk_at_a_time(root: Path, wri
     content = (writer.directory / manifest.records_file).read_bytes()
     assert content == b"".join(r.raw + b"\n" for r in records)
     assert hashlib.sha256(content).hexdigest() == manifest.records_sha256
+
+
+class WritebackOps(FileOps):
+    """Real operations, and the order of the writes, writeback hints and fsyncs they were asked for."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int]] = []
+        self.written: dict[int, int] = {}
+
+    def open_new(self, path: Path) -> int:
+        fd = super().open_new(path)
+        self.written[fd] = 0  # a descriptor number comes again once closed
+        self.events.append(("open", fd, 0))
+        return fd
+
+    def write(self, fd: int, data: bytes) -> None:
+        super().write(fd, data)
+        self.written[fd] += len(data)
+        self.events.append(("write", fd, self.written[fd]))
+
+    def start_writeback(self, fd: int, offset: int, length: int) -> None:
+        assert offset + length == self.written[fd]  # the bytes just written, no more
+        self.events.append(("writeback", fd, offset))
+        super().start_writeback(fd, offset, length)
+
+    def fsync(self, fd: int) -> None:
+        self.events.append(("fsync", fd, self.written[fd]))
+        super().fsync(fd)
+
+
+def test_each_chunk_of_records_is_sent_to_the_disk_as_soon_as_it_is_written(root: Path) -> None:
+    ops = WritebackOps()
+    records = [record(f"r{n}", text="x" * 2000) for n in range(1500)]
+    writer = CheckpointStore(root, ops).open_writer(root / "ck", "resources", "s1", StopSignal())
+    writer.write_records(records)
+    manifest = writer.finish("resources", "s1", "c1")
+    size = (writer.directory / manifest.records_file).stat().st_size
+    opened = ops.events.index(("open", fd := ops.events[0][1], 0))  # the records file is the first opened
+    events = ops.events[opened + 1 : ops.events.index(("fsync", fd, size)) + 1]
+    writes = [end for op, _, end in events if op == "write"]
+    assert len(writes) >= 3 and writes[-1] == size
+    expected = [e for end, start in zip(writes, [0, *writes], strict=False)
+                for e in (("write", fd, end), ("writeback", fd, start))]
+    assert events == [*expected, ("fsync", fd, size)]  # each chunk's hint right after it, before the next
+
+
+def test_a_refused_writeback_hint_is_no_error(root: Path) -> None:
+    fd = FileOps().open_new(root / "f")
+    os.close(fd)
+    FileOps().start_writeback(fd, 0, 1)  # a closed descriptor: the kernel refuses, nothing raised
