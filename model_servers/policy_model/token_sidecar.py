@@ -71,6 +71,7 @@ __all__ = [
     "SidecarWrite",
     "SidecarWriter",
     "TokenedRecord",
+    "lines_of",
     "needed_digests",
     "sidecar_name",
     "write_sidecar",
@@ -119,6 +120,10 @@ class CallTokens:
             return line
         assert self._file is not None
         return self._file.read(self._offset, self.size, self.digest)
+
+    def _follows(self, other: CallTokens) -> bool:
+        """Kept in the same file as ``other``, right after its line and newline."""
+        return self._file is not None and self._file is other._file and self._offset == other._offset + other.size + 1
 
     @property
     def in_memory(self) -> bool:
@@ -235,6 +240,38 @@ class SidecarIndex:
     sizes: dict[str, int] = field(default_factory=dict)
 
 
+READ_RUN_BYTES = 4 << 20
+"""Token lines kept next to each other in one file are read back up to this many bytes per read."""
+
+
+def lines_of(tokens: Sequence[CallTokens]) -> list[bytes]:
+    """The bytes of each token line, in order. A line in memory is taken as it is; lines kept next
+    to each other in one file are read back together (``LineFile.read_run``: one read, each line
+    checked against its digest): a full commit copies the earlier sidecar's lines in long runs."""
+    found: list[bytes] = []
+    run: list[CallTokens] = []
+    run_bytes = 0
+    for tokens_ in tokens:
+        line = tokens_._line
+        if run and (line is not None or not tokens_._follows(run[-1]) or run_bytes >= READ_RUN_BYTES):
+            found.extend(_read_run(run))
+            run, run_bytes = [], 0
+        if line is not None:
+            found.append(line)
+        else:
+            run.append(tokens_)
+            run_bytes += tokens_.size + 1
+    if run:
+        found.extend(_read_run(run))
+    return found
+
+
+def _read_run(run: list[CallTokens]) -> list[bytes]:
+    first = run[0]
+    assert first._file is not None
+    return first._file.read_run(first._offset, [(tokens.size, tokens.digest) for tokens in run])
+
+
 def write_sidecar(ops: FileOps, directory: Path, lines: Sequence[bytes], stop: StopSignal) -> str:
     """Write ``lines`` durably as ``tokens-<sha256>.jsonl`` (temp, fsync, rename, fsync dir): its name."""
     content = b"\n".join(lines) + b"\n"
@@ -287,7 +324,7 @@ def write_sidecars(
             fresh.append(line)
     written, size = None, 0
     if fresh:
-        lines = [line.line for line in fresh]
+        lines = lines_of(fresh)
         written = write_sidecar(ops, directory, lines, stop)
         offset = 0
         for line, body in zip(fresh, lines, strict=True):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import os
 import shutil
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,7 +24,7 @@ import orjson
 import pytest
 
 from model_servers.inference_worker import default_model_data as data
-from model_servers.policy_model.capture_memory import CaptureMemory
+from model_servers.policy_model.capture_memory import CaptureMemory, LineFile
 from model_servers.policy_model.chat_format import ChatFormat
 from model_servers.policy_model.generation import TokenCapture
 from model_servers.policy_model.ids import sha256_of
@@ -31,7 +32,13 @@ from model_servers.policy_model.ledger import LedgerBook
 from model_servers.policy_model.participant import CAPTURE_TOKENS_PATH
 from model_servers.policy_model.tests.policy_harness import TOKEN, serve_policy
 from model_servers.policy_model.tests.scripted_worker import Generate, ScriptedWorker
-from model_servers.policy_model.token_sidecar import SIDECAR_NAME, CallTokens, SidecarStore, TokenedRecord
+from model_servers.policy_model.token_sidecar import (
+    SIDECAR_NAME,
+    CallTokens,
+    SidecarStore,
+    TokenedRecord,
+    lines_of,
+)
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS, Record
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
@@ -271,6 +278,48 @@ async def test_past_the_bound_token_lines_spill_and_are_committed_exactly(
     assert {name: call[name] for name in ARRAYS} == {name: first["output"][0][name] for name in ARRAYS}
     [line] = sidecar_of(where).read_bytes().splitlines()
     assert orjson.loads(line)["generation_token_ids"] == first["output"][0]["generation_token_ids"]
+
+
+def kept_lines(root: Path, count: int) -> tuple[list[CallTokens], Path]:
+    """``count`` token lines kept in one file, one after the other (as a committed sidecar keeps them)."""
+    lines = [orjson.dumps({"call_id": f"mc_{n}", "generation_token_ids": list(range(n + 1))}) for n in range(count)]
+    path = root / "kept.jsonl"
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    file, offset, kept = LineFile.open(path), 0, []
+    for n, line in enumerate(lines):
+        tokens = CallTokens(f"mc_{n}", line, hashlib.sha256(line).hexdigest())
+        tokens.kept_at(file, offset)
+        offset += len(line) + 1
+        kept.append(tokens)
+    return kept, path
+
+
+def test_token_lines_kept_next_to_each_other_are_read_back_in_one_read_each_run(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kept, path = kept_lines(root, 6)
+    in_memory = CallTokens("mc_new", b'{"call_id":"mc_new"}', hashlib.sha256(b'{"call_id":"mc_new"}').hexdigest())
+    order = [kept[0], kept[1], kept[2], in_memory, kept[3], kept[5], kept[4]]  # runs: 0-2, 3, 5, 4
+    reads: list[int] = []
+    real_pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, size, offset: reads.append(offset) or real_pread(fd, size, offset))
+    lines = lines_of(order)
+    file_lines = path.read_bytes().splitlines()
+    assert lines == [*file_lines[:3], b'{"call_id":"mc_new"}', file_lines[3], file_lines[5], file_lines[4]]
+    assert len(reads) == 4  # one per run, the line in memory read from nowhere
+
+
+@pytest.mark.parametrize("damage", ["a changed byte", "cut short"])
+def test_a_kept_token_line_that_changed_on_disk_is_refused(root: Path, damage: str) -> None:
+    kept, path = kept_lines(root, 5)
+    content = bytearray(path.read_bytes())
+    if damage == "a changed byte":
+        content[content.index(b"mc_2") + 3] ^= 1  # a line in the middle of the run
+    else:
+        del content[-3:]
+    path.write_bytes(bytes(content))
+    with pytest.raises(InvalidCheckpointState, match=r"kept in kept\.jsonl"):
+        lines_of(kept)
 
 
 def test_a_spill_that_cannot_be_written_is_a_clear_error(root: Path) -> None:
