@@ -53,6 +53,8 @@ class LineFile:
     def read_run(self, offset: int, lines: list[tuple[int, str]]) -> list[bytes]:
         """Lines next to each other from ``offset`` (each ``(size, digest)``, a newline after each):
         one read for all of them, each line checked against its digest."""
+        if not lines:
+            return []
         length = sum(size for size, _ in lines) + len(lines) - 1
         data = os.pread(self._fd, length, offset)
         if len(data) != length:

@@ -274,7 +274,7 @@ def _read_run(run: list[CallTokens]) -> list[bytes]:
 
 def write_sidecar(ops: FileOps, directory: Path, lines: Sequence[bytes], stop: StopSignal) -> str:
     """Write ``lines`` durably as ``tokens-<sha256>.jsonl`` (temp, fsync, rename, fsync dir): its name."""
-    content = b"\n".join(lines) + b"\n"
+    content = b"\n".join([*lines, b""])  # a newline after each, one copy
     name = sidecar_name(hashlib.sha256(content).hexdigest())
     temp = directory / f".tokens-{secrets.token_hex(8)}.tmp"
     with write_errors(directory, "token sidecar write"):
