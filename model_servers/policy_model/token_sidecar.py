@@ -16,12 +16,13 @@ The records refer to a line only by digest: each ledger row has ``token_digest``
 line (``null`` for a call that delivered no token ids). Records and manifests stay token-free.
 
 Write (``SidecarStore.open_writer`` gives a ``SidecarWriter``): when the records are sealed, the
-sidecar is written first, to ``.tokens-<random>.tmp``, fsync'd and renamed to its digest name; only
-then are the records fsync'd and renamed and the directory fsync'd (which makes both renames
-durable), and the manifest linked (the commit point): a manifest never names rows whose tokens are
-not durable. The sidecar costs one file and one fsync per commit. A commit whose ledgers hold no token ids
-writes no sidecar. Lines of a restored ledger are written back byte for byte (``CallTokens.line`` is
-the line as read), as is its record.
+sidecar is written first, to ``.tokens-<random>.tmp`` (about 1 MiB of lines at a time, as the
+records are: lines read back from an earlier sidecar are held one chunk at a time), fsync'd and
+renamed to its digest name; only then are the records fsync'd and renamed and the directory
+fsync'd (which makes both renames durable), and the manifest linked (the commit point): a manifest
+never names rows whose tokens are not durable. The sidecar costs one file and one fsync per commit.
+A commit whose ledgers hold no token ids writes no sidecar. Lines of a restored ledger are written
+back byte for byte (``CallTokens.line`` is the line as read), as is its record.
 
 Read (``SidecarStore.read``): after the records are checked against the manifest, if any record in
 scope has a row with a ``token_digest``, every ``tokens-<sha256>.jsonl`` of the directory is read and
@@ -37,7 +38,8 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,7 @@ from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.incremental import KEEP_RATIO, link_files
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import (
+    CHUNK_BYTES,
     CheckpointStore,
     Manifest,
     ReadResult,
@@ -71,7 +74,7 @@ __all__ = [
     "SidecarWrite",
     "SidecarWriter",
     "TokenedRecord",
-    "lines_of",
+    "line_chunks",
     "needed_digests",
     "sidecar_name",
     "write_sidecar",
@@ -240,30 +243,34 @@ class SidecarIndex:
     sizes: dict[str, int] = field(default_factory=dict)
 
 
-READ_RUN_BYTES = 4 << 20
-"""Token lines kept next to each other in one file are read back up to this many bytes per read."""
-
-
-def lines_of(tokens: Sequence[CallTokens]) -> list[bytes]:
-    """The bytes of each token line, in order. A line in memory is taken as it is; lines kept next
-    to each other in one file are read back together (``LineFile.read_run``: one read, each line
-    checked against its digest): a full commit copies the earlier sidecar's lines in long runs."""
-    found: list[bytes] = []
+def line_chunks(tokens: Sequence[CallTokens], chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[bytes]]:
+    """The bytes of the token lines, in order, in lists of about ``chunk_bytes``. A line in memory is
+    taken as it is; lines kept next to each other in one file are read back together
+    (``LineFile.read_run``: one read, each line checked against its digest). A full commit copies
+    every line the earlier commits made durable: one chunk at a time, whatever their number."""
+    chunk: list[bytes] = []
     run: list[CallTokens] = []
-    run_bytes = 0
+    size = 0
     for tokens_ in tokens:
         line = tokens_._line
-        if run and (line is not None or not tokens_._follows(run[-1]) or run_bytes >= READ_RUN_BYTES):
-            found.extend(_read_run(run))
-            run, run_bytes = [], 0
+        if run and (line is not None or not tokens_._follows(run[-1])):
+            chunk.extend(_read_run(run))
+            run = []
         if line is not None:
-            found.append(line)
+            chunk.append(line)
         else:
             run.append(tokens_)
-            run_bytes += tokens_.size + 1
+        size += tokens_.size + 1
+        if size >= chunk_bytes:
+            if run:
+                chunk.extend(_read_run(run))
+                run = []
+            yield chunk
+            chunk, size = [], 0
     if run:
-        found.extend(_read_run(run))
-    return found
+        chunk.extend(_read_run(run))
+    if chunk:
+        yield chunk
 
 
 def _read_run(run: list[CallTokens]) -> list[bytes]:
@@ -272,17 +279,43 @@ def _read_run(run: list[CallTokens]) -> list[bytes]:
     return first._file.read_run(first._offset, [(tokens.size, tokens.digest) for tokens in run])
 
 
-def write_sidecar(ops: FileOps, directory: Path, lines: Sequence[bytes], stop: StopSignal) -> str:
-    """Write ``lines`` durably as ``tokens-<sha256>.jsonl`` (temp, fsync, rename, fsync dir): its name."""
-    content = b"\n".join([*lines, b""])  # a newline after each, one copy
-    name = sidecar_name(hashlib.sha256(content).hexdigest())
+def write_sidecar(ops: FileOps, directory: Path, chunks: Iterable[Sequence[bytes]], stop: StopSignal) -> str:
+    """Write the lines of ``chunks`` durably as ``tokens-<sha256>.jsonl``: a temporary file written a
+    chunk at a time (each chunk's writeback started once written, and hashed meanwhile), fsynced,
+    renamed to its digest's name; that name. The temporary file never outlives a failure."""
     temp = directory / f".tokens-{secrets.token_hex(8)}.tmp"
+    digest = hashlib.sha256()
     with write_errors(directory, "token sidecar write"):
         stop.check()
-        ops.write_durable(directory / name, content, temp, sync_dir=False)
+        fd = ops.open_new(temp)
+        try:
+            try:
+                _write_chunks(ops, fd, chunks, digest, stop)
+                ops.fsync(fd)
+            finally:
+                ops.close(fd)
+            name = sidecar_name(digest.hexdigest())
+            ops.rename(temp, directory / name)
+        except BaseException:
+            with suppress(OSError):
+                ops.unlink(temp)
+            raise
     # No directory fsync of its own: the records' seal fsyncs this directory after their rename and
     # before the manifest is linked, which makes this rename durable first (one fsync less per commit).
     return name
+
+
+def _write_chunks(
+    ops: FileOps, fd: int, chunks: Iterable[Sequence[bytes]], digest: hashlib._Hash, stop: StopSignal
+) -> None:
+    written = 0
+    for lines in chunks:
+        stop.check()
+        chunk = b"\n".join([*lines, b""])  # a newline after each, one copy
+        ops.write(fd, chunk)
+        ops.start_writeback(fd, written, len(chunk))
+        digest.update(chunk)
+        written += len(chunk)
 
 
 @dataclass
@@ -324,13 +357,12 @@ def write_sidecars(
             fresh.append(line)
     written, size = None, 0
     if fresh:
-        lines = lines_of(fresh)
-        written = write_sidecar(ops, directory, lines, stop)
+        written = write_sidecar(ops, directory, line_chunks(fresh), stop)
         offset = 0
-        for line, body in zip(fresh, lines, strict=True):
+        for line in fresh:
             index.where[line.digest] = (written, offset)
             placed.append((line, written, offset))
-            offset += len(body) + 1
+            offset += line.size + 1
         size = offset
         index.sizes[written] = size
     return SidecarWrite(sorted(linked), written, size, index, placed)

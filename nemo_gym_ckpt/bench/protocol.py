@@ -13,6 +13,8 @@
 - ``incremental_chain``: a full commit, then a chain of incremental ones, each after a few records
   changed a little (every checkpoint incremental, as a trainer takes them): the writer's CPU of the
   first and the last of the chain against a full commit's, and the bytes each wrote.
+- ``sidecar_copy`` (``sidecar.py``): the policy model's full commit of token lines an earlier commit
+  made durable, small against large: its write speed over the floor and its peak memory.
 
 Every figure is measured within the run against its own baseline; each function returns a dict.
 """
@@ -34,6 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_ckpt.bench.sidecar import sidecar_copy
 from nemo_gym_ckpt.bench.stats import quantiles_ms
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest
@@ -63,6 +66,7 @@ def run_all(quick: bool = False) -> Result:
         "admission": admission_overhead(calls=20_000 if quick else 200_000),
         "session_growth": session_growth(sessions=100 if quick else 2_000),
         "incremental_chain": incremental_chain(records=256 if quick else 4_096, commits=4 if quick else 12),
+        "sidecar_copy": sidecar_copy(sizes_mb=(2, 8) if quick else (16, 160)),
     }
 
 

@@ -1,11 +1,12 @@
 """File operations as one object: the seam for failure tests, and the one durable write.
 
-``FileOps`` does the real thing with ``os`` calls, one system call per method. ``write_durable`` is
-the one way this project makes a whole file durable (temporary file, write, fsync, rename,
-directory fsync): the checkpoint store's manifests, the policy model's token sidecars, the inference
-worker's staged prefixes and the collector's published files all write through it, so the crash
-tests (``nemo_gym_ckpt.testing.crashfs``: a subclass that fails or "crashes" at any one operation
-and models what a power loss keeps) cover every one of them.
+``FileOps`` does the real thing with ``os`` calls, one system call per method. ``write_durable``
+makes a whole file durable from bytes in memory (temporary file, write, fsync, rename, directory
+fsync): the inference worker's staged prefixes and the collector's published files write through
+it. The checkpoint store's records and manifests and the policy model's token sidecar, written a
+chunk at a time or hard-linked, take the same steps through the same methods. So the crash tests
+(``nemo_gym_ckpt.testing.crashfs``: a subclass that fails or "crashes" at any one operation and
+models what a power loss keeps) cover every durable file of the project.
 
 Reading: ``open_read`` opens only regular files. It never follows a symlink and opens without
 blocking, so a FIFO (which would block the opening thread until a writer came), a device or a

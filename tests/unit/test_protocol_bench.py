@@ -1,5 +1,5 @@
-"""The checkpoint bench's in-process suites, small: their shape, and what ``session_growth`` and
-``incremental_chain`` compare."""
+"""The checkpoint bench's in-process suites, small: their shape, and what ``session_growth``,
+``incremental_chain`` and ``sidecar_copy`` compare."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_ckpt.bench.protocol import incremental_chain, session_growth
+from nemo_gym_ckpt.bench.sidecar import sidecar_copy
 
 pytestmark = pytest.mark.unit
 
@@ -25,3 +26,13 @@ def test_incremental_chain_times_a_full_commit_and_both_ends_of_a_chain(tmp_path
     assert 0 < result["last_incremental_bytes"] < 0.5 * result["full_bytes"]  # spans and patches, not records
     assert all(result[key] > 0 for key in ("full_write_cpu_ms", "first_incremental_write_cpu_ms",
                                            "last_incremental_write_cpu_ms", "last_over_full_cpu"))
+
+
+def test_sidecar_copy_holds_one_chunk_whatever_the_sidecar(tmp_path: Path) -> None:
+    result = sidecar_copy(sizes_mb=(2, 12), line_bytes=4_000, root=tmp_path)
+    small, large = result["small"], result["large"]
+    assert large["lines"] > 5 * small["lines"] > 0 and 11 < large["sidecar_mb"] < 13
+    assert all(row[key] > 0 for row in (small, large) for key in ("commit_ms", "write_mb_s", "over_floor"))
+    assert large["peak_traced_mb"] < 0.5 * large["sidecar_mb"]  # a few chunks, not every line at once
+    assert result["large_over_small_peak"] < 2
+    assert list(tmp_path.iterdir()) == []

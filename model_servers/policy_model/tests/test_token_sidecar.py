@@ -37,7 +37,8 @@ from model_servers.policy_model.token_sidecar import (
     CallTokens,
     SidecarStore,
     TokenedRecord,
-    lines_of,
+    line_chunks,
+    write_sidecar,
 )
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS, Record
@@ -303,10 +304,20 @@ def test_token_lines_kept_next_to_each_other_are_read_back_in_one_read_each_run(
     reads: list[int] = []
     real_pread = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, size, offset: reads.append(offset) or real_pread(fd, size, offset))
-    lines = lines_of(order)
+    [chunk] = line_chunks(order)
     file_lines = path.read_bytes().splitlines()
-    assert lines == [*file_lines[:3], b'{"call_id":"mc_new"}', file_lines[3], file_lines[5], file_lines[4]]
+    assert chunk == [*file_lines[:3], b'{"call_id":"mc_new"}', file_lines[3], file_lines[5], file_lines[4]]
     assert len(reads) == 4  # one per run, the line in memory read from nowhere
+
+
+def test_token_lines_are_copied_a_bounded_chunk_at_a_time(root: Path) -> None:
+    kept, path = kept_lines(root, 40)
+    bound = 200
+    chunks = list(line_chunks(kept, chunk_bytes=bound))
+    longest = max(tokens.size for tokens in kept) + 1
+    assert len(chunks) > 3
+    assert all(sum(len(line) + 1 for line in chunk) < bound + longest for chunk in chunks)
+    assert [line for chunk in chunks for line in chunk] == path.read_bytes().splitlines()
 
 
 @pytest.mark.parametrize("damage", ["a changed byte", "cut short"])
@@ -319,7 +330,11 @@ def test_a_kept_token_line_that_changed_on_disk_is_refused(root: Path, damage: s
         del content[-3:]
     path.write_bytes(bytes(content))
     with pytest.raises(InvalidCheckpointState, match=r"kept in kept\.jsonl"):
-        lines_of(kept)
+        list(line_chunks(kept))
+    (root / "new").mkdir()
+    with pytest.raises(InvalidCheckpointState, match=r"kept in kept\.jsonl"):  # found while writing
+        write_sidecar(FileOps(), root / "new", line_chunks(kept, chunk_bytes=40), StopSignal())
+    assert list((root / "new").iterdir()) == []  # no sidecar, no temporary file
 
 
 def test_a_spill_that_cannot_be_written_is_a_clear_error(root: Path) -> None:

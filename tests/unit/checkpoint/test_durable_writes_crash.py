@@ -97,11 +97,11 @@ def test_a_crash_in_a_token_sidecar_write_leaves_no_file_or_a_whole_one(after: b
              % n for n in range(50)]
     dry = CrashFS()
     (tmp_path / "dry").mkdir()
-    write_sidecar(dry, tmp_path / "dry", lines, StopSignal())
+    write_sidecar(dry, tmp_path / "dry", [lines[:20], lines[20:]], StopSignal())
     for index in range(len(dry.calls)):
         directory = tmp_path / f"crash-{index}"
         directory.mkdir()
         with pytest.raises(SimulatedCrash):
-            write_sidecar(CrashFS(crash_at=index, after=after), directory, lines, StopSignal())
+            write_sidecar(CrashFS(crash_at=index, after=after), directory, [lines[:20], lines[20:]], StopSignal())
         for sidecar in directory.glob("tokens-*.jsonl"):
             assert sidecar.name == f"tokens-{hashlib.sha256(sidecar.read_bytes()).hexdigest()}.jsonl"

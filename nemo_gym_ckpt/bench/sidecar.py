@@ -1,0 +1,101 @@
+"""``sidecar_copy`` (``bench --only checkpoint``): a full commit of the policy model whose token lines an
+earlier commit already made durable.
+
+A full commit (``incremental: false``) writes everything again: the policy model reads each token
+line back from the earlier sidecar (checked against its digest) and writes it to the new one. At two
+sizes of that earlier sidecar (the same lines of ``line_bytes``, a small and a large number of
+them), in one run: the commit's wall time and write speed against the fsync'd sequential floor of
+the same bytes, measured right after it; and the peak of the Python memory the commit allocates
+(``tracemalloc``, in a second commit of the same lines, as tracing slows it) over the sidecar's
+bytes. A commit that holds one chunk at a time shows a peak that does not grow with the sidecar:
+the large size's peak over the small one's stays near 1 (before stop 35, both copies of every
+line: twice the sidecar's bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from model_servers.policy_model.capture_memory import LineFile
+from model_servers.policy_model.token_sidecar import CallTokens, SidecarStore
+from nemo_gym_ckpt.bench.floors import median_floor
+from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
+
+__all__ = ["sidecar_copy"]
+
+Result = dict[str, Any]
+MB = 1_000_000
+
+
+def sidecar_copy(
+    sizes_mb: tuple[float, float] = (16, 160), line_bytes: int = 20_000, root: Path | None = None
+) -> Result:
+    """The full commit of earlier token lines of ``sizes_mb`` (small, large) megabytes."""
+    work = Path(tempfile.mkdtemp(prefix="ngc-bench-sidecar-", dir=root))
+    try:
+        rows = [_copy_row(work / f"size-{n}", size, line_bytes) for n, size in enumerate(sizes_mb)]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    small, large = rows
+    return {"line_bytes": line_bytes, "small": small, "large": large,
+            "large_over_small_peak": round(large["peak_traced_mb"] / max(small["peak_traced_mb"], 1e-9), 2)}
+
+
+def _copy_row(directory: Path, size_mb: float, line_bytes: int) -> Result:
+    directory.mkdir()
+    tokens = _kept_lines(directory / "earlier.jsonl", max(1, int(size_mb * MB) // line_bytes), line_bytes)
+    sidecar_bytes = sum(line.size + 1 for line in tokens)
+    began = time.perf_counter()
+    _full_commit(directory / "timed", tokens)
+    commit_s = time.perf_counter() - began
+    floor = median_floor(directory, sidecar_bytes)
+    tracemalloc.start()
+    try:
+        _full_commit(directory / "traced", tokens)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    write_mb_s = sidecar_bytes / commit_s / MB
+    return {"lines": len(tokens), "sidecar_mb": round(sidecar_bytes / MB, 2), "commit_ms": round(1000 * commit_s, 1),
+            "write_mb_s": round(write_mb_s, 1), "fsync_floor_mb_s": round(floor, 1),
+            "over_floor": round(write_mb_s / max(floor, 1e-9), 3), "peak_traced_mb": round(peak / MB, 2),
+            "peak_over_sidecar": round(peak / sidecar_bytes, 4)}
+
+
+def _kept_lines(path: Path, count: int, line_bytes: int) -> list[CallTokens]:
+    """``count`` sidecar lines of about ``line_bytes`` written to ``path`` and kept there, out of memory
+    (as the lines of an earlier commit are)."""
+    ids = list(range(10_000, 10_000 + max(1, line_bytes // 12)))  # 6 bytes per id, twice: prompt and generation
+    file_tokens: list[tuple[str, int, bytes]] = []
+    offset = 0
+    with path.open("wb") as out:
+        for number in range(count):
+            line = orjson.dumps({"call_id": f"mc_{number}", "prompt_token_ids": ids[number % 7:],
+                                 "generation_token_ids": ids[: len(ids) - number % 5]})
+            out.write(line + b"\n")
+            file_tokens.append((f"mc_{number}", offset, line))
+            offset += len(line) + 1
+    file = LineFile.open(path)
+    kept = []
+    for call_id, at, line in file_tokens:
+        tokens = CallTokens(call_id, line, hashlib.sha256(line).hexdigest())
+        tokens.kept_at(file, at)
+        kept.append(tokens)
+    return kept
+
+
+def _full_commit(directory: Path, tokens: Sequence[CallTokens]) -> None:
+    """The policy model's store commits no records and ``tokens`` in full."""
+    store = SidecarStore(CheckpointStore(directory), lambda: tokens)
+    writer = store.open_writer(directory, "model", "bench", StopSignal(), incremental=False)
+    writer.write_records([])
+    writer.finish("model", "bench", "sidecar-copy")
