@@ -1,4 +1,4 @@
-"""File operations as one object: the seam for failure tests, and the one durable write.
+"""File operations as one object: the seam for failure tests, and the durable write.
 
 ``FileOps`` does the real thing with ``os`` calls, one system call per method. ``write_durable``
 makes a whole file durable from bytes in memory (temporary file, write, fsync, rename, directory
