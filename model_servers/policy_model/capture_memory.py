@@ -14,7 +14,8 @@ gigabytes, so a line lives in one of three places:
   ``unavailable`` naming the bound: the call is answered with that error, not delivered half-kept;
 - a **sidecar file**: once a commit has made the line durable (written or linked into its
   directory, docs/protocol.md section 6), it leaves memory and is read back from that file through
-  a descriptor kept open, so pruning the checkpoint directory cannot take it away.
+  a descriptor kept open, so pruning the checkpoint directory cannot take it away. A restore keeps
+  the lines it reads in the restored-from sidecar the same way.
 
 A line read back is checked against its digest (``LineFile.read``; lines next to each other in one
 file are read back with one read, ``LineFile.read_run``, each line still checked).

@@ -26,16 +26,18 @@ back byte for byte (``CallTokens.line`` is the line as read), as is its record.
 
 Read (``SidecarStore.read``): after the records are checked against the manifest, if any record in
 scope has a row with a ``token_digest``, every ``tokens-<sha256>.jsonl`` of the directory is read and
-its content hashed against its name; each needed line is found by its digest and parsed. A sidecar
-that does not match its name, a missing sidecar or a missing line is ``invalid_checkpoint_state``,
-before anything is installed. The records come back as ``TokenedRecord`` (the same bytes, plus the
-tokens of their rows, in memory only) for the ledger's install, which checks each line against its
-row's prompt and output digests.
+its content hashed against its name; each needed line is found by its digest, parsed, and kept in
+that file (read back from it through a descriptor of its own, and checked again, when needed: a
+restore holds no token line in memory, whatever their number). A sidecar that does not match its
+name, a missing sidecar or a missing line is ``invalid_checkpoint_state``, before anything is
+installed. The records come back as ``TokenedRecord`` (the same bytes, plus the tokens of their
+rows) for the ledger's install, which checks each line against its row's prompt and output digests.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import secrets
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -460,15 +462,21 @@ class SidecarStore(CheckpointStore):
         return found, size
 
     def _read_sidecar(self, path: Path, wanted: set[str], found: dict[str, CallTokens], index: SidecarIndex) -> int:
+        """Each wanted line of one sidecar, checked and kept in that file (read back from it when
+        needed, through a descriptor of its own: the lines of a restore stay out of memory, as those
+        of a commit do once durable); the file's size."""
         whole, kept, size = hashlib.sha256(), [], 0
         try:
             with self.ops.open_read(path) as file:
+                lines_file = LineFile(os.dup(file.fileno()), path.name)
                 for line in read_bounded_lines(file, None, self.max_record_bytes, path.name):
                     whole.update(line)
                     body = line[:-1] if line.endswith(b"\n") else line
                     digest = hashlib.sha256(body).hexdigest()
                     if digest in wanted:
-                        kept.append((digest, body))
+                        tokens = CallTokens.parse(body, path.name, digest)
+                        tokens.kept_at(lines_file, size)
+                        kept.append(tokens)
                         index.where[digest] = (path.name, size)
                     size += len(line)
         except OSError as error:
@@ -476,6 +484,5 @@ class SidecarStore(CheckpointStore):
         match = SIDECAR_NAME.fullmatch(path.name)
         if match is None or whole.hexdigest() != match.group(1):
             raise InvalidCheckpointState(f"the token sidecar {path.name} does not match its digest (corrupt)")
-        for digest, body in kept:
-            found[digest] = CallTokens.parse(body, path.name, digest)
+        found.update((tokens.digest, tokens) for tokens in kept)
         return size

@@ -267,6 +267,21 @@ async def test_durable_token_lines_leave_memory_and_are_read_back_from_the_sidec
     assert {name: call[name] for name in ARRAYS} == {name: first["output"][0][name] for name in ARRAYS}
 
 
+async def test_restored_token_lines_stay_in_the_sidecar_not_in_memory(
+    open_policy: Callable[..., Any], root: Path
+) -> None:
+    async with open_policy(CALL) as policy:
+        first = await policy.respond(R1, QUESTION, return_token_ids=True)
+        where, _ = await policy.commit("c1")
+    store = SidecarStore(CheckpointStore(root), list)
+    [record] = store.read(where.parents[2], "model", where.name, frozenset({R1})).records
+    assert isinstance(record, TokenedRecord)
+    [tokens] = record.tokens.values()
+    assert not tokens.in_memory  # read back from the restored-from sidecar when needed
+    shutil.rmtree(where.parents[2])  # a pruned checkpoint: the descriptor kept it readable
+    assert tokens.generation_token_ids == first["output"][0]["generation_token_ids"]
+
+
 async def test_past_the_bound_token_lines_spill_and_are_committed_exactly(
     open_policy: Callable[..., Any],
 ) -> None:
