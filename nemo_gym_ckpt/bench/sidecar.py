@@ -9,7 +9,9 @@ the same bytes, measured right after it; and the peak of the Python memory the c
 (``tracemalloc``, in a second commit of the same lines, as tracing slows it) over the sidecar's
 bytes. A commit that holds one chunk at a time shows a peak that does not grow with the sidecar:
 the large size's peak over the small one's stays near 1 (before stop 35, both copies of every
-line: twice the sidecar's bytes).
+line: twice the sidecar's bytes). Then the restore of that commit (each record a ledger naming its
+line): the Python memory it still holds once read (the records; before stop 35 every line as well),
+over the sidecar's bytes, and its peak.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ import shutil
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from model_servers.policy_model.capture_memory import LineFile
-from model_servers.policy_model.token_sidecar import CallTokens, SidecarStore
+from model_servers.policy_model.token_sidecar import TOKEN_DIGEST, CallTokens, SidecarStore
 from nemo_gym_ckpt.bench.floors import median_floor
+from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
 
 __all__ = ["sidecar_copy"]
@@ -54,33 +58,53 @@ def _copy_row(directory: Path, size_mb: float, line_bytes: int) -> Result:
     directory.mkdir()
     tokens = _kept_lines(directory / "earlier.jsonl", max(1, int(size_mb * MB) // line_bytes), line_bytes)
     sidecar_bytes = sum(line.size + 1 for line in tokens)
+    ledgers = [Record.from_data({"episode_id": {"rollout_id": f"r{number}", "attempt": 0},
+                                 "ledger": [{"call_id": line.call_id, TOKEN_DIGEST: line.digest}]})
+               for number, line in enumerate(tokens)]
     began = time.perf_counter()
-    _full_commit(directory / "timed", tokens)
+    _full_commit(directory / "timed", tokens, ledgers)
     commit_s = time.perf_counter() - began
     floor = median_floor(directory, sidecar_bytes)
+    with _traced() as peak:
+        _full_commit(directory / "traced", tokens, ledgers)
+    scope = frozenset(record.episode for record in ledgers)
+    del tokens, ledgers
+    with _traced() as restore_peak:
+        restored = SidecarStore(CheckpointStore(directory), list).read(directory / "timed", "model", "bench", scope)
+        held, _ = tracemalloc.get_traced_memory()
+    del restored
+    write_mb_s = sidecar_bytes / commit_s / MB
+    return {"lines": len(scope), "sidecar_mb": round(sidecar_bytes / MB, 2), "commit_ms": round(1000 * commit_s, 1),
+            "write_mb_s": round(write_mb_s, 1), "fsync_floor_mb_s": round(floor, 1),
+            "over_floor": round(write_mb_s / max(floor, 1e-9), 3), "peak_traced_mb": round(peak[0] / MB, 2),
+            "peak_over_sidecar": round(peak[0] / sidecar_bytes, 4), "restore_held_mb": round(held / MB, 2),
+            "restore_held_over_sidecar": round(held / sidecar_bytes, 4),
+            "restore_peak_mb": round(restore_peak[0] / MB, 2)}
+
+
+@contextmanager
+def _traced() -> Iterator[list[int]]:
+    """Trace Python allocations inside; the list holds their peak once out."""
+    peak: list[int] = []
     tracemalloc.start()
     try:
-        _full_commit(directory / "traced", tokens)
-        _, peak = tracemalloc.get_traced_memory()
+        yield peak
+        peak.append(tracemalloc.get_traced_memory()[1])
     finally:
         tracemalloc.stop()
-    write_mb_s = sidecar_bytes / commit_s / MB
-    return {"lines": len(tokens), "sidecar_mb": round(sidecar_bytes / MB, 2), "commit_ms": round(1000 * commit_s, 1),
-            "write_mb_s": round(write_mb_s, 1), "fsync_floor_mb_s": round(floor, 1),
-            "over_floor": round(write_mb_s / max(floor, 1e-9), 3), "peak_traced_mb": round(peak / MB, 2),
-            "peak_over_sidecar": round(peak / sidecar_bytes, 4)}
 
 
 def _kept_lines(path: Path, count: int, line_bytes: int) -> list[CallTokens]:
     """``count`` sidecar lines of about ``line_bytes`` written to ``path`` and kept there, out of memory
     (as the lines of an earlier commit are)."""
-    ids = list(range(10_000, 10_000 + max(1, line_bytes // 12)))  # 6 bytes per id, twice: prompt and generation
+    ids = list(range(10_000, 10_000 + max(1, line_bytes // 17)))  # 6 bytes an id, 5 a log-prob
     file_tokens: list[tuple[str, int, bytes]] = []
     offset = 0
     with path.open("wb") as out:
         for number in range(count):
+            generation = ids[: len(ids) - number % 5]
             line = orjson.dumps({"call_id": f"mc_{number}", "prompt_token_ids": ids[number % 7:],
-                                 "generation_token_ids": ids[: len(ids) - number % 5]})
+                                 "generation_token_ids": generation, "generation_log_probs": [-0.5] * len(generation)})
             out.write(line + b"\n")
             file_tokens.append((f"mc_{number}", offset, line))
             offset += len(line) + 1
@@ -93,9 +117,9 @@ def _kept_lines(path: Path, count: int, line_bytes: int) -> list[CallTokens]:
     return kept
 
 
-def _full_commit(directory: Path, tokens: Sequence[CallTokens]) -> None:
-    """The policy model's store commits no records and ``tokens`` in full."""
+def _full_commit(directory: Path, tokens: Sequence[CallTokens], ledgers: list[Record]) -> None:
+    """The policy model's store commits ``ledgers`` and their ``tokens`` in full."""
     store = SidecarStore(CheckpointStore(directory), lambda: tokens)
     writer = store.open_writer(directory, "model", "bench", StopSignal(), incremental=False)
-    writer.write_records([])
+    writer.write_records(ledgers)
     writer.finish("model", "bench", "sidecar-copy")
