@@ -33,6 +33,7 @@ from model_servers.policy_model.token_sidecar import TOKEN_DIGEST, CallTokens, S
 from nemo_gym_ckpt.bench.floors import median_floor
 from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
+from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = ["sidecar_copy"]
 
@@ -69,17 +70,23 @@ def _copy_row(directory: Path, size_mb: float, line_bytes: int) -> Result:
         _full_commit(directory / "traced", tokens, ledgers)
     scope = frozenset(record.episode for record in ledgers)
     del tokens, ledgers
-    with _traced() as restore_peak:
-        restored = SidecarStore(CheckpointStore(directory), list).read(directory / "timed", "model", "bench", scope)
-        held, _ = tracemalloc.get_traced_memory()
-    del restored
+    held, restore_peak = _restore_memory(directory, scope)
     write_mb_s = sidecar_bytes / commit_s / MB
     return {"lines": len(scope), "sidecar_mb": round(sidecar_bytes / MB, 2), "commit_ms": round(1000 * commit_s, 1),
             "write_mb_s": round(write_mb_s, 1), "fsync_floor_mb_s": round(floor, 1),
             "over_floor": round(write_mb_s / max(floor, 1e-9), 3), "peak_traced_mb": round(peak[0] / MB, 2),
             "peak_over_sidecar": round(peak[0] / sidecar_bytes, 4), "restore_held_mb": round(held / MB, 2),
             "restore_held_over_sidecar": round(held / sidecar_bytes, 4),
-            "restore_peak_mb": round(restore_peak[0] / MB, 2)}
+            "restore_peak_mb": round(restore_peak / MB, 2)}
+
+
+def _restore_memory(directory: Path, scope: frozenset[RolloutIdentity]) -> tuple[int, int]:
+    """The Python memory the restore of the timed commit holds once read, and its peak."""
+    with _traced() as peak:
+        restored = SidecarStore(CheckpointStore(directory), list).read(directory / "timed", "model", "bench", scope)
+        held, _ = tracemalloc.get_traced_memory()
+    del restored
+    return held, peak[0]
 
 
 @contextmanager
