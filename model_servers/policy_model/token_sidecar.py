@@ -283,20 +283,15 @@ def _read_run(run: list[CallTokens]) -> list[bytes]:
 
 def write_sidecar(ops: FileOps, directory: Path, chunks: Iterable[Sequence[bytes]], stop: StopSignal) -> str:
     """Write the lines of ``chunks`` durably as ``tokens-<sha256>.jsonl``: a temporary file written a
-    chunk at a time (each chunk's writeback started once written, and hashed meanwhile), fsynced,
+    chunk at a time (``FileOps.write_new_chunks``: each chunk hashed while the disk writes it),
     renamed to its digest's name; that name. The temporary file never outlives a failure."""
     temp = directory / f".tokens-{secrets.token_hex(8)}.tmp"
     digest = hashlib.sha256()
     with write_errors(directory, "token sidecar write"):
         stop.check()
-        fd = ops.open_new(temp)
+        ops.write_new_chunks(temp, _hashed_chunks(chunks, digest, stop))
+        name = sidecar_name(digest.hexdigest())
         try:
-            try:
-                _write_chunks(ops, fd, chunks, digest, stop)
-                ops.fsync(fd)
-            finally:
-                ops.close(fd)
-            name = sidecar_name(digest.hexdigest())
             ops.rename(temp, directory / name)
         except BaseException:
             with suppress(OSError):
@@ -307,17 +302,13 @@ def write_sidecar(ops: FileOps, directory: Path, chunks: Iterable[Sequence[bytes
     return name
 
 
-def _write_chunks(
-    ops: FileOps, fd: int, chunks: Iterable[Sequence[bytes]], digest: hashlib._Hash, stop: StopSignal
-) -> None:
-    written = 0
+def _hashed_chunks(chunks: Iterable[Sequence[bytes]], digest: hashlib._Hash, stop: StopSignal) -> Iterator[bytes]:
+    """Each chunk's lines joined, a newline after each; hashed once written (on the next request)."""
     for lines in chunks:
         stop.check()
-        chunk = b"\n".join([*lines, b""])  # a newline after each, one copy
-        ops.write(fd, chunk)
-        ops.start_writeback(fd, written, len(chunk))
+        chunk = b"\n".join([*lines, b""])
+        yield chunk
         digest.update(chunk)
-        written += len(chunk)
 
 
 @dataclass

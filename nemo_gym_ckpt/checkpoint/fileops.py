@@ -3,8 +3,9 @@
 ``FileOps`` does the real thing with ``os`` calls, one system call per method. ``write_durable``
 makes a whole file durable from bytes in memory (temporary file, write, fsync, rename, directory
 fsync): the inference worker's staged prefixes and the collector's published files write through
-it. The checkpoint store's records and manifests and the policy model's token sidecar, written a
-chunk at a time or hard-linked, take the same steps through the same methods. So the crash tests
+it; the policy model's token sidecar writes its temporary file a chunk at a time
+(``write_new_chunks``); the checkpoint store's records file, streamed across calls, and its
+manifest, hard-linked, take the same steps through the same methods. So the crash tests
 (``nemo_gym_ckpt.testing.crashfs``: a subclass that fails or "crashes" at any one operation and
 models what a power loss keeps) cover every durable file of the project.
 
@@ -27,6 +28,7 @@ import errno
 import os
 import stat
 import sys
+from collections.abc import Iterable
 from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO
@@ -98,10 +100,19 @@ class FileOps:
 
     def write_new(self, path: Path, data: bytes) -> None:
         """Create ``path`` (it must not exist), write ``data``, fsync, close; removed again on failure."""
+        self.write_new_chunks(path, (data,))
+
+    def write_new_chunks(self, path: Path, chunks: Iterable[bytes]) -> None:
+        """``write_new`` of the chunks' bytes, one chunk at a time (each one's writeback started once
+        written), whatever their number: the chunks may be made as they are asked for."""
         fd = self.open_new(path)
         try:
             try:
-                self.write(fd, data)
+                written = 0
+                for chunk in chunks:
+                    self.write(fd, chunk)
+                    self.start_writeback(fd, written, len(chunk))
+                    written += len(chunk)
                 self.fsync(fd)
             finally:
                 self.close(fd)

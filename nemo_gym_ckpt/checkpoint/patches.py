@@ -52,9 +52,6 @@ class Patch:
     keep_tail: int
     line: bytes | None = field(default=None, compare=False)
 
-    def with_line(self, line: bytes) -> Patch:
-        return Patch(self.base, self.records_file, self.offset, self.length, self.keep_head, self.keep_tail, line)
-
 
 def _common_head(new: bytes, old: bytes) -> int:
     low, high = 0, min(len(new), len(old))

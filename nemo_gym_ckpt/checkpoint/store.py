@@ -30,7 +30,7 @@ import secrets
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path, PurePath
 from typing import Any, BinaryIO, TypeVar, cast
 
@@ -239,7 +239,7 @@ class RecordWriter:
                 number = span.stop
             elif patch is not None:
                 line = patch_line(records[number], patch)
-                self._index.patched(records[number], patch if patch.line is not None else patch.with_line(line),
+                self._index.patched(records[number], patch if patch.line is not None else replace(patch, line=line),
                                     sizes[patch.records_file])
                 self.patched += 1
                 number += 1

@@ -203,15 +203,11 @@ class LiveEpisode:
         return None
 
     def record_for(self, scope: Scope | None) -> ExportItem | None:
-        """``unchanged_record`` while in scope, else ``encoded`` (both read here without a call: a
-        commit asks this of every live episode)."""
-        episode, restored = self.episode, self.restored
-        if restored is not None and episode.boundary is self.restored_boundary and (
-                scope is None or restored.episode in scope):
-            return restored
-        if scope is None or episode.identity in scope:
-            cached = self._encoded
-            return cached[1] if cached is not None and cached[0] is episode.boundary else self.encoded()
+        unchanged = self.unchanged_record()
+        if unchanged is not None and (scope is None or unchanged.episode in scope):
+            return unchanged
+        if scope is None or self.episode.identity in scope:
+            return self.encoded()
         return None
 
     def encoded(self) -> Record:
