@@ -122,6 +122,7 @@ __all__ = [
     "build_app",
     "create_app",
     "parse_activation",
+    "request_fields",
 ]
 
 
@@ -270,8 +271,7 @@ class SimpleAgent:
         return session
 
     def fresh_state(self, body: AgentRequest, cookies: Mapping[str, str]) -> LoopState:
-        params = body.model_dump(exclude={"input", "stream"}, exclude_none=True)
-        return LoopState(normalize_input(body.input), params, self.settings.max_steps, cookies=dict(cookies))
+        return LoopState(**request_fields(body), max_steps=self.settings.max_steps, cookies=dict(cookies))
 
     async def responses(self, body: AgentRequest, request: Request) -> OrjsonResponse:
         return await self._responses(body, request, token_ids=False)
@@ -327,7 +327,7 @@ class SimpleAgent:
     ) -> ActivationReply:
         """One checkpointed activation: the loop from its restored state, or afresh."""
         resume = turn.resume
-        state = LoopState.from_json(resume) if resume is not None else self.fresh_state(body, cookies)
+        state = self.fresh_state(body, cookies) if resume is None else LoopState.resumed(resume, request_fields(body))
         turn.track(state.view)
         if resume is not None and self.settings.return_token_ids:
             await self._reattach_tokens(state)
@@ -361,7 +361,7 @@ class SimpleAgent:
                 cookies = await self._seed(row)
             state = self.fresh_state(params, cookies)
         else:
-            state = LoopState.from_json(resume)
+            state = LoopState.resumed(resume, request_fields(params))
         if turn is not None:
             turn.track(state.view)
             if resume is not None and self.settings.return_token_ids:
@@ -526,6 +526,13 @@ class RunRow(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     responses_create_params: AgentRequest
+
+
+def request_fields(body: AgentRequest) -> dict[str, Any]:
+    """The loop state's fields that its request gives (``REQUEST_FIELDS``): the input, and the other
+    parameters as the model calls send them."""
+    return {"input": normalize_input(body.input),
+            "params": body.model_dump(exclude={"input", "stream"}, exclude_none=True)}
 
 
 def _run_params(row: dict[str, Any]) -> AgentRequest:

@@ -4,14 +4,19 @@
              └──message without calls: "answer"; incomplete_details: "incomplete"; nothing: "no_action"
     after the tool calls of the max_steps-th model call: "max_steps"
 
-``LoopState`` holds everything the loop needs to go on: the original input, the request's other
-parameters, every output item so far (passed back verbatim as the next model input, so token ids
-are reused), the summed usage, the model calls made (``turns``, and ``model_calls``: the policy
-model's ids of them in order, the call lineage), the function calls still to run, the cookies of the
-resources and model servers, and the last model response. ``advance`` makes exactly one call and
-updates the state after it returns, without awaiting anything else, so a state taken between two
-calls, or while a call is in flight, is a point the loop can continue from (the agent's checkpoint
-boundary).
+``LoopState`` holds everything the loop needs to go on: the original input and the request's
+other parameters (the request's own fields, ``REQUEST_FIELDS``), every output item so far (passed
+back verbatim as the next model input, so token ids are reused), the summed usage, the model calls
+made (``turns``, and ``model_calls``: the policy model's ids of them in order, the call lineage),
+the function calls still to run, the cookies of the resources and model servers, and the last model
+response. ``advance`` makes exactly one call and updates the state after it returns, without
+awaiting anything else, so a state taken between two calls, or while a call is in flight, is a
+point the loop can continue from (the agent's checkpoint boundary).
+
+A checkpoint's snapshot of the state (``view``) leaves the request's own fields out: after a
+restore the activation is invoked again with the same request (its digest checked), and the
+resumed state takes them from it (``resumed``). The request's tool list alone is most of a fresh
+session's record.
 
 Tool calls that cannot be made (a name that is not a tool route, arguments that are not a JSON
 object) and tools that answer an error become the tool output text the model sees; a model call
@@ -34,6 +39,7 @@ from nemo_gym_ckpt.responses import add_usage
 
 __all__ = [
     "POLICY_VERSIONS",
+    "REQUEST_FIELDS",
     "LoopCalls",
     "LoopState",
     "ModelReply",
@@ -98,28 +104,46 @@ class LoopState:
         return data
 
     def view(self) -> dict[str, Any]:
-        """The fields as they stand, in order, sharing their lists and dicts with this state: for a
-        caller that copies what it keeps, as an agent's record does (it copies every container and
-        leaves the token arrays out, so a copy of them first, as ``to_json`` makes, is wasted)."""
-        return {name: getattr(self, name) for name in _FIELD_ORDER}
+        """The snapshot a checkpoint keeps: the fields as they stand, in order, but the request's own
+        (``REQUEST_FIELDS``), sharing their lists and dicts with this state: for a caller that copies
+        what it keeps, as an agent's record does (it copies every container and leaves the token
+        arrays out, so a copy of them first, as ``to_json`` makes, is wasted)."""
+        return {name: getattr(self, name) for name in _SNAPSHOT_ORDER}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LoopState:
         """A state read back (an independent copy); ``ValueError`` when it is not one."""
-        check_loop_state(data)
+        if set(data) != _STATE_FIELDS:
+            raise ValueError(f"a loop state has the fields {sorted(_STATE_FIELDS)}, got {sorted(data)}")
+        _STATE_ADAPTER.validate_json(json.dumps(data), strict=True)
         return cls(**copy.deepcopy(data))
 
+    @classmethod
+    def resumed(cls, snapshot: dict[str, Any], request: dict[str, Any]) -> LoopState:
+        """The state a snapshot was taken of, its request's fields taken from ``request`` (the
+        activation's request, invoked again); a snapshot that carries them (written before they were
+        left out) keeps its own. ``ValueError`` when it is not one."""
+        return cls.from_json({**{name: request[name] for name in REQUEST_FIELDS}, **snapshot})
 
+
+REQUEST_FIELDS = ("input", "params")
+"""The state's fields that are its activation's request: a snapshot leaves them out."""
 _FIELD_ORDER = tuple(f.name for f in fields(LoopState))
+_SNAPSHOT_ORDER = tuple(name for name in _FIELD_ORDER if name not in REQUEST_FIELDS)
 _STATE_FIELDS = frozenset(_FIELD_ORDER)
+_SNAPSHOT_FIELDS = frozenset(_SNAPSHOT_ORDER)
 _STATE_ADAPTER = TypeAdapter(LoopState)
 
 
 def check_loop_state(data: dict[str, Any]) -> None:
-    """``ValueError`` unless ``data`` is a ``LoopState`` as ``to_json`` writes it."""
-    if set(data) != _STATE_FIELDS:
-        raise ValueError(f"a loop state has the fields {sorted(_STATE_FIELDS)}, got {sorted(data)}")
-    _STATE_ADAPTER.validate_json(json.dumps(data), strict=True)
+    """``ValueError`` unless ``data`` is a ``LoopState`` as ``to_json`` writes it, or a snapshot of
+    one as ``view`` answers it (without the request's fields)."""
+    keys = set(data)
+    if keys != _STATE_FIELDS and keys != _SNAPSHOT_FIELDS:
+        raise ValueError(f"a loop state has the fields {sorted(_STATE_FIELDS)} (a snapshot, all but "
+                         f"{list(REQUEST_FIELDS)}), got {sorted(data)}")
+    stand_ins: dict[str, Any] = {"input": [], "params": {}}  # where a snapshot has none: the request brings them
+    _STATE_ADAPTER.validate_json(json.dumps({**stand_ins, **data}), strict=True)
 
 
 def tool_request(call: dict[str, Any]) -> tuple[str, dict[str, Any]] | str:

@@ -1,14 +1,17 @@
-"""``LoopState.to_json``: the state a session's record carries, as plain JSON, an independent copy;
-``LoopState.view``: the same fields without a copy, which a session's record copies itself."""
+"""``LoopState.to_json``: the state as plain JSON, an independent copy; ``LoopState.view``: the
+snapshot a session's record carries, the same fields but the request's own, without a copy (the
+record copies it itself); ``LoopState.resumed``: the state again, from a snapshot and its request."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 import pytest
 
-from agents.simple_agent.loop import LoopState
+from agents.simple_agent.loop import REQUEST_FIELDS, LoopState, check_loop_state
 from nemo_gym_ckpt.agent.sessions import Activation, AgentSession
 from nemo_gym_ckpt.identity import RolloutIdentity
 
@@ -45,7 +48,9 @@ def test_a_view_is_the_state_as_it_stands_and_the_record_made_of_it_a_copy() -> 
     state = a_state()
     state.outputs[0]["generation_token_ids"] = [7, 8]
     view = state.view()
-    assert orjson.dumps(view) == orjson.dumps(state.to_json()) and view["outputs"] is state.outputs  # no copy
+    whole = state.to_json()
+    assert orjson.dumps(view) == orjson.dumps({k: v for k, v in whole.items() if k not in REQUEST_FIELDS})
+    assert view["outputs"] is state.outputs  # no copy
     session = AgentSession(RolloutIdentity("r1"), running=Activation(1, "0" * 64, snapshot=state.view))
     record = session.encoded()
     kept = orjson.dumps(record.data)
@@ -54,3 +59,28 @@ def test_a_view_is_the_state_as_it_stands_and_the_record_made_of_it_a_copy() -> 
     state.cookies["s"] = "2"
     assert orjson.dumps(record.data) == kept == record.raw  # the record copied what it keeps
     assert "generation_token_ids" not in record.raw.decode()  # and left the token arrays out
+
+
+def test_a_snapshot_leaves_the_request_out_and_resumes_with_the_request_given_again() -> None:
+    state = a_state()
+    snapshot = orjson.loads(orjson.dumps(state.view()))
+    assert "input" not in snapshot and "params" not in snapshot  # the request's tool list is not written
+    check_loop_state(snapshot)
+    request = {"input": [{"role": "user", "content": "2+2?"}], "params": {"temperature": 0.0, "max_output_tokens": 16}}
+    assert LoopState.resumed(snapshot, request) == state
+
+
+def test_a_state_written_whole_before_snapshots_left_the_request_out_keeps_its_own() -> None:
+    state = a_state()
+    whole = state.to_json()
+    check_loop_state(whole)
+    assert LoopState.resumed(whole, {"input": [], "params": {"other": 1}}) == state
+
+
+@pytest.mark.parametrize("change", [lambda d: d.pop("input"), lambda d: d.update(extra=1),
+                                    lambda d: d.update(turns="1"), lambda d: d.update(params=[])])
+def test_a_state_neither_whole_nor_a_snapshot_is_refused(change: Callable[[dict[str, Any]], object]) -> None:
+    data = a_state().to_json()
+    change(data)
+    with pytest.raises(ValueError):
+        check_loop_state(data)

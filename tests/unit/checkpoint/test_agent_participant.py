@@ -282,6 +282,10 @@ async def restored(pt: ParticipantUnderTest, directory: Path, rollout_id: str = 
 
 async def test_a_restored_activation_continues_without_repeating_a_call(root: Path, clock: FakeClock) -> None:
     reference, directory = await checkpoint_mid_activation(root, clock)
+    (instance,) = [path.name for path in (directory / "gym" / "agent").iterdir()]
+    written = CheckpointStore(root).read(directory, "agent", instance, frozenset({RolloutIdentity("r")}))
+    state = written.records[0].data["session"]["running"]["state"]
+    assert state["turns"] == 1 and "input" not in state and "params" not in state  # the request's: not written
     fresh = calculator_model()
     async with started("simple_agent", root, clock, model=fresh) as (_, pt):
         await restored(pt, directory)
@@ -294,6 +298,8 @@ async def test_a_restored_activation_continues_without_repeating_a_call(root: Pa
         assert reply.status_code == 200, reply.text
         assert reply.json() == reference
         assert fresh.capture_keys() == ["r-a1"]  # only the call that was never delivered
+        continued = fresh.calls[0].body  # its input and parameters came from the request sent again
+        assert continued["input"][0] == BODY["input"][0] and continued["temperature"] == 0.0
         counts = await extras(pt)
         assert counts["tool_calls"] == 0 and counts["model_calls"] == 1
         assert (await invoke(pt, "r-a1", 1)).json() == reference and len(fresh.calls) == 1
