@@ -97,7 +97,7 @@ from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment.base import REFILL_PATH, cookies_of, lacks_token_arrays
-from nemo_gym_ckpt.errors import GymError, InvalidRequest, UpstreamError
+from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import (
     current_identity,
     identity_of_episode_id,
@@ -123,6 +123,7 @@ __all__ = [
     "create_app",
     "parse_activation",
     "request_fields",
+    "resumed_state",
 ]
 
 
@@ -327,7 +328,7 @@ class SimpleAgent:
     ) -> ActivationReply:
         """One checkpointed activation: the loop from its restored state, or afresh."""
         resume = turn.resume
-        state = self.fresh_state(body, cookies) if resume is None else LoopState.resumed(resume, request_fields(body))
+        state = self.fresh_state(body, cookies) if resume is None else resumed_state(resume, body)
         turn.track(state.view)
         if resume is not None and self.settings.return_token_ids:
             await self._reattach_tokens(state)
@@ -361,7 +362,7 @@ class SimpleAgent:
                 cookies = await self._seed(row)
             state = self.fresh_state(params, cookies)
         else:
-            state = LoopState.resumed(resume, request_fields(params))
+            state = resumed_state(resume, params)
         if turn is not None:
             turn.track(state.view)
             if resume is not None and self.settings.return_token_ids:
@@ -533,6 +534,15 @@ def request_fields(body: AgentRequest) -> dict[str, Any]:
     parameters as the model calls send them."""
     return {"input": normalize_input(body.input),
             "params": body.model_dump(exclude={"input", "stream"}, exclude_none=True)}
+
+
+def resumed_state(snapshot: dict[str, Any], body: AgentRequest) -> LoopState:
+    """The loop state a restored activation continues from: its snapshot, with what it left out
+    taken from the request invoking it again; 422 ``invalid_checkpoint_state`` when they do not fit."""
+    try:
+        return LoopState.resumed(snapshot, request_fields(body))
+    except ValueError as error:
+        raise InvalidCheckpointState(f"the restored loop state does not fit its request: {error}") from None
 
 
 def _run_params(row: dict[str, Any]) -> AgentRequest:

@@ -13,10 +13,12 @@ response. ``advance`` makes exactly one call and updates the state after it retu
 awaiting anything else, so a state taken between two calls, or while a call is in flight, is a
 point the loop can continue from (the agent's checkpoint boundary).
 
-A checkpoint's snapshot of the state (``view``) leaves the request's own fields out: after a
+A checkpoint's snapshot of the state (``view``) leaves out what the request gives: after a
 restore the activation is invoked again with the same request (its digest checked), and the
-resumed state takes them from it (``resumed``). The request's tool list alone is most of a fresh
-session's record.
+resumed state takes it from there (``resumed``). That is the request's own fields, and the last
+response's echoes of its parameters (a Responses object repeats the request's tools and
+instructions). The tool list, written once per session and checkpoint, would otherwise be most of
+the agent's bytes.
 
 Tool calls that cannot be made (a name that is not a tool route, arguments that are not a JSON
 object) and tools that answer an error become the tool output text the model sees; a model call
@@ -34,6 +36,7 @@ from typing import Any, Literal, Protocol
 import orjson
 from pydantic import TypeAdapter
 
+from nemo_gym_ckpt.canonical import canonical_json
 from nemo_gym_ckpt.errors import UpstreamError
 from nemo_gym_ckpt.responses import add_usage
 
@@ -104,11 +107,20 @@ class LoopState:
         return data
 
     def view(self) -> dict[str, Any]:
-        """The snapshot a checkpoint keeps: the fields as they stand, in order, but the request's own
-        (``REQUEST_FIELDS``), sharing their lists and dicts with this state: for a caller that copies
-        what it keeps, as an agent's record does (it copies every container and leaves the token
-        arrays out, so a copy of them first, as ``to_json`` makes, is wasted)."""
-        return {name: getattr(self, name) for name in _SNAPSHOT_ORDER}
+        """The snapshot a checkpoint keeps: the fields as they stand, in order, sharing their lists
+        and dicts with this state (for a caller that copies what it keeps, as an agent's record does:
+        it copies every container and leaves the token arrays out, so a copy of them first, as
+        ``to_json`` makes, is wasted), but what the request gives: the request's own fields
+        (``REQUEST_FIELDS``) are left out, and so are the last response's echoes of the request's
+        parameters (its tools, its instructions: a value equal to the parameter of the same name),
+        null there and named in ``echoed``."""
+        snapshot = {name: getattr(self, name) for name in _SNAPSHOT_ORDER}
+        response = self.last_response
+        echoed = _echoes(response, self.params) if response else []
+        if response and echoed:
+            snapshot["last_response"] = {key: None if key in echoed else value for key, value in response.items()}
+        snapshot["echoed"] = echoed
+        return snapshot
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LoopState:
@@ -120,10 +132,19 @@ class LoopState:
 
     @classmethod
     def resumed(cls, snapshot: dict[str, Any], request: dict[str, Any]) -> LoopState:
-        """The state a snapshot was taken of, its request's fields taken from ``request`` (the
-        activation's request, invoked again); a snapshot that carries them (written before they were
-        left out) keeps its own. ``ValueError`` when it is not one."""
-        return cls.from_json({**{name: request[name] for name in REQUEST_FIELDS}, **snapshot})
+        """The state a snapshot (``view``) was taken of, what it left out taken from ``request`` (the
+        activation's request, invoked again); a whole state (written before snapshots left anything
+        out) is read as it is. ``ValueError`` when it is not one, or names an echo the request lacks."""
+        if "echoed" not in snapshot:
+            return cls.from_json(snapshot)
+        data = {**{name: request[name] for name in REQUEST_FIELDS}, **snapshot}
+        echoed, params = data.pop("echoed"), data["params"]
+        if echoed:
+            if not set(echoed) <= set(params) or not set(echoed) <= set(data["last_response"] or ()):
+                raise ValueError(f"the snapshot's last response echoes {echoed}, the request has {sorted(params)}")
+            data["last_response"] = {key: params[key] if key in echoed else value
+                                     for key, value in data["last_response"].items()}
+        return cls.from_json(data)
 
 
 REQUEST_FIELDS = ("input", "params")
@@ -131,19 +152,32 @@ REQUEST_FIELDS = ("input", "params")
 _FIELD_ORDER = tuple(f.name for f in fields(LoopState))
 _SNAPSHOT_ORDER = tuple(name for name in _FIELD_ORDER if name not in REQUEST_FIELDS)
 _STATE_FIELDS = frozenset(_FIELD_ORDER)
-_SNAPSHOT_FIELDS = frozenset(_SNAPSHOT_ORDER)
+_SNAPSHOT_FIELDS = frozenset({*_SNAPSHOT_ORDER, "echoed"})
 _STATE_ADAPTER = TypeAdapter(LoopState)
+_ECHOED_ADAPTER = TypeAdapter(list[str])
+
+
+def _echoes(response: dict[str, Any], params: dict[str, Any]) -> list[str]:
+    """The keys of ``response`` whose (non-scalar) value equals the request parameter of that name."""
+    return [key for key, value in response.items()
+            if isinstance(value, dict | list | str) and key in params
+            and canonical_json(value) == canonical_json(params[key])]
 
 
 def check_loop_state(data: dict[str, Any]) -> None:
     """``ValueError`` unless ``data`` is a ``LoopState`` as ``to_json`` writes it, or a snapshot of
-    one as ``view`` answers it (without the request's fields)."""
+    one as ``view`` answers it (without what the request gives)."""
     keys = set(data)
-    if keys != _STATE_FIELDS and keys != _SNAPSHOT_FIELDS:
-        raise ValueError(f"a loop state has the fields {sorted(_STATE_FIELDS)} (a snapshot, all but "
-                         f"{list(REQUEST_FIELDS)}), got {sorted(data)}")
-    stand_ins: dict[str, Any] = {"input": [], "params": {}}  # where a snapshot has none: the request brings them
-    _STATE_ADAPTER.validate_json(json.dumps({**stand_ins, **data}), strict=True)
+    if keys == _STATE_FIELDS:
+        _STATE_ADAPTER.validate_json(json.dumps(data), strict=True)
+        return
+    if keys != _SNAPSHOT_FIELDS:
+        raise ValueError(f"a loop state has the fields {sorted(_STATE_FIELDS)} (a snapshot: all but "
+                         f"{list(REQUEST_FIELDS)}, and echoed), got {sorted(data)}")
+    snapshot = dict(data)
+    _ECHOED_ADAPTER.validate_python(snapshot.pop("echoed"), strict=True)
+    stand_ins: dict[str, Any] = {"input": [], "params": {}}  # the request brings them
+    _STATE_ADAPTER.validate_json(json.dumps({**stand_ins, **snapshot}), strict=True)
 
 
 def tool_request(call: dict[str, Any]) -> tuple[str, dict[str, Any]] | str:

@@ -11,8 +11,10 @@ from typing import Any
 import orjson
 import pytest
 
+from agents.simple_agent.app import AgentRequest, resumed_state
 from agents.simple_agent.loop import REQUEST_FIELDS, LoopState, check_loop_state
 from nemo_gym_ckpt.agent.sessions import Activation, AgentSession
+from nemo_gym_ckpt.errors import InvalidCheckpointState
 from nemo_gym_ckpt.identity import RolloutIdentity
 
 pytestmark = pytest.mark.unit
@@ -49,7 +51,8 @@ def test_a_view_is_the_state_as_it_stands_and_the_record_made_of_it_a_copy() -> 
     state.outputs[0]["generation_token_ids"] = [7, 8]
     view = state.view()
     whole = state.to_json()
-    assert orjson.dumps(view) == orjson.dumps({k: v for k, v in whole.items() if k not in REQUEST_FIELDS})
+    left = {k: v for k, v in whole.items() if k not in REQUEST_FIELDS}
+    assert orjson.dumps(view) == orjson.dumps({**left, "echoed": []})
     assert view["outputs"] is state.outputs  # no copy
     session = AgentSession(RolloutIdentity("r1"), running=Activation(1, "0" * 64, snapshot=state.view))
     record = session.encoded()
@@ -70,6 +73,41 @@ def test_a_snapshot_leaves_the_request_out_and_resumes_with_the_request_given_ag
     assert LoopState.resumed(snapshot, request) == state
 
 
+TOOLS = [{"type": "function", "name": "add", "description": "a + b", "strict": True,
+          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}]
+
+
+def a_state_answered_with_echoes() -> LoopState:
+    state = a_state()
+    state.params = {**state.params, "tools": TOOLS, "instructions": "Use the tools."}
+    state.last_response = {"id": "resp_1", "tools": [dict(TOOLS[0])], "instructions": "Other words.",
+                           "temperature": 0.0, "status": "completed"}
+    return state
+
+
+def test_the_last_responses_echoes_of_the_request_are_left_out_and_resumed_in_place() -> None:
+    state = a_state_answered_with_echoes()
+    snapshot = orjson.loads(orjson.dumps(state.view()))
+    assert snapshot["echoed"] == ["tools"]  # equal to the request's; the other instructions and scalars stay
+    assert snapshot["last_response"] == {"id": "resp_1", "tools": None, "instructions": "Other words.",
+                                         "temperature": 0.0, "status": "completed"}
+    assert state.last_response is not None and state.last_response["tools"] == TOOLS  # the live state keeps them
+    check_loop_state(snapshot)
+    resumed = LoopState.resumed(snapshot, {"input": state.input, "params": state.params})
+    assert resumed == state
+    assert resumed.last_response is not None and list(resumed.last_response) == list(state.last_response)  # in place
+
+
+def test_a_snapshot_naming_an_echo_the_request_lacks_is_refused() -> None:
+    state = a_state_answered_with_echoes()
+    snapshot = orjson.loads(orjson.dumps(state.view()))
+    without_tools = {k: v for k, v in state.params.items() if k != "tools"}
+    with pytest.raises(ValueError, match="echoes"):
+        LoopState.resumed(snapshot, {"input": state.input, "params": without_tools})
+    with pytest.raises(ValueError):
+        check_loop_state({**snapshot, "echoed": "tools"})
+
+
 def test_a_state_written_whole_before_snapshots_left_the_request_out_keeps_its_own() -> None:
     state = a_state()
     whole = state.to_json()
@@ -84,3 +122,11 @@ def test_a_state_neither_whole_nor_a_snapshot_is_refused(change: Callable[[dict[
     change(data)
     with pytest.raises(ValueError):
         check_loop_state(data)
+
+
+def test_a_restored_state_that_does_not_fit_its_request_is_a_structured_refusal() -> None:
+    state = a_state_answered_with_echoes()
+    snapshot = orjson.loads(orjson.dumps(state.view()))
+    body = AgentRequest.model_validate({"input": state.input, "temperature": 0.0, "max_output_tokens": 16})
+    with pytest.raises(InvalidCheckpointState, match="does not fit its request"):
+        resumed_state(snapshot, body)  # the request has no tools for the echo to take
