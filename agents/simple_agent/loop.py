@@ -36,7 +36,7 @@ from typing import Any, Literal, Protocol
 import orjson
 from pydantic import TypeAdapter
 
-from nemo_gym_ckpt.canonical import canonical_json
+from nemo_gym_ckpt.echoes import echoed_keys, with_echoes, without_echoes
 from nemo_gym_ckpt.errors import UpstreamError
 from nemo_gym_ckpt.responses import add_usage
 
@@ -116,9 +116,9 @@ class LoopState:
         null there and named in ``echoed``."""
         snapshot = {name: getattr(self, name) for name in _SNAPSHOT_ORDER}
         response = self.last_response
-        echoed = _echoes(response, self.params) if response else []
+        echoed = echoed_keys(response, self.params) if response else []
         if response and echoed:
-            snapshot["last_response"] = {key: None if key in echoed else value for key, value in response.items()}
+            snapshot["last_response"] = without_echoes(response, echoed)
         snapshot["echoed"] = echoed
         return snapshot
 
@@ -138,12 +138,11 @@ class LoopState:
         if "echoed" not in snapshot:
             return cls.from_json(snapshot)
         data = {**{name: request[name] for name in REQUEST_FIELDS}, **snapshot}
-        echoed, params = data.pop("echoed"), data["params"]
+        echoed, response = data.pop("echoed"), data["last_response"]
         if echoed:
-            if not set(echoed) <= set(params) or not set(echoed) <= set(data["last_response"] or ()):
-                raise ValueError(f"the snapshot's last response echoes {echoed}, the request has {sorted(params)}")
-            data["last_response"] = {key: params[key] if key in echoed else value
-                                     for key, value in data["last_response"].items()}
+            if not isinstance(response, dict) or not isinstance(data["params"], dict):
+                raise ValueError("a snapshot that names echoes has a last response and the request parameters")
+            data["last_response"] = with_echoes(response, echoed, data["params"])
         return cls.from_json(data)
 
 
@@ -155,13 +154,6 @@ _STATE_FIELDS = frozenset(_FIELD_ORDER)
 _SNAPSHOT_FIELDS = frozenset({*_SNAPSHOT_ORDER, "echoed"})
 _STATE_ADAPTER = TypeAdapter(LoopState)
 _ECHOED_ADAPTER = TypeAdapter(list[str])
-
-
-def _echoes(response: dict[str, Any], params: dict[str, Any]) -> list[str]:
-    """The keys of ``response`` whose (non-scalar) value equals the request parameter of that name."""
-    return [key for key, value in response.items()
-            if isinstance(value, dict | list | str) and key in params
-            and canonical_json(value) == canonical_json(params[key])]
 
 
 def check_loop_state(data: dict[str, Any]) -> None:

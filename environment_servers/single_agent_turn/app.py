@@ -29,7 +29,9 @@ one after ``invoke_agent`` holds the agent's response (and notes whether it came
 arrays). Records strip those arrays, so ``verify`` and ``return`` take the response through
 ``AgentClient.refilled``: after a restore from any later boundary, the agent puts them back (its
 session may be closed by then: the refill needs none), and the row equals an uninterrupted run's,
-token arrays included. The episode is a restart when the seed
+token arrays included. The response and the verdict are kept without their echoes of the requests
+they answered (``nemo_gym_ckpt.echoes``), and put back from the row when needed. The episode is a
+restart when the seed
 reply says ``x-ng-checkpoint-restart: 1`` (a restart-only resources server) or the agent does (a
 restart-only agent).
 """
@@ -49,6 +51,7 @@ from nemo_gym_ckpt.checkpoint.headers import RESTART_HEADER, VERIFY_HEADER
 from nemo_gym_ckpt.client import decode_json
 from nemo_gym_ckpt.config import ServerRef
 from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.echoes import echoed_keys, with_echoes, without_echoes
 from nemo_gym_ckpt.environment.base import (
     AgentClient,
     EnvironmentConfig,
@@ -59,7 +62,7 @@ from nemo_gym_ckpt.environment.base import (
     note_token_arrays,
 )
 from nemo_gym_ckpt.environment.episode import Episode, Program, Step, StepMode
-from nemo_gym_ckpt.errors import GymError, UpstreamError
+from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, UpstreamError
 from nemo_gym_ckpt.identity import naming_the_attempt
 from nemo_gym_ckpt.server import close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base
@@ -129,7 +132,7 @@ class SingleAgentTurn:
         if reply.restart:
             episode.mark_restart()
         resources["cookies"] = reply.cookies
-        episode.state["response"] = reply.response
+        _keep_without_echoes(episode.state, "response", reply.response, body)
         note_token_arrays(episode.state, reply.response["output"])
         note_agent_close(episode.state, reply)
         return "close_agent"
@@ -140,9 +143,12 @@ class SingleAgentTurn:
         return "verify"
 
     async def _response(self, episode: Episode) -> dict[str, Any]:
-        """The agent's response, its token arrays put back if a restored boundary lacks them."""
-        response: dict[str, Any] = episode.state["response"]
-        response["output"] = await self.agent.refilled(episode.identity, episode.state, response["output"])
+        """The agent's response: its echoes of the request put back, and its token arrays if a
+        restored boundary lacks them (kept in the state, so that the next step need not ask again)."""
+        state = episode.state
+        response = _with_echoes(state, "response", episode.task["responses_create_params"])
+        response["output"] = state["response"]["output"] = await self.agent.refilled(
+            episode.identity, state, response["output"])
         return response
 
     async def verify(self, episode: Episode) -> str:
@@ -152,7 +158,7 @@ class SingleAgentTurn:
         reward = verdict.get("reward") if isinstance(verdict, dict) else None
         if not isinstance(reward, int | float) or isinstance(reward, bool):
             raise UpstreamError("the resources server's /verify answered no numeric reward")
-        episode.state["verdict"] = verdict
+        _keep_without_echoes(episode.state, "verdict", verdict, body)
         return "close_session"
 
     async def close_session(self, episode: Episode) -> str:
@@ -169,9 +175,10 @@ class SingleAgentTurn:
         return self._resources(episode, "/close_session", body, idempotent=True)
 
     async def finish(self, episode: Episode) -> None:
-        await self._response(episode)
-        verdict = episode.state.pop("verdict")
-        response = episode.state.pop("response")
+        response = await self._response(episode)
+        verdict = _with_echoes(episode.state, "verdict", {**episode.task, "response": response})
+        for key in ("verdict", "response", *(f"{name}{_ECHOES}" for name in ("verdict", "response"))):
+            episode.state.pop(key, None)
         reward = float(verdict["reward"])
         episode.state["result"] = {**episode.task, **verdict, "response": response, "reward": reward}
         return None
@@ -184,6 +191,26 @@ class SingleAgentTurn:
         resources = state.get("resources")
         if resources and not resources.get("closed"):
             await _best_effort(self._close_resources(episode), "close the resources session")
+
+
+_ECHOES = "_echoes"
+
+
+def _keep_without_echoes(state: dict[str, Any], name: str, reply: dict[str, Any], request: Mapping[str, Any]) -> None:
+    """Keep a reply in the state without its echoes of the request (NeMo Gym's replies repeat their
+    requests: the agent's response its tools, the verifier's verdict the whole row and response),
+    which the next steps take from the request again (``_with_echoes``)."""
+    echoed = echoed_keys(reply, request)
+    state[name] = without_echoes(reply, echoed)
+    state[name + _ECHOES] = echoed
+
+
+def _with_echoes(state: Mapping[str, Any], name: str, request: Mapping[str, Any]) -> dict[str, Any]:
+    """A reply kept by ``_keep_without_echoes`` (or whole, by a server before it), as it was answered."""
+    try:
+        return with_echoes(state[name], state.get(name + _ECHOES, ()), request)
+    except (ValueError, TypeError) as error:
+        raise InvalidCheckpointState(f"the episode's {name} does not fit its task: {error}") from None
 
 
 def _session_id_of(reply: httpx.Response) -> str | None:

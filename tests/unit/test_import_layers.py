@@ -25,7 +25,7 @@ SERVER_FOLDERS = ("model_servers", "agents", "environment_servers", "resources_s
 FIRST_PARTY = (LIBRARY, *SERVER_FOLDERS, "tests")
 GROUND = frozenset(
     {"errors", "identity", "config", "config_sources", "client", "server", "context", "capture", "canonical",
-     "responses", "bounds",
+     "responses", "echoes", "bounds",
      "aggregate_metrics"}
 )
 

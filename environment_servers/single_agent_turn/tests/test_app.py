@@ -17,7 +17,7 @@ from model_servers.inference_worker.default_model_data import make_problem
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment.base import mount_run
-from nemo_gym_ckpt.environment.episode import Episode, Step
+from nemo_gym_ckpt.environment.episode import Boundary, Episode, Step
 from nemo_gym_ckpt.errors import InternalError
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.server import create_app
@@ -280,3 +280,23 @@ def test_verify_mode_follows_the_seed_answer() -> None:
     assert env_app.verify_mode({"resources": {"verify_mode": "replay"}}) == "replay"
     assert env_app.verify_mode({"resources": {"verify_mode": "wait"}}) == "wait"
     assert env_app.verify_mode({}) == "wait"
+
+
+async def test_replies_are_kept_without_their_echoes_and_the_row_is_whole_again(mesh: Any) -> None:
+    built, _, _ = mesh
+    hooks = Recorder()
+    built.build("env", lambda ctx: env_with_hooks(ctx, hooks))
+    task = row(PROBLEMS[0])
+    result = (await run(built, task)).json()
+    at_return = next(b["boundary"] for b in hooks.boundaries if b["boundary"]["next_step"] == "return")
+    state = at_return["state"]
+    assert state["response_echoes"] == ["tools"] and state["response"]["tools"] is None  # the request's tools
+    assert {"responses_create_params", "response"} <= set(state["verdict_echoes"])  # the verifier's echo of it all
+    assert state["verdict"]["responses_create_params"] is None and state["verdict"]["response"] is None
+    turn = env_app.SingleAgentTurn(built.context("env"))
+    episode = Episode.from_boundary(RID.next_attempt(), task, Boundary.from_json(at_return), turn.program)
+    await turn.finish(episode)  # the return step, as a restored episode runs it
+    again = episode.state["result"]
+    assert again == result  # the row a rollout answers is its final boundary's state (canonical JSON)
+    assert again["responses_create_params"] == task["responses_create_params"] and again["response"]["tools"] == TOOLS
+    assert set(episode.state) & {"verdict", "response", "verdict_echoes", "response_echoes"} == set()
