@@ -130,3 +130,16 @@ def test_a_restored_state_that_does_not_fit_its_request_is_a_structured_refusal(
     body = AgentRequest.model_validate({"input": state.input, "temperature": 0.0, "max_output_tokens": 16})
     with pytest.raises(InvalidCheckpointState, match="does not fit its request"):
         resumed_state(snapshot, body)  # the request has no tools for the echo to take
+
+
+def test_a_sessions_record_does_not_grow_with_the_requests_tool_list() -> None:
+    def record_bytes(tool_count: int) -> int:
+        tools = [{**TOOLS[0], "name": f"tool_{n}", "description": "x" * 200} for n in range(tool_count)]
+        state = a_state()
+        state.params = {**state.params, "tools": tools}
+        state.last_response = {"id": "resp_1", "tools": tools, "status": "completed"}  # as a Responses object echoes
+        session = AgentSession(RolloutIdentity("r1"), running=Activation(1, "0" * 64, snapshot=state.view))
+        return len(session.encoded().raw)
+
+    one, fifty = record_bytes(1), record_bytes(50)
+    assert fifty == one  # about 15 KB of tools, twice, in neither
