@@ -31,9 +31,8 @@ arrays). Records strip those arrays, so ``verify`` and ``return`` take the respo
 session may be closed by then: the refill needs none), and the row equals an uninterrupted run's,
 token arrays included. The response and the verdict are kept without their echoes of the requests
 they answered (``nemo_gym_ckpt.echoes``), and put back from the row when needed. The episode is a
-restart when the seed
-reply says ``x-ng-checkpoint-restart: 1`` (a restart-only resources server) or the agent does (a
-restart-only agent).
+restart when the seed reply says ``x-ng-checkpoint-restart: 1`` (a restart-only resources server)
+or the agent does (a restart-only agent).
 """
 
 from __future__ import annotations
@@ -177,7 +176,7 @@ class SingleAgentTurn:
     async def finish(self, episode: Episode) -> None:
         response = await self._response(episode)
         verdict = _with_echoes(episode.state, "verdict", {**episode.task, "response": response})
-        for key in ("verdict", "response", *(f"{name}{_ECHOES}" for name in ("verdict", "response"))):
+        for key in ("verdict", "response", "verdict" + _ECHOES, "response" + _ECHOES):
             episode.state.pop(key, None)
         reward = float(verdict["reward"])
         episode.state["result"] = {**episode.task, **verdict, "response": response, "reward": reward}
