@@ -167,9 +167,12 @@ def check_loop_state(data: dict[str, Any]) -> None:
         raise ValueError(f"a loop state has the fields {sorted(_STATE_FIELDS)} (a snapshot: all but "
                          f"{list(REQUEST_FIELDS)}, and echoed), got {sorted(data)}")
     snapshot = dict(data)
-    _ECHOED_ADAPTER.validate_python(snapshot.pop("echoed"), strict=True)
+    echoed = _ECHOED_ADAPTER.validate_python(snapshot.pop("echoed"), strict=True)
     stand_ins: dict[str, Any] = {"input": [], "params": {}}  # the request brings them
     _STATE_ADAPTER.validate_json(json.dumps({**stand_ins, **snapshot}), strict=True)
+    response = snapshot["last_response"] or {}
+    if any(response.get(key, ...) is not None for key in echoed):
+        raise ValueError(f"a snapshot's echoes {echoed} are keys of its last response, each null there")
 
 
 def tool_request(call: dict[str, Any]) -> tuple[str, dict[str, Any]] | str:

@@ -104,8 +104,10 @@ def test_a_snapshot_naming_an_echo_the_request_lacks_is_refused() -> None:
     without_tools = {k: v for k, v in state.params.items() if k != "tools"}
     with pytest.raises(ValueError, match="echoes"):
         LoopState.resumed(snapshot, {"input": state.input, "params": without_tools})
-    with pytest.raises(ValueError):
-        check_loop_state({**snapshot, "echoed": "tools"})
+    for bad in ("tools", ["id"], ["absent"]):  # not a list; a key whose value was kept; no such key
+        with pytest.raises(ValueError):
+            check_loop_state({**snapshot, "echoed": bad})
+    check_loop_state(snapshot)
 
 
 def test_a_state_written_whole_before_snapshots_left_the_request_out_keeps_its_own() -> None:

@@ -392,6 +392,7 @@ def write_agent_checkpoint(root: Path, label: str, records: list[dict[str, Any]]
 DIGEST = "0" * 64
 LOOP = {"input": [], "params": {}, "max_steps": 4, "outputs": [], "usage": None, "turns": 0, "pending": [],
         "cookies": {}, "model_cookies": {}, "last_response": None, "stop_reason": None, "model_calls": []}
+SNAPSHOT = {**{k: v for k, v in LOOP.items() if k not in ("input", "params")}, "echoed": []}
 
 
 @pytest.mark.parametrize(
@@ -404,13 +405,15 @@ LOOP = {"input": [], "params": {}, "max_steps": 4, "outputs": [], "usage": None,
         ({"running": {"index": 1, "request_digest": "x", "state": None}}, "request_digest"),
         ({"running": {"index": 1, "request_digest": DIGEST, "state": {**LOOP, "turns": "1"}}}, "turns"),
         ({"running": {"index": 1, "request_digest": DIGEST, "state": {"x": 1}}}, "fields"),
+        ({"running": {"index": 1, "request_digest": DIGEST,
+                      "state": {**SNAPSHOT, "last_response": {"tools": []}, "echoed": ["tools"]}}}, "echoes"),
         ({"extra": 1}, "fields"),
     ],
 )
 async def test_a_malformed_session_record_is_refused_and_nothing_installed(
     session: dict[str, Any], detail: str, root: Path, clock: FakeClock
 ) -> None:
-    good = valid_record("ok", running={"index": 1, "request_digest": DIGEST, "state": LOOP})
+    good = valid_record("ok", running={"index": 1, "request_digest": DIGEST, "state": SNAPSHOT})
     directory = write_agent_checkpoint(root, "bad", [good, valid_record("r", **session)])
     async with started("simple_agent", root, clock) as (_, pt):
         error = await Control(pt).refused("invalid_checkpoint_state", "restore", checkpoint_id="x",
