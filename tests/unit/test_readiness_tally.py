@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from nemo_gym_ckpt.environment.adapter import EpisodesAdapter, RunLimits
 from nemo_gym_ckpt.environment.episode import Episode, Program, Step
 from nemo_gym_ckpt.errors import GymError, InvalidRequest
 from nemo_gym_ckpt.identity import RolloutIdentity
+from nemo_gym_ckpt.testing.clock import FakeClock
 
 pytestmark = pytest.mark.unit
 
@@ -69,13 +69,23 @@ async def settled() -> None:
         await asyncio.sleep(0)
 
 
+async def prepared(participant: Participant, clock: FakeClock, checkpoint_id: str) -> None:
+    """A prepare given 10 ms: it answers ready, or not ready once the clock has moved past them."""
+    prepare = asyncio.create_task(participant.prepare(ControlRequest(checkpoint_id=checkpoint_id,
+                                                                     deadline_ts=clock.now() + 0.01)))
+    await settled()
+    clock.advance(0.01)
+    await prepare
+
+
 async def test_the_tally_answers_what_a_walk_over_every_episode_finds(root: Path) -> None:
     gates, rng = Gates(), random.Random(7)
     program = Program.of([Step("first", gates.step, "replay"), Step("check", gates.step, "wait"),
                           Step("last", gates.step, "replay")])
     adapter = EpisodesAdapter(program, RunLimits(None, 5.0))
+    clock = FakeClock()  # a prepare's short deadline passes when the test says, not when a busy machine does
     participant = Participant(kind="environment", instance="e", adapter=adapter, store=CheckpointStore(root),
-                              lease_grace_s=600.0)
+                              lease_grace_s=600.0, clock=clock)
     adapter.participant = participant
     runs: list[asyncio.Task[Any]] = []
     open_id: str | None = None
@@ -88,9 +98,9 @@ async def test_the_tally_answers_what_a_walk_over_every_episode_finds(root: Path
         elif choice < 0.36:
             if open_id is None:
                 open_id = f"c{move}"
-                await participant.prepare(ControlRequest(checkpoint_id=open_id, deadline_ts=time.time() + 0.01))
+                await prepared(participant, clock, open_id)
             else:
-                await participant.resume(ControlRequest(checkpoint_id=open_id, deadline_ts=time.time() + 60))
+                await participant.resume(ControlRequest(checkpoint_id=open_id, deadline_ts=clock.now() + 60))
                 open_id = None
         elif gates.waiting:
             key = rng.choice(sorted(gates.waiting))
@@ -102,7 +112,7 @@ async def test_the_tally_answers_what_a_walk_over_every_episode_finds(root: Path
         seen.update(what for what, count in (("parked", tallied.counts["parked"]), ("blockers", len(tallied.blockers)),
                                              ("restarts", len(tallied.restarts))) if count)
     if open_id is not None:
-        await participant.resume(ControlRequest(checkpoint_id=open_id, deadline_ts=time.time() + 60))
+        await participant.resume(ControlRequest(checkpoint_id=open_id, deadline_ts=clock.now() + 60))
     while gates.waiting:
         for future in list(gates.waiting.values()):
             future.set_result("on")
