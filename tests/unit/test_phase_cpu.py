@@ -38,12 +38,13 @@ def test_each_process_is_charged_in_the_phase_it_worked_in(processes: dict[str, 
         pytest.skip("no /proc: nothing to read")
     cpu = PhaseCpu(processes)
     cpu.mark()
-    time.sleep(0.4)  # this process sleeps, the spinning one works
+    time.sleep(0.6)  # this process sleeps, the spinning one works (its share of a core: the machine is shared)
     cpu.mark()
     sum(i * i for i in range(2_000_000))  # this process works
     cpu.mark()
     phases = cpu.phases(("sleeping", "working"))
-    assert phases["sleeping"]["busy"] > 100 and phases["sleeping"]["idle"] < 20
+    assert phases["sleeping"]["busy"] > 30 and phases["sleeping"]["idle"] < 20
+    assert phases["sleeping"]["busy"] > 3 * phases["sleeping"]["idle"]
     assert phases["sleeping"]["driver"] < phases["working"]["driver"]
     assert phases["working"]["driver"] > 20 and 0 < phases["marks_ms"] < 1000
     with pytest.raises(ValueError, match="need 4 marks, got 3"):
