@@ -6,27 +6,31 @@ crashed loses those ids with its memory, and its checkpointed state has them str
 model is the one place that still knows them (upstream calls this the token store). So at commit
 the policy model writes them out of band, in one file under its own participant directory:
 
-    <checkpoint_dir>/gym/model/<instance>/tokens-<sha256 of the file>.jsonl
+    <checkpoint_dir>/gym/model/<instance>/token-lines-<sha256 of its lines' digests>.jsonl
 
 one line per delivered call whose reply carried token ids (``CallTokens``), compact JSON::
 
     {"call_id":"mc_...","prompt_token_ids":[...],"generation_token_ids":[...],"generation_log_probs":[...]}
 
 The records refer to a line only by digest: each ledger row has ``token_digest``, the SHA-256 of its
-line (``null`` for a call that delivered no token ids). Records and manifests stay token-free.
+line (``null`` for a call that delivered no token ids). Records and manifests stay token-free. The
+file is named by the SHA-256 of its lines' digests (32 bytes each, in order: ``lines_digest_of``),
+which the policy model knows without hashing a byte again (a line's digest is computed once, when
+it is delivered or read back). A file of the earlier form, ``tokens-<sha256 of the file>.jsonl``, is
+still read.
 
 Write (``SidecarStore.open_writer`` gives a ``SidecarWriter``): when the records are sealed, the
 sidecar is written first, to ``.tokens-<random>.tmp`` (about 1 MiB of lines at a time, as the
-records are: lines read back from an earlier sidecar are held one chunk at a time), fsync'd and
-renamed to its digest name; only then are the records fsync'd and renamed and the directory
+records are: lines read back from an earlier sidecar are held one chunk at a time, each checked
+against its digest), fsync'd and renamed to its name; only then are the records fsync'd and renamed and the directory
 fsync'd (which makes both renames durable), and the manifest linked (the commit point): a manifest
 never names rows whose tokens are not durable. The sidecar costs one file and one fsync per commit.
 A commit whose ledgers hold no token ids writes no sidecar. Lines of a restored ledger are written
 back byte for byte (``CallTokens.line`` is the line as read), as is its record.
 
 Read (``SidecarStore.read``): after the records are checked against the manifest, if any record in
-scope has a row with a ``token_digest``, every ``tokens-<sha256>.jsonl`` of the directory is read and
-its content hashed against its name; each needed line is found by its digest, parsed, and kept in
+scope has a row with a ``token_digest``, every sidecar of the directory is read, each line hashed
+once, and the file checked against its name; each needed line is found by its digest, parsed, and kept in
 that file (read back from it through a descriptor of its own, and checked again, when needed: a
 restore holds no token line in memory, whatever their number). A sidecar that does not match its
 name, a missing sidecar or a missing line is ``invalid_checkpoint_state``, before anything is
@@ -68,6 +72,7 @@ from nemo_gym_ckpt.checkpoint.store import (
 from nemo_gym_ckpt.errors import InvalidCheckpointState
 
 __all__ = [
+    "LINES_PREFIX",
     "SIDECAR_NAME",
     "TOKEN_DIGEST",
     "CallTokens",
@@ -77,20 +82,35 @@ __all__ = [
     "SidecarWriter",
     "TokenedRecord",
     "line_chunks",
+    "lines_digest_of",
     "needed_digests",
     "sidecar_name",
     "write_sidecar",
     "write_sidecars",
 ]
 
-SIDECAR_NAME = re.compile(r"tokens-([0-9a-f]{64})\.jsonl")
+SIDECAR_NAME = re.compile(r"(token-lines|tokens)-([0-9a-f]{64})\.jsonl")
+"""A sidecar's name: ``token-lines-<sha256 of its lines' digests>.jsonl`` (written now), or
+``tokens-<sha256 of the file>.jsonl`` (written before, still read)."""
+LINES_PREFIX = "token-lines"
 TOKEN_DIGEST = "token_digest"
 _LINE_KEYS = ("call_id", *TOKEN_ARRAYS)
 SidecarLines = Callable[[], Sequence["CallTokens"]]
 
 
-def sidecar_name(digest: str) -> str:
-    return f"tokens-{digest}.jsonl"
+def sidecar_name(lines_digest: str) -> str:
+    """The name of a sidecar whose lines' digests hash to ``lines_digest`` (``lines_digest_of``)."""
+    return f"{LINES_PREFIX}-{lines_digest}.jsonl"
+
+
+def lines_digest_of(line_digests: Iterable[str]) -> str:
+    """Hex SHA-256 of the lines' SHA-256 digests (32 bytes each), in file order: a sidecar's name.
+    Each line's digest is known once it is delivered, read or checked, so naming a sidecar hashes
+    none of its bytes again; any change to a line, the order or the number of lines changes it."""
+    digest = hashlib.sha256()
+    for line_digest in line_digests:
+        digest.update(bytes.fromhex(line_digest))
+    return digest.hexdigest()
 
 
 class CallTokens:
@@ -281,16 +301,18 @@ def _read_run(run: list[CallTokens]) -> list[bytes]:
     return first._file.read_run(first._offset, [(tokens.size, tokens.digest) for tokens in run])
 
 
-def write_sidecar(ops: FileOps, directory: Path, chunks: Iterable[Sequence[bytes]], stop: StopSignal) -> str:
-    """Write the lines of ``chunks`` durably as ``tokens-<sha256>.jsonl``: a temporary file written a
-    chunk at a time (``FileOps.write_new_chunks``: each chunk hashed while the disk writes it),
-    renamed to its digest's name; that name. The temporary file never outlives a failure."""
+def write_sidecar(
+    ops: FileOps, directory: Path, tokens: Sequence[CallTokens], stop: StopSignal, chunk_bytes: int = CHUNK_BYTES
+) -> str:
+    """Write the lines of ``tokens`` durably as ``token-lines-<sha256 of their digests>.jsonl``: a
+    temporary file written a chunk at a time (``line_chunks``: a line read back from a file is checked
+    against its digest on the way), renamed to its name; that name. No byte is hashed for the name:
+    each line's digest is already known. The temporary file never outlives a failure."""
     temp = directory / f".tokens-{secrets.token_hex(8)}.tmp"
-    digest = hashlib.sha256()
     with write_errors(directory, "token sidecar write"):
         stop.check()
-        ops.write_new_chunks(temp, _hashed_chunks(chunks, digest, stop))
-        name = sidecar_name(digest.hexdigest())
+        ops.write_new_chunks(temp, _joined_chunks(line_chunks(tokens, chunk_bytes), stop))
+        name = sidecar_name(lines_digest_of(line.digest for line in tokens))
         try:
             ops.rename(temp, directory / name)
         except BaseException:
@@ -302,13 +324,11 @@ def write_sidecar(ops: FileOps, directory: Path, chunks: Iterable[Sequence[bytes
     return name
 
 
-def _hashed_chunks(chunks: Iterable[Sequence[bytes]], digest: hashlib._Hash, stop: StopSignal) -> Iterator[bytes]:
-    """Each chunk's lines joined, a newline after each; hashed once written (on the next request)."""
+def _joined_chunks(chunks: Iterable[Sequence[bytes]], stop: StopSignal) -> Iterator[bytes]:
+    """Each chunk's lines joined, a newline after each."""
     for lines in chunks:
         stop.check()
-        chunk = b"\n".join([*lines, b""])
-        yield chunk
-        digest.update(chunk)
+        yield b"\n".join([*lines, b""])
 
 
 @dataclass
@@ -350,7 +370,7 @@ def write_sidecars(
             fresh.append(line)
     written, size = None, 0
     if fresh:
-        written = write_sidecar(ops, directory, line_chunks(fresh), stop)
+        written = write_sidecar(ops, directory, fresh, stop)
         offset = 0
         for line in fresh:
             index.where[line.digest] = (written, offset)
@@ -455,15 +475,25 @@ class SidecarStore(CheckpointStore):
     def _read_sidecar(self, path: Path, wanted: set[str], found: dict[str, CallTokens], index: SidecarIndex) -> int:
         """Each wanted line of one sidecar, checked and kept in that file (read back from it when
         needed, through a descriptor of its own: the lines of a restore stay out of memory, as those
-        of a commit do once durable); the file's size."""
-        whole, kept, size = hashlib.sha256(), [], 0
+        of a commit do once durable); the file's size. The file must match its name: the digest of its
+        lines' digests (every line newline-terminated), or of the whole file (the earlier form)."""
+        match = SIDECAR_NAME.fullmatch(path.name)
+        assert match is not None  # listed by this pattern
+        by_lines = match.group(1) == LINES_PREFIX
+        named, whole, kept, size = hashlib.sha256(), hashlib.sha256(), [], 0
         try:
             with self.ops.open_read(path) as file:
                 lines_file = LineFile(os.dup(file.fileno()), path.name)
                 for line in read_bounded_lines(file, None, self.max_record_bytes, path.name):
-                    whole.update(line)
                     body = line[:-1] if line.endswith(b"\n") else line
-                    digest = hashlib.sha256(body).hexdigest()
+                    raw = hashlib.sha256(body).digest()
+                    if by_lines:
+                        if body is line:
+                            raise InvalidCheckpointState(f"the token sidecar {path.name} ends without a newline")
+                        named.update(raw)
+                    else:
+                        whole.update(line)
+                    digest = raw.hex()
                     if digest in wanted:
                         tokens = CallTokens.parse(body, path.name, digest)
                         tokens.kept_at(lines_file, size)
@@ -472,8 +502,7 @@ class SidecarStore(CheckpointStore):
                     size += len(line)
         except OSError as error:
             raise InvalidCheckpointState(f"cannot read the token sidecar {path.name}: {error.strerror}") from None
-        match = SIDECAR_NAME.fullmatch(path.name)
-        if match is None or whole.hexdigest() != match.group(1):
+        if (named if by_lines else whole).hexdigest() != match.group(2):
             raise InvalidCheckpointState(f"the token sidecar {path.name} does not match its digest (corrupt)")
         found.update((tokens.digest, tokens) for tokens in kept)
         return size

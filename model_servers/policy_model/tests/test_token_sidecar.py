@@ -109,6 +109,12 @@ def open_policy(fmt: ChatFormat, tokenizer_dir: Path, root: Path) -> Callable[..
     return open_
 
 
+def named_by_lines(content: bytes) -> str:
+    """The name the documented rule gives a sidecar: the SHA-256 of its lines' SHA-256 digests."""
+    digests = b"".join(hashlib.sha256(line).digest() for line in content.splitlines())
+    return f"token-lines-{hashlib.sha256(digests).hexdigest()}.jsonl"
+
+
 def sidecar_of(where: Path) -> Path:
     [path] = [path for path in where.iterdir() if SIDECAR_NAME.fullmatch(path.name)]
     return path
@@ -143,7 +149,7 @@ async def test_a_commit_writes_the_delivered_tokens_to_the_sidecar_and_none_to_t
         where, committed = await policy.commit("c1")
     [item] = first["output"]
     content = sidecar_of(where).read_bytes()
-    assert sidecar_of(where).name == f"tokens-{hashlib.sha256(content).hexdigest()}.jsonl"
+    assert sidecar_of(where).name == named_by_lines(content)
     [line] = content.splitlines()
     tokens = orjson.loads(line)
     assert tokens == {"call_id": tokens["call_id"], **{name: item[name] for name in ARRAYS}}
@@ -212,7 +218,7 @@ def test_the_sidecar_is_durable_before_the_records_are_renamed(root: Path) -> No
     store = SidecarStore(CheckpointStore(root, ops), lambda: [_line(b'{"call_id":"mc_1"}')])
     write(store, root / "ck")
     renames = [name for op, name in ops.log if op in ("rename", "link")]
-    assert [name.split("-")[0] for name in renames] == ["tokens", "records", "manifest.json"]
+    assert [name.rsplit("-", 1)[0] for name in renames] == ["token-lines", "records", "manifest.json"]
     sidecar_fsync = ops.log.index(("fsync", next(n for o, n in ops.log if n.startswith(".tokens"))))
     assert sidecar_fsync < ops.log.index(("rename", renames[0])) < ops.log.index(("rename", renames[1]))
 
@@ -348,7 +354,7 @@ def test_a_kept_token_line_that_changed_on_disk_is_refused(root: Path, damage: s
         list(line_chunks(kept))
     (root / "new").mkdir()
     with pytest.raises(InvalidCheckpointState, match=r"kept in kept\.jsonl"):  # found while writing
-        write_sidecar(FileOps(), root / "new", line_chunks(kept, chunk_bytes=40), StopSignal())
+        write_sidecar(FileOps(), root / "new", kept, StopSignal(), chunk_bytes=40)
     assert list((root / "new").iterdir()) == []  # no sidecar, no temporary file
 
 
@@ -379,10 +385,28 @@ def change_and_rename(path: Path) -> None:
     """A sidecar that matches its name, but whose line is not the one the row's digest names."""
     content = flip_a_digit(path.read_bytes())
     path.unlink()
-    path.with_name(f"tokens-{hashlib.sha256(content).hexdigest()}.jsonl").write_bytes(content)
+    path.with_name(named_by_lines(content)).write_bytes(content)
+
+
+def cut_the_last_newline(path: Path) -> None:
+    """The same lines, so the same line digests, but the file no longer ends as it was written."""
+    path.write_bytes(path.read_bytes()[:-1])
+
+
+def earlier_form(path: Path) -> Path:
+    """The sidecar renamed in the earlier form: ``tokens-<sha256 of the file>.jsonl``."""
+    target = path.with_name(f"tokens-{hashlib.sha256(path.read_bytes()).hexdigest()}.jsonl")
+    path.rename(target)
+    return target
+
+
+def earlier_form_changed(path: Path) -> None:
+    change_a_byte(earlier_form(path))
 
 
 TAMPERS: dict[str, Callable[[Path], None]] = {
+    "the last newline cut": cut_the_last_newline,
+    "a changed byte under the earlier name": earlier_form_changed,
     "a changed byte": change_a_byte,
     "a changed line renamed to its new digest": change_and_rename,
     "a missing sidecar": Path.unlink,
@@ -411,6 +435,21 @@ async def test_a_tampered_or_missing_sidecar_is_refused_with_nothing_installed(
         restored = await fresh.restore("good", where, [R1, R2])  # the same process: nothing was installed
         assert restored.status_code == 200, restored.text
         assert (await fresh.extras())["ledgers"] == 2
+
+
+async def test_a_sidecar_named_as_before_by_the_files_digest_is_still_restored(
+    open_policy: Callable[..., Any],
+) -> None:
+    async with open_policy(CALL) as policy:
+        first, _ = await first_turns(policy)
+        where, _ = await policy.commit("c1")
+    earlier_form(sidecar_of(where))
+    async with open_policy() as fresh:
+        restored = await fresh.restore("c1", where, [R1, R2])
+        assert restored.status_code == 200, restored.text
+        assert (await fresh.extras())["ledgers"] == 2
+        [call] = await fresh.calls(R1.next_attempt())
+    assert {name: call[name] for name in ARRAYS} == {name: first["output"][0][name] for name in ARRAYS}
 
 
 def test_a_sidecar_line_that_does_not_hash_to_its_row_is_refused() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from model_servers.policy_model.token_sidecar import write_sidecar
+from model_servers.policy_model.token_sidecar import CallTokens, write_sidecar
 from nemo_gym_ckpt.checkpoint.store import StopSignal
 from nemo_gym_ckpt.collect.published import write_atomic
 from nemo_gym_ckpt.testing.crashfs import CrashFS, SimulatedCrash
@@ -95,13 +95,19 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path: Path) -> None:
 def test_a_crash_in_a_token_sidecar_write_leaves_no_file_or_a_whole_one(after: bool, tmp_path: Path) -> None:
     lines = [b'{"call_id":"mc_%d","prompt_token_ids":[1],"generation_token_ids":[2],"generation_log_probs":[-0.5]}'
              % n for n in range(50)]
+    tokens = [CallTokens(f"mc_{n}", line, hashlib.sha256(line).hexdigest()) for n, line in enumerate(lines)]
     dry = CrashFS()
     (tmp_path / "dry").mkdir()
-    write_sidecar(dry, tmp_path / "dry", [lines[:20], lines[20:]], StopSignal())
+    write_sidecar(dry, tmp_path / "dry", tokens, StopSignal(), chunk_bytes=2_000)  # three chunks
+    whole = 0
     for index in range(len(dry.calls)):
         directory = tmp_path / f"crash-{index}"
         directory.mkdir()
         with pytest.raises(SimulatedCrash):
-            write_sidecar(CrashFS(crash_at=index, after=after), directory, [lines[:20], lines[20:]], StopSignal())
-        for sidecar in directory.glob("tokens-*.jsonl"):
-            assert sidecar.name == f"tokens-{hashlib.sha256(sidecar.read_bytes()).hexdigest()}.jsonl"
+            write_sidecar(CrashFS(crash_at=index, after=after), directory, tokens, StopSignal(), chunk_bytes=2_000)
+        for sidecar in directory.glob("token-lines-*.jsonl"):
+            assert sidecar.read_bytes() == b"".join(line + b"\n" for line in lines)
+            digests = b"".join(hashlib.sha256(line).digest() for line in lines)
+            assert sidecar.name == f"token-lines-{hashlib.sha256(digests).hexdigest()}.jsonl"
+            whole += 1
+    assert whole == (1 if after else 0)  # only a crash after the rename leaves the file (the last call)
