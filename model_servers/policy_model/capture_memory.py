@@ -27,6 +27,7 @@ import hashlib
 import os
 import tempfile
 import threading
+from itertools import accumulate
 from pathlib import Path
 
 from nemo_gym_ckpt.errors import InvalidCheckpointState, Unavailable
@@ -49,25 +50,24 @@ class LineFile:
 
     def read(self, offset: int, size: int, digest: str) -> bytes:
         """The ``size`` bytes at ``offset``, which must hash to ``digest``."""
-        return self.read_run(offset, [(size, digest)])[0]
+        return bytes(self.read_run(offset, [size], [digest])[0])
 
-    def read_run(self, offset: int, lines: list[tuple[int, str]]) -> list[bytes]:
-        """Lines next to each other from ``offset`` (each ``(size, digest)``, a newline after each):
-        one read for all of them, each line checked against its digest."""
-        if not lines:
+    def read_run(self, offset: int, sizes: list[int], digests: list[str]) -> list[memoryview]:
+        """Lines next to each other from ``offset`` (of ``sizes``, a newline after each): one read for
+        all of them, each line checked against its digest (``digests``, in the same order); views
+        of the one buffer read."""
+        if not sizes:
             return []
-        length = sum(size for size, _ in lines) + len(lines) - 1
+        length = sum(sizes) + len(sizes) - 1
         data = os.pread(self._fd, length, offset)
         if len(data) != length:
             raise InvalidCheckpointState(f"token lines kept in {self.name} are shorter than when written")
-        view, found, at = memoryview(data), [], 0
-        for size, digest in lines:
-            line = view[at : at + size]
-            if hashlib.sha256(line).hexdigest() != digest:
-                raise InvalidCheckpointState(f"a token line kept in {self.name} no longer matches its digest")
-            found.append(line.tobytes())
-            at += size + 1
-        return found
+        view, sha256 = memoryview(data), hashlib.sha256
+        starts = list(accumulate((size + 1 for size in sizes[:-1]), initial=0))
+        lines = [view[start : start + size] for start, size in zip(starts, sizes, strict=True)]
+        if [sha256(line).hexdigest() for line in lines] != digests:
+            raise InvalidCheckpointState(f"a token line kept in {self.name} no longer matches its digest")
+        return lines
 
     def __del__(self) -> None:
         fd, self._fd = getattr(self, "_fd", -1), -1

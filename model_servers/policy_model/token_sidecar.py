@@ -47,6 +47,7 @@ import secrets
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -107,10 +108,7 @@ def lines_digest_of(line_digests: Iterable[str]) -> str:
     """Hex SHA-256 of the lines' SHA-256 digests (32 bytes each), in file order: a sidecar's name.
     Each line's digest is known once it is delivered, read or checked, so naming a sidecar hashes
     none of its bytes again; any change to a line, the order or the number of lines changes it."""
-    digest = hashlib.sha256()
-    for line_digest in line_digests:
-        digest.update(bytes.fromhex(line_digest))
-    return digest.hexdigest()
+    return hashlib.sha256(bytes.fromhex("".join(line_digests))).hexdigest()
 
 
 class CallTokens:
@@ -145,10 +143,6 @@ class CallTokens:
             return line
         assert self._file is not None
         return self._file.read(self._offset, self.size, self.digest)
-
-    def _follows(self, other: CallTokens) -> bool:
-        """Kept in the same file as ``other``, right after its line and newline."""
-        return self._file is not None and self._file is other._file and self._offset == other._offset + other.size + 1
 
     @property
     def in_memory(self) -> bool:
@@ -265,28 +259,33 @@ class SidecarIndex:
     sizes: dict[str, int] = field(default_factory=dict)
 
 
-def line_chunks(tokens: Sequence[CallTokens], chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[bytes]]:
+def line_chunks(tokens: Sequence[CallTokens], chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[bytes | memoryview]]:
     """The bytes of the token lines, in order, in lists of about ``chunk_bytes``. A line in memory is
     taken as it is; lines kept next to each other in one file are read back together
     (``LineFile.read_run``: one read, each line checked against its digest). A full commit copies
     every line the earlier commits made durable: one chunk at a time, whatever their number."""
-    chunk: list[bytes] = []
+    chunk: list[bytes | memoryview] = []
     run: list[CallTokens] = []
-    size = 0
+    run_file, run_end, size = None, -1, 0
     for tokens_ in tokens:
         line = tokens_._line
-        if run and (line is not None or not tokens_._follows(run[-1])):
-            chunk.extend(_read_run(run))
-            run = []
-        if line is not None:
-            chunk.append(line)
-        else:
+        if line is not None or tokens_._file is not run_file or tokens_._offset != run_end:
+            if run:
+                chunk.extend(_read_run(run))
+                run = []
+            if line is not None:
+                chunk.append(line)
+                run_file = None
+            else:
+                run_file = tokens_._file
+        if line is None:
             run.append(tokens_)
+            run_end = tokens_._offset + tokens_.size + 1
         size += tokens_.size + 1
         if size >= chunk_bytes:
             if run:
                 chunk.extend(_read_run(run))
-                run = []
+                run, run_file = [], None
             yield chunk
             chunk, size = [], 0
     if run:
@@ -295,10 +294,10 @@ def line_chunks(tokens: Sequence[CallTokens], chunk_bytes: int = CHUNK_BYTES) ->
         yield chunk
 
 
-def _read_run(run: list[CallTokens]) -> list[bytes]:
+def _read_run(run: list[CallTokens]) -> list[memoryview]:
     first = run[0]
     assert first._file is not None
-    return first._file.read_run(first._offset, [(tokens.size, tokens.digest) for tokens in run])
+    return first._file.read_run(first._offset, [tokens.size for tokens in run], [tokens.digest for tokens in run])
 
 
 def write_sidecar(
@@ -324,7 +323,7 @@ def write_sidecar(
     return name
 
 
-def _joined_chunks(chunks: Iterable[Sequence[bytes]], stop: StopSignal) -> Iterator[bytes]:
+def _joined_chunks(chunks: Iterable[Sequence[bytes | memoryview]], stop: StopSignal) -> Iterator[bytes]:
     """Each chunk's lines joined, a newline after each."""
     for lines in chunks:
         stop.check()
@@ -360,23 +359,25 @@ def write_sidecars(
             linked = link_files(ops, base.directory, base.sizes, keep, directory)
     index = SidecarIndex(directory, sizes={name: base.sizes[name] for name in linked} if base else {})
     placed: list[tuple[CallTokens, str, int]] = []
-    fresh: list[CallTokens] = []
-    for line in tokens:
-        found = base.where.get(line.digest) if base is not None else None
-        if found is not None and found[0] in linked:
-            index.where[line.digest] = found
-            placed.append((line, *found))
-        else:
-            fresh.append(line)
+    fresh: Sequence[CallTokens] = tokens
+    if linked:
+        assert base is not None
+        fresh = []
+        for line in tokens:
+            found = base.where.get(line.digest)
+            if found is not None and found[0] in linked:
+                index.where[line.digest] = found
+                placed.append((line, *found))
+            else:
+                fresh.append(line)
     written, size = None, 0
     if fresh:
         written = write_sidecar(ops, directory, fresh, stop)
-        offset = 0
-        for line in fresh:
-            index.where[line.digest] = (written, offset)
-            placed.append((line, written, offset))
-            offset += line.size + 1
-        size = offset
+        offsets = list(accumulate((line.size + 1 for line in fresh), initial=0))
+        size = offsets.pop()
+        places = [(written, offset) for offset in offsets]
+        index.where.update(zip([line.digest for line in fresh], places, strict=True))
+        placed.extend([(line, written, offset) for line, offset in zip(fresh, offsets, strict=True)])
         index.sizes[written] = size
     return SidecarWrite(sorted(linked), written, size, index, placed)
 
@@ -427,7 +428,7 @@ class SidecarStore(CheckpointStore):
         self.sidecar_base = done.index
         files: dict[str, LineFile] = {}
         for line, name, offset in done.placed:
-            if not line.in_memory:
+            if line._line is None:  # already kept in a file
                 continue
             if name not in files:
                 try:
