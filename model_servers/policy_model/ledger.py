@@ -49,7 +49,7 @@ from model_servers.policy_model.cuts import CutRecord, Lineage
 from model_servers.policy_model.generation import ChatResult
 from model_servers.policy_model.token_sidecar import TOKEN_DIGEST, CallTokens, TokenedRecord
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem
-from nemo_gym_ckpt.checkpoint.records import Record, Scope, episode_of
+from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.errors import InvalidCheckpointState
 from nemo_gym_ckpt.identity import RolloutIdentity
 
@@ -268,23 +268,27 @@ class LedgerBook:
     ) -> list[ExportItem]:
         """A snapshot of the records of the ledgers in ``scope`` (``None``: all), with this commit's
         ``cuts`` (an episode cut before its first delivered call gets a record of its own)."""
-        cuts = cuts or {}
-        exported = [ledger.export(scope, cuts.get(ledger.episode)) for ledger in self._ledgers.values()]
-        for episode, cut in cuts.items():
-            if episode.capture_key not in self._ledgers and (scope is None or episode in scope):
-                exported.append(ledger_record(episode, (), cut))
-        return [item for item in exported if item is not None]
+        return self.export(scope, cuts)[0]
 
-    def token_lines(self, items: Sequence[ExportItem]) -> list[CallTokens]:
-        """The sidecar lines of the ledgers exported as ``items`` (each line once)."""
-        exported = {_episode_of(item) for item in items}
+    def export(
+        self, scope: Scope | None, cuts: Mapping[RolloutIdentity, CutRecord] | None = None
+    ) -> tuple[list[ExportItem], list[CallTokens]]:
+        """``records``, and the sidecar lines they name (each line once), in one pass over the ledgers."""
+        cuts = cuts or {}
+        items: list[ExportItem] = []
         lines: dict[str, CallTokens] = {}
         for ledger in self._ledgers.values():
-            source = ledger.source.episode if ledger.source is not None else None
-            if ledger.episode in exported or source in exported:
+            item = ledger.export(scope, cuts.get(ledger.episode))
+            if item is None:
+                continue
+            items.append(item)
+            if ledger.tokens:
                 for tokens in ledger.token_lines():
                     lines.setdefault(tokens.digest, tokens)
-        return list(lines.values())
+        for episode, cut in cuts.items():
+            if episode.capture_key not in self._ledgers and (scope is None or episode in scope):
+                items.append(ledger_record(episode, (), cut))
+        return items, list(lines.values())
 
     def restored_prefixes(self, episode: RolloutIdentity) -> list[list[int]]:
         ledger = self.get(episode)
@@ -357,10 +361,6 @@ def _restored_tokens(record: Record, rows: Sequence[LedgerRow]) -> dict[str, Cal
         line.check(row.call_id, row.prompt_digest, row.output_digest, where)
         tokens[row.call_id] = line
     return tokens
-
-
-def _episode_of(item: ExportItem) -> RolloutIdentity:
-    return item.episode if isinstance(item, Record) else episode_of(item)
 
 
 def _check_lineage(rows: Sequence[LedgerRow], episode: RolloutIdentity) -> None:

@@ -135,9 +135,8 @@ class PolicyAdapter:
 
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
         began = time.perf_counter()
-        items = self.ledgers.records(scope, self._cuts)
+        items, self._token_lines = self.ledgers.export(scope, self._cuts)
         self._kept = staging_keys_by_episode(items)
-        self._token_lines = self.ledgers.token_lines(items)
         if self.cutter is not None:
             self.cutter.timings["records_ms"] = round(1000 * (time.perf_counter() - began), 3)
         self._exported = began

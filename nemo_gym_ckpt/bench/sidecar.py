@@ -11,7 +11,8 @@ bytes. A commit that holds one chunk at a time shows a peak that does not grow w
 the large size's peak over the small one's stays near 1 (before stop 35, both copies of every
 line: twice the sidecar's bytes). Then the restore of that commit (each record a ledger naming its
 line): the Python memory it still holds once read (the records; before stop 35 every line as well),
-over the sidecar's bytes, and its peak.
+over the sidecar's bytes, and its peak; and the time it takes, untraced (``restore_ms``: every line of
+the sidecar hashed, the file checked against its name).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def _copy_row(directory: Path, size_mb: float, line_bytes: int) -> Result:
         _full_commit(directory / "traced", tokens, ledgers)
     scope = frozenset(record.episode for record in ledgers)
     del tokens, ledgers
+    restore_s = _restore_time(directory, scope)
     held, restore_peak = _restore_memory(directory, scope)
     write_mb_s = sidecar_bytes / commit_s / MB
     return {"lines": len(scope), "sidecar_mb": round(sidecar_bytes / MB, 2), "commit_ms": round(1000 * commit_s, 1),
@@ -77,7 +79,15 @@ def _copy_row(directory: Path, size_mb: float, line_bytes: int) -> Result:
             "over_floor": round(write_mb_s / max(floor, 1e-9), 3), "peak_traced_mb": round(peak[0] / MB, 2),
             "peak_over_sidecar": round(peak[0] / sidecar_bytes, 4), "restore_held_mb": round(held / MB, 2),
             "restore_held_over_sidecar": round(held / sidecar_bytes, 4),
-            "restore_peak_mb": round(restore_peak / MB, 2)}
+            "restore_peak_mb": round(restore_peak / MB, 2), "restore_ms": round(1000 * restore_s, 1),
+            "restore_mb_s": round(sidecar_bytes / restore_s / MB, 1)}
+
+
+def _restore_time(directory: Path, scope: frozenset[RolloutIdentity]) -> float:
+    """Seconds to read back the timed commit (records and every sidecar line checked), untraced."""
+    began = time.perf_counter()
+    SidecarStore(CheckpointStore(directory), list).read(directory / "timed", "model", "bench", scope)
+    return time.perf_counter() - began
 
 
 def _restore_memory(directory: Path, scope: frozenset[RolloutIdentity]) -> tuple[int, int]:

@@ -32,7 +32,8 @@ def test_sidecar_copy_holds_one_chunk_whatever_the_sidecar(tmp_path: Path) -> No
     result = sidecar_copy(sizes_mb=(2, 12), line_bytes=4_000, root=tmp_path)
     small, large = result["small"], result["large"]
     assert large["lines"] > 5 * small["lines"] > 0 and 11 < large["sidecar_mb"] < 13
-    assert all(row[key] > 0 for row in (small, large) for key in ("commit_ms", "write_mb_s", "over_floor"))
+    assert all(row[key] > 0 for row in (small, large)
+               for key in ("commit_ms", "write_mb_s", "over_floor", "restore_ms", "restore_mb_s"))
     assert large["peak_traced_mb"] < 0.5 * large["sidecar_mb"]  # a few chunks, not every line at once
     assert result["large_over_small_peak"] < 2
     assert large["restore_held_mb"] < 0.5 * large["sidecar_mb"]  # the records, not the token lines

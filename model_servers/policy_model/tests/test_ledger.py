@@ -8,9 +8,11 @@ import pytest
 
 from model_servers.policy_model.active_calls import ActiveCalls, CallState
 from model_servers.policy_model.app import Config
-from model_servers.policy_model.generation import ChatCall, Sampling
+from model_servers.policy_model.generation import ChatCall, Sampling, TokenCapture
+from model_servers.policy_model.ids import sha256_of
 from model_servers.policy_model.ledger import ROW_FIELDS, LedgerBook
 from model_servers.policy_model.tests.policy_harness import WORKER_REF
+from model_servers.policy_model.token_sidecar import CallTokens, TokenedRecord
 from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.config import load_config_dict
 from nemo_gym_ckpt.errors import ConfigError, InvalidCheckpointState
@@ -104,3 +106,23 @@ def test_generation_cuts_need_the_policy_participant(settings: dict[str, Any]) -
     raw["policy_model"]["responses_api_models"]["policy_model"]["checkpoint_policy"] = True
     policy = load_config_dict(raw).instance("policy_model").settings
     assert isinstance(policy, Config) and policy.generation_cuts is True
+
+
+def restored_with_tokens(rollout_id: str, ids: list[int]) -> TokenedRecord:
+    """A checkpointed ledger of one call that delivered token ids, as a restore reads it."""
+    tokens = CallTokens.of(f"mc_{rollout_id}", TokenCapture(ids, [9], [-0.5]))
+    rows = [row(f"mc_{rollout_id}", None, prompt_digest=sha256_of(ids), output_digest=sha256_of([9]),
+                token_digest=tokens.digest)]
+    read = Record.from_data({"episode_id": {"rollout_id": rollout_id, "attempt": 0}, "ledger": rows})
+    return TokenedRecord(read.raw, read.data, read.episode, {tokens.call_id: tokens})
+
+
+def test_an_export_names_the_token_lines_of_the_records_in_scope_only() -> None:
+    book = LedgerBook()
+    first, second = restored_with_tokens("r1", [1, 2]), restored_with_tokens("r2", [3, 4])
+    book.install([first, second])
+    items, lines = book.export(frozenset({RolloutIdentity("r1", 0)}))
+    assert items == [first] and lines == list(first.tokens.values())
+    items, lines = book.export(None)
+    assert items == [first, second] and lines == [*first.tokens.values(), *second.tokens.values()]
+    assert book.export(frozenset({RolloutIdentity("r3")})) == ([], [])
