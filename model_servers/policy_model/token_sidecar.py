@@ -30,12 +30,14 @@ back byte for byte (``CallTokens.line`` is the line as read), as is its record.
 
 Read (``SidecarStore.read``): after the records are checked against the manifest, if any record in
 scope has a row with a ``token_digest``, every sidecar of the directory is read, each line hashed
-once, and the file checked against its name; each needed line is found by its digest, parsed, and kept in
+once, and the file checked against its name; each needed line is found by its digest and kept in
 that file (read back from it through a descriptor of its own, and checked again, when needed: a
 restore holds no token line in memory, whatever their number). A sidecar that does not match its
 name, a missing sidecar or a missing line is ``invalid_checkpoint_state``, before anything is
 installed. The records come back as ``TokenedRecord`` (the same bytes, plus the tokens of their
-rows) for the ledger's install, which checks each line against its row's prompt and output digests.
+rows) for the ledger's install, which parses each line once and checks it against its row
+(``CallTokens.check``: its keys, its call, arrays of non-negative ids and of numbers, the ids'
+digests), again before anything is installed.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import orjson
 
 from model_servers.policy_model.capture_memory import CaptureMemory, LineFile
 from model_servers.policy_model.generation import TokenCapture
-from model_servers.policy_model.ids import sha256_of
+from nemo_gym_ckpt.canonical import canonical_json
 from nemo_gym_ckpt.capture import TOKEN_ARRAYS
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.incremental import KEEP_RATIO, link_files
@@ -96,6 +98,8 @@ SIDECAR_NAME = re.compile(r"(token-lines|tokens)-([0-9a-f]{64})\.jsonl")
 LINES_PREFIX = "token-lines"
 TOKEN_DIGEST = "token_digest"
 _LINE_KEYS = ("call_id", *TOKEN_ARRAYS)
+_ID_BYTES = b"0123456789,"  # JSON of non-negative integers: no sign, point, exponent, letter or quote
+_NUMBER_BYTES = b"0123456789,.-+eE"  # JSON of numbers: no letter (true, false, null) or quote
 SidecarLines = Callable[[], Sequence["CallTokens"]]
 
 
@@ -194,31 +198,34 @@ class CallTokens:
                 tokens.kept_at(*memory.spill(line))
         return tokens
 
-    @classmethod
-    def parse(cls, line: bytes, where: str, digest: str | None = None) -> CallTokens:
-        """A line read back (``digest``: its SHA-256 if already known); anything malformed is
-        ``InvalidCheckpointState``."""
-        try:
-            data = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            raise InvalidCheckpointState(f"{where}: a line is not valid JSON") from None
-        if not isinstance(data, dict) or tuple(data) != _LINE_KEYS or not isinstance(data["call_id"], str):
-            raise InvalidCheckpointState(f"{where}: a line must be {{{', '.join(_LINE_KEYS)}}}")
-        prompt, generation, log_probs = (data[key] for key in _LINE_KEYS[1:])
-        if not (_ints(prompt) and _ints(generation) and isinstance(log_probs, list)
-                and all(type(value) in (int, float) for value in log_probs) and len(log_probs) == len(generation)):
-            raise InvalidCheckpointState(f"{where}: the token arrays of {data['call_id']} are malformed")
-        return cls(data["call_id"], line, digest or hashlib.sha256(line).hexdigest())
-
     def check(self, call_id: str, prompt_digest: str, output_digest: str, where: str) -> None:
-        """The line belongs to the row: same call, and its ids hash to the row's digests."""
-        if self.call_id != call_id:
-            raise InvalidCheckpointState(f"{where}: the sidecar line is for {self.call_id}, expected {call_id}")
-        data = self._arrays()
-        if (sha256_of(data["prompt_token_ids"]) != prompt_digest
-                or sha256_of(data["generation_token_ids"]) != output_digest):
+        """The line is a well-formed sidecar line of the row's call whose ids hash to the row's digests;
+        anything else is ``InvalidCheckpointState``. One parse: the ids' canonical bytes, which the
+        digests are of, are also what is checked to hold only non-negative integers (and the
+        log-probs' bytes only numbers), in C rather than one Python step per id."""
+        data = self._checked_data(where)
+        if data["call_id"] != call_id:
+            raise InvalidCheckpointState(f"{where}: the sidecar line is for {data['call_id']}, expected {call_id}")
+        try:
+            prompt, generation, log_probs = (canonical_json(data[key]) for key in _LINE_KEYS[1:])
+        except orjson.JSONEncodeError:  # an integer past 64 bits
+            raise InvalidCheckpointState(f"{where}: the token arrays of {call_id} are malformed") from None
+        if not (_only(prompt, _ID_BYTES) and _only(generation, _ID_BYTES) and _only(log_probs, _NUMBER_BYTES)
+                and len(data["generation_log_probs"]) == len(data["generation_token_ids"])):
+            raise InvalidCheckpointState(f"{where}: the token arrays of {call_id} are malformed")
+        sha256 = hashlib.sha256
+        if sha256(prompt).hexdigest() != prompt_digest or sha256(generation).hexdigest() != output_digest:
             raise InvalidCheckpointState(f"{where}: the sidecar's token ids of {call_id} do not match the "
                                          "ledger row's prompt or output digest")
+
+    def _checked_data(self, where: str) -> dict[str, Any]:
+        try:
+            data = orjson.loads(self.line)
+        except orjson.JSONDecodeError:
+            raise InvalidCheckpointState(f"{where}: a sidecar line is not valid JSON") from None
+        if not isinstance(data, dict) or tuple(data) != _LINE_KEYS or not isinstance(data["call_id"], str):
+            raise InvalidCheckpointState(f"{where}: a sidecar line must be {{{', '.join(_LINE_KEYS)}}}")
+        return data
 
     def to_fields(self) -> dict[str, Any]:
         """The token fields of an output item (``policy_version`` is the row's)."""
@@ -226,8 +233,9 @@ class CallTokens:
         return {key: data[key] for key in TOKEN_ARRAYS}
 
 
-def _ints(value: Any) -> bool:
-    return isinstance(value, list) and all(type(item) is int and item >= 0 for item in value)
+def _only(array: bytes, allowed: bytes) -> bool:
+    """``array`` (canonical JSON) is a flat array whose elements are made of ``allowed`` bytes only."""
+    return array.translate(None, allowed) == b"[]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,7 +453,7 @@ class SidecarStore(CheckpointStore):
         if not wanted:
             return result
         directory = self.instance_dir(checkpoint_dir, kind, instance)
-        found, size = self._read_sidecars(directory, set(wanted))
+        found, size = self._read_sidecars(directory, wanted)
         missing = sorted(call for digest, call in wanted.items() if digest not in found)
         if missing:
             raise InvalidCheckpointState(f"the token sidecar in {directory} lacks the token arrays of "
@@ -456,7 +464,7 @@ class SidecarStore(CheckpointStore):
             records.append(TokenedRecord(record.raw, record.data, record.episode, tokens) if tokens else record)
         return ReadResult(result.manifest, records, result.bytes_read + size)
 
-    def _read_sidecars(self, directory: Path, wanted: set[str]) -> tuple[dict[str, CallTokens], int]:
+    def _read_sidecars(self, directory: Path, wanted: Mapping[str, str]) -> tuple[dict[str, CallTokens], int]:
         try:
             names = sorted(path.name for path in directory.iterdir() if SIDECAR_NAME.fullmatch(path.name))
         except OSError as error:
@@ -473,7 +481,9 @@ class SidecarStore(CheckpointStore):
         self.sidecar_base = index
         return found, size
 
-    def _read_sidecar(self, path: Path, wanted: set[str], found: dict[str, CallTokens], index: SidecarIndex) -> int:
+    def _read_sidecar(
+        self, path: Path, wanted: Mapping[str, str], found: dict[str, CallTokens], index: SidecarIndex
+    ) -> int:
         """Each wanted line of one sidecar, checked and kept in that file (read back from it when
         needed, through a descriptor of its own: the lines of a restore stay out of memory, as those
         of a commit do once durable); the file's size. The file must match its name: the digest of its
@@ -495,8 +505,8 @@ class SidecarStore(CheckpointStore):
                     else:
                         whole.update(line)
                     digest = raw.hex()
-                    if digest in wanted:
-                        tokens = CallTokens.parse(body, path.name, digest)
+                    if digest in wanted:  # checked against its row (and parsed) at the install
+                        tokens = CallTokens(wanted[digest], body, digest)
                         tokens.kept_at(lines_file, size)
                         kept.append(tokens)
                         index.where[digest] = (path.name, size)

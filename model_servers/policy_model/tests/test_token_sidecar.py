@@ -470,6 +470,39 @@ def test_a_sidecar_line_that_does_not_hash_to_its_row_is_refused() -> None:
         LedgerBook().install([TokenedRecord(other.raw, other.data, other.episode, {"mc_1": tokens})])
 
 
+
+GOOD_LINE = {"call_id": "mc_1", "prompt_token_ids": [1, 2, 3], "generation_token_ids": [4, 5],
+             "generation_log_probs": [-0.5, -2.5e-05]}
+MALFORMED_LINES: dict[str, tuple[bytes, str]] = {
+    "not JSON": (b'{"call_id":"mc_1",', "not valid JSON"),
+    "keys in another order": (orjson.dumps({**dict(reversed(GOOD_LINE.items()))}), "must be"),
+    "a missing key": (orjson.dumps({k: v for k, v in GOOD_LINE.items() if k != "generation_log_probs"}), "must be"),
+    "another call's line": (orjson.dumps({**GOOD_LINE, "call_id": "mc_2"}), "is for mc_2"),
+    "a boolean id": (orjson.dumps({**GOOD_LINE, "prompt_token_ids": [1, True, 3]}), "malformed"),
+    "a negative id": (orjson.dumps({**GOOD_LINE, "generation_token_ids": [4, -5]}), "malformed"),
+    "a float id": (orjson.dumps({**GOOD_LINE, "prompt_token_ids": [1, 2.0, 3]}), "malformed"),
+    "a string id": (orjson.dumps({**GOOD_LINE, "prompt_token_ids": [1, "2", 3]}), "malformed"),
+    "a nested id list": (orjson.dumps({**GOOD_LINE, "prompt_token_ids": [[1, 2, 3]]}), "malformed"),
+    "ids as an object": (orjson.dumps({**GOOD_LINE, "prompt_token_ids": {"a": 1}}), "malformed"),
+    "an id past 64 bits": (orjson.dumps({**GOOD_LINE, "generation_token_ids": [4, 5]}).replace(
+        b"[4,5]", b"[4," + b"9" * 30 + b"]"), "malformed|not valid JSON"),
+    "a null log-prob": (orjson.dumps({**GOOD_LINE, "generation_log_probs": [-0.5, None]}), "malformed"),
+    "a boolean log-prob": (orjson.dumps({**GOOD_LINE, "generation_log_probs": [-0.5, False]}), "malformed"),
+    "one log-prob too few": (orjson.dumps({**GOOD_LINE, "generation_log_probs": [-0.5]}), "malformed"),
+    "ids that hash elsewhere": (orjson.dumps({**GOOD_LINE, "prompt_token_ids": [1, 2, 4]}), "do not match"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_LINES))
+def test_a_sidecar_line_is_checked_against_its_row_at_the_install(case: str) -> None:
+    line, refusal = MALFORMED_LINES[case]
+    tokens = CallTokens("mc_1", line, hashlib.sha256(line).hexdigest())  # as a restore keeps it: unparsed
+    with pytest.raises(InvalidCheckpointState, match=refusal):
+        tokens.check("mc_1", sha256_of([1, 2, 3]), sha256_of([4, 5]), "here")
+    good = orjson.dumps(GOOD_LINE)
+    CallTokens("mc_1", good, hashlib.sha256(good).hexdigest()).check(
+        "mc_1", sha256_of([1, 2, 3]), sha256_of([4, 5]), "here")
+
 # ---- splicing a restored call ----------------------------------------------------------------------
 
 
