@@ -12,7 +12,8 @@ the large size's peak over the small one's stays near 1 (before stop 35, both co
 line: twice the sidecar's bytes). Then the restore of that commit (each record a ledger naming its
 line): the Python memory it still holds once read (the records; before stop 35 every line as well),
 over the sidecar's bytes, and its peak; and the time it takes, untraced (``restore_ms``: every line of
-the sidecar hashed, the file checked against its name).
+the sidecar hashed, the file checked against its name, each line parsed and checked against its
+row as the ledger's install does).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from typing import Any
 import orjson
 
 from model_servers.policy_model.capture_memory import LineFile
-from model_servers.policy_model.token_sidecar import TOKEN_DIGEST, CallTokens, SidecarStore
+from model_servers.policy_model.token_sidecar import TOKEN_DIGEST, CallTokens, SidecarStore, TokenedRecord
 from nemo_gym_ckpt.bench.floors import median_floor
+from nemo_gym_ckpt.canonical import sha256_of
 from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
 from nemo_gym_ckpt.identity import RolloutIdentity
@@ -61,7 +63,7 @@ def _copy_row(directory: Path, size_mb: float, line_bytes: int) -> Result:
     tokens = _kept_lines(directory / "earlier.jsonl", max(1, int(size_mb * MB) // line_bytes), line_bytes)
     sidecar_bytes = sum(line.size + 1 for line in tokens)
     ledgers = [Record.from_data({"episode_id": {"rollout_id": f"r{number}", "attempt": 0},
-                                 "ledger": [{"call_id": line.call_id, TOKEN_DIGEST: line.digest}]})
+                                 "ledger": [{"call_id": line.call_id, TOKEN_DIGEST: line.digest, **_digests(line)}]})
                for number, line in enumerate(tokens)]
     began = time.perf_counter()
     _full_commit(directory / "timed", tokens, ledgers)
@@ -84,10 +86,24 @@ def _copy_row(directory: Path, size_mb: float, line_bytes: int) -> Result:
 
 
 def _restore_time(directory: Path, scope: frozenset[RolloutIdentity]) -> float:
-    """Seconds to read back the timed commit (records and every sidecar line checked), untraced."""
+    """Seconds to read back the timed commit and check each line against its row as the ledger's
+    install does (``CallTokens.check``), untraced."""
     began = time.perf_counter()
-    SidecarStore(CheckpointStore(directory), list).read(directory / "timed", "model", "bench", scope)
+    result = SidecarStore(CheckpointStore(directory), list).read(directory / "timed", "model", "bench", scope)
+    for record in result.records:
+        [row] = record.data["ledger"]
+        tokens = record.tokens[row["call_id"]] if isinstance(record, TokenedRecord) else None
+        if tokens is None:
+            raise RuntimeError(f"the restore lost the line of {row['call_id']}")
+        tokens.check(row["call_id"], row["prompt_digest"], row["output_digest"], "sidecar_copy")
     return time.perf_counter() - began
+
+
+def _digests(line: CallTokens) -> dict[str, str]:
+    """The prompt and output digests a ledger row holds for ``line``."""
+    data = orjson.loads(line.line)
+    return {"prompt_digest": sha256_of(data["prompt_token_ids"]),
+            "output_digest": sha256_of(data["generation_token_ids"])}
 
 
 def _restore_memory(directory: Path, scope: frozenset[RolloutIdentity]) -> tuple[int, int]:
