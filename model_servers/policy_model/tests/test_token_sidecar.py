@@ -443,13 +443,24 @@ async def test_a_sidecar_named_as_before_by_the_files_digest_is_still_restored(
     async with open_policy(CALL) as policy:
         first, _ = await first_turns(policy)
         where, _ = await policy.commit("c1")
-    earlier_form(sidecar_of(where))
+    earlier = earlier_form(sidecar_of(where))
     async with open_policy() as fresh:
         restored = await fresh.restore("c1", where, [R1, R2])
         assert restored.status_code == 200, restored.text
         assert (await fresh.extras())["ledgers"] == 2
         [call] = await fresh.calls(R1.next_attempt())
+        await fresh.control.ok("resume", checkpoint_id="c1")
+        scope = [R1.to_json(), R2.to_json()]
+        linked, _ = await fresh.commit("c2", episode_ids=scope)  # the earlier file linked as it is named
+        again, _ = await fresh.commit("c3", episode_ids=scope, incremental=False)  # written in the new form
     assert {name: call[name] for name in ARRAYS} == {name: first["output"][0][name] for name in ARRAYS}
+    assert sidecar_of(linked).name == earlier.name and sidecar_of(linked).stat().st_ino == earlier.stat().st_ino
+    assert sidecar_of(again).name == named_by_lines(earlier.read_bytes())
+    for directory in (linked, again):
+        async with open_policy() as later:
+            assert (await later.restore("later", directory, [R1.next_attempt()])).status_code == 200
+            [call] = await later.calls(R1.next_attempt().next_attempt())
+            assert {name: call[name] for name in ARRAYS} == {name: first["output"][0][name] for name in ARRAYS}
 
 
 def test_a_sidecar_line_that_does_not_hash_to_its_row_is_refused() -> None:
