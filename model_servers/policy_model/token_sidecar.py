@@ -437,7 +437,7 @@ class SidecarStore(CheckpointStore):
         self.sidecar_base = done.index
         files: dict[str, LineFile] = {}
         for line, name, offset in done.placed:
-            if line._line is None:  # already kept in a file
+            if not line.in_memory:  # already kept in a file
                 continue
             if name not in files:
                 try:
