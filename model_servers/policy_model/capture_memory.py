@@ -18,7 +18,8 @@ gigabytes, so a line lives in one of three places:
   the lines it reads in the restored-from sidecar the same way.
 
 A line read back is checked against its digest (``LineFile.read``; lines next to each other in one
-file are read back with one read, ``LineFile.read_run``, each line still checked).
+file are read back with one read, ``LineFile.read_run``, or into a buffer given, ``read_run_into``,
+each line still checked).
 """
 
 from __future__ import annotations
@@ -61,13 +62,25 @@ class LineFile:
         length = sum(sizes) + len(sizes) - 1
         data = os.pread(self._fd, length, offset)
         if len(data) != length:
-            raise InvalidCheckpointState(f"token lines kept in {self.name} are shorter than when written")
-        view, sha256 = memoryview(data), hashlib.sha256
+            raise self._shorter()
+        return self._checked(memoryview(data), sizes, digests)
+
+    def read_run_into(self, into: memoryview, offset: int, sizes: list[int], digests: list[str]) -> None:
+        """``read_run`` into ``into`` (exactly as long as the lines and the newlines between them)."""
+        if os.preadv(self._fd, [into], offset) != len(into):
+            raise self._shorter()
+        self._checked(into, sizes, digests)
+
+    def _checked(self, view: memoryview, sizes: list[int], digests: list[str]) -> list[memoryview]:
+        sha256 = hashlib.sha256
         starts = list(accumulate((size + 1 for size in sizes[:-1]), initial=0))
         lines = [view[start : start + size] for start, size in zip(starts, sizes, strict=True)]
         if [sha256(line).hexdigest() for line in lines] != digests:
             raise InvalidCheckpointState(f"a token line kept in {self.name} no longer matches its digest")
         return lines
+
+    def _shorter(self) -> InvalidCheckpointState:
+        return InvalidCheckpointState(f"token lines kept in {self.name} are shorter than when written")
 
     def __del__(self) -> None:
         fd, self._fd = getattr(self, "_fd", -1), -1

@@ -47,6 +47,7 @@ import hashlib
 import os
 import re
 import secrets
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -80,13 +81,13 @@ __all__ = [
     "SIDECAR_NAME",
     "TOKEN_DIGEST",
     "CallTokens",
+    "ChunkBuffer",
     "SidecarIndex",
     "SidecarStore",
     "SidecarWrite",
     "SidecarWriter",
     "TokenedRecord",
-    "line_chunks",
-    "lines_digest_of",
+        "lines_digest_of",
     "needed_digests",
     "sidecar_name",
     "write_sidecar",
@@ -99,6 +100,7 @@ SIDECAR_NAME = re.compile(r"(token-lines|tokens)-([0-9a-f]{64})\.jsonl")
 LINES_PREFIX = "token-lines"
 TOKEN_DIGEST = "token_digest"
 _LINE_KEYS = ("call_id", *TOKEN_ARRAYS)
+_NEWLINE = ord("\n")
 _ID_BYTES = b"0123456789,"  # JSON of non-negative integers: no sign, point, exponent, letter or quote
 _NUMBER_BYTES = b"0123456789,.-+eE"  # JSON of numbers: no letter (true, false, null) or quote
 SidecarLines = Callable[[], Sequence["CallTokens"]]
@@ -268,58 +270,103 @@ class SidecarIndex:
     sizes: dict[str, int] = field(default_factory=dict)
 
 
-def line_chunks(tokens: Sequence[CallTokens], chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[bytes | memoryview]]:
-    """The bytes of the token lines, in order, in lists of about ``chunk_bytes``. A line in memory is
-    taken as it is; lines kept next to each other in one file are read back together
-    (``LineFile.read_run``: one read, each line checked against its digest). A full commit copies
-    every line the earlier commits made durable: one chunk at a time, whatever their number."""
-    chunk: list[bytes | memoryview] = []
-    run: list[CallTokens] = []
-    run_file, run_end, size = None, -1, 0
-    for tokens_ in tokens:
-        line = tokens_._line
-        if line is not None or tokens_._file is not run_file or tokens_._offset != run_end:
-            if run:
-                chunk.extend(_read_run(run))
-                run = []
-            if line is not None:
-                chunk.append(line)
-                run_file = None
+class ChunkBuffer:
+    """The buffer a sidecar's lines are assembled in, about ``chunk_bytes`` at a time, kept from one
+    commit to the next. Each line is copied into it once: a line in memory as it is, a run of lines
+    kept next to each other in one file read straight into it (``LineFile.read_run_into``: one read,
+    each line checked against its digest); the chunk is written from it. No buffer per chunk and no
+    join: a fresh megabyte costs hundreds of page faults, more than copying it. It grows to the
+    largest chunk (``chunk_bytes`` and one line at most); a second write while one holds it gets a
+    buffer of its own."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+        self._lock = threading.Lock()
+
+    def chunks(self, tokens: Sequence[CallTokens], chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
+        """The lines of ``tokens`` in order, a newline after each, in views of this buffer of about
+        ``chunk_bytes`` each; a view holds its chunk until the next one is asked for."""
+        if not self._lock.acquire(blocking=False):
+            yield from ChunkBuffer().chunks(tokens, chunk_bytes)
+            return
+        try:
+            for group, size in _groups(tokens, chunk_bytes):
+                if len(self._data) < size:
+                    self._data = bytearray(size)
+                yield self._fill(group)
+        finally:
+            self._lock.release()
+
+    def _fill(self, group: list[CallTokens]) -> memoryview:
+        view, at = memoryview(self._data), 0
+        for segment in _segments(group):
+            if isinstance(segment, bytes):
+                end = at + len(segment)
+                view[at:end] = segment
             else:
-                run_file = tokens_._file
-        if line is None:
-            run.append(tokens_)
-            run_end = tokens_._offset + tokens_.size + 1
-        size += tokens_.size + 1
+                first = segment[0]
+                assert first._file is not None
+                sizes = [tokens.size for tokens in segment]
+                end = at + sum(sizes) + len(sizes) - 1
+                first._file.read_run_into(view[at:end], first._offset, sizes, [tokens.digest for tokens in segment])
+                separator = at - 1
+                for line_size in sizes[:-1]:  # the lines were checked: a newline between each, as written
+                    separator += line_size + 1
+                    view[separator] = _NEWLINE
+            view[end] = _NEWLINE
+            at = end + 1
+        return view[:at]
+
+
+def _groups(tokens: Sequence[CallTokens], chunk_bytes: int) -> Iterator[tuple[list[CallTokens], int]]:
+    """The lines in order, in groups of at least ``chunk_bytes`` (newlines counted; the last smaller)."""
+    group: list[CallTokens] = []
+    size = 0
+    for line in tokens:
+        group.append(line)
+        size += line.size + 1
         if size >= chunk_bytes:
-            if run:
-                chunk.extend(_read_run(run))
-                run, run_file = [], None
-            yield chunk
-            chunk, size = [], 0
+            yield group, size
+            group, size = [], 0
+    if group:
+        yield group, size
+
+
+def _segments(group: list[CallTokens]) -> Iterator[bytes | list[CallTokens]]:
+    """Each line in memory, and each run of lines kept next to each other in one file, in order."""
+    run: list[CallTokens] = []
+    for tokens in group:
+        line = tokens._line
+        if line is None and run and tokens._file is run[-1]._file and tokens._offset == _end_of(run[-1]):
+            run.append(tokens)
+            continue
+        if run:
+            yield run
+        run = [tokens] if line is None else []
+        if line is not None:
+            yield line
     if run:
-        chunk.extend(_read_run(run))
-    if chunk:
-        yield chunk
+        yield run
 
 
-def _read_run(run: list[CallTokens]) -> list[memoryview]:
-    first = run[0]
-    assert first._file is not None
-    return first._file.read_run(first._offset, [tokens.size for tokens in run], [tokens.digest for tokens in run])
+def _end_of(tokens: CallTokens) -> int:
+    """The offset right after a kept line and its newline."""
+    return tokens._offset + tokens.size + 1
 
 
 def write_sidecar(
-    ops: FileOps, directory: Path, tokens: Sequence[CallTokens], stop: StopSignal, chunk_bytes: int = CHUNK_BYTES
+    ops: FileOps, directory: Path, tokens: Sequence[CallTokens], stop: StopSignal, chunk_bytes: int = CHUNK_BYTES,
+    buffer: ChunkBuffer | None = None,
 ) -> str:
     """Write the lines of ``tokens`` durably as ``token-lines-<sha256 of their digests>.jsonl``: a
-    temporary file written a chunk at a time (``line_chunks``: a line read back from a file is checked
-    against its digest on the way), renamed to its name; that name. No byte is hashed for the name:
-    each line's digest is already known. The temporary file never outlives a failure."""
+    temporary file written a chunk at a time (assembled in ``buffer``, or a buffer of its own: a line
+    read back from a file is checked against its digest on the way), renamed to its name; that name.
+    No byte is hashed for the name: each line's digest is already known. The temporary file never
+    outlives a failure."""
     temp = directory / f".tokens-{secrets.token_hex(8)}.tmp"
     with write_errors(directory, "token sidecar write"):
         stop.check()
-        ops.write_new_chunks(temp, _joined_chunks(line_chunks(tokens, chunk_bytes), stop))
+        ops.write_new_chunks(temp, _stoppable((buffer or ChunkBuffer()).chunks(tokens, chunk_bytes), stop))
         name = sidecar_name(lines_digest_of(line.digest for line in tokens))
         try:
             ops.rename(temp, directory / name)
@@ -332,11 +379,11 @@ def write_sidecar(
     return name
 
 
-def _joined_chunks(chunks: Iterable[Sequence[bytes | memoryview]], stop: StopSignal) -> Iterator[bytes]:
-    """Each chunk's lines joined, a newline after each."""
-    for lines in chunks:
+def _stoppable(chunks: Iterable[memoryview], stop: StopSignal) -> Iterator[memoryview]:
+    """The chunks, the stop signal checked before each."""
+    for chunk in chunks:
         stop.check()
-        yield b"\n".join([*lines, b""])
+        yield chunk
 
 
 @dataclass
@@ -351,10 +398,12 @@ class SidecarWrite:
 
 
 def write_sidecars(
-    ops: FileOps, directory: Path, tokens: Sequence[CallTokens], base: SidecarIndex | None, stop: StopSignal
+    ops: FileOps, directory: Path, tokens: Sequence[CallTokens], base: SidecarIndex | None, stop: StopSignal,
+    buffer: ChunkBuffer | None = None,
 ) -> SidecarWrite:
     """Make every line of ``tokens`` durable in ``directory``: base files still at least a quarter in use
-    are hard-linked (docs/protocol.md section 6.1), the other lines go to one new sidecar file."""
+    are hard-linked (docs/protocol.md section 6.1), the other lines go to one new sidecar file
+    (assembled in ``buffer``)."""
     linked: set[str] = set()
     if base is not None:
         live: dict[str, int] = {}
@@ -381,7 +430,7 @@ def write_sidecars(
                 fresh.append(line)
     written, size = None, 0
     if fresh:
-        written = write_sidecar(ops, directory, fresh, stop)
+        written = write_sidecar(ops, directory, fresh, stop, buffer=buffer)
         offsets = list(accumulate((line.size + 1 for line in fresh), initial=0))
         size = offsets.pop()
         places = [(written, offset) for offset in offsets]
@@ -409,7 +458,8 @@ class SidecarWriter(RecordWriter):
         done = None
         if tokens:
             base = self._store.sidecar_base if self.base is not None else None
-            done = write_sidecars(self._sidecar_ops, self.directory, tokens, base, self._sidecar_stop)
+            done = write_sidecars(self._sidecar_ops, self.directory, tokens, base, self._sidecar_stop,
+                                  self._store.chunk_buffer)
             self.sidecar, self.sidecar_bytes, self.sidecar_linked = done.written, done.bytes_written, done.linked
         manifest = super().finish(kind, instance, checkpoint_id)
         if done is not None:
@@ -427,6 +477,7 @@ class SidecarStore(CheckpointStore):
         super().__init__(base.root, base.ops, max_record_bytes=base.max_record_bytes)
         self._lines = lines
         self.sidecar_base: SidecarIndex | None = None
+        self.chunk_buffer = ChunkBuffer()
 
     def new_writer(self, directory: Path, stop: StopSignal) -> RecordWriter:
         """The base store's writer, with the sidecar made durable before the records are sealed."""

@@ -62,7 +62,7 @@ class FileOps:
     def open_new(self, path: Path) -> int:
         return os.open(path, _NEW_FLAGS, 0o644)
 
-    def write(self, fd: int, data: bytes) -> None:
+    def write(self, fd: int, data: bytes | memoryview) -> None:
         """All of ``data``, in system calls of at most ``WRITE_SLICE`` bytes."""
         view = memoryview(data)
         while view:
@@ -102,7 +102,7 @@ class FileOps:
         """Create ``path`` (it must not exist), write ``data``, fsync, close; removed again on failure."""
         self.write_new_chunks(path, (data,))
 
-    def write_new_chunks(self, path: Path, chunks: Iterable[bytes]) -> None:
+    def write_new_chunks(self, path: Path, chunks: Iterable[bytes | memoryview]) -> None:
         """``write_new`` of the chunks' bytes, one chunk at a time (each one's writeback started once
         written), whatever their number: the chunks may be made as they are asked for."""
         fd = self.open_new(path)

@@ -78,7 +78,7 @@ class CrashFS(FileOps):
         self._end(index)
         return fd
 
-    def write(self, fd: int, data: bytes) -> None:
+    def write(self, fd: int, data: bytes | memoryview) -> None:
         index = self._begin("write")
         super().write(fd, data)
         self._data[self._fd_inode[fd]] += data

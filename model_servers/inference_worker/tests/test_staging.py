@@ -66,7 +66,7 @@ class RecordingOps(FileOps):
         self._do("open_new")
         return super().open_new(path)
 
-    def write(self, fd: int, data: bytes) -> None:
+    def write(self, fd: int, data: bytes | memoryview) -> None:
         self._do("write")
         super().write(fd, data)
 

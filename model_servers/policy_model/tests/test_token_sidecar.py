@@ -35,9 +35,9 @@ from model_servers.policy_model.tests.scripted_worker import Generate, ScriptedW
 from model_servers.policy_model.token_sidecar import (
     SIDECAR_NAME,
     CallTokens,
+    ChunkBuffer,
     SidecarStore,
     TokenedRecord,
-    line_chunks,
     write_sidecar,
 )
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
@@ -316,6 +316,11 @@ def kept_lines(root: Path, count: int) -> tuple[list[CallTokens], Path]:
     return kept, path
 
 
+def chunk_bytes(buffer: ChunkBuffer, tokens: list[CallTokens], **kwargs: int) -> list[bytes]:
+    """Each chunk's bytes, taken before the next chunk is asked for (a chunk is a view of the buffer)."""
+    return [bytes(chunk) for chunk in buffer.chunks(tokens, **kwargs)]
+
+
 def test_token_lines_kept_next_to_each_other_are_read_back_in_one_read_each_run(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -323,22 +328,49 @@ def test_token_lines_kept_next_to_each_other_are_read_back_in_one_read_each_run(
     in_memory = CallTokens("mc_new", b'{"call_id":"mc_new"}', hashlib.sha256(b'{"call_id":"mc_new"}').hexdigest())
     order = [kept[0], kept[1], kept[2], in_memory, kept[3], kept[5], kept[4]]  # runs: 0-2, 3, 5, 4
     reads: list[int] = []
-    real_pread = os.pread
-    monkeypatch.setattr(os, "pread", lambda fd, size, offset: reads.append(offset) or real_pread(fd, size, offset))
-    [chunk] = line_chunks(order)
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: reads.append(offset) or real_preadv(fd, buffers, offset))
+    [chunk] = chunk_bytes(ChunkBuffer(), order)
     file_lines = path.read_bytes().splitlines()
-    assert chunk == [*file_lines[:3], b'{"call_id":"mc_new"}', file_lines[3], file_lines[5], file_lines[4]]
+    assert chunk.splitlines() == [*file_lines[:3], b'{"call_id":"mc_new"}', file_lines[3], file_lines[5], file_lines[4]]
+    assert chunk.endswith(b"\n")
     assert len(reads) == 4  # one per run, the line in memory read from nowhere
 
 
-def test_token_lines_are_copied_a_bounded_chunk_at_a_time(root: Path) -> None:
+def test_token_lines_are_copied_a_bounded_chunk_at_a_time_in_one_buffer(root: Path) -> None:
     kept, path = kept_lines(root, 40)
     bound = 200
-    chunks = list(line_chunks(kept, chunk_bytes=bound))
+    buffer = ChunkBuffer()
+    chunks = chunk_bytes(buffer, kept, chunk_bytes=bound)
     longest = max(tokens.size for tokens in kept) + 1
     assert len(chunks) > 3
-    assert all(sum(len(line) + 1 for line in chunk) < bound + longest for chunk in chunks)
-    assert [line for chunk in chunks for line in chunk] == path.read_bytes().splitlines()
+    assert all(len(chunk) < bound + longest for chunk in chunks)
+    assert b"".join(chunks) == path.read_bytes()
+    held = len(buffer._data)
+    assert held < bound + longest  # the largest chunk, held from one write to the next
+    assert b"".join(chunk_bytes(buffer, kept, chunk_bytes=bound)) == path.read_bytes()
+    assert len(buffer._data) == held
+
+
+def test_a_damaged_newline_between_kept_lines_is_written_as_a_newline(root: Path) -> None:
+    kept, path = kept_lines(root, 5)
+    content = path.read_bytes()
+    damaged = bytearray(content)
+    damaged[kept[2].size + kept[0].size + kept[1].size + 2] = ord("x")  # the newline after line 2
+    path.write_bytes(bytes(damaged))
+    assert b"".join(chunk_bytes(ChunkBuffer(), kept)) == content  # each line checked, newlines as written
+
+
+def test_a_second_write_while_the_buffer_is_held_gets_a_buffer_of_its_own(root: Path) -> None:
+    kept, path = kept_lines(root, 40)
+    buffer = ChunkBuffer()
+    first = buffer.chunks(kept, chunk_bytes=200)
+    view = next(first)
+    held = bytes(view)
+    second = chunk_bytes(buffer, kept[::-1], chunk_bytes=50)  # smaller chunks, while the first holds it
+    assert bytes(view) == held  # not overwritten
+    assert b"".join(second).splitlines() == path.read_bytes().splitlines()[::-1]
+    assert b"".join([held, *(bytes(chunk) for chunk in first)]) == path.read_bytes()
 
 
 @pytest.mark.parametrize("damage", ["a changed byte", "cut short"])
@@ -351,7 +383,7 @@ def test_a_kept_token_line_that_changed_on_disk_is_refused(root: Path, damage: s
         del content[-3:]
     path.write_bytes(bytes(content))
     with pytest.raises(InvalidCheckpointState, match=r"kept in kept\.jsonl"):
-        list(line_chunks(kept))
+        chunk_bytes(ChunkBuffer(), kept)
     (root / "new").mkdir()
     with pytest.raises(InvalidCheckpointState, match=r"kept in kept\.jsonl"):  # found while writing
         write_sidecar(FileOps(), root / "new", kept, StopSignal(), chunk_bytes=40)

@@ -312,7 +312,7 @@ class WritebackOps(FileOps):
         self.events.append(("open", fd, 0))
         return fd
 
-    def write(self, fd: int, data: bytes) -> None:
+    def write(self, fd: int, data: bytes | memoryview) -> None:
         super().write(fd, data)
         self.written[fd] += len(data)
         self.events.append(("write", fd, self.written[fd]))
