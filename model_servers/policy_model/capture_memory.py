@@ -75,7 +75,7 @@ class LineFile:
         sha256 = hashlib.sha256
         starts = list(accumulate((size + 1 for size in sizes[:-1]), initial=0))
         lines = [view[start : start + size] for start, size in zip(starts, sizes, strict=True)]
-        if [sha256(line).hexdigest() for line in lines] != digests:
+        if b"".join([sha256(line).digest() for line in lines]) != bytes.fromhex("".join(digests)):
             raise InvalidCheckpointState(f"a token line kept in {self.name} no longer matches its digest")
         return lines
 

@@ -106,7 +106,8 @@ KEPT_FAILURES = 100
 """Failures kept as text (the first ones); all of them are counted."""
 PHASES = ("prepare", "commit", "resume")
 """The phases of a pause, in order (``phase_cpu``: the CPU of each process in each)."""
-_SAMPLE_KEYS = ("id", "started_at", "pause_ms", "prepare_ms", "commit_ms", "bytes_written", "calls_ms")
+_SAMPLE_KEYS = ("id", "started_at", "pause_ms", "prepare_ms", "commit_ms", "bytes_written", "calls_ms",
+                "longest_write")
 """What each checkpoint of a level reports in the row's ``checkpoints``, in the order taken."""
 
 
@@ -210,6 +211,14 @@ def _write_speed(writes: dict[str, Any]) -> float:
     longest write (first byte to the manifest's link and the directory's fsync, in each one's thread)."""
     longest_ms = max((write["write_ms"] for write in writes.values()), default=0.0)
     return sum(write["bytes"] for write in writes.values()) / max(longest_ms, 1e-6) / 1e3
+
+
+def _longest_write(writes: dict[str, Any]) -> dict[str, Any]:
+    """The participant whose write the commit's write speed was read over: its name, ms, CPU ms, bytes."""
+    if not writes:
+        return {}
+    name = max(writes, key=lambda participant: writes[participant]["write_ms"])
+    return {"participant": name, **{key: writes[name][key] for key in ("write_ms", "write_cpu_ms", "bytes")}}
 
 
 def _no_mark() -> None:
@@ -328,7 +337,7 @@ class _Bench:
         writes = {name: status["last_commit"] for name, status in (await coordinator.status()).items()
                   if (status.get("last_commit") or {}).get("checkpoint_id") == cid}
         return {"id": cid, "started_at": started_at, "incremental": incremental, "directory": directory,
-                "writes": writes, "write_mb_s": _write_speed(writes),
+                "writes": writes, "write_mb_s": _write_speed(writes), "longest_write": _longest_write(writes),
                 "episodes": [parse_capture_key(key) for key in committed.episode_ids()],
                 "committed_at": committed_at,
                 "pause_ms": 1000 * (resumed_at - began), "prepare_ms": 1000 * (prepared_at - began),

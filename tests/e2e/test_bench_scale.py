@@ -32,6 +32,8 @@ def test_the_quick_scale_suite_reports_its_shape(tmp_path: Path) -> None:
     assert level["fsync_floor_loaded_mb_s"] > 0 and level["participant_write_over_loaded_floor"] > 0
     assert level["writes_at_once_mb_s"] > 0 and level["participant_write_over_writes_at_once"] > 0
     assert set(level["participant_write_ms_p50_full"]) == set(level["records"])
+    longest = [checkpoint["longest_write"] for checkpoint in level["checkpoints"]]  # what each speed is read over
+    assert all(write["participant"] in level["records"] and write["write_ms"] > 0 for write in longest)
     assert level["restore_incremental_ms"] > 0 and set(level["peak_memory_mb"]) >= {"policy_model", "simple_agent"}
     hold = level["generation_hold"]  # the bench holds the worker from ready to resume
     assert hold["holds"] >= 2 and hold["releases"] == hold["holds"] and hold["expired"] == 0

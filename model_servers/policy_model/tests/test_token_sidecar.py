@@ -329,10 +329,15 @@ def test_token_lines_kept_next_to_each_other_are_read_back_in_one_read_each_run(
     order = [kept[0], kept[1], kept[2], in_memory, kept[3], kept[5], kept[4]]  # runs: 0-2, 3, 5, 4
     reads: list[int] = []
     real_preadv = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: reads.append(offset) or real_preadv(fd, buffers, offset))
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        reads.append(offset)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
     [chunk] = chunk_bytes(ChunkBuffer(), order)
-    file_lines = path.read_bytes().splitlines()
-    assert chunk.splitlines() == [*file_lines[:3], b'{"call_id":"mc_new"}', file_lines[3], file_lines[5], file_lines[4]]
+    lines = path.read_bytes().splitlines()
+    assert chunk.splitlines() == [*lines[:3], b'{"call_id":"mc_new"}', lines[3], lines[5], lines[4]]
     assert chunk.endswith(b"\n")
     assert len(reads) == 4  # one per run, the line in memory read from nowhere
 
