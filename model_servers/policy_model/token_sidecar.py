@@ -21,8 +21,9 @@ still read.
 
 Write (``SidecarStore.open_writer`` gives a ``SidecarWriter``): when the records are sealed, the
 sidecar is written first, to ``.tokens-<random>.tmp`` (about 1 MiB of lines at a time, as the
-records are: lines read back from an earlier sidecar are held one chunk at a time, each checked
-against its digest), fsync'd and renamed to its name; only then are the records fsync'd and
+records are, each chunk assembled in one buffer the store keeps between commits, ``ChunkBuffer``:
+lines read back from an earlier sidecar are read straight into it, each checked against its
+digest), fsync'd and renamed to its name; only then are the records fsync'd and
 renamed and the directory fsync'd (which makes both renames durable), and the manifest linked (the
 commit point): a manifest never names rows whose tokens are not durable. The sidecar costs one
 file and one fsync per commit. A commit whose ledgers hold no token ids writes no sidecar. Lines of
