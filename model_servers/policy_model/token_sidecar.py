@@ -88,7 +88,7 @@ __all__ = [
     "SidecarWrite",
     "SidecarWriter",
     "TokenedRecord",
-        "lines_digest_of",
+    "lines_digest_of",
     "needed_digests",
     "sidecar_name",
     "write_sidecar",
@@ -275,10 +275,10 @@ class ChunkBuffer:
     """The buffer a sidecar's lines are assembled in, about ``chunk_bytes`` at a time, kept from one
     commit to the next. Each line is copied into it once: a line in memory as it is, a run of lines
     kept next to each other in one file read straight into it (``LineFile.read_run_into``: one read,
-    each line checked against its digest); the chunk is written from it. No buffer per chunk and no
-    join: a fresh megabyte costs hundreds of page faults, more than copying it. It grows to the
-    largest chunk (``chunk_bytes`` and one line at most); a second write while one holds it gets a
-    buffer of its own."""
+    each line checked against its digest); the chunk is written from it. No list of views per chunk
+    and no join: each byte is copied once, into pages that stay mapped from one commit to the next.
+    It grows to the largest chunk (``chunk_bytes`` and one line at most); a second write while one
+    holds it gets a buffer of its own."""
 
     def __init__(self) -> None:
         self._data = bytearray()
