@@ -454,6 +454,11 @@ class SidecarWriter(RecordWriter):
         self.sidecar_bytes = 0
         self.sidecar_linked: list[str] = []
 
+    @property
+    def bytes_written(self) -> int:
+        """The records and the new sidecar file (a linked file is not written again)."""
+        return self.bytes + self.sidecar_bytes
+
     def finish(self, kind: str, instance: str, checkpoint_id: str) -> Manifest:
         tokens = self._lines()
         done = None

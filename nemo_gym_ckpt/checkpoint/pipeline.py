@@ -48,8 +48,9 @@ class ExportPipeline:
         )
         self._export: asyncio.Task[tuple[list[Record], list[str]]] | None = None
         self.timings: dict[str, Any] = {}
-        """Once run: ``records``, ``bytes``, ``capture_ms`` (on the event loop), ``write_ms`` (in the
-        worker thread, from the first byte to the manifest's link and the directory's fsync) and
+        """Once run: ``records``, ``bytes`` (``RecordWriter.bytes_written``: the records file, and the
+        other files of a store that writes more), ``capture_ms`` (on the event loop), ``write_ms`` (in
+        the worker thread, from the first byte to the manifest's link and the directory's fsync) and
         ``write_cpu_ms`` (that thread's CPU time meanwhile: the rest of ``write_ms`` it waited, for the
         disk, a core or the interpreter's lock) and ``open_wait_ms`` (from the capture's end until the
         writer was open, in neither of the others)."""
@@ -80,7 +81,7 @@ class ExportPipeline:
             writer = await asyncio.shield(opening)
             ready = time.perf_counter()
             manifest, write_s, cpu_s = await asyncio.to_thread(self._timed_write, writer, records, kind, instance)
-            self.timings = {"records": writer.count, "bytes": writer.bytes,
+            self.timings = {"records": writer.count, "bytes": writer.bytes_written,
                             "capture_ms": round(1000 * (captured - began), 2), "write_ms": round(1000 * write_s, 2),
                             "write_cpu_ms": round(1000 * cpu_s, 2),
                             "open_wait_ms": round(1000 * (ready - captured), 2)}

@@ -283,6 +283,12 @@ class RecordWriter:
             self.bytes += len(chunk)
             self.count += len(lines)
 
+    @property
+    def bytes_written(self) -> int:
+        """The bytes this commit wrote into its directory: its records file (a store that writes
+        more files adds theirs)."""
+        return self.bytes
+
     def finish(self, kind: str, instance: str, checkpoint_id: str) -> Manifest:
         """fsync and rename the records, then hard-link the manifest into place (the commit point)."""
         with self._lock, write_errors(self.directory):

@@ -170,6 +170,21 @@ async def test_a_commit_without_token_ids_writes_no_sidecar(open_policy: Callabl
     assert sorted(p.name for p in where.iterdir()) == sorted(["manifest.json", committed["manifest"]["records_file"]])
 
 
+async def test_the_last_commit_counts_the_sidecar_it_wrote_and_not_one_it_linked(
+    open_policy: Callable[..., Any],
+) -> None:
+    async with open_policy(CALL, CALL) as policy:
+        await first_turns(policy)
+        where, committed = await policy.commit("c1")
+        first = (await policy.control.status())["last_commit"]
+        again, committed_again = await policy.commit("c2")  # incremental: nothing new to write
+        second = (await policy.control.status())["last_commit"]
+    records = (where / committed["manifest"]["records_file"]).stat().st_size
+    assert first["bytes"] == records + sidecar_of(where).stat().st_size
+    assert sidecar_of(again).stat().st_ino == sidecar_of(where).stat().st_ino  # linked
+    assert second["bytes"] == (again / committed_again["manifest"]["records_file"]).stat().st_size
+
+
 class RecordingOps(FileOps):
     """Real file operations, logged; ``fail_fsync_of`` makes the fsync of such a file fail (ENOSPC)."""
 
