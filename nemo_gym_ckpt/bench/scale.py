@@ -66,7 +66,7 @@ from nemo_gym_ckpt.bench.mesh import (
     mesh_urls,
     task_rows,
 )
-from nemo_gym_ckpt.bench.stats import quantiles_ms
+from nemo_gym_ckpt.bench.stats import quantiles_ms, significant
 from nemo_gym_ckpt.checkpoint.collector_pause import PROCESS_COLLECTOR
 from nemo_gym_ckpt.checkpoint.collector_schedule import PROCESS_FULL_COLLECTIONS
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
@@ -499,13 +499,13 @@ class _Bench:
                (("full", fulls), ("incremental", incrs))},
             "commit_write_mb_s_full": [round(v, 1) for v in commit_speeds],
             "fsync_floor_mb_s": round(floor, 1),
-            "commit_over_floor": round(statistics.median(commit_speeds) / max(floor, 1e-9), 3),
+            "commit_over_floor": significant(statistics.median(commit_speeds) / max(floor, 1e-9)),
             "participant_write_mb_s_full": [round(s["write_mb_s"], 1) for s in fulls],
-            "participant_write_over_floor": round(write_p50 / max(floor, 1e-9), 3),
+            "participant_write_over_floor": significant(write_p50 / max(floor, 1e-9)),
             "fsync_floor_loaded_mb_s": round(loaded_floor, 1),
-            "participant_write_over_loaded_floor": round(write_p50 / max(loaded_floor, 1e-9), 3),
+            "participant_write_over_loaded_floor": significant(write_p50 / max(loaded_floor, 1e-9)),
             "writes_at_once_mb_s": round(at_once, 1),
-            "participant_write_over_writes_at_once": round(write_p50 / max(at_once, 1e-9), 3),
+            "participant_write_over_writes_at_once": significant(write_p50 / max(at_once, 1e-9)),
             "participant_write_ms_p50_full": _per_participant_p50(fulls, "write_ms"),
             "participant_write_cpu_ms_p50_full": _per_participant_p50(fulls, "write_cpu_ms"),
             "participant_capture_ms_p50_full": _per_participant_p50(fulls, "capture_ms"),

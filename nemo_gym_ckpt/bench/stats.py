@@ -1,10 +1,11 @@
-"""The statistics every bench reports: nearest-rank percentiles, and the p50/p99/max of samples."""
+"""The statistics every bench reports: nearest-rank percentiles, the p50/p99/max of samples, and ratios
+rounded to significant digits."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["percentile", "quantiles_ms"]
+__all__ = ["percentile", "quantiles_ms", "significant"]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -23,3 +24,9 @@ def quantiles_ms(samples_ms: list[float], digits: int = 1) -> dict[str, Any]:
         "max_ms": round(max(samples_ms, default=0.0), digits),
         "n": len(samples_ms),
     }
+
+
+def significant(value: float, digits: int = 3) -> float:
+    """``value`` rounded to ``digits`` significant digits: a ratio of tiny figures (a quick bench's
+    few KB against a floor of hundreds of MB/s) stays what it is instead of rounding to 0."""
+    return float(f"{value:.{digits}g}")
