@@ -18,8 +18,8 @@ gigabytes, so a line lives in one of three places:
   the lines it reads in the restored-from sidecar the same way.
 
 A line read back is checked against its digest (``LineFile.read``; lines next to each other in one
-file are read back with one read, ``LineFile.read_run``, or into a buffer given, ``read_run_into``,
-each line still checked).
+file are read back with one read into a buffer given, ``LineFile.read_run_into``, each line still
+checked).
 """
 
 from __future__ import annotations
@@ -51,33 +51,26 @@ class LineFile:
 
     def read(self, offset: int, size: int, digest: str) -> bytes:
         """The ``size`` bytes at ``offset``, which must hash to ``digest``."""
-        return bytes(self.read_run(offset, [size], [digest])[0])
-
-    def read_run(self, offset: int, sizes: list[int], digests: list[str]) -> list[memoryview]:
-        """Lines next to each other from ``offset`` (of ``sizes``, a newline after each): one read for
-        all of them, each line checked against its digest (``digests``, in the same order); views
-        of the one buffer read."""
-        if not sizes:
-            return []
-        length = sum(sizes) + len(sizes) - 1
-        data = os.pread(self._fd, length, offset)
-        if len(data) != length:
+        data = os.pread(self._fd, size, offset)
+        if len(data) != size:
             raise self._shorter()
-        return self._checked(memoryview(data), sizes, digests)
+        self._check(memoryview(data), [size], [digest])
+        return data
 
     def read_run_into(self, into: memoryview, offset: int, sizes: list[int], digests: list[str]) -> None:
-        """``read_run`` into ``into`` (exactly as long as the lines and the newlines between them)."""
+        """Lines next to each other from ``offset`` (of ``sizes``, a newline after each), read with one
+        read into ``into`` (exactly as long as the lines and the newlines between them), each line
+        checked against its digest (``digests``, in the same order)."""
         if os.preadv(self._fd, [into], offset) != len(into):
             raise self._shorter()
-        self._checked(into, sizes, digests)
+        self._check(into, sizes, digests)
 
-    def _checked(self, view: memoryview, sizes: list[int], digests: list[str]) -> list[memoryview]:
+    def _check(self, view: memoryview, sizes: list[int], digests: list[str]) -> None:
         sha256 = hashlib.sha256
-        starts = list(accumulate((size + 1 for size in sizes[:-1]), initial=0))
-        lines = [view[start : start + size] for start, size in zip(starts, sizes, strict=True)]
-        if b"".join([sha256(line).digest() for line in lines]) != bytes.fromhex("".join(digests)):
+        starts = accumulate((size + 1 for size in sizes[:-1]), initial=0)
+        hashed = [sha256(view[start : start + size]).digest() for start, size in zip(starts, sizes, strict=True)]
+        if b"".join(hashed) != bytes.fromhex("".join(digests)):
             raise InvalidCheckpointState(f"a token line kept in {self.name} no longer matches its digest")
-        return lines
 
     def _shorter(self) -> InvalidCheckpointState:
         return InvalidCheckpointState(f"token lines kept in {self.name} are shorter than when written")
