@@ -23,12 +23,13 @@ Write (``SidecarStore.open_writer`` gives a ``SidecarWriter``): when the records
 sidecar is written first, to ``.tokens-<random>.tmp`` (about 1 MiB of lines at a time, as the
 records are, each chunk assembled in one buffer the store keeps between commits, ``ChunkBuffer``:
 lines read back from an earlier sidecar are read straight into it, each checked against its
-digest), fsync'd and renamed to its name; only then are the records fsync'd and
-renamed and the directory fsync'd (which makes both renames durable), and the manifest linked (the
-commit point): a manifest never names rows whose tokens are not durable. The sidecar costs one
-file and one fsync per commit. A commit whose ledgers hold no token ids writes no sidecar. Lines of
-a restored ledger are written back byte for byte (``CallTokens.line`` is the line as read), as is
-its record.
+digest). Its fsync waits for the records writer's (``RecordWriter.sync_with_records``): the
+sidecar, the records and the manifest's temporary file are all written, then each is fsync'd (the
+sidecar first) and renamed to its name, the directory fsync'd (which makes the renames durable),
+and only then the manifest linked (the commit point): a manifest never names rows whose tokens are
+not durable. The sidecar costs one file and one fsync per commit. A commit whose ledgers hold no
+token ids writes no sidecar. Lines of a restored ledger are written back byte for byte
+(``CallTokens.line`` is the line as read), as is its record.
 
 Read (``SidecarStore.read``): after the records are checked against the manifest, if any record in
 scope has a row with a ``token_digest``, every sidecar of the directory is read, each line hashed
@@ -355,20 +356,31 @@ def _end_of(tokens: CallTokens) -> int:
     return tokens._offset + tokens.size + 1
 
 
+HandOver = Callable[[int, Path, Path], None]
+"""Takes a written, unsynced file (its open descriptor, temporary path, name) to fsync and rename
+with the records (``RecordWriter.sync_with_records``)."""
+
+
 def write_sidecar(
     ops: FileOps, directory: Path, tokens: Sequence[CallTokens], stop: StopSignal, chunk_bytes: int = CHUNK_BYTES,
-    buffer: ChunkBuffer | None = None,
+    buffer: ChunkBuffer | None = None, hand_over: HandOver | None = None,
 ) -> str:
     """Write the lines of ``tokens`` durably as ``token-lines-<sha256 of their digests>.jsonl``: a
     temporary file written a chunk at a time (assembled in ``buffer``, or a buffer of its own: a line
-    read back from a file is checked against its digest on the way), renamed to its name; that name.
-    No byte is hashed for the name: each line's digest is already known. The temporary file never
-    outlives a failure."""
+    read back from a file is checked against its digest on the way), fsynced and renamed to its name;
+    that name. With ``hand_over`` (a records writer's ``sync_with_records``), the written file's open
+    descriptor, temporary path and name go there instead, and its owner fsyncs and renames it with
+    the records. No byte is hashed for the name: each line's digest is already known. The temporary
+    file never outlives a failure."""
     temp = directory / f".tokens-{secrets.token_hex(8)}.tmp"
+    name = sidecar_name(lines_digest_of(line.digest for line in tokens))
     with write_errors(directory, "token sidecar write"):
         stop.check()
-        ops.write_new_chunks(temp, _stoppable((buffer or ChunkBuffer()).chunks(tokens, chunk_bytes), stop))
-        name = sidecar_name(lines_digest_of(line.digest for line in tokens))
+        chunks = _stoppable((buffer or ChunkBuffer()).chunks(tokens, chunk_bytes), stop)
+        if hand_over is not None:
+            hand_over(ops.write_new_unsynced(temp, chunks), temp, directory / name)
+            return name
+        ops.write_new_chunks(temp, chunks)
         try:
             ops.rename(temp, directory / name)
         except BaseException:
@@ -400,11 +412,11 @@ class SidecarWrite:
 
 def write_sidecars(
     ops: FileOps, directory: Path, tokens: Sequence[CallTokens], base: SidecarIndex | None, stop: StopSignal,
-    buffer: ChunkBuffer | None = None,
+    buffer: ChunkBuffer | None = None, hand_over: HandOver | None = None,
 ) -> SidecarWrite:
     """Make every line of ``tokens`` durable in ``directory``: base files still at least a quarter in use
     are hard-linked (docs/protocol.md section 6.1), the other lines go to one new sidecar file
-    (assembled in ``buffer``)."""
+    (assembled in ``buffer``; fsynced by ``hand_over``'s owner when given, as ``write_sidecar``)."""
     linked: set[str] = set()
     if base is not None:
         live: dict[str, int] = {}
@@ -431,7 +443,7 @@ def write_sidecars(
                 fresh.append(line)
     written, size = None, 0
     if fresh:
-        written = write_sidecar(ops, directory, fresh, stop, buffer=buffer)
+        written = write_sidecar(ops, directory, fresh, stop, buffer=buffer, hand_over=hand_over)
         offsets = list(accumulate((line.size + 1 for line in fresh), initial=0))
         size = offsets.pop()
         places = [(written, offset) for offset in offsets]
@@ -465,7 +477,7 @@ class SidecarWriter(RecordWriter):
         if tokens:
             base = self._store.sidecar_base if self.base is not None else None
             done = write_sidecars(self._sidecar_ops, self.directory, tokens, base, self._sidecar_stop,
-                                  self._store.chunk_buffer)
+                                  self._store.chunk_buffer, hand_over=self.sync_with_records)
             self.sidecar, self.sidecar_bytes, self.sidecar_linked = done.written, done.bytes_written, done.linked
         manifest = super().finish(kind, instance, checkpoint_id)
         if done is not None:

@@ -4,8 +4,9 @@
 makes a whole file durable from bytes in memory (temporary file, write, fsync, rename, directory
 fsync): the inference worker's staged prefixes and the collector's published files write through
 it; the policy model's token sidecar writes its temporary file a chunk at a time
-(``write_new_chunks``); the checkpoint store's records file, streamed across calls, and its
-manifest, hard-linked, take the same steps through the same methods. So the crash tests
+(``write_new_chunks``); the checkpoint store's records file, streamed across calls, its manifest,
+hard-linked, and the token sidecar of the policy model's commit take the same steps through the
+same methods, each file written before any of them is fsynced (``write_new_unsynced``). So the crash tests
 (``nemo_gym_ckpt.testing.crashfs``: a subclass that fails or "crashes" at any one operation and
 models what a power loss keeps) cover every durable file of the project.
 
@@ -105,14 +106,9 @@ class FileOps:
     def write_new_chunks(self, path: Path, chunks: Iterable[bytes | memoryview]) -> None:
         """``write_new`` of the chunks' bytes, one chunk at a time (each one's writeback started once
         written), whatever their number: the chunks may be made as they are asked for."""
-        fd = self.open_new(path)
+        fd = self.write_new_unsynced(path, chunks)
         try:
             try:
-                written = 0
-                for chunk in chunks:
-                    self.write(fd, chunk)
-                    self.start_writeback(fd, written, len(chunk))
-                    written += len(chunk)
                 self.fsync(fd)
             finally:
                 self.close(fd)
@@ -120,6 +116,26 @@ class FileOps:
             with suppress(OSError):
                 self.unlink(path)
             raise
+
+    def write_new_unsynced(self, path: Path, chunks: Iterable[bytes | memoryview]) -> int:
+        """Create ``path`` (it must not exist) and write the chunks' bytes as ``write_new_chunks``
+        does, but leave the fsync to the caller: the open descriptor, which the caller fsyncs and
+        closes. A writer with several files to make durable writes them all first, so that one
+        journal commit of the file system can carry all of them. Removed again on failure."""
+        fd = self.open_new(path)
+        try:
+            written = 0
+            for chunk in chunks:
+                self.write(fd, chunk)
+                self.start_writeback(fd, written, len(chunk))
+                written += len(chunk)
+        except BaseException:
+            with suppress(OSError):
+                self.close(fd)
+            with suppress(OSError):
+                self.unlink(path)
+            raise
+        return fd
 
     def write_durable(self, final: Path, data: bytes, temp: Path, *, sync_dir: bool = True) -> None:
         """``final`` holds ``data`` whole, or is left as it was: ``data`` goes to the new file ``temp``

@@ -198,6 +198,10 @@ class RecordingOps(FileOps):
         self._names[fd] = path.name
         return fd
 
+    def write(self, fd: int, data: bytes | memoryview) -> None:
+        self.log.append(("write", self._names[fd]))
+        super().write(fd, data)
+
     def fsync(self, fd: int) -> None:
         name = self._names[fd]
         if self.fail_fsync_of is not None and name.startswith(self.fail_fsync_of):
@@ -238,9 +242,21 @@ def test_the_sidecar_is_durable_before_the_records_are_renamed(root: Path) -> No
     assert sidecar_fsync < ops.log.index(("rename", renames[0])) < ops.log.index(("rename", renames[1]))
 
 
+def test_the_sidecar_records_and_manifest_are_all_written_before_the_first_fsync(root: Path) -> None:
+    """So that one journal commit of the file system can carry all three (``RecordWriter.finish``)."""
+    ops = RecordingOps()
+    store = SidecarStore(CheckpointStore(root, ops), lambda: [_line(b'{"call_id":"mc_1"}')])
+    write(store, root / "ck")
+    first_fsync = next(number for number, (op, _) in enumerate(ops.log) if op == "fsync")
+    written = {name.split("-")[0] for op, name in ops.log[:first_fsync] if op == "write"}
+    assert written == {".tokens", ".records", ".manifest"}
+    fsynced = [name.split("-")[0] for op, name in ops.log if op == "fsync"]
+    assert fsynced == [".tokens", ".records", ".manifest"]
+
+
 def test_a_failed_sidecar_write_fails_the_commit_and_leaves_no_records(root: Path) -> None:
     store = SidecarStore(CheckpointStore(root, RecordingOps(fail_fsync_of=".tokens")), lambda: [_line(b"{}")])
-    with pytest.raises(Unavailable, match="token sidecar write failed"):
+    with pytest.raises(Unavailable, match=r"ENOSPC.*must not be published"):  # its fsync, with the records
         write(store, root / "ck")
     assert list((root / "ck" / "gym" / "model" / "policy_model").iterdir()) == []
 

@@ -5,7 +5,8 @@ The writers: the collector's published files (``write_atomic``), the policy mode
 (``write_sidecar``) and ``write_durable`` itself. Each is run a first time and then a second time
 with a ``CrashFS`` that dies before or after each operation of the second write; what is left is
 read in the live view (the process died) and, where the writer fsyncs its directory, in the durable
-view (the machine lost power). The staging store's batches are covered the same way in
+view (the machine lost power). The policy model's whole commit (sidecar, records and manifest,
+fsynced together) is crashed at each of its operations too. The staging store's batches are covered the same way in
 ``model_servers/inference_worker/tests/test_staging.py``.
 """
 
@@ -17,9 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from model_servers.policy_model.token_sidecar import CallTokens, write_sidecar
-from nemo_gym_ckpt.checkpoint.store import StopSignal
+from model_servers.policy_model.token_sidecar import (
+    CallTokens,
+    SidecarStore,
+    lines_digest_of,
+    sidecar_name,
+    write_sidecar,
+)
+from nemo_gym_ckpt.checkpoint.store import MANIFEST_NAME, CheckpointStore, StopSignal
 from nemo_gym_ckpt.collect.published import write_atomic
+from nemo_gym_ckpt.errors import InvalidCheckpointState
+from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.testing.crashfs import CrashFS, SimulatedCrash
 
 pytestmark = pytest.mark.unit
@@ -111,3 +120,56 @@ def test_a_crash_in_a_token_sidecar_write_leaves_no_file_or_a_whole_one(after: b
             assert sidecar.name == f"token-lines-{hashlib.sha256(digests).hexdigest()}.jsonl"
             whole += 1
     assert whole == (1 if after else 0)  # only a crash after the rename leaves the file (the last call)
+
+
+def _policy_commit(ops: CrashFS, root: Path, directory: Path, tokens: list[CallTokens]) -> None:
+    """The policy model's commit: its token sidecar, records and manifest, made durable together."""
+    store = SidecarStore(CheckpointStore(root, ops), lambda: tokens)
+    writer = store.open_writer(directory, "model", "policy_model", StopSignal())
+    writer.write_lines([RECORD])
+    writer.finish("model", "policy_model", "c1")
+
+
+def _policy_outcome(directory: Path, tokens: list[CallTokens]) -> str:
+    """``none`` (no manifest), ``complete`` (the records and the whole sidecar), or ``torn``."""
+    where = directory / "gym" / "model" / "policy_model"
+    if not (where / MANIFEST_NAME).exists():
+        return "none"
+    try:
+        read = CheckpointStore(directory.parent).read(directory, "model", "policy_model", frozenset({EPISODE}))
+    except InvalidCheckpointState:
+        return "torn"
+    sidecar = where / sidecar_name(lines_digest_of(line.digest for line in tokens))
+    whole = sidecar.is_file() and sidecar.read_bytes() == b"".join(line.line + b"\n" for line in tokens)
+    return "complete" if whole and [record.raw for record in read.records] == [RECORD] else "torn"
+
+
+RECORD = b'{"episode_id":{"rollout_id":"r1","attempt":0},"ledger":[]}'
+EPISODE = RolloutIdentity("r1")
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+def test_a_crash_in_the_policy_models_commit_leaves_no_manifest_or_whole_records_and_tokens(
+    after: bool, tmp_path: Path
+) -> None:
+    """The sidecar, records and manifest are written before any of them is fsynced; whatever point
+    the process dies at, and whatever a power loss keeps (entries fsynced, or every entry change with
+    only fsynced data), a manifest never names a sidecar or records that are not whole."""
+    lines = [b'{"call_id":"mc_%d","prompt_token_ids":[1],"generation_token_ids":[2]}' % n for n in range(40)]
+    tokens = [CallTokens(f"mc_{n}", line, hashlib.sha256(line).hexdigest()) for n, line in enumerate(lines)]
+    dry = CrashFS()
+    _policy_commit(dry, tmp_path, tmp_path / "dry", tokens)
+    seen = set()
+    for index, name in enumerate(dry.calls):
+        ops, directory = CrashFS(crash_at=index, after=after), tmp_path / f"crash-{index}"
+        with pytest.raises(SimulatedCrash):
+            _policy_commit(ops, tmp_path, directory, tokens)
+        outcomes = {"live": _policy_outcome(directory, tokens)}
+        for entries in ("durable", "live"):
+            view = tmp_path / f"view-{entries}-{index}"
+            ops.materialize(tmp_path, view, entries=entries)
+            outcomes[f"power loss, {entries} entries"] = _policy_outcome(view / directory.name, tokens)
+        where = f"{'after' if after else 'before'} {name} (#{index})"
+        assert "torn" not in outcomes.values(), f"a crash {where}: {outcomes}"
+        seen.update(outcomes.values())
+    assert "none" in seen and "complete" in seen  # before the last fsync, the live view has it already
