@@ -214,11 +214,13 @@ def _write_speed(writes: dict[str, Any]) -> float:
 
 
 def _longest_write(writes: dict[str, Any]) -> dict[str, Any]:
-    """The participant whose write the commit's write speed was read over: its name, ms, CPU ms, bytes."""
+    """The participant whose write the commit's write speed was read over: its name, ms, CPU ms, the ms
+    in its fsyncs, bytes."""
     if not writes:
         return {}
     name = max(writes, key=lambda participant: writes[participant]["write_ms"])
-    return {"participant": name, **{key: writes[name][key] for key in ("write_ms", "write_cpu_ms", "bytes")}}
+    return {"participant": name, **{key: writes[name][key] for key in ("write_ms", "write_cpu_ms", "sync_ms",
+                                                                       "bytes")}}
 
 
 def _no_mark() -> None:
@@ -508,6 +510,7 @@ class _Bench:
             "participant_write_over_writes_at_once": significant(write_p50 / max(at_once, 1e-9)),
             "participant_write_ms_p50_full": _per_participant_p50(fulls, "write_ms"),
             "participant_write_cpu_ms_p50_full": _per_participant_p50(fulls, "write_cpu_ms"),
+            "participant_sync_ms_p50_full": _per_participant_p50(fulls, "sync_ms"),
             "participant_capture_ms_p50_full": _per_participant_p50(fulls, "capture_ms"),
             "participant_open_wait_ms_p50_full": _per_participant_p50(fulls, "open_wait_ms"),
             **({"pause_cpu_ms_p50": _phase_cpu_p50(samples)} if "cpu_ms" in samples[0] else {}),

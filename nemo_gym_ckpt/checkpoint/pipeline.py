@@ -52,7 +52,8 @@ class ExportPipeline:
         other files of a store that writes more), ``capture_ms`` (on the event loop), ``write_ms`` (in
         the worker thread, from the first byte to the manifest's link and the directory's fsync) and
         ``write_cpu_ms`` (that thread's CPU time meanwhile: the rest of ``write_ms`` it waited, for the
-        disk, a core or the interpreter's lock) and ``open_wait_ms`` (from the capture's end until the
+        disk, a core or the interpreter's lock), ``sync_ms`` (of ``write_ms``, the time in its fsyncs)
+        and ``open_wait_ms`` (from the capture's end until the
         writer was open, in neither of the others)."""
 
     def cancel_export(self) -> None:
@@ -83,7 +84,7 @@ class ExportPipeline:
             manifest, write_s, cpu_s = await asyncio.to_thread(self._timed_write, writer, records, kind, instance)
             self.timings = {"records": writer.count, "bytes": writer.bytes_written,
                             "capture_ms": round(1000 * (captured - began), 2), "write_ms": round(1000 * write_s, 2),
-                            "write_cpu_ms": round(1000 * cpu_s, 2),
+                            "write_cpu_ms": round(1000 * cpu_s, 2), "sync_ms": round(1000 * writer.sync_s, 2),
                             "open_wait_ms": round(1000 * (ready - captured), 2)}
         except BaseException:
             opened = writer or await _opened(opening)

@@ -33,6 +33,7 @@ import hashlib
 import re
 import secrets
 import threading
+import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, replace
@@ -215,6 +216,9 @@ class RecordWriter:
         self._fd: int | None = None
         self._temps: list[Path] = []
         self._unsynced: list[_Unsynced] = []  # written, to be fsynced at ``finish``
+        self.sync_s = 0.0
+        """Seconds spent in the fsyncs of ``finish`` (files and directory): what of the write waited
+        for the disk (and for a core once the disk was done)."""
         self.base: BaseIndex | None = None
         self.on_commit: Callable[[MakeIndex], None] | None = None
         self._index = IndexBuilder(directory)
@@ -334,7 +338,7 @@ class RecordWriter:
             self._stop.commit_point(lambda: self._link_manifest(temp, content))
             _quietly(self._ops.unlink, temp)  # a leftover temporary file is harmless; the link counts
             self._temps.remove(temp)
-            self._ops.fsync_dir(self.directory)
+            self._timed(self._ops.fsync_dir, self.directory)
         if self.on_commit is not None:
             self.on_commit(functools.partial(self._index.finish_in_steps, manifest.records_file, self.bytes))
         return manifest
@@ -363,13 +367,21 @@ class RecordWriter:
         its file's bytes are, and the manifest is linked only after all of them."""
         while self._unsynced:
             file = self._unsynced[0]
-            self._ops.fsync(file.fd)
+            self._timed(self._ops.fsync, file.fd)
             del self._unsynced[0]
             self._ops.close(file.fd)
             if file.final is not None:
                 self._ops.rename(file.temp, file.final)
                 self._temps.remove(file.temp)
-        self._ops.fsync_dir(self.directory)
+        self._timed(self._ops.fsync_dir, self.directory)
+
+    def _timed(self, sync: Callable[[T], None], what: T) -> None:
+        """``sync(what)``, its time added to ``sync_s``."""
+        began = time.perf_counter()
+        try:
+            sync(what)
+        finally:
+            self.sync_s += time.perf_counter() - began
 
     def _link_manifest(self, temp: Path, content: bytes) -> None:
         target = self.directory / MANIFEST_NAME
