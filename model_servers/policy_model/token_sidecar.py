@@ -31,21 +31,27 @@ not durable. The sidecar costs one file and one fsync per commit. A commit whose
 token ids writes no sidecar. Lines of a restored ledger are written back byte for byte
 (``CallTokens.line`` is the line as read), as is its record.
 
+Each sidecar has its index beside it (``line_index``: each line's digest and size), written, made
+durable and linked with it.
+
 Read (``SidecarStore.read``): after the records are checked against the manifest, if any record in
-scope has a row with a ``token_digest``, every sidecar of the directory is read, each line hashed
-once, and the file checked against its name; each needed line is found by its digest and kept in
-that file (read back from it through a descriptor of its own, and checked again, when needed: a
-restore holds no token line in memory, whatever their number). A sidecar that does not match its
-name, a missing sidecar or a missing line is ``invalid_checkpoint_state``, before anything is
-installed. The records come back as ``TokenedRecord`` (the same bytes, plus the tokens of their
-rows) for the ledger's install, which parses each line once and checks it against its row
+scope has a row with a ``token_digest``, each sidecar of the directory is found through its index
+when the index checks out against the sidecar's name and size (no line is read then); one without
+a usable index is read whole, each line hashed once, and the file checked against its name. Each
+needed line is found by its digest and kept in that file (read back from it through a descriptor of
+its own, and checked against its digest, when needed: a restore holds no token line in memory,
+whatever their number). A sidecar that does not match its name, a missing sidecar or a missing
+line is ``invalid_checkpoint_state``, before anything is installed. The records come back as
+``TokenedRecord`` (the same bytes, plus the tokens of their rows) for the ledger's install, which
+reads each line (checked against its digest) and parses it once and checks it against its row
 (``CallTokens.check``: its keys, its call, arrays of non-negative ids and of numbers, the ids'
-digests), again before anything is installed.
+digests), before anything is installed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -61,9 +67,16 @@ import orjson
 
 from model_servers.policy_model.capture_memory import CaptureMemory, LineFile
 from model_servers.policy_model.generation import TokenCapture
+from model_servers.policy_model.line_index import (
+    decode_index,
+    index_bytes,
+    index_chunks,
+    index_name,
+    max_index_bytes,
+)
 from nemo_gym_ckpt.canonical import canonical_json
 from nemo_gym_ckpt.capture import TOKEN_ARRAYS
-from nemo_gym_ckpt.checkpoint.fileops import FileOps
+from nemo_gym_ckpt.checkpoint.fileops import FileOps, file_size
 from nemo_gym_ckpt.checkpoint.incremental import KEEP_RATIO, link_files
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import (
@@ -95,6 +108,8 @@ __all__ = [
     "write_sidecar",
     "write_sidecars",
 ]
+
+logger = logging.getLogger(__name__)
 
 SIDECAR_NAME = re.compile(r"(token-lines|tokens)-([0-9a-f]{64})\.jsonl")
 """A sidecar's name: ``token-lines-<sha256 of its lines' digests>.jsonl`` (written now), or
@@ -156,6 +171,15 @@ class CallTokens:
     @property
     def in_memory(self) -> bool:
         return self._line is not None
+
+    @classmethod
+    def kept_in(cls, call_id: str, digest: str, size: int, file: LineFile, offset: int) -> CallTokens:
+        """A line known by its digest and size only, at ``offset`` in ``file``: read (and checked
+        against ``digest``) when asked for, never before."""
+        tokens = cls(call_id, b"", digest)
+        tokens.size = size
+        tokens.kept_at(file, offset)
+        return tokens
 
     def kept_at(self, file: LineFile, offset: int) -> None:
         """The line is at ``offset`` in ``file`` (durable, or spilled): it leaves memory."""
@@ -265,11 +289,13 @@ def needed_digests(record: Record) -> dict[str, str]:
 @dataclass
 class SidecarIndex:
     """The token lines of this participant's previous committed (or restored-from) checkpoint: for
-    each line digest, the sidecar file and offset holding it; each file's size."""
+    each line digest, the sidecar file and offset holding it; each file's size; and the size of each
+    file's index (``line_index``) where it has one."""
 
     directory: Path
     where: dict[str, tuple[str, int]] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
+    indexes: dict[str, int] = field(default_factory=dict)
 
 
 class ChunkBuffer:
@@ -367,25 +393,32 @@ def write_sidecar(
 ) -> str:
     """Write the lines of ``tokens`` durably as ``token-lines-<sha256 of their digests>.jsonl``: a
     temporary file written a chunk at a time (assembled in ``buffer``, or a buffer of its own: a line
-    read back from a file is checked against its digest on the way), fsynced and renamed to its name;
-    that name. With ``hand_over`` (a records writer's ``sync_with_records``), the written file's open
-    descriptor, temporary path and name go there instead, and its owner fsyncs and renames it with
-    the records. No byte is hashed for the name: each line's digest is already known. The temporary
-    file never outlives a failure."""
+    read back from a file is checked against its digest on the way), fsynced and renamed to its name,
+    with its index beside it (``line_index``); that name. With ``hand_over`` (a records writer's
+    ``sync_with_records``), the written file's open descriptor, temporary path and name go there
+    instead (the index's too), and its owner fsyncs and renames them with the records. No byte is
+    hashed for the name: each line's digest is already known. The temporary files never outlive a
+    failure."""
     temp = directory / f".tokens-{secrets.token_hex(8)}.tmp"
     name = sidecar_name(lines_digest_of(line.digest for line in tokens))
+    index_temp = directory / f".tokens-index-{secrets.token_hex(8)}.tmp"
     with write_errors(directory, "token sidecar write"):
         stop.check()
         chunks = _stoppable((buffer or ChunkBuffer()).chunks(tokens, chunk_bytes), stop)
         if hand_over is not None:
             hand_over(ops.write_new_unsynced(temp, chunks), temp, directory / name)
+            hand_over(ops.write_new_unsynced(index_temp, index_chunks(tokens)), index_temp,
+                      directory / index_name(name))
             return name
         ops.write_new_chunks(temp, chunks)
-        try:
+        try:  # the index placed before the sidecar is renamed: the sidecar's name comes last
+            ops.write_new_chunks(index_temp, index_chunks(tokens))
+            ops.rename(index_temp, directory / index_name(name))
             ops.rename(temp, directory / name)
         except BaseException:
-            with suppress(OSError):
-                ops.unlink(temp)
+            for left in (temp, index_temp):
+                with suppress(OSError):
+                    ops.unlink(left)
             raise
     # No directory fsync of its own: the records' seal fsyncs this directory after their rename and
     # before the manifest is linked, which makes this rename durable first (one fsync less per commit).
@@ -405,7 +438,7 @@ class SidecarWrite:
 
     linked: list[str]
     written: str | None
-    bytes_written: int
+    bytes_written: int  # the new sidecar and its index
     index: SidecarIndex
     placed: list[tuple[CallTokens, str, int]]  # each line: the file (of this directory) and offset
 
@@ -428,7 +461,12 @@ def write_sidecars(
         with write_errors(directory, "token sidecar link"):
             stop.check()
             linked = link_files(ops, base.directory, base.sizes, keep, directory)
-    index = SidecarIndex(directory, sizes={name: base.sizes[name] for name in linked} if base else {})
+            indexes = {index_name(name): base.indexes[name] for name in linked if name in base.indexes}
+            linked_indexes = link_files(ops, base.directory, indexes, indexes, directory)
+    index = SidecarIndex(directory)
+    if base is not None:
+        index.sizes = {name: base.sizes[name] for name in linked}
+        index.indexes = {name: base.indexes[name] for name in linked if index_name(name) in linked_indexes}
     placed: list[tuple[CallTokens, str, int]] = []
     fresh: Sequence[CallTokens] = tokens
     if linked:
@@ -450,7 +488,8 @@ def write_sidecars(
         index.where.update(zip([line.digest for line in fresh], places, strict=True))
         placed.extend([(line, written, offset) for line, offset in zip(fresh, offsets, strict=True)])
         index.sizes[written] = size
-    return SidecarWrite(sorted(linked), written, size, index, placed)
+        index.indexes[written] = index_bytes(len(fresh))
+    return SidecarWrite(sorted(linked), written, size + index.indexes.get(written or "", 0), index, placed)
 
 
 class SidecarWriter(RecordWriter):
@@ -468,7 +507,7 @@ class SidecarWriter(RecordWriter):
 
     @property
     def bytes_written(self) -> int:
-        """The records and the new sidecar file (a linked file is not written again)."""
+        """The records, the new sidecar file and its index (a linked file is not written again)."""
         return self.bytes + self.sidecar_bytes
 
     def finish(self, kind: str, instance: str, checkpoint_id: str) -> Manifest:
@@ -561,6 +600,10 @@ class SidecarStore(CheckpointStore):
         match = SIDECAR_NAME.fullmatch(path.name)
         assert match is not None  # listed by this pattern
         by_lines = match.group(1) == LINES_PREFIX
+        if by_lines:
+            indexed = self._read_indexed(path, match.group(2), wanted, found, index)
+            if indexed is not None:
+                return indexed
         named, whole, kept, size = hashlib.sha256(), hashlib.sha256(), [], 0
         try:
             with self.ops.open_read(path) as file:
@@ -586,4 +629,33 @@ class SidecarStore(CheckpointStore):
         if (named if by_lines else whole).hexdigest() != match.group(2):
             raise InvalidCheckpointState(f"the token sidecar {path.name} does not match its digest (corrupt)")
         found.update((tokens.digest, tokens) for tokens in kept)
+        return size
+
+    def _read_indexed(
+        self, path: Path, lines_digest: str, wanted: Mapping[str, str], found: dict[str, CallTokens],
+        index: SidecarIndex,
+    ) -> int | None:
+        """The wanted lines of one sidecar found through its index (``line_index``), none of them read
+        here: each is read, and checked against its digest, when needed (the install reads and checks
+        every line it installs); the sidecar's size. ``None`` when the sidecar has no index this
+        reader can use: it is then read and hashed whole."""
+        try:
+            with self.ops.open_read(path) as file:
+                size = file_size(file)
+                lines_file = LineFile(os.dup(file.fileno()), path.name)
+            with self.ops.open_read(path.with_name(index_name(path.name))) as handle:
+                length = file_size(handle)
+                data = handle.read(length) if length <= max_index_bytes(size) else b""  # never past the bound
+        except OSError:
+            return None  # no index (an earlier commit's sidecar), or unreadable: the whole read says why
+        lines = decode_index(data, lines_digest, size)
+        if lines is None or any(line.size > self.max_record_bytes for line in lines):
+            logger.warning("the index of the token sidecar %s is damaged; the sidecar is read whole", path.name)
+            return None
+        for line in lines:
+            call_id = wanted.get(line.digest)
+            if call_id is not None:
+                found[line.digest] = CallTokens.kept_in(call_id, line.digest, line.size, lines_file, line.offset)
+                index.where[line.digest] = (path.name, line.offset)
+        index.indexes[path.name] = len(data)
         return size

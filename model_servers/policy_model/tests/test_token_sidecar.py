@@ -29,6 +29,7 @@ from model_servers.policy_model.chat_format import ChatFormat
 from model_servers.policy_model.generation import TokenCapture
 from model_servers.policy_model.ids import sha256_of
 from model_servers.policy_model.ledger import LedgerBook
+from model_servers.policy_model.line_index import IndexedLine, decode_index, encode_index, index_name
 from model_servers.policy_model.participant import CAPTURE_TOKENS_PATH
 from model_servers.policy_model.tests.policy_harness import TOKEN, serve_policy
 from model_servers.policy_model.tests.scripted_worker import Generate, ScriptedWorker
@@ -38,6 +39,7 @@ from model_servers.policy_model.token_sidecar import (
     ChunkBuffer,
     SidecarStore,
     TokenedRecord,
+    lines_digest_of,
     write_sidecar,
 )
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
@@ -53,7 +55,7 @@ pytestmark = pytest.mark.unit
 CALL = '<tool_call>{"name":"add","arguments":{"a":40,"b":2}}</tool_call>'
 TOOLS = [{"type": "function", **tool["function"]} for tool in data.TOOLS]
 QUESTION = "What is 40 plus 2?"
-R1, R2 = RolloutIdentity("r1"), RolloutIdentity("r2")
+R1, R2, R3 = RolloutIdentity("r1"), RolloutIdentity("r2"), RolloutIdentity("r3")
 ARRAYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
@@ -120,6 +122,11 @@ def sidecar_of(where: Path) -> Path:
     return path
 
 
+def index_of(where: Path) -> Path:
+    """The index beside the directory's one sidecar."""
+    return where / index_name(sidecar_of(where).name)
+
+
 def stripped(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Output items as a restored agent has them: without the token arrays (records never carry them)."""
     return [{key: value for key, value in item.items() if key not in TOKEN_ARRAY_KEYS} for item in items]
@@ -160,7 +167,7 @@ async def test_a_commit_writes_the_delivered_tokens_to_the_sidecar_and_none_to_t
     assert rows["r1"][0]["call_id"] == tokens["call_id"]
     assert rows["r2"][0]["token_digest"] is None  # its caller asked for no token ids: nothing kept
     assert sorted(p.name for p in where.iterdir()) == sorted(
-        ["manifest.json", committed["manifest"]["records_file"], sidecar_of(where).name])
+        ["manifest.json", committed["manifest"]["records_file"], sidecar_of(where).name, index_of(where).name])
 
 
 async def test_a_commit_without_token_ids_writes_no_sidecar(open_policy: Callable[..., Any]) -> None:
@@ -180,8 +187,9 @@ async def test_the_last_commit_counts_the_sidecar_it_wrote_and_not_one_it_linked
         again, committed_again = await policy.commit("c2")  # incremental: nothing new to write
         second = (await policy.control.status())["last_commit"]
     records = (where / committed["manifest"]["records_file"]).stat().st_size
-    assert first["bytes"] == records + sidecar_of(where).stat().st_size
+    assert first["bytes"] == records + sidecar_of(where).stat().st_size + index_of(where).stat().st_size
     assert sidecar_of(again).stat().st_ino == sidecar_of(where).stat().st_ino  # linked
+    assert index_of(again).stat().st_ino == index_of(where).stat().st_ino  # its index linked with it
     assert second["bytes"] == (again / committed_again["manifest"]["records_file"]).stat().st_size
 
 
@@ -237,21 +245,22 @@ def test_the_sidecar_is_durable_before_the_records_are_renamed(root: Path) -> No
     store = SidecarStore(CheckpointStore(root, ops), lambda: [_line(b'{"call_id":"mc_1"}')])
     write(store, root / "ck")
     renames = [name for op, name in ops.log if op in ("rename", "link")]
-    assert [name.rsplit("-", 1)[0] for name in renames] == ["token-lines", "records", "manifest.json"]
+    assert [name.rsplit("-", 1)[0] for name in renames] == ["token-lines", "token-lines", "records", "manifest.json"]
+    assert renames[1] == index_name(renames[0])  # the sidecar, then its index
     sidecar_fsync = ops.log.index(("fsync", next(n for o, n in ops.log if n.startswith(".tokens"))))
     assert sidecar_fsync < ops.log.index(("rename", renames[0])) < ops.log.index(("rename", renames[1]))
 
 
 def test_the_sidecar_records_and_manifest_are_all_written_before_the_first_fsync(root: Path) -> None:
-    """So that one journal commit of the file system can carry all three (``RecordWriter.finish``)."""
+    """So that one journal commit of the file system can carry all of them (``RecordWriter.finish``)."""
     ops = RecordingOps()
     store = SidecarStore(CheckpointStore(root, ops), lambda: [_line(b'{"call_id":"mc_1"}')])
     write(store, root / "ck")
     first_fsync = next(number for number, (op, _) in enumerate(ops.log) if op == "fsync")
-    written = {name.split("-")[0] for op, name in ops.log[:first_fsync] if op == "write"}
-    assert written == {".tokens", ".records", ".manifest"}
-    fsynced = [name.split("-")[0] for op, name in ops.log if op == "fsync"]
-    assert fsynced == [".tokens", ".records", ".manifest"]
+    written = {name.rsplit("-", 1)[0] for op, name in ops.log[:first_fsync] if op == "write"}
+    assert written == {".tokens", ".tokens-index", ".records", ".manifest"}
+    fsynced = [name.rsplit("-", 1)[0] for op, name in ops.log if op == "fsync"]
+    assert fsynced == [".tokens", ".tokens-index", ".records", ".manifest"]
 
 
 def test_a_failed_sidecar_write_fails_the_commit_and_leaves_no_records(root: Path) -> None:
@@ -529,6 +538,99 @@ async def test_a_sidecar_named_as_before_by_the_files_digest_is_still_restored(
             assert (await later.restore("later", directory, [R1])).status_code == 200
             [call] = await later.calls(R1.next_attempt())
             assert {name: call[name] for name in ARRAYS} == {name: first["output"][0][name] for name in ARRAYS}
+
+
+# ---- the sidecar's index --------------------------------------------------------------------------
+
+
+async def two_calls_committed(open_policy: Callable[..., Any]) -> tuple[Path, bytes]:
+    """r1 and r3 each made a call with token ids: the sidecar's two lines; the directory and r3's line."""
+    async with open_policy(CALL, CALL) as policy:
+        await policy.respond(R1, QUESTION, return_token_ids=True)
+        await policy.respond(R3, QUESTION, return_token_ids=True)
+        where, _ = await policy.commit("c1")
+    [call] = calls_of(where, R3)
+    [line] = [line for line in sidecar_of(where).read_bytes().splitlines() if orjson.loads(line)["call_id"] == call]
+    return where, line
+
+
+def calls_of(where: Path, episode: RolloutIdentity) -> list[str]:
+    """The call ids of ``episode``'s ledger rows in the committed records of ``where``."""
+    manifest = orjson.loads((where / "manifest.json").read_bytes())
+    for record in map(orjson.loads, (where / manifest["records_file"]).read_bytes().splitlines()):
+        if record["episode_id"]["rollout_id"] == episode.rollout_id:
+            return [row["call_id"] for row in record["ledger"]]
+    raise AssertionError(f"no record of {episode}")
+
+
+def damage_line(where: Path, line: bytes) -> None:
+    """One byte of ``line`` in the sidecar changed, in place (the file keeps its name and size)."""
+    path = sidecar_of(where)
+    content = path.read_bytes()
+    at = content.index(line) + len(line) - 2  # a digit of its last array
+    path.write_bytes(content[:at] + (b"0" if content[at:at + 1] != b"0" else b"1") + content[at + 1:])
+
+
+async def test_a_restore_through_the_index_reads_only_the_lines_it_needs(open_policy: Callable[..., Any]) -> None:
+    """r3's line damaged on disk: a restore of r1 alone never reads it through the index; without the
+    index, the sidecar read whole no longer matches its name and the restore is refused."""
+    where, r3_line = await two_calls_committed(open_policy)
+    damage_line(where, r3_line)
+    async with open_policy() as fresh:
+        restored = await fresh.restore("c1", where, [R1])
+        assert restored.status_code == 200, restored.text
+        assert (await fresh.extras())["ledgers"] == 1
+    index_of(where).unlink()
+    async with open_policy() as fresh:
+        refused = await fresh.restore("c1", where, [R1])
+        assert (refused.status_code, refused.json()["error"]["code"]) == (422, "invalid_checkpoint_state")
+        assert "does not match its digest" in refused.json()["error"]["detail"]
+
+
+@pytest.mark.parametrize("damage", ["a changed byte", "cut short", "another sidecar's index"])
+async def test_a_damaged_index_is_not_used_the_sidecar_is_read_whole(
+    damage: str, open_policy: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    where, r3_line = await two_calls_committed(open_policy)
+    index = index_of(where)
+    content = index.read_bytes()
+    if damage == "a changed byte":
+        index.write_bytes(content[:20] + bytes([content[20] ^ 1]) + content[21:])
+    elif damage == "cut short":
+        index.write_bytes(content[:-1])
+    else:
+        index.write_bytes(encode_index([IndexedLine(hashlib.sha256(b"{}").hexdigest(), 0, 2)]))
+    async with open_policy() as fresh:
+        with caplog.at_level(logging.WARNING):
+            restored = await fresh.restore("c1", where, [R1, R3])
+        assert restored.status_code == 200, restored.text
+        assert (await fresh.extras())["ledgers"] == 2
+    assert "is damaged; the sidecar is read whole" in caplog.text
+    damage_line(where, r3_line)  # read whole, a damaged line of the sidecar is found again
+    async with open_policy() as fresh:
+        refused = await fresh.restore("c1", where, [R1])
+        assert refused.status_code == 422
+
+
+@pytest.mark.parametrize("case", ["another name", "sizes that do not add up", "a changed byte", "no magic",
+                                  "longer than the sidecar allows"])
+def test_an_index_that_is_not_its_sidecars_decodes_to_nothing(case: str) -> None:
+    lines = [b'{"call_id":"mc_1"}', b'{"call_id":"mc_22"}']
+    digests = [hashlib.sha256(line).hexdigest() for line in lines]
+    named, size = lines_digest_of(digests), sum(len(line) + 1 for line in lines)
+    empty = hashlib.sha256(b"").hexdigest()  # ten empty lines would fit in 10 bytes; at least 2 each allow 5
+    expected = [IndexedLine(digests[0], 0, 18), IndexedLine(digests[1], 19, 19)]
+    data = encode_index(expected)
+    assert decode_index(data, named, size) == expected
+    broken = {
+        "another name": (data, lines_digest_of(digests[::-1]), size),
+        "sizes that do not add up": (data, named, size + 1),
+        "a changed byte": (data[:-40] + bytes([data[-40] ^ 1]) + data[-39:], named, size),
+        "no magic": (b"X" + data[1:], named, size),
+        "longer than the sidecar allows": (encode_index([IndexedLine(empty, 0, 0)] * 10),
+                                           lines_digest_of([empty] * 10), 10),
+    }[case]
+    assert decode_index(*broken) is None
 
 
 def test_a_sidecar_line_that_does_not_hash_to_its_row_is_refused() -> None:

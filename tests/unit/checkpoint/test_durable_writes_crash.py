@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from model_servers.policy_model.line_index import decode_index, index_name
 from model_servers.policy_model.token_sidecar import (
     CallTokens,
     SidecarStore,
@@ -123,7 +124,8 @@ def test_a_crash_in_a_token_sidecar_write_leaves_no_file_or_a_whole_one(after: b
 
 
 def _policy_commit(ops: CrashFS, root: Path, directory: Path, tokens: list[CallTokens]) -> None:
-    """The policy model's commit: its token sidecar, records and manifest, made durable together."""
+    """The policy model's commit: its token sidecar and its index, records and manifest, made durable
+    together."""
     store = SidecarStore(CheckpointStore(root, ops), lambda: tokens)
     writer = store.open_writer(directory, "model", "policy_model", StopSignal())
     writer.write_lines([RECORD])
@@ -131,7 +133,7 @@ def _policy_commit(ops: CrashFS, root: Path, directory: Path, tokens: list[CallT
 
 
 def _policy_outcome(directory: Path, tokens: list[CallTokens]) -> str:
-    """``none`` (no manifest), ``complete`` (the records and the whole sidecar), or ``torn``."""
+    """``none`` (no manifest), ``complete`` (the records, the whole sidecar and its index), or ``torn``."""
     where = directory / "gym" / "model" / "policy_model"
     if not (where / MANIFEST_NAME).exists():
         return "none"
@@ -139,9 +141,12 @@ def _policy_outcome(directory: Path, tokens: list[CallTokens]) -> str:
         read = CheckpointStore(directory.parent).read(directory, "model", "policy_model", frozenset({EPISODE}))
     except InvalidCheckpointState:
         return "torn"
-    sidecar = where / sidecar_name(lines_digest_of(line.digest for line in tokens))
+    digest = lines_digest_of(line.digest for line in tokens)
+    sidecar = where / sidecar_name(digest)
     whole = sidecar.is_file() and sidecar.read_bytes() == b"".join(line.line + b"\n" for line in tokens)
-    return "complete" if whole and [record.raw for record in read.records] == [RECORD] else "torn"
+    index = where / index_name(sidecar.name)
+    indexed = index.is_file() and decode_index(index.read_bytes(), digest, sidecar.stat().st_size)
+    return "complete" if whole and indexed and [record.raw for record in read.records] == [RECORD] else "torn"
 
 
 RECORD = b'{"episode_id":{"rollout_id":"r1","attempt":0},"ledger":[]}'
