@@ -38,4 +38,5 @@ def test_sidecar_copy_holds_one_chunk_whatever_the_sidecar(tmp_path: Path) -> No
     assert result["large_over_small_peak"] < 2
     assert large["restore_held_mb"] < 0.5 * large["sidecar_mb"]  # the records, not the token lines
     assert large["restore_peak_mb"] < large["sidecar_mb"]  # the records read, not an index read to its bound
+    assert large["restore_tenth_ms"] > 0 and large["restore_tenth_over_all"] > 0
     assert list(tmp_path.iterdir()) == []
