@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,8 +32,10 @@ MAGIC = b"NGCKTLX2"
 _DIGEST_BYTES = 32
 _SIZE_BYTES = 4
 _LINE_BYTES = _DIGEST_BYTES + _SIZE_BYTES
-_MIN_LINE_BYTES = 2
-"""The shortest line a sidecar can hold, with its newline: ``{}`` is already longer."""
+_MIN_LINE_BYTES = 64
+"""Fewer bytes than the shortest line the model writes, with its newline (88: its four keys with empty
+arrays): an index of more lines than a sidecar of its size can hold is not read, so an index never
+takes more memory than 36/64 of its sidecar's bytes."""
 assert array("I").itemsize == _SIZE_BYTES, "the index's sizes are 4-byte unsigned integers"
 _PER_CHUNK = 4096
 """Lines per piece of an index being written: its memory does not grow with the sidecar."""
@@ -49,7 +51,7 @@ class Line(Protocol):
     def size(self) -> int: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class IndexedLine:
     """One line of a sidecar, as its index tells it: the line's hex SHA-256, offset and size."""
 
@@ -94,9 +96,12 @@ def max_index_bytes(sidecar_bytes: int) -> int:
     return index_bytes(sidecar_bytes // _MIN_LINE_BYTES)
 
 
-def decode_index(data: bytes, lines_digest: str, sidecar_bytes: int) -> list[IndexedLine] | None:
-    """The lines the index ``data`` gives for the sidecar named by ``lines_digest`` (hex) and holding
-    ``sidecar_bytes``, or ``None`` when the index is damaged or is not that sidecar's."""
+def decode_index(
+    data: bytes, lines_digest: str, sidecar_bytes: int, wanted: Container[str]
+) -> list[IndexedLine] | None:
+    """The lines of ``wanted`` digests (hex) that the index ``data`` places in the sidecar named by
+    ``lines_digest`` (hex) and holding ``sidecar_bytes``, or ``None`` when the index is damaged or is
+    not that sidecar's (checked whole, whatever is wanted)."""
     count, left = divmod(len(data) - len(MAGIC) - _DIGEST_BYTES, _LINE_BYTES)
     if (count < 0 or left or len(data) > max_index_bytes(sidecar_bytes) or not data.startswith(MAGIC)
             or hashlib.sha256(memoryview(data)[:-_DIGEST_BYTES]).digest() != data[-_DIGEST_BYTES:]):
@@ -108,7 +113,9 @@ def decode_index(data: bytes, lines_digest: str, sidecar_bytes: int) -> list[Ind
         return None
     hexes, lines, offset = digests.hex(), [], 0
     for number, size in enumerate(sizes):
-        lines.append(IndexedLine(hexes[64 * number : 64 * number + 64], offset, size))
+        digest = hexes[64 * number : 64 * number + 64]
+        if digest in wanted:
+            lines.append(IndexedLine(digest, offset, size))
         offset += size + 1
     return lines
 

@@ -27,8 +27,8 @@ digest). Its fsync waits for the records writer's (``RecordWriter.sync_with_reco
 sidecar, the records and the manifest's temporary file are all written, then each is fsync'd (the
 sidecar first) and renamed to its name, the directory fsync'd (which makes the renames durable),
 and only then the manifest linked (the commit point): a manifest never names rows whose tokens are
-not durable. The sidecar costs one file and one fsync per commit. A commit whose ledgers hold no
-token ids writes no sidecar. Lines of a restored ledger are written back byte for byte
+not durable. The sidecar costs two files (it and its index) and their fsyncs per commit. A commit
+whose ledgers hold no token ids writes no sidecar. Lines of a restored ledger are written back byte for byte
 (``CallTokens.line`` is the line as read), as is its record.
 
 Each sidecar has its index beside it (``line_index``: each line's digest and size), written, made
@@ -97,6 +97,7 @@ __all__ = [
     "TOKEN_DIGEST",
     "CallTokens",
     "ChunkBuffer",
+    "HandOver",
     "SidecarIndex",
     "SidecarStore",
     "SidecarWrite",
@@ -648,14 +649,13 @@ class SidecarStore(CheckpointStore):
                 data = handle.read(length) if length <= max_index_bytes(size) else b""  # never past the bound
         except OSError:
             return None  # no index (an earlier commit's sidecar), or unreadable: the whole read says why
-        lines = decode_index(data, lines_digest, size)
+        lines = decode_index(data, lines_digest, size, wanted)
         if lines is None or any(line.size > self.max_record_bytes for line in lines):
             logger.warning("the index of the token sidecar %s is damaged; the sidecar is read whole", path.name)
             return None
         for line in lines:
-            call_id = wanted.get(line.digest)
-            if call_id is not None:
-                found[line.digest] = CallTokens.kept_in(call_id, line.digest, line.size, lines_file, line.offset)
-                index.where[line.digest] = (path.name, line.offset)
+            call_id = wanted[line.digest]
+            found[line.digest] = CallTokens.kept_in(call_id, line.digest, line.size, lines_file, line.offset)
+            index.where[line.digest] = (path.name, line.offset)
         index.indexes[path.name] = len(data)
         return size

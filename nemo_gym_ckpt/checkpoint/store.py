@@ -314,6 +314,10 @@ class RecordWriter:
         ``fd`` still open): ``finish`` fsyncs it with the records, closes it and renames it to
         ``final`` before the directory's fsync; ``abort`` closes and removes it."""
         with self._lock:
+            if self._fd is None:  # aborted (or finished) meanwhile: nobody would fsync or remove it
+                _quietly(self._ops.close, fd)
+                _quietly(self._ops.unlink, temp)
+                raise WriteStopped("the write was aborted")
             self._temps.append(temp)
             self._unsynced.append(_Unsynced(fd, temp, final))
 
@@ -367,7 +371,11 @@ class RecordWriter:
         its file's bytes are, and the manifest is linked only after all of them."""
         while self._unsynced:
             file = self._unsynced[0]
-            self._timed(self._ops.fsync, file.fd)
+            try:
+                self._timed(self._ops.fsync, file.fd)
+            except OSError as error:
+                error.filename = str(file.final or file.temp)  # the error says which file (``write_errors``)
+                raise
             del self._unsynced[0]
             self._ops.close(file.fd)
             if file.final is not None:
@@ -595,13 +603,15 @@ def _check_inside(root: Path | None, path: Path) -> Path:
 
 @contextmanager
 def write_errors(directory: Path, what: str = "checkpoint write") -> Iterator[None]:
-    """Turn an ``OSError`` of a commit's write into ``Unavailable`` naming ``what``, the errno and the
-    directory: that commit did not succeed and must not be published."""
+    """Turn an ``OSError`` of a commit's write into ``Unavailable`` naming ``what``, the errno, the
+    directory and the file when the error names one: that commit did not succeed and must not be
+    published."""
     try:
         yield
     except OSError as error:
         name = errno.errorcode.get(error.errno or 0, "OSError")
-        raise Unavailable(f"{what} failed in {directory}: {name} ({error.strerror or error}); "
+        file = f" at {PurePath(error.filename).name}" if isinstance(error.filename, str) else ""
+        raise Unavailable(f"{what} failed in {directory}: {name} ({error.strerror or error}){file}; "
                           "this commit did not succeed and must not be published") from error
 
 

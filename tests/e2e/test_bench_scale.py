@@ -34,7 +34,7 @@ def test_the_quick_scale_suite_reports_its_shape(tmp_path: Path) -> None:
     assert set(level["participant_write_ms_p50_full"]) == set(level["records"])
     longest = [checkpoint["longest_write"] for checkpoint in level["checkpoints"]]  # what each speed is read over
     assert all(write["participant"] in level["records"] and write["write_ms"] > 0 for write in longest)
-    assert all(0 < write["sync_ms"] <= write["write_ms"] for write in longest)  # its fsyncs, inside it
+    assert all(0 <= write["sync_ms"] <= write["write_ms"] for write in longest)  # its fsyncs, inside it
     assert level["restore_incremental_ms"] > 0 and set(level["peak_memory_mb"]) >= {"policy_model", "simple_agent"}
     hold = level["generation_hold"]  # the bench holds the worker from ready to resume
     assert hold["holds"] >= 2 and hold["releases"] == hold["holds"] and hold["expired"] == 0

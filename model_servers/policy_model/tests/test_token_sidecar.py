@@ -44,7 +44,7 @@ from model_servers.policy_model.token_sidecar import (
 )
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.records import TOKEN_ARRAY_KEYS, Record
-from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
+from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal, WriteStopped
 from nemo_gym_ckpt.errors import InvalidCheckpointState, Unavailable
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.testing.clock import FakeClock
@@ -263,9 +263,21 @@ def test_the_sidecar_records_and_manifest_are_all_written_before_the_first_fsync
     assert fsynced == [".tokens", ".tokens-index", ".records", ".manifest"]
 
 
+def test_a_sidecar_written_after_an_abort_is_not_left_behind(root: Path) -> None:
+    """An abort (a resume, from another thread) can land while the sidecar is being written: the
+    hand-over then refuses the file, closes it and removes it, as the abort would have."""
+    store = SidecarStore(CheckpointStore(root), lambda: [_line(b'{"call_id":"mc_1"}')])
+    writer = store.open_writer(root / "ck", "model", "policy_model", StopSignal())
+    writer.write_lines([b'{"episode_id":{"rollout_id":"r1","attempt":0},"ledger":[]}'])
+    writer.abort()
+    with pytest.raises(WriteStopped):
+        writer.finish("model", "policy_model", "c1")
+    assert list((root / "ck" / "gym" / "model" / "policy_model").iterdir()) == []
+
+
 def test_a_failed_sidecar_write_fails_the_commit_and_leaves_no_records(root: Path) -> None:
     store = SidecarStore(CheckpointStore(root, RecordingOps(fail_fsync_of=".tokens")), lambda: [_line(b"{}")])
-    with pytest.raises(Unavailable, match=r"ENOSPC.*must not be published"):  # its fsync, with the records
+    with pytest.raises(Unavailable, match=r"ENOSPC .* at token-lines-[0-9a-f]{64}\.jsonl; .* not be published"):
         write(store, root / "ck")
     assert list((root / "ck" / "gym" / "model" / "policy_model").iterdir()) == []
 
@@ -615,22 +627,23 @@ async def test_a_damaged_index_is_not_used_the_sidecar_is_read_whole(
 @pytest.mark.parametrize("case", ["another name", "sizes that do not add up", "a changed byte", "no magic",
                                   "longer than the sidecar allows"])
 def test_an_index_that_is_not_its_sidecars_decodes_to_nothing(case: str) -> None:
-    lines = [b'{"call_id":"mc_1"}', b'{"call_id":"mc_22"}']
+    lines = [b'{"call_id":"mc_1","prompt_token_ids":[1],"generation_token_ids":[2],"generation_log_probs":[-1]}',
+             b'{"call_id":"mc_22","prompt_token_ids":[1],"generation_token_ids":[],"generation_log_probs":[]}']
     digests = [hashlib.sha256(line).hexdigest() for line in lines]
     named, size = lines_digest_of(digests), sum(len(line) + 1 for line in lines)
-    empty = hashlib.sha256(b"").hexdigest()  # ten empty lines would fit in 10 bytes; at least 2 each allow 5
-    expected = [IndexedLine(digests[0], 0, 18), IndexedLine(digests[1], 19, 19)]
-    data = encode_index(expected)
-    assert decode_index(data, named, size) == expected
+    placed = [IndexedLine(digests[0], 0, len(lines[0])), IndexedLine(digests[1], len(lines[0]) + 1, len(lines[1]))]
+    data = encode_index(placed)
+    assert decode_index(data, named, size, set(digests)) == placed
+    assert decode_index(data, named, size, {digests[1]}) == placed[1:]  # only the lines wanted
+    many = [IndexedLine(digests[0], 0, 0)] * 10  # ten lines said to fit where the shortest would not
     broken = {
         "another name": (data, lines_digest_of(digests[::-1]), size),
         "sizes that do not add up": (data, named, size + 1),
         "a changed byte": (data[:-40] + bytes([data[-40] ^ 1]) + data[-39:], named, size),
         "no magic": (b"X" + data[1:], named, size),
-        "longer than the sidecar allows": (encode_index([IndexedLine(empty, 0, 0)] * 10),
-                                           lines_digest_of([empty] * 10), 10),
+        "longer than the sidecar allows": (encode_index(many), lines_digest_of([digests[0]] * 10), 10),
     }[case]
-    assert decode_index(*broken) is None
+    assert decode_index(*broken, set(digests)) is None
 
 
 def test_a_sidecar_line_that_does_not_hash_to_its_row_is_refused() -> None:

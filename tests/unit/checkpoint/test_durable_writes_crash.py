@@ -145,7 +145,7 @@ def _policy_outcome(directory: Path, tokens: list[CallTokens]) -> str:
     sidecar = where / sidecar_name(digest)
     whole = sidecar.is_file() and sidecar.read_bytes() == b"".join(line.line + b"\n" for line in tokens)
     index = where / index_name(sidecar.name)
-    indexed = index.is_file() and decode_index(index.read_bytes(), digest, sidecar.stat().st_size)
+    indexed = index.is_file() and decode_index(index.read_bytes(), digest, sidecar.stat().st_size, set()) == []
     return "complete" if whole and indexed and [record.raw for record in read.records] == [RECORD] else "torn"
 
 

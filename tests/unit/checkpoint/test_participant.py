@@ -148,7 +148,7 @@ async def test_status_tells_what_the_last_commit_wrote_and_how_long_it_took(
     assert (last["checkpoint_id"], last["records"], last["bytes"]) == ("c1", 2, records.stat().st_size)
     assert last["capture_ms"] >= 0 and last["write_ms"] > 0
     assert 0 < last["write_cpu_ms"] <= last["write_ms"] + 1  # one clock per thread, its own rounding
-    assert 0 < last["sync_ms"] <= last["write_ms"]  # the fsyncs of the write are inside it
+    assert 0 <= last["sync_ms"] <= last["write_ms"]  # the fsyncs of the write are inside it
 
 
 async def test_the_index_of_a_commit_is_made_after_resume_not_inside_the_pause(
