@@ -19,7 +19,10 @@ gigabytes, so a line lives in one of three places:
 
 A line read back is checked against its digest (``LineFile.read``; lines next to each other in one
 file are read back with one read into a buffer given, ``LineFile.read_run_into``, each line still
-checked).
+checked). A commit copying lines into a new sidecar checks each against the CRC-32 taken when its
+bytes were last known good (made here, or read back and checked against its digest), where that is
+known: it guards the copy against damage on the disk at a quarter of the cost of SHA-256 (4 GB/s
+against 1.1 here), and a restore still checks every line it installs against its digest.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import hashlib
 import os
 import tempfile
 import threading
+import zlib
 from itertools import accumulate
 from pathlib import Path
 
@@ -57,13 +61,25 @@ class LineFile:
         self._check(memoryview(data), [size], [digest])
         return data
 
-    def read_run_into(self, into: memoryview, offset: int, sizes: list[int], digests: list[str]) -> None:
+    def read_run_into(
+        self, into: memoryview, offset: int, sizes: list[int], digests: list[str], crcs: list[int] | None = None
+    ) -> None:
         """Lines next to each other from ``offset`` (of ``sizes``, a newline after each), read with one
         read into ``into`` (exactly as long as the lines and the newlines between them), each line
-        checked against its digest (``digests``, in the same order)."""
+        checked against its CRC-32 (``crcs``) when given, else against its digest (``digests``), in
+        the same order."""
         if os.preadv(self._fd, [into], offset) != len(into):
             raise self._shorter()
-        self._check(into, sizes, digests)
+        if crcs is None:
+            self._check(into, sizes, digests)
+        else:
+            self._check_crcs(into, sizes, crcs)
+
+    def _check_crcs(self, view: memoryview, sizes: list[int], crcs: list[int]) -> None:
+        crc32 = zlib.crc32
+        starts = accumulate((size + 1 for size in sizes[:-1]), initial=0)
+        if [crc32(view[start : start + size]) for start, size in zip(starts, sizes, strict=True)] != crcs:
+            raise InvalidCheckpointState(f"a token line kept in {self.name} no longer matches its checksum")
 
     def _check(self, view: memoryview, sizes: list[int], digests: list[str]) -> None:
         sha256 = hashlib.sha256

@@ -56,12 +56,13 @@ import os
 import re
 import secrets
 import threading
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -144,12 +145,15 @@ class CallTokens:
     it is. The arrays are parsed from the line when asked for.
     """
 
-    __slots__ = ("_file", "_line", "_memory", "_offset", "call_id", "digest", "size")
+    __slots__ = ("_file", "_line", "_memory", "_offset", "call_id", "crc", "digest", "size")
 
     def __init__(self, call_id: str, line: bytes, digest: str, memory: CaptureMemory | None = None) -> None:
         self.call_id = call_id
         self.digest = digest  # hex SHA-256 of the line (the row's ``token_digest``), computed once
         self.size = len(line)
+        self.crc: int | None = None
+        """CRC-32 of the line, taken when it left memory or was read back and checked against its
+        digest: what a commit copying it from its file checks it against (``ChunkBuffer``)."""
         self._line: bytes | None = line  # compact JSON, no newline
         self._memory = memory  # set when the line counts against the memory bound
         self._file: LineFile | None = None
@@ -167,7 +171,10 @@ class CallTokens:
         if line is not None:
             return line
         assert self._file is not None
-        return self._file.read(self._offset, self.size, self.digest)
+        line = self._file.read(self._offset, self.size, self.digest)
+        if self.crc is None:  # checked against its digest just now
+            self.crc = zlib.crc32(line)
+        return line
 
     @property
     def in_memory(self) -> bool:
@@ -178,12 +185,14 @@ class CallTokens:
         """A line known by its digest and size only, at ``offset`` in ``file``: read (and checked
         against ``digest``) when asked for, never before."""
         tokens = cls(call_id, b"", digest)
-        tokens.size = size
-        tokens.kept_at(file, offset)
+        tokens.size, tokens._line, tokens._file, tokens._offset = size, None, file, offset  # its CRC unknown yet
         return tokens
 
     def kept_at(self, file: LineFile, offset: int) -> None:
-        """The line is at ``offset`` in ``file`` (durable, or spilled): it leaves memory."""
+        """The line is at ``offset`` in ``file`` (durable, or spilled): it leaves memory, its CRC-32
+        taken from the bytes it had."""
+        if self._line is not None:
+            self.crc = zlib.crc32(self._line)
         self._file, self._offset = file, offset
         self._line = None
         self.forget()
@@ -303,7 +312,8 @@ class ChunkBuffer:
     """The buffer a sidecar's lines are assembled in, about ``chunk_bytes`` at a time, kept from one
     commit to the next. Each line is copied into it once: a line in memory as it is, a run of lines
     kept next to each other in one file read straight into it (``LineFile.read_run_into``: one read,
-    each line checked against its digest); the chunk is written from it. No list of views per chunk
+    each line checked against its CRC-32 when all of the run's are known, else against its digest);
+    the chunk is written from it. No list of views per chunk
     and no join: each byte is copied once, into pages that stay mapped from one commit to the next.
     It grows to the largest chunk (``chunk_bytes`` and one line at most); a second write while one
     holds it gets a buffer of its own."""
@@ -335,9 +345,10 @@ class ChunkBuffer:
             else:
                 first = segment[0]
                 assert first._file is not None
-                sizes = [tokens.size for tokens in segment]
+                sizes, crcs = [tokens.size for tokens in segment], [tokens.crc for tokens in segment]
                 end = at + sum(sizes) + len(sizes) - 1
-                first._file.read_run_into(view[at:end], first._offset, sizes, [tokens.digest for tokens in segment])
+                first._file.read_run_into(view[at:end], first._offset, sizes, [tokens.digest for tokens in segment],
+                                          None if None in crcs else cast("list[int]", crcs))
                 separator = at - 1
                 for line_size in sizes[:-1]:  # the lines were checked: a newline between each, as written
                     separator += line_size + 1

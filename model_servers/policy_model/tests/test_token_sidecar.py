@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import shutil
+import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -392,6 +393,48 @@ def test_token_lines_kept_next_to_each_other_are_read_back_in_one_read_each_run(
     assert chunk.splitlines() == [*lines[:3], b'{"call_id":"mc_new"}', lines[3], lines[5], lines[4]]
     assert chunk.endswith(b"\n")
     assert len(reads) == 4  # one per run, the line in memory read from nowhere
+
+
+def counting_sha256(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``hashlib.sha256`` counted from now on: the list holds the number of calls."""
+    calls, real = [0], hashlib.sha256
+
+    def sha256(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hashlib, "sha256", sha256)
+    return calls
+
+
+def test_kept_lines_are_copied_checked_by_their_crc_not_hashed_again(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines that left memory here carry the CRC-32 of their bytes: a copy checks that, not SHA-256."""
+    kept, path = kept_lines(root, 6)
+    assert [tokens.crc for tokens in kept] == [zlib.crc32(line) for line in path.read_bytes().splitlines()]
+    hashed = counting_sha256(monkeypatch)
+    assert b"".join(chunk_bytes(ChunkBuffer(), kept)) == path.read_bytes()
+    assert hashed[0] == 0
+
+
+def test_a_line_restored_through_the_index_is_copied_by_its_digest_until_it_was_read(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line placed by an index was never read: its CRC is unknown, so a copy checks it against its
+    digest; once read (and checked against its digest), its CRC is known."""
+    kept, path = kept_lines(root, 3)
+    placed = [CallTokens.kept_in(line.call_id, line.digest, line.size, LineFile.open(path), offset)
+              for line, offset in zip(kept, (0, kept[0].size + 1, kept[0].size + kept[1].size + 2), strict=True)]
+    assert [tokens.crc for tokens in placed] == [None, None, None]
+    hashed = counting_sha256(monkeypatch)
+    assert b"".join(chunk_bytes(ChunkBuffer(), placed)) == path.read_bytes()
+    assert hashed[0] == 3
+    assert [tokens.line for tokens in placed] == path.read_bytes().splitlines()  # read: checked by digest
+    assert [tokens.crc for tokens in placed] == [tokens.crc for tokens in kept]
+    hashed[0] = 0
+    assert b"".join(chunk_bytes(ChunkBuffer(), placed)) == path.read_bytes()
+    assert hashed[0] == 0
 
 
 def test_token_lines_are_copied_a_bounded_chunk_at_a_time_in_one_buffer(root: Path) -> None:
