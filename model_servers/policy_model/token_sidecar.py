@@ -22,14 +22,15 @@ still read.
 Write (``SidecarStore.open_writer`` gives a ``SidecarWriter``): when the records are sealed, the
 sidecar is written first, to ``.tokens-<random>.tmp`` (about 1 MiB of lines at a time, as the
 records are, each chunk assembled in one buffer the store keeps between commits, ``ChunkBuffer``:
-lines read back from an earlier sidecar are read straight into it, each checked against its
-digest). Its fsync waits for the records writer's (``RecordWriter.sync_with_records``): the
-sidecar, the records and the manifest's temporary file are all written, then each is fsync'd (the
-sidecar first) and renamed to its name, the directory fsync'd (which makes the renames durable),
-and only then the manifest linked (the commit point): a manifest never names rows whose tokens are
-not durable. The sidecar costs two files (it and its index) and their fsyncs per commit. A commit
-whose ledgers hold no token ids writes no sidecar. Lines of a restored ledger are written back byte for byte
-(``CallTokens.line`` is the line as read), as is its record.
+lines read back from an earlier sidecar are read straight into it, each checked against its CRC-32,
+or its digest where the CRC is not known yet). Its fsync waits for the records writer's
+(``RecordWriter.sync_with_records``): the sidecar, the records and the manifest's temporary file are
+all written, then each is fsync'd (the sidecar first) and renamed to its name, the directory fsync'd
+(which makes the renames durable), and only then the manifest linked (the commit point): a manifest
+never names rows whose tokens are not durable. The sidecar costs two files (it and its index) and
+their fsyncs per commit. A commit whose ledgers hold no token ids writes no sidecar. Lines of a
+restored ledger are written back byte for byte (``CallTokens.line`` is the line as read), as is its
+record.
 
 Each sidecar has its index beside it (``line_index``: each line's digest and size), written, made
 durable and linked with it.
@@ -191,7 +192,7 @@ class CallTokens:
     def kept_at(self, file: LineFile, offset: int) -> None:
         """The line is at ``offset`` in ``file`` (durable, or spilled): it leaves memory, its CRC-32
         taken from the bytes it had."""
-        if self._line is not None:
+        if self._line is not None:  # the CRC before the line goes: whoever sees it gone sees the CRC
             self.crc = zlib.crc32(self._line)
         self._file, self._offset = file, offset
         self._line = None
@@ -405,7 +406,7 @@ def write_sidecar(
 ) -> str:
     """Write the lines of ``tokens`` durably as ``token-lines-<sha256 of their digests>.jsonl``: a
     temporary file written a chunk at a time (assembled in ``buffer``, or a buffer of its own: a line
-    read back from a file is checked against its digest on the way), fsynced and renamed to its name,
+    read back from a file is checked on the way, as ``ChunkBuffer`` says), fsynced and renamed to its name,
     with its index beside it (``line_index``); that name. With ``hand_over`` (a records writer's
     ``sync_with_records``), the written file's open descriptor, temporary path and name go there
     instead (the index's too), and its owner fsyncs and renames them with the records. No byte is

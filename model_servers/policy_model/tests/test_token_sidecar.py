@@ -424,13 +424,19 @@ def test_a_line_restored_through_the_index_is_copied_by_its_digest_until_it_was_
     """A line placed by an index was never read: its CRC is unknown, so a copy checks it against its
     digest; once read (and checked against its digest), its CRC is known."""
     kept, path = kept_lines(root, 3)
-    placed = [CallTokens.kept_in(line.call_id, line.digest, line.size, LineFile.open(path), offset)
+    file = LineFile.open(path)  # one file, lines next to each other: one run
+    placed = [CallTokens.kept_in(line.call_id, line.digest, line.size, file, offset)
               for line, offset in zip(kept, (0, kept[0].size + 1, kept[0].size + kept[1].size + 2), strict=True)]
     assert [tokens.crc for tokens in placed] == [None, None, None]
     hashed = counting_sha256(monkeypatch)
     assert b"".join(chunk_bytes(ChunkBuffer(), placed)) == path.read_bytes()
     assert hashed[0] == 3
-    assert [tokens.line for tokens in placed] == path.read_bytes().splitlines()  # read: checked by digest
+    assert placed[1].line == path.read_bytes().splitlines()[1]  # read: checked by its digest
+    assert [tokens.crc for tokens in placed] == [None, kept[1].crc, None]
+    hashed[0] = 0
+    assert b"".join(chunk_bytes(ChunkBuffer(), placed)) == path.read_bytes()
+    assert hashed[0] == 3  # one CRC of the run unknown: the whole run is checked by digest
+    assert [tokens.line for tokens in placed] == path.read_bytes().splitlines()
     assert [tokens.crc for tokens in placed] == [tokens.crc for tokens in kept]
     hashed[0] = 0
     assert b"".join(chunk_bytes(ChunkBuffer(), placed)) == path.read_bytes()
