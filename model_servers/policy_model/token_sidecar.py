@@ -492,7 +492,7 @@ def write_sidecars(
                 placed.append((line, *found))
             else:
                 fresh.append(line)
-    written, size = None, 0
+    written, size, index_size = None, 0, 0
     if fresh:
         written = write_sidecar(ops, directory, fresh, stop, buffer=buffer, hand_over=hand_over)
         offsets = list(accumulate((line.size + 1 for line in fresh), initial=0))
@@ -501,8 +501,8 @@ def write_sidecars(
         index.where.update(zip([line.digest for line in fresh], places, strict=True))
         placed.extend([(line, written, offset) for line, offset in zip(fresh, offsets, strict=True)])
         index.sizes[written] = size
-        index.indexes[written] = index_bytes(len(fresh))
-    return SidecarWrite(sorted(linked), written, size + index.indexes.get(written or "", 0), index, placed)
+        index.indexes[written] = index_size = index_bytes(len(fresh))
+    return SidecarWrite(sorted(linked), written, size + index_size, index, placed)
 
 
 class SidecarWriter(RecordWriter):
@@ -652,13 +652,12 @@ class SidecarStore(CheckpointStore):
         here: each is read, and checked against its digest, when needed (the install reads and checks
         every line it installs); the sidecar's size. ``None`` when the sidecar has no index this
         reader can use: it is then read and hashed whole."""
-        try:
-            with self.ops.open_read(path) as file:
-                size = file_size(file)
-                lines_file = LineFile(os.dup(file.fileno()), path.name)
-            with self.ops.open_read(path.with_name(index_name(path.name))) as handle:
-                length = file_size(handle)
+        try:  # the index first: a sidecar without one is opened once, by the whole read
+            with self.ops.open_read(path.with_name(index_name(path.name))) as handle, \
+                    self.ops.open_read(path) as file:
+                size, length = file_size(file), file_size(handle)
                 data = handle.read(length) if length <= max_index_bytes(size) else b""  # never past the bound
+                lines_file = LineFile(os.dup(file.fileno()), path.name)
         except OSError:
             return None  # no index (an earlier commit's sidecar), or unreadable: the whole read says why
         lines = decode_index(data, lines_digest, size, wanted)
