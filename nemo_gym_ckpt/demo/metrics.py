@@ -23,7 +23,9 @@ For the rollouts a restore continued (attempt N checkpointed, N+1 restored):
   worker. Each is lost and is the first model call its rollout makes after the restore, with the
   same tokens (greedy decoding), all generated again. Their rollouts are known only when every
   candidate (a continued rollout without a cut whose next action was a model call) had one in
-  flight; when not, the candidates' mean stands in and ``tokens_regenerated_uncut_exact`` is false.
+  flight; when not, the candidates' mean stands in and ``tokens_regenerated_uncut_exact`` is false;
+- ``uncut_checkpoints_before``: checkpoints the demo took and resumed from before the one it
+  crashed after, because they caught no call mid-generation (cuts on; at most ``CUT_TRIES`` - 1).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class CrashState:
     """The model participant's status extras at the crash."""
     rows_written: int = 0
     killed: list[str] = field(default_factory=list)
+    uncut_checkpoints: int = 0
+    """Checkpoints published before the crash's that caught no call mid-generation (with cuts on,
+    the demo takes another one while rollouts are still to start: ``CUT_TRIES``)."""
 
 
 def _records(checkpoint: Path, manifest: CollectionManifest, kind: str) -> dict[str, dict[str, Any]]:
@@ -175,6 +180,7 @@ def checkpoint_metrics(
         "tokens_regenerated": max(0, staged - kept),
         "tokens_after_cut": after_cut,
         "uncut_calls": uncut,
+        "uncut_checkpoints_before": crash.uncut_checkpoints,
         "tokens_regenerated_uncut": regenerated_uncut,
         "tokens_regenerated_uncut_exact": exact,
     }

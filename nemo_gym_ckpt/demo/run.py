@@ -50,7 +50,7 @@ from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings, Published
 from nemo_gym_ckpt.collect.dispatch import HeldBack, Plan, Summary, run_plan
-from nemo_gym_ckpt.collect.published import RunIdentity, config_digest, input_digest
+from nemo_gym_ckpt.collect.published import CollectionManifest, RunIdentity, config_digest, input_digest
 from nemo_gym_ckpt.collect.rows import RowComparison, compare_rows, read_jsonl
 from nemo_gym_ckpt.collect.triggers import Triggers
 from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig, ServerInstance, load_config
@@ -58,7 +58,7 @@ from nemo_gym_ckpt.demo.metrics import CrashState, checkpoint_metrics
 from nemo_gym_ckpt.errors import GymError, MeshCrashed
 from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
-__all__ = ["DEFAULT_CONFIG", "DemoResult", "proof_table", "run_demo"]
+__all__ = ["CUT_TRIES", "DEFAULT_CONFIG", "DemoResult", "again_for_a_cut", "proof_table", "run_demo"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,11 @@ PHASE_TIMEOUT_S = 300.0
 CUT_STATUS = "/ng-control/v1/generation-cut/status"
 STATUS_TIMEOUT_S = 10.0
 CUT_MIN_TOKENS = 2  # a generation counts as "mid-generation" once it produced this many tokens
+CUT_TRIES = 3
+"""With cuts on, at most this many checkpoints are taken for the crash: one that caught no call
+mid-generation (every call it saw generating had finished by the time the worker held it, as on a
+loaded machine) is kept, the mesh resumes and another is asked for, while some rollout is still to
+start (the run then lasts at least one more rollout)."""
 
 
 # ---- the runs ------------------------------------------------------------------------------------
@@ -134,6 +139,8 @@ class _DemoMesh:
     crash: CrashState = field(default_factory=CrashState)
     _crashing: CollectionControl | None = None
     _output: Path = Path()
+    _uncut: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a checkpoint caught no cut and the crash waits for another one."""
 
     def plan(self, output: Path) -> Plan:
         url = self.launcher.url_of(ENVIRONMENT)
@@ -180,9 +187,13 @@ class _DemoMesh:
         rows, calls = len(self.tasks) // 4, max(1, self.concurrency // 2)
         await _until_midway(coordinator, output, rows, calls)
         held_back.release.set()  # fresh rollouts start now: the run lasts at least one more rollout
-        if self.worker_url is not None:
-            await _until_generating(coordinator, self.worker_url, self.token, calls)
-        triggers.request("demo")
+        while True:
+            if self.worker_url is not None:
+                await _until_generating(coordinator, self.worker_url, self.token, calls)
+            triggers.request("demo")
+            await self._uncut.wait()  # cancelled at the crash
+            self._uncut.clear()
+
 
     async def cut_status(self) -> dict[str, Any] | None:
         """The worker's generation-cut status (``None`` with cuts off; empty if it cannot be read)."""
@@ -198,6 +209,13 @@ class _DemoMesh:
     async def _crash(self, published: Published) -> None:
         """Wait until every call in flight has its full answer held, note it, then SIGKILL everyone."""
         assert self._crashing is not None
+        if self.worker_url is not None and again_for_a_cut(published.manifest, self.crash.uncut_checkpoints,
+                                                           len(self.tasks)):
+            self.crash.uncut_checkpoints += 1
+            logger.warning("checkpoint %s caught no call mid-generation; the mesh resumes and another "
+                           "is taken", published.manifest.checkpoint_id)
+            self._uncut.set()
+            return
         self.crash.published = published
         try:
             self.crash.model = await _model_extras(self._crashing.coordinator, settled=True)
@@ -206,6 +224,15 @@ class _DemoMesh:
         self.crash.rows_written = len(list(read_jsonl(self._output, complete_lines_only=True)))
         self.crash.killed = self.launcher.kill_all(signal.SIGKILL)  # blocking: nothing else runs meanwhile
         raise MeshCrashed(published.manifest.checkpoint_id)
+
+
+def again_for_a_cut(manifest: CollectionManifest, uncut_before: int, tasks: int) -> bool:
+    """Whether the demo (cuts on) resumes and takes another checkpoint instead of crashing after the
+    one ``manifest`` describes: it kept no cut, ``uncut_before`` such checkpoints came before it and
+    tries are left (``CUT_TRIES``), and some of the ``tasks`` rollouts is still to start."""
+    if any(manifest.staging_keys.values()) or uncut_before + 1 >= CUT_TRIES:
+        return False
+    return manifest.rows_done + len(manifest.continued) + len(manifest.restarted) < tasks
 
 
 async def _model_extras(coordinator: Coordinator, *, settled: bool = False) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from nemo_gym_ckpt.collect.published import find_latest
+from nemo_gym_ckpt.demo.run import CUT_TRIES
 
 pytestmark = pytest.mark.e2e
 
@@ -41,6 +42,7 @@ def test_the_demo_restores_a_killed_mesh_to_the_rows_of_the_reference(tmp_path: 
     # token they had produced was served from staging, none generated again, and the rows are the
     # reference's token for token (identical_to_reference above compares the token arrays)
     assert metrics["generation_cuts"] is True and metrics["cut_calls"] >= 1
+    assert 0 <= metrics["uncut_checkpoints_before"] < CUT_TRIES  # a loaded machine may need another try
     assert metrics["staging_keys"] == metrics["cut_calls"]  # every cut the commit kept was continued
     assert metrics["tokens_kept"] > 0 and metrics["tokens_kept"] == metrics["cut_tokens_staged"]
     assert metrics["tokens_regenerated"] == 0
