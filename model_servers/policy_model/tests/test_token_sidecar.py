@@ -766,12 +766,7 @@ def test_log_probs_are_checked_in_the_line_and_only_encoded_again_when_not_plain
     line = LOG_PROBS_AS_WRITTEN[case]
     assert orjson.loads(line) == GOOD_LINE and (line == orjson.dumps(GOOD_LINE)) is (case == "canonical")
     encoded: list[Any] = []
-
-    def counted(value: Any) -> bytes:
-        encoded.append(value)
-        return canonical_json(value)
-
-    monkeypatch.setattr(token_sidecar, "canonical_json", counted)
+    monkeypatch.setattr(token_sidecar, "canonical_json", lambda value: encoded.append(value) or canonical_json(value))
     CallTokens("mc_1", line, hashlib.sha256(line).hexdigest()).check(
         "mc_1", sha256_of([1, 2, 3]), sha256_of([4, 5]), "here")
     log_probs_encoded = GOOD_LINE["generation_log_probs"] in encoded
