@@ -242,15 +242,12 @@ class CallTokens:
         """The line is a well-formed sidecar line of the row's call whose ids hash to the row's digests;
         anything else is ``InvalidCheckpointState``. One parse: the ids' canonical bytes, which the
         digests are of, are also what is checked to hold only non-negative integers (and the
-        log-probs' bytes only numbers), in C rather than one Python step per id. The log-probs, which
-        no digest covers, are checked in the line as they are when they can be
-        (``_log_probs_in_line``): encoding their floats again cost as much as the rest of the check."""
+        log-probs' bytes only numbers), in C rather than one Python step per id."""
         data = self._checked_data(where)
         if data["call_id"] != call_id:
             raise InvalidCheckpointState(f"{where}: the sidecar line is for {data['call_id']}, expected {call_id}")
         try:
-            prompt, generation = (canonical_json(data[key]) for key in TOKEN_ARRAYS[:2])
-            log_probs = _log_probs_in_line(self.line) or canonical_json(data["generation_log_probs"])
+            prompt, generation, log_probs = (canonical_json(data[key]) for key in _LINE_KEYS[1:])
         except orjson.JSONEncodeError:  # an integer past 64 bits
             raise InvalidCheckpointState(f"{where}: the token arrays of {call_id} are malformed") from None
         if not (_only(prompt, _ID_BYTES) and _only(generation, _ID_BYTES) and _only(log_probs, _NUMBER_BYTES)
@@ -274,22 +271,6 @@ class CallTokens:
         """The token fields of an output item (``policy_version`` is the row's)."""
         data = self._arrays()
         return {key: data[key] for key in TOKEN_ARRAYS}
-
-
-_LOG_PROBS_MARK = b',"generation_log_probs":'
-
-
-def _log_probs_in_line(line: bytes) -> bytes | None:
-    """The bytes of the log-probs array of ``line`` (already parsed: valid JSON, its keys in order,
-    the log-probs last), taken as they are when they hold only the bytes of numbers (then nothing
-    but numbers, as their canonical encoding would show); ``None`` otherwise. A key's mark cannot
-    be inside a string (a quote there is escaped), and what follows the last mark in a flat array
-    of numbers holds no quote, so the last mark is the key's."""
-    at = line.rfind(_LOG_PROBS_MARK)
-    if at < 0 or not line.endswith(b"}"):
-        return None
-    array = line[at + len(_LOG_PROBS_MARK) : -1]
-    return array if _only(array, _NUMBER_BYTES) else None
 
 
 def _only(array: bytes, allowed: bytes) -> bool:
