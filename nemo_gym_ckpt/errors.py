@@ -51,13 +51,10 @@ branch on classes, never on status codes.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 __all__ = [
     "ERROR_CODES",
-    "RETRY_SPREAD",
     "ActivationOutOfOrder",
     "BadInput",
     "CheckpointConflict",
@@ -235,20 +232,8 @@ class Overloaded(PeerError):
         value = self.fields.get("retry_after_s")
         return float(value) if isinstance(value, int | float) else 1.0
 
-    def retry_delay_s(self, draw: Callable[[], float] = random.random) -> float:
-        """How long a caller waits before sending the request again: ``retry_after_s``, and up to
-        ``RETRY_SPREAD`` of it more at random (``draw`` in [0, 1)). Calls refused together then
-        come back spread out, not all in one burst that the refusing server must read at once
-        (5,904 rollouts refused at 10,000 in flight came back within a few ms of each other and held
-        the environment's loop for 2-3 s, its checkpoint calls with it)."""
-        return self.retry_after_s * (1.0 + RETRY_SPREAD * draw())
-
     def headers(self) -> dict[str, str]:
         return {"retry-after": str(max(1, round(self.retry_after_s)))}
-
-
-RETRY_SPREAD = 0.5
-"""A refused call waits its ``Retry-After`` and up to this fraction of it more (``Overloaded.retry_delay_s``)."""
 
 
 class UpstreamTimeout(PeerError):

@@ -3,8 +3,7 @@
 One quickstart mesh with checkpointing on. At each level (256, 1,024, 2,048, 4,096 and 10,000
 rollouts in flight) a closed-loop driver keeps that many ``/run`` calls going: one asyncio loop in
 this process, one task per rollout slot, a rollout that ends replaced at once, a refusal up front
-(429 ``capacity_exceeded``) sent again after its ``Retry-After`` (and up to half of it more at
-random, as the collector does). The driver's own CPU is reported
+(429 ``capacity_exceeded``) sent again after its ``Retry-After``. The driver's own CPU is reported
 (``driver`` in ``cpu_ms_per_rollout``) to show it is not the bottleneck, and the coordinator has its
 own connection pool, so no control call waits behind the driver's rollouts.
 
@@ -172,7 +171,7 @@ class _Driver:
                 if self.stopping:
                     return False
                 self.waiting.add(key)
-                await asyncio.sleep(refused.retry_delay_s())  # as the collector: spread, not in one burst
+                await asyncio.sleep(refused.retry_after_s)
                 self.waiting.discard(key)
                 continue
             except GymError as error:

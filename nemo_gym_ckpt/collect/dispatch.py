@@ -212,9 +212,8 @@ class Dispatcher:
 
     async def _send(self, body: dict[str, Any], identity: RolloutIdentity) -> dict[str, Any]:
         """The environment's reply to one ``/run``; ``_RunFailed`` with what came back otherwise. A
-        refusal up front (``Overloaded``: nothing started) is sent again after its ``Retry-After``
-        (and a random part of it more: ``Overloaded.retry_delay_s``), until the rollout's own timeout
-        has passed."""
+        refusal up front (``Overloaded``: nothing started) is sent again after its ``Retry-After``,
+        until the rollout's own timeout has passed."""
         give_up = time.monotonic() + self.plan.rollout_timeout_s
         while True:
             try:
@@ -226,13 +225,10 @@ class Dispatcher:
                 raise _RunFailed(RunFailure(error)) from None
             status, content = response.status_code, response.content
             refused = _error_of(response)
-            if not isinstance(refused, Overloaded):
-                break
-            wait_s = refused.retry_delay_s()
-            if time.monotonic() + wait_s >= give_up:
+            if not isinstance(refused, Overloaded) or time.monotonic() + refused.retry_after_s >= give_up:
                 break
             self.summary.refused += 1
-            await asyncio.sleep(wait_s)
+            await asyncio.sleep(refused.retry_after_s)
         if refused is not None:
             raise _RunFailed(RunFailure(refused, status, content))
         try:
