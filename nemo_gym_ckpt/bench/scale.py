@@ -80,6 +80,7 @@ from nemo_gym_ckpt.launch.launcher import MeshLauncher
 
 __all__ = [
     "LEVELS",
+    "PAIRS",
     "QUICK_LEVELS",
     "WORKER_VARIANTS",
     "plot_scale",
@@ -88,6 +89,10 @@ __all__ = [
 
 Result = dict[str, Any]
 LEVELS = (256, 1024, 2048, 4096, 10_000)
+PAIRS = 5
+"""Pairs of checkpoints per level: the medians the issue's acceptance reads are over 5 full (and 5
+incremental) checkpoints; with 3 the median was one checkpoint, and the pause ratio moved between runs
+by more than its margin (docs/benchmarks.md, stop 40)."""
 QUICK_LEVELS = (6,)
 DEADLINE_S = 300.0
 WARM_S = 60.0
@@ -547,7 +552,7 @@ async def _levels(
 
 
 def scale(
-    *, levels: Sequence[int] = LEVELS, pairs: int = 3, gap_s: float = 1.0, quick: bool = False,
+    *, levels: Sequence[int] = LEVELS, pairs: int = PAIRS, gap_s: float = 1.0, quick: bool = False,
     variants: dict[str, list[str]] | None = None, progress: Path | None = None, overrides: Sequence[str] = (),
     phase_cpu: bool = False,
 ) -> Result:
