@@ -70,10 +70,10 @@ CUT_STATUS = "/ng-control/v1/generation-cut/status"
 STATUS_TIMEOUT_S = 10.0
 CUT_MIN_TOKENS = 2  # a generation counts as "mid-generation" once it produced this many tokens
 CUT_TRIES = 3
-"""With cuts on, at most this many checkpoints are taken for the crash: one that caught no call
-mid-generation (every call it saw generating had finished by the time the worker held it, as on a
-loaded machine) is kept, the mesh resumes and another is asked for, while some rollout is still to
-start (the run then lasts at least one more rollout)."""
+"""With cuts on, at most this many checkpoints are taken for the crash. After one that caught no
+call mid-generation (every call it saw generating had finished by the time the worker held it, as
+on a loaded machine), published like any other, the mesh resumes and another is asked for, while
+some rollout is still to start (the run then lasts at least one more rollout)."""
 
 
 # ---- the runs ------------------------------------------------------------------------------------
@@ -193,7 +193,6 @@ class _DemoMesh:
             triggers.request("demo")
             await self._uncut.wait()  # cancelled at the crash
             self._uncut.clear()
-
 
     async def cut_status(self) -> dict[str, Any] | None:
         """The worker's generation-cut status (``None`` with cuts off; empty if it cannot be read)."""
