@@ -134,14 +134,21 @@ class PolicyAdapter:
             self._cuts = await self.cutter.cut(checkpoint_id, scope, deadline_ts, self.ledgers.lineage)
 
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
+        for item in self._ledger_records(scope):
+            yield item
+
+    def export_at_once(self, scope: Scope | None) -> list[Record]:
+        return [item if isinstance(item, Record) else Record.from_data(item) for item in self._ledger_records(scope)]
+
+    def _ledger_records(self, scope: Scope | None) -> list[ExportItem]:
+        """The ledgers' records, noting the sidecar lines and staging keys they name for the commit."""
         began = time.perf_counter()
         items, self._token_lines = self.ledgers.export(scope, self._cuts)
         self._kept = staging_keys_by_episode(items)
         if self.cutter is not None:
             self.cutter.timings["records_ms"] = round(1000 * (time.perf_counter() - began), 3)
         self._exported = began
-        for item in items:
-            yield item
+        return items
 
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
         if self.cutter is not None:  # from the export's start: the records built and written

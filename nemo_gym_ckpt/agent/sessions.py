@@ -168,7 +168,7 @@ class AgentSession:
         }
         return {"episode_id": self.identity.to_json(), "session": without_token_arrays(session)}
 
-    def record_for(self, scope: Scope | None) -> ExportItem | None:
+    def record_for(self, scope: Scope | None) -> Record | None:
         if self.restored is not None and (scope is None or self.restored.episode in scope):
             return self.restored
         if scope is None or self.identity in scope:
@@ -410,6 +410,17 @@ class AgentSessions:
             item = None if session.restart else session.record_for(scope)
             if item is not None:
                 yield item
+
+    def export_at_once(self, scope: Scope | None) -> list[Record]:
+        """``export`` in one list: each session's record is at hand (built again only if it moved)."""
+        records: list[Record] = []
+        keep = records.append
+        for session in self.sessions.values():
+            if not session.restart:
+                record = session.record_for(scope)
+                if record is not None:
+                    keep(record)
+        return records
 
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
         """Drop the restored, untouched sessions that this commit's scope left out."""

@@ -31,6 +31,11 @@ pause), and ``resumed(checkpoint_id)`` when the checkpoint closes (resume, abort
 after a restore too, so possibly without a ``paused`` before it). Both are synchronous and must not
 block or raise: the model uses them to hold its worker's generation (``generation_hold``).
 
+Optional (``ExportAtOnce``): ``export_at_once(scope)`` gives what ``export`` would stream, in one
+list, synchronously, when every record is at hand as a ``Record`` (encoded when its episode moved);
+``None`` when it cannot (then ``export`` runs). A commit of thousands of episodes then costs one loop
+in the adapter and no step of an async generator per record (docs/protocol.md section 6).
+
 Optional (``StopCommitted``): ``stop_committed(scope)`` runs after ``committed`` of a commit sent
 with ``stop: true`` (the controller stops the mesh next): free what the records do not hold
 (sandboxes, child processes, connections). Bounded by the commit's deadline; a failure is logged
@@ -46,8 +51,8 @@ from typing import Any, Protocol, runtime_checkable
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["MAX_BLOCKERS", "BeforeExport", "ExportItem", "ParticipantAdapter", "PauseWindow", "Readiness",
-           "StopCommitted"]
+__all__ = ["MAX_BLOCKERS", "BeforeExport", "ExportAtOnce", "ExportItem", "ParticipantAdapter", "PauseWindow",
+           "Readiness", "StopCommitted"]
 
 MAX_BLOCKERS = 100
 ExportItem = Record | Mapping[str, Any]
@@ -97,6 +102,13 @@ class BeforeExport(Protocol):
     """An adapter that works once per commit before its export, knowing the commit's deadline."""
 
     async def before_export(self, checkpoint_id: str, scope: Scope | None, deadline_ts: float) -> None: ...
+
+
+@runtime_checkable
+class ExportAtOnce(Protocol):
+    """An adapter that can hand over its export as one list of ``Record``s (``None``: it cannot now)."""
+
+    def export_at_once(self, scope: Scope | None) -> list[Record] | None: ...
 
 
 @runtime_checkable

@@ -2,13 +2,14 @@
 sections 4 and 6).
 
 The capture runs on the event loop and only collects: it iterates the adapter's records (keeping
-those in scope) into one list. A record the adapter hands back unchanged (a ``Record`` it kept) costs
-nothing here; a new one is encoded once (``Record.from_data``: orjson, and a byte search for token
-arrays). Meanwhile a worker thread opens the writer (the directories made and fsynced, the records
-file created: a few ms of system calls that need no record). The write then runs in one worker
-thread, once: references to what the previous committed checkpoint already holds
-(``incremental``), the other records inline, hashed and written in chunks of about 1 MiB, then the
-records sealed and the manifest linked. Two thread hand-offs per commit, whatever the number of
+those in scope) into one list, or takes the list an ``ExportAtOnce`` adapter hands over whole. A
+record the adapter hands back unchanged (a ``Record`` it kept) costs nothing here; a new one is
+encoded once (``Record.from_data``: orjson, and a byte search for token arrays). Meanwhile a
+worker thread opens the writer (the directories made and fsynced, the records file created: a few ms
+of system calls that need no record). The write then runs in one worker thread, once: references
+to what the previous committed checkpoint already holds (``incremental``), the other records
+inline, hashed and written in chunks of about 1 MiB, then the records sealed and the manifest
+linked. Two thread hand-offs per commit, whatever the number of
 records. The whole of it runs with prompt hand-offs of the interpreter's lock (``prompt_switching``):
 the writer's threads make a dozen system calls beside a loop that is capturing or serving.
 ``cancel_export`` stops the capture at once (a resume must not let it read the adapter's state
@@ -19,11 +20,12 @@ failure that is not a protocol error is a bug and propagates as such.
 from __future__ import annotations
 
 import asyncio
+import operator
 import time
 from collections.abc import Callable
 from typing import Any
 
-from nemo_gym_ckpt.checkpoint.adapter import ParticipantAdapter
+from nemo_gym_ckpt.checkpoint.adapter import ExportAtOnce, ParticipantAdapter
 from nemo_gym_ckpt.checkpoint.incremental import refuse_reserved
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import Manifest, RecordWriter
@@ -32,6 +34,9 @@ from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
 from nemo_gym_ckpt.errors import GymError
 
 __all__ = ["ExportPipeline"]
+
+_IS_REFERENCE = operator.attrgetter("reference")
+_EPISODE = operator.attrgetter("episode")
 
 
 class ExportPipeline:
@@ -96,18 +101,39 @@ class ExportPipeline:
     async def _capture(self) -> tuple[list[Record], list[str]]:
         """The records in scope, and the capture keys of their episodes (each once, in order)."""
         with self.telemetry.span("export", **{ATTR.ID: self.checkpoint_id}) as span:
-            records: list[Record] = []
-            keep, scope = records.append, self.scope  # locals: this loop runs once per record
-            async for item in self.adapter.export(scope):
-                record = item if isinstance(item, Record) else Record.from_data(item)
-                if scope is not None and record.episode not in scope:
-                    continue
-                if record.reference:
-                    refuse_reserved(record)
-                keep(record)
+            records = self._at_once()
+            if records is None:
+                records = await self._streamed()
             exported = list(dict.fromkeys([record.episode.capture_key for record in records]))
             span.set_attribute(ATTR.RECORDS, len(exported))
             return records, exported
+
+    def _at_once(self) -> list[Record] | None:
+        """The adapter's list (``ExportAtOnce``) when every record in it is in scope and none is a
+        reference: two checks in C over the list instead of three in Python per record."""
+        if not isinstance(self.adapter, ExportAtOnce):
+            return None
+        records = self.adapter.export_at_once(self.scope)
+        if records is None:
+            return None
+        if any(map(_IS_REFERENCE, records)):
+            for record in records:
+                refuse_reserved(record)
+        if self.scope is not None and not self.scope.issuperset(map(_EPISODE, records)):
+            return [record for record in records if record.episode in self.scope]
+        return records
+
+    async def _streamed(self) -> list[Record]:
+        records: list[Record] = []
+        keep, scope = records.append, self.scope  # locals: this loop runs once per record
+        async for item in self.adapter.export(scope):
+            record = item if isinstance(item, Record) else Record.from_data(item)
+            if scope is not None and record.episode not in scope:
+                continue
+            if record.reference:
+                refuse_reserved(record)
+            keep(record)
+        return records
 
     def _timed_write(
         self, writer: RecordWriter, records: list[Record], kind: str, instance: str

@@ -23,7 +23,8 @@ task:
 - **export**: ``{episode_id, task_digest, boundary}`` per live, continuable episode: its last
   boundary (``null`` before the first step completed: start over, keeping the lineage). Each
   boundary's record is encoded once, when the episode reaches it (before and after every step), so
-  a commit's capture is a lookup per episode, also the first commit after a burst of starts;
+  a commit's capture is a lookup per episode, also the first commit after a burst of starts, in one
+  loop (``export_at_once``);
 - **restore**: each record is checked (fields, digest, boundary, its next step in the program) and
   installed, all or nothing, as an ``Installed`` boundary of the next attempt. The controller's
   ``/run`` of that attempt with the same task row continues from it (another row:
@@ -202,7 +203,7 @@ class LiveEpisode:
             return self.restored
         return None
 
-    def record_for(self, scope: Scope | None) -> ExportItem | None:
+    def record_for(self, scope: Scope | None) -> Record | None:
         unchanged = self.unchanged_record()
         if unchanged is not None and (scope is None or unchanged.episode in scope):
             return unchanged
@@ -236,6 +237,11 @@ class EpisodesAdapter:
         self.live: dict[str, LiveEpisode] = {}
         self.installed: dict[str, Installed] = {}
         self.tally = ReadinessTally()
+        self._at_hand: dict[str, Record] = {}
+        """The record of each live episode encoded at the boundary it stands at, by capture key: set
+        as the episode reaches it (``_hold``), dropped when it leaves or is marked a restart. An
+        episode standing at its restored record is not here, nor one that has not reached a boundary
+        yet; when every live episode but the restarts is, a commit takes these whole."""
         self._budget_clock: CheckpointFreeClock | None = None
 
     @property
@@ -277,6 +283,8 @@ class EpisodesAdapter:
         live = self.live.get(key)
         if live is not None and live.episode is episode:
             self.tally.moved(key, episode)
+            if episode.restart:
+                self._at_hand.pop(key, None)
 
     def _continue(self, installed: Installed, task: dict[str, Any]) -> LiveEpisode:
         digest = task_digest(task)
@@ -301,6 +309,7 @@ class EpisodesAdapter:
         finally:
             if self.live.get(live.key) is live:
                 del self.live[live.key]
+                self._at_hand.pop(live.key, None)
                 self.tally.left(live.key)
             live.episode.watcher = None
             self._participant().notify_changed()
@@ -327,11 +336,12 @@ class EpisodesAdapter:
         """Encode the record of this boundary now, on the data plane, so that a commit only looks
         it up; then park here while a checkpoint is open (restarts never park, nor are exported)."""
         participant = self._participant()
-        live = self.live.get(episode.identity.capture_key)
+        key = episode.identity.capture_key
+        live = self.live.get(key)
         if live is None or episode.restart:
             return
         if live.unchanged_record() is None:
-            live.encoded()
+            self._at_hand[key] = live.encoded()
         if participant.checkpoint_id is None:
             return
         live.parked = True
@@ -367,17 +377,47 @@ class EpisodesAdapter:
             if item is not None:
                 yield item
 
+    def export_at_once(self, scope: Scope | None) -> list[Record] | None:
+        """``export`` in one list while no restored boundary waits for its ``/run`` (``None`` then):
+        the records at hand when every live episode but the restarts has one (the pipeline keeps
+        those in scope), else each live episode's record looked up in turn."""
+        if self.installed:
+            return None
+        if self._all_at_hand():
+            return list(self._at_hand.values())
+        records: list[Record] = []
+        keep = records.append
+        for live in self.live.values():
+            episode = live.episode
+            if episode.restart:
+                continue
+            if live.restored is not None:
+                item = live.record_for(scope)
+                if item is not None:
+                    keep(item)
+            elif scope is None or episode.identity in scope:
+                encoded = live._encoded
+                keep(encoded[1] if encoded is not None and encoded[0] is episode.boundary else live.encoded())
+        return records
+
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:
         """Drop restored boundaries (and forget restored records) that this commit's scope left out."""
         if scope is not None:
             for key, installed in list(self.installed.items()):
                 if installed.record.episode not in scope and installed.identity not in scope:
                     del self.installed[key]
+            if self._all_at_hand():  # no episode stands at its restored record (a restart may: never exported)
+                return {}
             for live in self.live.values():
                 unchanged = live.unchanged_record()
                 if unchanged is not None and unchanged.episode not in scope:
                     live.restored = None
         return {}
+
+    def _all_at_hand(self) -> bool:
+        """Every live episode but the restarts has its record at hand (none stands at a restored
+        record, none has yet to reach its first boundary)."""
+        return len(self._at_hand) + len(self.tally.restarts) == len(self.live)
 
     # ---- restore ----------------------------------------------------------------------------
 

@@ -234,6 +234,27 @@ class ResourcesAdapter:
             elif identity is not None and (scope is None or identity in scope):
                 yield await self._exported_record(session, identity) if exported else _member_record(session, identity)
 
+    def export_at_once(self, scope: Scope | None) -> list[Record] | None:
+        """``export`` in one list for a stateless server, whose records are kept (``None`` for an
+        exported server: its state is asked afresh, one await per session)."""
+        if self.mode == "restart_only":
+            return []
+        if self.mode == "exported":
+            return None
+        records: list[Record] = []
+        keep, retiring = records.append, self._retiring
+        for session in self.server.sessions:
+            if session.session_id in retiring:
+                continue
+            restored, identity = session.restored, session.identity
+            if restored is not None and (scope is None or restored.episode in scope):
+                keep(restored)
+            elif identity is not None and (scope is None or identity in scope):
+                encoded = session.encoded
+                keep(encoded if encoded is not None and encoded.episode is identity
+                     else _member_record(session, identity))
+        return records
+
     async def _exported_record(self, session: Session, identity: RolloutIdentity) -> dict[str, Any]:
         return {"episode_id": identity.to_json(), "session_id": session.session_id,
                 "state": await self.server.export_session(session)}

@@ -12,11 +12,11 @@ from typing import Any, cast
 import pytest
 
 from nemo_gym_ckpt.checkpoint.pipeline import ExportPipeline
-from nemo_gym_ckpt.checkpoint.records import Scope
+from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, RecordWriter, StopSignal
 from nemo_gym_ckpt.checkpoint.switching import COMMIT_SWITCH_INTERVAL_S, prompt_switching
 from nemo_gym_ckpt.checkpoint.telemetry import Telemetry
-from nemo_gym_ckpt.errors import Unavailable
+from nemo_gym_ckpt.errors import InternalError, Unavailable
 
 pytestmark = pytest.mark.unit
 
@@ -143,3 +143,53 @@ def test_a_lower_interval_already_set_is_kept() -> None:
         assert sys.getswitchinterval() == pytest.approx(COMMIT_SWITCH_INTERVAL_S / 5, rel=0.05)
     finally:
         sys.setswitchinterval(before)
+
+
+class _AtOnce:
+    """Hands its records over in one list (``ExportAtOnce``); ``batch=None`` declines, so the
+    pipeline streams ``export``; ``streamed`` counts how often it did."""
+
+    def __init__(self, batch: list[Record] | None, streamed: list[Record] | None = None) -> None:
+        self.batch, self.stream, self.streamed = batch, streamed or [], 0
+
+    def export_at_once(self, scope: Scope | None) -> list[Record] | None:
+        return self.batch
+
+    async def export(self, scope: Scope | None) -> AsyncIterator[Record]:
+        self.streamed += 1
+        for record in self.stream:
+            yield record
+
+
+def _record(rollout: str, **extra: Any) -> Record:
+    return Record.from_data({"episode_id": {"rollout_id": rollout, "attempt": 0}, **extra})
+
+
+async def _capture(adapter: _AtOnce, scope: Scope | None) -> tuple[list[Record], list[str]]:
+    pipeline = ExportPipeline(cast(Any, adapter), scope, Telemetry("environment", "e1"), "c1")
+    return await pipeline._capture()
+
+
+async def test_an_adapter_list_is_taken_whole_without_a_stream() -> None:
+    batch = [_record("r1"), _record("r2", n=1), _record("r2", n=2)]
+    adapter = _AtOnce(batch, streamed=[_record("other")])
+    records, exported = await _capture(adapter, frozenset(record.episode for record in batch))
+    assert records == batch and exported == ["r1", "r2"] and adapter.streamed == 0
+
+
+async def test_a_declined_list_falls_back_to_the_stream() -> None:
+    adapter = _AtOnce(None, streamed=[_record("r1"), _record("r2")])
+    records, exported = await _capture(adapter, None)
+    assert exported == ["r1", "r2"] and adapter.streamed == 1 and len(records) == 2
+
+
+async def test_records_outside_the_scope_are_left_out_of_a_list_too() -> None:
+    inside, outside = _record("r1"), _record("r9")
+    records, exported = await _capture(_AtOnce([inside, outside]), frozenset({inside.episode}))
+    assert records == [inside] and exported == ["r1"]
+
+
+async def test_a_reference_in_a_list_is_refused_as_in_a_stream() -> None:
+    reference = Record.from_raw(b'{"episode_id":{"rollout_id":"r1","attempt":0},"same_as":"x"}')
+    with pytest.raises(InternalError, match="mark a reference"):
+        await _capture(_AtOnce([_record("r2"), reference]), None)
