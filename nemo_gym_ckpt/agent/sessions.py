@@ -406,20 +406,16 @@ class AgentSessions:
     # ---- commit -----------------------------------------------------------------------------
 
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
-        for session in list(self.sessions.values()):
-            item = None if session.restart else session.record_for(scope)
-            if item is not None:
-                yield item
+        for record in self.export_at_once(scope):
+            yield record
 
     def export_at_once(self, scope: Scope | None) -> list[Record]:
         """``export`` in one list: each session's record is at hand (built again only if it moved)."""
         records: list[Record] = []
-        keep = records.append
         for session in self.sessions.values():
-            if not session.restart:
-                record = session.record_for(scope)
-                if record is not None:
-                    keep(record)
+            record = None if session.restart else session.record_for(scope)
+            if record is not None:
+                records.append(record)
         return records
 
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:

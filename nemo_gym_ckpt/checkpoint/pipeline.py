@@ -9,9 +9,9 @@ worker thread opens the writer (the directories made and fsynced, the records fi
 of system calls that need no record). The write then runs in one worker thread, once: references
 to what the previous committed checkpoint already holds (``incremental``), the other records
 inline, hashed and written in chunks of about 1 MiB, then the records sealed and the manifest
-linked. Two thread hand-offs per commit, whatever the number of
-records. The whole of it runs with prompt hand-offs of the interpreter's lock (``prompt_switching``):
-the writer's threads make a dozen system calls beside a loop that is capturing or serving.
+linked. Two thread hand-offs per commit, whatever the number of records. The whole of it runs
+with prompt hand-offs of the interpreter's lock (``prompt_switching``): the writer's threads make a
+dozen system calls beside a loop that is capturing or serving.
 ``cancel_export`` stops the capture at once (a resume must not let it read the adapter's state
 again); a write already in its thread stops at its next chunk through the store's ``StopSignal``. A
 failure that is not a protocol error is a bug and propagates as such.

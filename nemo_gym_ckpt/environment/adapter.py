@@ -372,10 +372,8 @@ class EpisodesAdapter:
             item = installed.record_for(scope)
             if item is not None:
                 yield item
-        for live in list(self.live.values()):
-            item = None if live.episode.restart else live.record_for(scope)
-            if item is not None:
-                yield item
+        for record in self._live_records(scope):
+            yield record
 
     def export_at_once(self, scope: Scope | None) -> list[Record] | None:
         """``export`` in one list while no restored boundary waits for its ``/run`` (``None`` then):
@@ -385,19 +383,14 @@ class EpisodesAdapter:
             return None
         if self._all_at_hand():
             return list(self._at_hand.values())
+        return self._live_records(scope)
+
+    def _live_records(self, scope: Scope | None) -> list[Record]:
         records: list[Record] = []
-        keep = records.append
         for live in self.live.values():
-            episode = live.episode
-            if episode.restart:
-                continue
-            if live.restored is not None:
-                item = live.record_for(scope)
-                if item is not None:
-                    keep(item)
-            elif scope is None or episode.identity in scope:
-                encoded = live._encoded
-                keep(encoded[1] if encoded is not None and encoded[0] is episode.boundary else live.encoded())
+            record = None if live.episode.restart else live.record_for(scope)
+            if record is not None:
+                records.append(record)
         return records
 
     async def committed(self, scope: Scope | None) -> Mapping[str, Any]:

@@ -46,7 +46,7 @@ import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem, Readiness
 from nemo_gym_ckpt.checkpoint.participant import Participant
@@ -221,28 +221,24 @@ class ResourcesAdapter:
 
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
         """Each session's restored record while in scope, else its record (a stateless server's kept
-        one, an exported server's state asked afresh), in one loop with no call per session."""
-        if self.mode == "restart_only":
-            return
-        exported, retiring = self.mode == "exported", self._retiring
-        for session in self.server.sessions:
-            if session.session_id in retiring:
-                continue
-            restored, identity = session.restored, session.identity
-            if restored is not None and (scope is None or restored.episode in scope):
-                yield restored
-            elif identity is not None and (scope is None or identity in scope):
-                yield await self._exported_record(session, identity) if exported else _member_record(session, identity)
+        one, an exported server's state asked afresh)."""
+        for item in self._chosen(scope):
+            yield item if isinstance(item, Record) else await self._exported_record(*item)
 
     def export_at_once(self, scope: Scope | None) -> list[Record] | None:
         """``export`` in one list for a stateless server, whose records are kept (``None`` for an
         exported server: its state is asked afresh, one await per session)."""
+        return None if self.mode == "exported" else cast(list[Record], self._chosen(scope))
+
+    def _chosen(self, scope: Scope | None) -> list[Record | tuple[Session, RolloutIdentity]]:
+        """What a commit exports, session by session, in one loop with no call per session: a
+        restored record still in scope, else the session's kept record, or on an exported server the
+        session and the identity its state is exported under (nothing on a restart-only server, nor
+        of a session being retired)."""
         if self.mode == "restart_only":
             return []
-        if self.mode == "exported":
-            return None
-        records: list[Record] = []
-        keep, retiring = records.append, self._retiring
+        chosen: list[Record | tuple[Session, RolloutIdentity]] = []
+        keep, retiring, exported = chosen.append, self._retiring, self.mode == "exported"
         for session in self.server.sessions:
             if session.session_id in retiring:
                 continue
@@ -250,10 +246,8 @@ class ResourcesAdapter:
             if restored is not None and (scope is None or restored.episode in scope):
                 keep(restored)
             elif identity is not None and (scope is None or identity in scope):
-                encoded = session.encoded
-                keep(encoded if encoded is not None and encoded.episode is identity
-                     else _member_record(session, identity))
-        return records
+                keep((session, identity) if exported else _member_record(session, identity))
+        return chosen
 
     async def _exported_record(self, session: Session, identity: RolloutIdentity) -> dict[str, Any]:
         return {"episode_id": identity.to_json(), "session_id": session.session_id,
