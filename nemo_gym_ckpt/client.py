@@ -37,6 +37,7 @@ from nemo_gym_ckpt.errors import Overloaded, Unavailable, UpstreamError, Upstrea
 from nemo_gym_ckpt.identity import ROLLOUT_PREFIX, RolloutIdentity, current_identity
 
 __all__ = [
+    "CONTROL_CONNECT_S",
     "DEFAULT_TRANSPORT",
     "KEEPALIVE_S",
     "UNSENT_EXTRA",
@@ -59,6 +60,12 @@ IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 # (which reuses its oldest idle connection first) wrote requests into connections the server had just
 # closed ("Can not write request body": a non-idempotent call then fails) with 256 rollouts in flight.
 KEEPALIVE_S = 2.0
+CONTROL_CONNECT_S = 0.25
+"""How long a control call's new connection may take before it is made again on a fresh socket
+(``MeshClient.for_control``). On 127.0.0.1 a connection is made in well under a millisecond; one that
+is not made in this long had its SYN dropped by a full listen queue (thousands of refused rollouts
+asking again at once), and the kernel would send it again only after 1 s, then 3 s and 7 s: the
+pause of a checkpoint whose prepare met such a burst was 1.1-4.6 s, the prepare itself 5 ms."""
 UNSENT_EXTRA = 3
 """Extra sends of a call found never sent: each may meet another closed pooled connection."""
 
@@ -73,6 +80,12 @@ class EncodedJson:
 
 class _NotSent(Unavailable):
     """The request never reached the peer (a new connection failed, or a pooled one was closed)."""
+
+
+class _SlowConnect(_NotSent):
+    """A new connection was not made within the client's ``connect_timeout_s``: its SYN most likely
+    met a full listen queue and was dropped (the kernel would send it again only 1, then 3 and 7
+    seconds later). Tried again at once on a fresh socket, until the call's deadline."""
 
 
 def with_rollout_prefix(url: str, identity: RolloutIdentity | None) -> str:
@@ -116,7 +129,10 @@ class MeshClient:
         timeout_s: float = 600.0,
         retries: int = 2,
         backoff_s: float = 0.05,
+        connect_timeout_s: float | None = None,
     ) -> None:
+        """``connect_timeout_s``: a new connection not made by then is abandoned and made again at
+        once, as often as the call's deadline allows (``None``: the kernel's own SYN retries)."""
         self._transport_name = transport if isinstance(transport, str) else None
         if isinstance(transport, str):
             transport = _make_transport(transport, max_connections)
@@ -126,22 +142,27 @@ class MeshClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self.connect_timeout_s = connect_timeout_s
+        self._timeout = None if connect_timeout_s is None else httpx.Timeout(None, connect=connect_timeout_s)
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    def with_own_pool(self, max_connections: int) -> MeshClient:
+    def with_own_pool(self, max_connections: int, connect_timeout_s: float | None = None) -> MeshClient:
         """A client like this one with a pool of its own (``max_connections``) over the same kind of
         transport, so its calls never wait for a connection behind this client's; the caller closes
         it. A client built over a transport object (an in-process one: no pool) answers itself."""
         if self._transport_name is None:
             return self
         return MeshClient(transport=self._transport_name, max_connections=max_connections,
-                          timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s)
+                          timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s,
+                          connect_timeout_s=connect_timeout_s or self.connect_timeout_s)
 
     def for_control(self, max_connections: int) -> MeshClient:
-        """A client for control calls: ``with_own_pool``, so they never wait behind data calls."""
-        return self.with_own_pool(max_connections)
+        """A client for control calls: ``with_own_pool``, so they never wait behind data calls, and
+        connects made again after ``CONTROL_CONNECT_S`` (``connect_timeout_s``), so they never wait
+        seconds behind a burst of data connections that filled a server's listen queue."""
+        return self.with_own_pool(max_connections, CONTROL_CONNECT_S)
 
     async def __aenter__(self) -> MeshClient:
         return self
@@ -196,6 +217,8 @@ class MeshClient:
             last = attempt == attempts - 1
             try:
                 response = await self._send_once(method, url, content, headers, cookies)
+            except _SlowConnect:
+                continue  # a fresh socket at once: each try waits connect_timeout_s, the deadline bounds them
             except _NotSent as not_sent:
                 if unsent_retries > 0:
                     unsent_retries -= 1
@@ -218,12 +241,16 @@ class MeshClient:
     ) -> httpx.Response:
         if self._http.is_closed:  # a resend after ``aclose``: the caller sees a peer error, not httpx's RuntimeError
             raise Unavailable(f"{method} {url}: the client is closed")
-        request = self._http.build_request(method, url, content=content, headers=headers)
+        request = self._http.build_request(method, url, content=content, headers=headers, timeout=self._timeout)
         if cookies:
             request.headers["cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
         try:
             return await self._http.send(request)
-        except (httpx.ConnectTimeout, httpx.ConnectError) as error:
+        except httpx.ConnectTimeout as error:
+            if self._timeout is not None:
+                raise _SlowConnect(f"{method} {url}: no connection within {self.connect_timeout_s:g} s") from error
+            raise _NotSent(f"{method} {url}: {type(error).__name__}: {error}") from error
+        except httpx.ConnectError as error:
             # Not sent: httpx-aiohttp also reports a dropped keep-alive connection this way.
             raise _NotSent(f"{method} {url}: {type(error).__name__}: {error}") from error
         except httpx.TimeoutException as error:

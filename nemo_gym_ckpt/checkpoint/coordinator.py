@@ -15,7 +15,9 @@ server instance (instance -> its first server type key -> its first implementati
 
 Each call's timeout is the remaining deadline + 5 s. The coordinator's calls go over a client of
 its own (a pool of ``CONTROL_CONNECTIONS``), so a controller that also sends rollouts never queues a
-control call behind them; a ``client`` passed in should be one kept for control calls too. Calls
+control call behind them, and a new connection not made within ``CONTROL_CONNECT_S`` is made again on a
+fresh socket (a burst of data connections may have filled the server's listen queue); a ``client``
+passed in should be one kept for control calls too (``MeshClient.for_control``). Calls
 are fanned out in a task group; a participant's failure is the ``GymError`` the client mapped,
 kept per participant in the result, and raised as the same class naming the participant
 (``error.fields["result"]`` holds the result).
@@ -36,7 +38,7 @@ import yaml
 
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
-from nemo_gym_ckpt.client import EncodedJson, MeshClient
+from nemo_gym_ckpt.client import CONTROL_CONNECT_S, EncodedJson, MeshClient
 from nemo_gym_ckpt.errors import GymError, NotFound, Unavailable, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity
 
@@ -198,7 +200,7 @@ class Coordinator:
         self._headers = {"authorization": f"Bearer {token}"}
         self._own_client = client is None
         # control calls over a pool of their own: never queued behind a controller's data calls
-        self.client = client or MeshClient(max_connections=CONTROL_CONNECTIONS)
+        self.client = client or MeshClient(max_connections=CONTROL_CONNECTIONS, connect_timeout_s=CONTROL_CONNECT_S)
         self.required_kinds = tuple(required_kinds)
         self.telemetry = telemetry or Telemetry("controller", "coordinator")
         self._participants: list[ParticipantRef] | None = None
