@@ -4,8 +4,9 @@ One quickstart mesh with checkpointing on. At each level (256, 1,024, 2,048, 4,0
 rollouts in flight) a closed-loop driver keeps that many ``/run`` calls going: one asyncio loop in
 this process, one task per rollout slot, a rollout that ends replaced at once, a refusal up front
 (429 ``capacity_exceeded``) sent again after its ``Retry-After``. The driver's own CPU is reported
-(``driver`` in ``cpu_ms_per_rollout``) to show it is not the bottleneck, and the coordinator has its
-own connection pool, so no control call waits behind the driver's rollouts.
+(``driver`` in ``cpu_ms_per_rollout``) to show it is not the bottleneck. The coordinator has its own
+connection pool and its own event loop, in a thread of its own (``_ControlThread``; since stop 42),
+so no control call waits behind the driver's rollouts or for a turn of the driver's loop.
 
 Once the environment holds its rollouts (or 60 s passed) and 10 s more went by (the burst of starts
 over), ``pairs`` pairs of checkpoints are taken,
@@ -46,12 +47,14 @@ import asyncio
 import json
 import os
 import statistics
+import sys
+import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nemo_gym_ckpt.bench.checkpoints import TOKEN, enabled_overrides
 from nemo_gym_ckpt.bench.floors import median_floor, median_writes_at_once
@@ -88,6 +91,7 @@ __all__ = [
 ]
 
 Result = dict[str, Any]
+T = TypeVar("T")
 LEVELS = (256, 1024, 2048, 4096, 10_000)
 PAIRS = 5
 """Pairs of checkpoints per level: the medians the issue's acceptance reads are over 5 full (and 5
@@ -111,6 +115,10 @@ KEPT_FAILURES = 100
 """Failures kept as text (the first ones); all of them are counted."""
 PHASES = ("prepare", "commit", "resume")
 """The phases of a pause, in order (``phase_cpu``: the CPU of each process in each)."""
+CONTROL_SWITCH_S = 0.001
+"""The interpreter's switch interval in this process while the suite runs (5 ms by default): the
+coordinator's thread gets the interpreter's lock within this long of asking for it while the driver's
+thread is busy."""
 _SAMPLE_KEYS = ("id", "started_at", "pause_ms", "prepare_ms", "commit_ms", "bytes_written", "calls_ms",
                 "longest_write")
 """What each checkpoint of a level reports in the row's ``checkpoints``, in the order taken."""
@@ -273,6 +281,29 @@ def _peak_memory_mb(pids: dict[str, int]) -> dict[str, float]:
     return peaks
 
 
+class _ControlThread:
+    """The coordinator's event loop, in a thread of its own: a checkpoint's control calls never wait
+    for a turn of the driver's loop, as a trainer's controller does not run in its rollout collector's
+    loop. At 10,000 in flight the driver's thousands of refused slots asking again held its loop for
+    100-1,900 ms at a time, and a prepare that its participants served in 5 ms took seconds to come
+    back (docs/benchmarks.md, stop 42)."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="bench-control", daemon=True)
+        self._thread.start()
+
+    async def run(self, call: Coroutine[Any, Any, T]) -> T:
+        """``call`` run on the control loop; its result here (cancelled there if this is)."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self._loop))
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
 class _TimedCoordinator(Coordinator):
     """A coordinator (with its own pool) that times each participant's reply to each call."""
 
@@ -298,6 +329,7 @@ class _Bench:
         self.urls = mesh_urls(launcher.mesh)
         self.tasks = task_rows(launcher.mesh)
         self.seen: set[tuple[int, int]] = set()
+        self.control = _ControlThread()  # the level's checkpoints (and forgets) run there
 
     def coordinator(self) -> _TimedCoordinator:
         return _TimedCoordinator(self.launcher.head_url)
@@ -376,13 +408,13 @@ class _Bench:
                     await asyncio.sleep(self.gap_s)
                     finished = [key for key in driver.finished if key not in done]
                     if finished:  # what the collector does with finished rollouts
-                        await coordinator.forget(finished, deadline_ts=time.time() + DEADLINE_S)
+                        await self.control.run(coordinator.forget(finished, deadline_ts=time.time() + DEADLINE_S))
                         forgotten += len(finished)
                         done.update(finished)
                     kind = "incr" if incremental else "full"
                     in_flight = list(driver.in_flight.values())
-                    samples.append(await self.checkpoint(coordinator, f"l{level}-p{pair}-{kind}", incremental,
-                                                         in_flight))
+                    samples.append(await self.control.run(
+                        self.checkpoint(coordinator, f"l{level}-p{pair}-{kind}", incremental, in_flight)))
             window_s = time.perf_counter() - window_began
             usage = meter.stop()
             # the floor under the load the commits ran under (no checkpoint open), from a thread of
@@ -396,7 +428,7 @@ class _Bench:
             finished_before = Counter(driver.finished)
             finished_at = dict(driver.finished_at)
             driver.stopping = True
-            await coordinator.aclose()
+            await self.control.run(coordinator.aclose())
             self.launcher.kill_all()
             await driver.join(30.0)
         fulls = [s for s in samples if not s["incremental"]]
@@ -540,6 +572,8 @@ async def _levels(
     # the driver's own full collections (its thousands of slots) on the servers' schedule, so that
     # none holds its control calls either
     PROCESS_FULL_COLLECTIONS.start(DEFAULT_FULL_COLLECTION_INTERVAL_SECONDS)
+    switch_s = sys.getswitchinterval()
+    sys.setswitchinterval(CONTROL_SWITCH_S)
     try:
         for index, level in enumerate(levels):
             rows.append(await bench.level(level, final=index == len(levels) - 1))
@@ -547,6 +581,8 @@ async def _levels(
                 with progress.open("a") as file:
                     file.write(json.dumps(rows[-1], default=str) + "\n")
     finally:
+        sys.setswitchinterval(switch_s)
+        bench.control.close()
         PROCESS_FULL_COLLECTIONS.stop()
     return rows
 
