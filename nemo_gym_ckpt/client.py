@@ -63,9 +63,9 @@ KEEPALIVE_S = 2.0
 CONTROL_CONNECT_S = 0.25
 """How long a control call's new connection may take before it is made again on a fresh socket
 (``MeshClient.for_control``). On 127.0.0.1 a connection is made in well under a millisecond; one that
-is not made in this long had its SYN dropped by a full listen queue (thousands of refused rollouts
-asking again at once), and the kernel would send it again only after 1 s, then 3 s and 7 s: the
-pause of a checkpoint whose prepare met such a burst was 1.1-4.6 s, the prepare itself 5 ms."""
+is not made in this long most likely had its SYN dropped by a full listen queue (thousands of
+rollouts connecting at once: 4,795 such drops in one run of the scale bench at 10,000 in flight), and
+the kernel would send it again only after 1 s, then 3 s and 7 s."""
 UNSENT_EXTRA = 3
 """Extra sends of a call found never sent: each may meet another closed pooled connection."""
 

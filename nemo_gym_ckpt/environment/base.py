@@ -148,11 +148,7 @@ class EnvironmentConfig(ServerConfig):
     max_rollouts_in_flight: int | None = Field(DEFAULT_MAX_ROLLOUTS, ge=1, le=10_000_000)
     """``/run`` calls run at once; the next is refused up front (429 ``capacity_exceeded``); null: no limit."""
     overload_retry_after_s: float = Field(1.0, ge=1.0, le=60.0)
-    """The ``Retry-After`` of that refusal: the shortest one."""
-    overload_retry_spread_s: int | None = Field(None, ge=0, le=60)
-    """The refusals' ``Retry-After`` values take turns over this many more whole seconds, so that
-    callers refused together come back spread out (null: as many as ``overload_retry_after_s``; 0:
-    all the same)."""
+    """The ``Retry-After`` of that refusal."""
     max_concurrent_episodes: int | None = None
     queue_timeout_seconds: float | None = None
 
@@ -327,8 +323,7 @@ def mount_run(
     """Mount ``POST /run``: one episode of ``program`` per call, answering its ``result``; and
     ``POST /aggregate_metrics``."""
 
-    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s,
-                                settings.overload_retry_spread_s)
+    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s)
 
     async def runner(identity: RolloutIdentity | None, task: dict[str, Any]) -> Mapping[str, Any]:
         identity = identity or RolloutIdentity(f"anon-{uuid.uuid4().hex[:16]}")
@@ -374,8 +369,7 @@ def mount_environment(
         mount_run(app, program, settings, task_model=task_model)
         return None
     adapter.participant = participant
-    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s,
-                                settings.overload_retry_spread_s)
+    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s)
 
     async def run(request: Request) -> Any:
         with capacity.admitted():

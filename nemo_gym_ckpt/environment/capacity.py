@@ -8,18 +8,10 @@ and a rollout that fails midway is lost work. So an environment runs at most
 ``capacity_exceeded`` and ``Retry-After``, before it reads the body: no state exists anywhere for a
 refused rollout, and the caller sends the very same request again later (the collector does).
 ``None`` lifts the limit.
-
-The refusals' ``Retry-After`` values take turns over ``retry_after_s`` .. ``retry_after_s +
-retry_spread_s`` whole seconds. Callers refused together (a burst of thousands past the limit) then
-come back spread over that window, not all in the same instant: a burst of requests arriving at once
-is read and parsed by the server in one turn of its event loop, before any code of this project runs,
-and a checkpoint's control call waits behind it (5,900 refused slots coming back together held the
-environment's loop for up to 400 ms at a time, docs/benchmarks.md, stop 42).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,15 +25,11 @@ DEFAULT_MAX_ROLLOUTS = 4096
 class RolloutCapacity:
     """Counts the ``/run`` calls in flight; ``admitted`` refuses one past the limit."""
 
-    def __init__(self, limit: int | None, retry_after_s: float = 1.0, retry_spread_s: int | None = None) -> None:
-        """``retry_spread_s``: how many more whole seconds the ``Retry-After`` values range over
-        (``None``: as many as ``retry_after_s``, at least 1; 0: every refusal says ``retry_after_s``)."""
+    def __init__(self, limit: int | None, retry_after_s: float = 1.0) -> None:
         if limit is not None and limit < 1:
             raise ValueError("max_rollouts_in_flight must be >= 1 (or null: no limit)")
         self.limit = limit
         self.retry_after_s = retry_after_s
-        spread = max(1, round(retry_after_s)) if retry_spread_s is None else retry_spread_s
-        self._retry_after = itertools.cycle([retry_after_s + extra for extra in range(spread + 1)])
         self.in_flight = 0
         self.refused = 0
 
@@ -50,7 +38,7 @@ class RolloutCapacity:
         if self.limit is not None and self.in_flight >= self.limit:
             self.refused += 1
             raise Overloaded(f"this environment runs {self.limit} rollouts at once (max_rollouts_in_flight); "
-                             "nothing was started: send it again later", retry_after_s=next(self._retry_after))
+                             "nothing was started: send it again later", retry_after_s=self.retry_after_s)
         self.in_flight += 1
         try:
             yield
