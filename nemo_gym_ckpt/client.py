@@ -40,6 +40,7 @@ __all__ = [
     "CONTROL_CONNECT_S",
     "DEFAULT_TRANSPORT",
     "KEEPALIVE_S",
+    "MAX_CONNECT_DOUBLINGS",
     "UNSENT_EXTRA",
     "EncodedJson",
     "MeshClient",
@@ -66,6 +67,9 @@ CONTROL_CONNECT_S = 0.25
 is not made in this long most likely had its SYN dropped by a full listen queue (thousands of
 rollouts connecting at once: 4,795 such drops in one run of the scale bench at 10,000 in flight), and
 the kernel would send it again only after 1 s, then 3 s and 7 s."""
+MAX_CONNECT_DOUBLINGS = 6
+"""A control connect's timeout doubles after each try not made in time, at most this many times
+(0.25 s up to 16 s)."""
 UNSENT_EXTRA = 3
 """Extra sends of a call found never sent: each may meet another closed pooled connection."""
 
@@ -83,9 +87,10 @@ class _NotSent(Unavailable):
 
 
 class _SlowConnect(_NotSent):
-    """A new connection was not made within the client's ``connect_timeout_s``: its SYN most likely
-    met a full listen queue and was dropped (the kernel would send it again only 1, then 3 and 7
-    seconds later). Tried again at once on a fresh socket, until the call's deadline."""
+    """A new connection was not made within this try's connect timeout: its SYN most likely met a
+    full listen queue and was dropped (the kernel would send it again only 1, then 3 and 7 seconds
+    later). Tried again at once on a fresh socket, with twice the timeout (a slow link still gets
+    through), until the call's deadline."""
 
 
 def with_rollout_prefix(url: str, identity: RolloutIdentity | None) -> str:
@@ -132,7 +137,8 @@ class MeshClient:
         connect_timeout_s: float | None = None,
     ) -> None:
         """``connect_timeout_s``: a new connection not made by then is abandoned and made again at
-        once, as often as the call's deadline allows (``None``: the kernel's own SYN retries)."""
+        once with twice the timeout, as often as the call's deadline allows (``None``: the kernel's
+        own SYN retries)."""
         self._transport_name = transport if isinstance(transport, str) else None
         if isinstance(transport, str):
             transport = _make_transport(transport, max_connections)
@@ -143,7 +149,6 @@ class MeshClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.connect_timeout_s = connect_timeout_s
-        self._timeout = None if connect_timeout_s is None else httpx.Timeout(None, connect=connect_timeout_s)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -212,13 +217,14 @@ class MeshClient:
     ) -> httpx.Response:
         attempts = 1 + (self.retries if retry else 0)
         unsent_retries = 0 if retry else self.retries + UNSENT_EXTRA  # never sent: sent again, whatever it is
-        attempt = 0
+        attempt = slow = 0
         while True:
             last = attempt == attempts - 1
             try:
-                response = await self._send_once(method, url, content, headers, cookies)
+                response = await self._send_once(method, url, content, headers, cookies, self._connect_timeout(slow))
             except _SlowConnect:
-                continue  # a fresh socket at once: each try waits connect_timeout_s, the deadline bounds them
+                slow += 1  # a fresh socket at once, twice the time: the call's deadline bounds the tries
+                continue
             except _NotSent as not_sent:
                 if unsent_retries > 0:
                     unsent_retries -= 1
@@ -235,20 +241,26 @@ class MeshClient:
             await asyncio.sleep(self.backoff_s * 2**attempt)
             attempt += 1
 
+    def _connect_timeout(self, slow: int) -> httpx.Timeout | None:
+        """The timeouts of a try after ``slow`` connects that were not made in time."""
+        if self.connect_timeout_s is None:
+            return None
+        return httpx.Timeout(None, connect=self.connect_timeout_s * 2 ** min(slow, MAX_CONNECT_DOUBLINGS))
+
     async def _send_once(
         self, method: str, url: str, content: bytes | None, headers: dict[str, str],
-        cookies: Mapping[str, str] | None,
+        cookies: Mapping[str, str] | None, timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
         if self._http.is_closed:  # a resend after ``aclose``: the caller sees a peer error, not httpx's RuntimeError
             raise Unavailable(f"{method} {url}: the client is closed")
-        request = self._http.build_request(method, url, content=content, headers=headers, timeout=self._timeout)
+        request = self._http.build_request(method, url, content=content, headers=headers, timeout=timeout)
         if cookies:
             request.headers["cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
         try:
             return await self._http.send(request)
         except httpx.ConnectTimeout as error:
-            if self._timeout is not None:
-                raise _SlowConnect(f"{method} {url}: no connection within {self.connect_timeout_s:g} s") from error
+            if timeout is not None:
+                raise _SlowConnect(f"{method} {url}: no connection within {timeout.connect:g} s") from error
             raise _NotSent(f"{method} {url}: {type(error).__name__}: {error}") from error
         except httpx.ConnectError as error:
             # Not sent: httpx-aiohttp also reports a dropped keep-alive connection this way.

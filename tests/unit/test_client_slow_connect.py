@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
-from nemo_gym_ckpt.client import CONTROL_CONNECT_S, MeshClient, _make_transport
+from nemo_gym_ckpt.client import CONTROL_CONNECT_S, MAX_CONNECT_DOUBLINGS, MeshClient, _make_transport
 from nemo_gym_ckpt.errors import Unavailable, UpstreamTimeout
 
 pytestmark = pytest.mark.unit
@@ -41,7 +41,8 @@ async def test_a_slow_connect_is_made_again_past_the_retry_count() -> None:
     async with MeshClient(transport=transport, backoff_s=0.001, connect_timeout_s=0.25) as client:
         assert await client.post_json("http://peer/ng-control/prepare", {}, idempotent=True) == {"ok": True}
     assert transport.seen == 11  # past 1 + retries: a connect never made sent nothing
-    assert {timeout["connect"] for timeout in transport.timeouts} == {0.25}
+    connects = [timeout["connect"] for timeout in transport.timeouts]  # twice as long each time, then capped
+    assert connects == [0.25 * 2**min(n, MAX_CONNECT_DOUBLINGS) for n in range(11)] and connects[-1] == 16.0
 
 
 async def test_without_a_connect_timeout_the_retries_stay_bounded() -> None:
@@ -54,7 +55,7 @@ async def test_without_a_connect_timeout_the_retries_stay_bounded() -> None:
 
 
 async def test_the_deadline_bounds_the_connects_made_again() -> None:
-    transport = SlowConnects(failures=10**6, wait_s=0.01)
+    transport = SlowConnects(failures=10**6, wait_s=0.01)  # each try fails after 10 ms, whatever its timeout
     async with MeshClient(transport=transport, connect_timeout_s=0.01) as client:
         with pytest.raises(UpstreamTimeout):
             await client.post_json("http://peer/ng-control/prepare", {}, idempotent=True, timeout_s=0.3)
