@@ -22,7 +22,11 @@ file are read back with one read into a buffer given, ``LineFile.read_run_into``
 checked). A commit copying lines into a new sidecar checks each against the CRC-32 taken when its
 bytes were last known good (made here, or read back and checked against its digest), where that is
 known: it guards the copy against damage on the disk at a quarter of the cost of SHA-256 (4 GB/s
-against 1.1 here), and a restore still checks every line it installs against its digest.
+against 1.4 here), and a restore still checks every line it installs against its digest. The CRCs
+chain (``line_crc``): a line's is of its bytes and its newline going on from the CRC of the line
+before it, where the two left memory, or were read back, together; a run of lines that chain is
+checked with one CRC over all its bytes, one call into C whatever the number of lines (a CRC per
+line cost about 0.4 us of calls for each, 0.8 ms for 2,048 lines, against 0.35 ms for their bytes).
 """
 
 from __future__ import annotations
@@ -32,14 +36,17 @@ import os
 import tempfile
 import threading
 import zlib
-from itertools import accumulate
+from collections.abc import Sequence
+from itertools import accumulate, compress, pairwise
+from operator import ne
 from pathlib import Path
 
 from nemo_gym_ckpt.errors import InvalidCheckpointState, Unavailable
 
-__all__ = ["SPILL_FILE_BYTES", "CaptureMemory", "LineFile"]
+__all__ = ["SPILL_FILE_BYTES", "CaptureMemory", "LineFile", "line_crc"]
 
 SPILL_FILE_BYTES = 256 << 20
+_NEWLINE = ord("\n")
 
 
 class LineFile:
@@ -58,34 +65,40 @@ class LineFile:
         data = os.pread(self._fd, size, offset)
         if len(data) != size:
             raise self._shorter()
-        self._check(memoryview(data), [size], [digest])
+        self._check_each([data], [digest])
         return data
 
     def read_run_into(
-        self, into: memoryview, offset: int, sizes: list[int], digests: list[str], crcs: list[int] | None = None
-    ) -> None:
+        self, into: memoryview, offset: int, sizes: list[int], digests: list[str],
+        crcs: tuple[list[int], list[int]] | None = None,
+    ) -> list[int] | None:
         """Lines next to each other from ``offset`` (of ``sizes``, a newline after each), read with one
-        read into ``into`` (exactly as long as the lines and the newlines between them), each line
-        checked against its CRC-32 (``crcs``) when given, else against its digest (``digests``), in
-        the same order."""
+        read into ``into`` (exactly as long as the lines and the newlines between them) and checked,
+        a newline between each two of them after it, as written.
+
+        With ``crcs`` (each line's CRC going in and its CRC, ``line_crc``) whose lines chain, the run
+        is checked with one CRC over all its bytes, and ``None`` is answered. Otherwise each chain is
+        checked with one CRC, or, where ``crcs`` are not given or do not hold, each line against its
+        digest (``digests``; a damaged newline between lines alone is put back); then the lines'
+        CRCs are taken anew as one chain (the first going on from 0) and answered, to be kept: the
+        next read of the same run is one CRC."""
         if os.preadv(self._fd, [into], offset) != len(into):
             raise self._shorter()
-        if crcs is None:
-            self._check(into, sizes, digests)
-        else:
-            self._check_crcs(into, sizes, crcs)
+        starts = _chain_starts(*crcs) if crcs is not None else []
+        if crcs is not None and len(starts) == 1 and line_crc(into, crcs[0][0]) == crcs[1][-1]:
+            return None
+        offsets = list(accumulate((size + 1 for size in sizes), initial=0))
+        lines = [into[start : end - 1] for start, end in pairwise(offsets)]
+        if crcs is None or not _chains_hold(into, offsets, starts, *crcs):
+            self._check_each(lines, digests)
+        for at in offsets[1:-1]:  # a chain's CRC is not over the newline after it: each put back
+            into[at - 1] = _NEWLINE
+        return list(accumulate(lines, lambda crc, line: line_crc(line, crc), initial=0))[1:]
 
-    def _check_crcs(self, view: memoryview, sizes: list[int], crcs: list[int]) -> None:
-        crc32 = zlib.crc32
-        starts = accumulate((size + 1 for size in sizes[:-1]), initial=0)
-        if [crc32(view[start : start + size]) for start, size in zip(starts, sizes, strict=True)] != crcs:
-            raise InvalidCheckpointState(f"a token line kept in {self.name} no longer matches its checksum")
-
-    def _check(self, view: memoryview, sizes: list[int], digests: list[str]) -> None:
+    def _check_each(self, lines: Sequence[bytes | memoryview], digests: list[str]) -> None:
+        """Each line against its digest."""
         sha256 = hashlib.sha256
-        starts = accumulate((size + 1 for size in sizes[:-1]), initial=0)
-        hashed = [sha256(view[start : start + size]).digest() for start, size in zip(starts, sizes, strict=True)]
-        if b"".join(hashed) != bytes.fromhex("".join(digests)):
+        if b"".join([sha256(line).digest() for line in lines]) != bytes.fromhex("".join(digests)):
             raise InvalidCheckpointState(f"a token line kept in {self.name} no longer matches its digest")
 
     def _shorter(self) -> InvalidCheckpointState:
@@ -95,6 +108,26 @@ class LineFile:
         fd, self._fd = getattr(self, "_fd", -1), -1
         if fd >= 0:
             os.close(fd)
+
+
+def line_crc(line: bytes | memoryview, crc_in: int = 0) -> int:
+    """The CRC-32 of ``line`` and the newline after it, going on from ``crc_in``: lines next to each
+    other whose CRCs were taken so, each going on from the one before, chain (``_chains_hold``)."""
+    return zlib.crc32(b"\n", zlib.crc32(line, crc_in))
+
+
+def _chain_starts(crcs_in: list[int], crcs: list[int]) -> list[int]:
+    """Where each chain of lines starts: the first line, and each line whose CRC does not go on from
+    the line before's."""
+    return [0, *compress(range(1, len(crcs)), map(ne, crcs_in[1:], crcs[:-1]))]
+
+
+def _chains_hold(view: memoryview, offsets: list[int], starts: list[int], crcs_in: list[int], crcs: list[int]) -> bool:
+    """The lines of ``view`` (at ``offsets``, a newline between each two, none after the last) hash to
+    their CRCs: one CRC over each chain starting at ``starts``, in C, whatever the number of its lines."""
+    ends = [*starts[1:], len(crcs)]
+    return all(line_crc(view[offsets[start] : offsets[end] - 1], crcs_in[start]) == crcs[end - 1]
+               for start, end in zip(starts, ends, strict=True))
 
 
 class _Spill(LineFile):

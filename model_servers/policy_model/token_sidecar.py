@@ -22,8 +22,9 @@ still read.
 Write (``SidecarStore.open_writer`` gives a ``SidecarWriter``): when the records are sealed, the
 sidecar is written first, to ``.tokens-<random>.tmp`` (about 1 MiB of lines at a time, as the
 records are, each chunk assembled in one buffer the store keeps between commits, ``ChunkBuffer``:
-lines read back from an earlier sidecar are read straight into it, each checked against its CRC-32,
-or its digest where the CRC is not known yet). Its fsync waits for the records writer's
+lines read back from an earlier sidecar are read straight into it, checked against their CRC-32s,
+one CRC over each run of lines whose CRCs chain, or against their digests where a CRC is not known
+yet). Its fsync waits for the records writer's
 (``RecordWriter.sync_with_records``): the sidecar, the records and the manifest's temporary file are
 all written, then each is fsync'd (the sidecar first) and renamed to its name, the directory fsync'd
 (which makes the renames durable), and only then the manifest linked (the commit point): a manifest
@@ -57,17 +58,16 @@ import os
 import re
 import secrets
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, repeat
 from pathlib import Path
 from typing import Any, cast
 
 import orjson
 
-from model_servers.policy_model.capture_memory import CaptureMemory, LineFile
+from model_servers.policy_model.capture_memory import CaptureMemory, LineFile, line_crc
 from model_servers.policy_model.generation import TokenCapture
 from model_servers.policy_model.line_index import (
     decode_index,
@@ -146,15 +146,19 @@ class CallTokens:
     it is. The arrays are parsed from the line when asked for.
     """
 
-    __slots__ = ("_file", "_line", "_memory", "_offset", "call_id", "crc", "digest", "size")
+    __slots__ = ("_file", "_line", "_memory", "_offset", "call_id", "crc", "crc_in", "digest", "size")
 
     def __init__(self, call_id: str, line: bytes, digest: str, memory: CaptureMemory | None = None) -> None:
         self.call_id = call_id
         self.digest = digest  # hex SHA-256 of the line (the row's ``token_digest``), computed once
         self.size = len(line)
         self.crc: int | None = None
-        """CRC-32 of the line, taken when it left memory or was read back and checked against its
-        digest: what a commit copying it from its file checks it against (``ChunkBuffer``)."""
+        """CRC-32 of the line and its newline going on from ``crc_in`` (``capture_memory.line_crc``),
+        taken when it left memory or was read back and checked against its digest: what a commit
+        copying it from its file checks it against (``ChunkBuffer``). Lines that left memory together
+        into one file chain: each one's ``crc_in`` is the ``crc`` of the line before it, and a run of
+        them is checked with one CRC over all its bytes."""
+        self.crc_in = 0
         self._line: bytes | None = line  # compact JSON, no newline
         self._memory = memory  # set when the line counts against the memory bound
         self._file: LineFile | None = None
@@ -174,7 +178,7 @@ class CallTokens:
         assert self._file is not None
         line = self._file.read(self._offset, self.size, self.digest)
         if self.crc is None:  # checked against its digest just now
-            self.crc = zlib.crc32(line)
+            self.crc_in, self.crc = 0, line_crc(line)
         return line
 
     @property
@@ -189,11 +193,12 @@ class CallTokens:
         tokens.size, tokens._line, tokens._file, tokens._offset = size, None, file, offset  # its CRC unknown yet
         return tokens
 
-    def kept_at(self, file: LineFile, offset: int) -> None:
-        """The line is at ``offset`` in ``file`` (durable, or spilled): it leaves memory, its CRC-32
-        taken from the bytes it had."""
+    def kept_at(self, file: LineFile, offset: int, crc_in: int = 0) -> None:
+        """The line is at ``offset`` in ``file`` (durable, or spilled): it leaves memory, its CRC taken
+        from the bytes it had, going on from ``crc_in`` (the ``crc`` of the line right before it in
+        ``file``, to chain with it)."""
         if self._line is not None:  # the CRC before the line goes: whoever sees it gone sees the CRC
-            self.crc = zlib.crc32(self._line)
+            self.crc_in, self.crc = crc_in, line_crc(self._line, crc_in)
         self._file, self._offset = file, offset
         self._line = None
         self.forget()
@@ -347,13 +352,13 @@ class ChunkBuffer:
                 first = segment[0]
                 assert first._file is not None
                 sizes, crcs = [tokens.size for tokens in segment], [tokens.crc for tokens in segment]
+                chains = None if None in crcs else ([tokens.crc_in for tokens in segment], cast("list[int]", crcs))
                 end = at + sum(sizes) + len(sizes) - 1
-                first._file.read_run_into(view[at:end], first._offset, sizes, [tokens.digest for tokens in segment],
-                                          None if None in crcs else cast("list[int]", crcs))
-                separator = at - 1
-                for line_size in sizes[:-1]:  # the lines were checked: a newline between each, as written
-                    separator += line_size + 1
-                    view[separator] = _NEWLINE
+                taken = first._file.read_run_into(view[at:end], first._offset, sizes,
+                                                  [tokens.digest for tokens in segment], chains)
+                if taken is not None:  # checked line by line: they chain from now on
+                    for tokens, crc_in, crc in zip(segment, [0, *taken[:-1]], taken, strict=True):
+                        tokens.crc_in, tokens.crc = crc_in, crc
             view[end] = _NEWLINE
             at = end + 1
         return view[:at]
@@ -376,23 +381,23 @@ def _groups(tokens: Sequence[CallTokens], chunk_bytes: int) -> Iterator[tuple[li
 def _segments(group: list[CallTokens]) -> Iterator[bytes | list[CallTokens]]:
     """Each line in memory, and each run of lines kept next to each other in one file, in order."""
     run: list[CallTokens] = []
+    run_file, run_end = None, -1  # the run's file, and the offset right after its last line and newline
     for tokens in group:
         line = tokens._line
-        if line is None and run and tokens._file is run[-1]._file and tokens._offset == _end_of(run[-1]):
-            run.append(tokens)
-            continue
-        if run:
-            yield run
-        run = [tokens] if line is None else []
         if line is not None:
+            if run:
+                yield run
+                run, run_file = [], None
             yield line
+        elif tokens._file is run_file and tokens._offset == run_end:
+            run.append(tokens)
+            run_end += tokens.size + 1
+        else:
+            if run:
+                yield run
+            run, run_file, run_end = [tokens], tokens._file, tokens._offset + tokens.size + 1
     if run:
         yield run
-
-
-def _end_of(tokens: CallTokens) -> int:
-    """The offset right after a kept line and its newline."""
-    return tokens._offset + tokens.size + 1
 
 
 HandOver = Callable[[int, Path, Path], None]
@@ -453,7 +458,7 @@ class SidecarWrite:
     written: str | None
     bytes_written: int  # the new sidecar and its index
     index: SidecarIndex
-    placed: list[tuple[CallTokens, str, int]]  # each line: the file (of this directory) and offset
+    placed: list[tuple[CallTokens, str, int]]  # each line that was in memory: the file (of this directory), offset
 
 
 def write_sidecars(
@@ -489,17 +494,18 @@ def write_sidecars(
             found = base.where.get(line.digest)
             if found is not None and found[0] in linked:
                 index.where[line.digest] = found
-                placed.append((line, *found))
+                if line._line is not None:
+                    placed.append((line, *found))
             else:
                 fresh.append(line)
     written, size, index_size = None, 0, 0
     if fresh:
         written = write_sidecar(ops, directory, fresh, stop, buffer=buffer, hand_over=hand_over)
-        offsets = list(accumulate((line.size + 1 for line in fresh), initial=0))
+        offsets = list(accumulate([line.size + 1 for line in fresh], initial=0))
         size = offsets.pop()
-        places = [(written, offset) for offset in offsets]
-        index.where.update(zip([line.digest for line in fresh], places, strict=True))
-        placed.extend([(line, written, offset) for line, offset in zip(fresh, offsets, strict=True)])
+        index.where.update(zip([line.digest for line in fresh], zip(repeat(written), offsets), strict=True))
+        placed.extend([(line, written, offset) for line, offset in zip(fresh, offsets, strict=True)
+                       if line._line is not None])
         index.sizes[written] = size
         index.indexes[written] = index_size = index_bytes(len(fresh))
     return SidecarWrite(sorted(linked), written, size + index_size, index, placed)
@@ -557,15 +563,16 @@ class SidecarStore(CheckpointStore):
         """The lines are durable: the next commit links them, and they leave memory."""
         self.sidecar_base = done.index
         files: dict[str, LineFile] = {}
+        after: tuple[str, int, int | None] = ("", -1, None)  # the line before: its file, its end, its CRC
         for line, name, offset in done.placed:
-            if not line.in_memory:  # already kept in a file
-                continue
             if name not in files:
                 try:
                     files[name] = LineFile.open(done.index.directory / name)
                 except OSError:
                     continue  # stays in memory; a later commit tries again
-            line.kept_at(files[name], offset)
+            chained = after[0] == name and after[1] == offset and after[2] is not None
+            line.kept_at(files[name], offset, after[2] if chained and after[2] is not None else 0)
+            after = (name, offset + line.size + 1, line.crc)
 
     def read(self, checkpoint_dir: Path, kind: str, instance: str, scope: Scope) -> ReadResult:
         result = super().read(checkpoint_dir, kind, instance, scope)
@@ -618,6 +625,7 @@ class SidecarStore(CheckpointStore):
             if indexed is not None:
                 return indexed
         named, whole, kept, size = hashlib.sha256(), hashlib.sha256(), [], 0
+        crc: int | None = None
         try:
             with self.ops.open_read(path) as file:
                 lines_file = LineFile(os.dup(file.fileno()), path.name)
@@ -631,11 +639,14 @@ class SidecarStore(CheckpointStore):
                     else:
                         whole.update(line)
                     digest = raw.hex()
+                    crc_in = crc if crc is not None else 0  # the line before was kept: chain on from it
+                    crc = None
                     if digest in wanted:  # checked against its row (and parsed) at the install
                         tokens = CallTokens(wanted[digest], body, digest)
-                        tokens.kept_at(lines_file, size)
+                        tokens.kept_at(lines_file, size, crc_in)
                         kept.append(tokens)
                         index.where[digest] = (path.name, size)
+                        crc = tokens.crc
                     size += len(line)
         except OSError as error:
             raise InvalidCheckpointState(f"cannot read the token sidecar {path.name}: {error.strerror}") from None

@@ -149,10 +149,12 @@ def _kept_lines(path: Path, count: int, line_bytes: int) -> list[CallTokens]:
             file_tokens.append((f"mc_{number}", offset, line))
             offset += len(line) + 1
     file = LineFile.open(path)
-    kept = []
-    for call_id, at, line in file_tokens:
+    kept: list[CallTokens] = []
+    crc = 0
+    for call_id, at, line in file_tokens:  # their CRCs chained, as a commit's are when they leave memory
         tokens = CallTokens(call_id, line, hashlib.sha256(line).hexdigest())
-        tokens.kept_at(file, at)
+        tokens.kept_at(file, at, crc)
+        crc = tokens.crc or 0
         kept.append(tokens)
     return kept
 

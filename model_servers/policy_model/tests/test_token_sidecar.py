@@ -17,6 +17,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -360,13 +361,18 @@ def kept_lines(root: Path, count: int) -> tuple[list[CallTokens], Path]:
     lines = [orjson.dumps({"call_id": f"mc_{n}", "generation_token_ids": list(range(n + 1))}) for n in range(count)]
     path = root / "kept.jsonl"
     path.write_bytes(b"".join(line + b"\n" for line in lines))
-    file, offset, kept = LineFile.open(path), 0, []
+    file, offset, crc, kept = LineFile.open(path), 0, 0, []
     for n, line in enumerate(lines):
         tokens = CallTokens(f"mc_{n}", line, hashlib.sha256(line).hexdigest())
-        tokens.kept_at(file, offset)
-        offset += len(line) + 1
+        tokens.kept_at(file, offset, crc)  # each CRC going on from the line before's, as a commit keeps them
+        offset, crc = offset + len(line) + 1, tokens.crc
         kept.append(tokens)
     return kept, path
+
+
+def chained_crcs(lines: list[bytes]) -> list[int]:
+    """The CRC-32 of each line and its newline, each going on from the one before's, the first from 0."""
+    return list(accumulate(lines, lambda crc, line: zlib.crc32(line + b"\n", crc), initial=0))[1:]
 
 
 def chunk_bytes(buffer: ChunkBuffer, tokens: list[CallTokens], **kwargs: int) -> list[bytes]:
@@ -395,52 +401,110 @@ def test_token_lines_kept_next_to_each_other_are_read_back_in_one_read_each_run(
     assert len(reads) == 4  # one per run, the line in memory read from nowhere
 
 
-def counting_sha256(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """``hashlib.sha256`` counted from now on: the list holds the number of calls."""
-    calls, real = [0], hashlib.sha256
+def counting(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
+    """``module.name`` counted from now on: the list holds the number of calls."""
+    calls, real = [0], getattr(module, name)
 
-    def sha256(*args: Any, **kwargs: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hashlib, "sha256", sha256)
+    monkeypatch.setattr(module, name, counted)
     return calls
+
+
+def counting_sha256(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``hashlib.sha256`` counted from now on: the list holds the number of calls."""
+    return counting(monkeypatch, hashlib, "sha256")
 
 
 def test_kept_lines_are_copied_checked_by_their_crc_not_hashed_again(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Lines that left memory here carry the CRC-32 of their bytes: a copy checks that, not SHA-256."""
-    kept, path = kept_lines(root, 6)
-    assert [tokens.crc for tokens in kept] == [zlib.crc32(line) for line in path.read_bytes().splitlines()]
-    hashed = counting_sha256(monkeypatch)
+    """Lines that left memory here carry their CRC-32s, chained: a copy checks those, not SHA-256, and a
+    run of them with one CRC over all its bytes, whatever the number of its lines."""
+    kept, path = kept_lines(root, 40)
+    assert [tokens.crc for tokens in kept] == chained_crcs(path.read_bytes().splitlines())
+    hashed, crcs = counting_sha256(monkeypatch), counting(monkeypatch, zlib, "crc32")
     assert b"".join(chunk_bytes(ChunkBuffer(), kept)) == path.read_bytes()
     assert hashed[0] == 0
+    assert crcs[0] <= 2  # the run's bytes, then its last newline
 
 
-def test_a_line_restored_through_the_index_is_copied_by_its_digest_until_it_was_read(
+def test_lines_leaving_memory_at_a_commit_or_read_whole_at_a_restore_chain_their_crcs(root: Path) -> None:
+    """The lines a commit made durable leave memory with their CRCs chained in the order they were
+    written; so do the lines a restore reads from a sidecar read whole (no index): a later copy of
+    any run of them is one CRC."""
+    lines = [orjson.dumps({"call_id": f"mc_{n}", "generation_token_ids": list(range(n + 2))}) for n in range(5)]
+    tokens = [CallTokens(f"mc_{n}", line, hashlib.sha256(line).hexdigest()) for n, line in enumerate(lines)]
+    records = [Record.from_data({"episode_id": {"rollout_id": f"r{n}", "attempt": 0},
+                                 "ledger": [{"call_id": line.call_id, "token_digest": line.digest}]})
+               for n, line in enumerate(tokens)]
+    store = SidecarStore(CheckpointStore(root), lambda: tokens)
+    writer = store.open_writer(root / "ck", "model", "policy_model", StopSignal())
+    writer.write_records(records)
+    writer.finish("model", "policy_model", "c1")
+    assert not any(line.in_memory for line in tokens)
+    assert [line.crc for line in tokens] == chained_crcs(lines)
+    [sidecar] = [path for path in (root / "ck").rglob("*") if SIDECAR_NAME.fullmatch(path.name)]
+    sidecar.with_name(index_name(sidecar.name)).unlink()  # read whole
+    wanted = frozenset(RolloutIdentity(f"r{n}") for n in (1, 2, 4))
+    read = SidecarStore(CheckpointStore(root), list).read(root / "ck", "model", "policy_model", wanted).records
+    found = {call: line for record in read if isinstance(record, TokenedRecord)
+             for call, line in record.tokens.items()}
+    assert [found[f"mc_{n}"].crc for n in (1, 2)] == chained_crcs(lines[1:3])  # r3 not read: r4 starts again
+    assert found["mc_4"].crc == zlib.crc32(lines[4] + b"\n")
+
+
+def test_a_line_restored_through_the_index_is_copied_by_its_digest_once_then_by_its_crc(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A line placed by an index was never read: its CRC is unknown, so a copy checks it against its
-    digest; once read (and checked against its digest), its CRC is known."""
+    digest, and takes the CRCs of the run it was copied in, chained; a line read alone (and checked
+    against its digest) gets its CRC from 0."""
     kept, path = kept_lines(root, 3)
+    lines = path.read_bytes().splitlines()
     file = LineFile.open(path)  # one file, lines next to each other: one run
-    placed = [CallTokens.kept_in(line.call_id, line.digest, line.size, file, offset)
-              for line, offset in zip(kept, (0, kept[0].size + 1, kept[0].size + kept[1].size + 2), strict=True)]
-    assert [tokens.crc for tokens in placed] == [None, None, None]
+
+    def placed() -> list[CallTokens]:
+        return [CallTokens.kept_in(line.call_id, line.digest, line.size, file, offset) for line, offset in
+                zip(kept, (0, kept[0].size + 1, kept[0].size + kept[1].size + 2), strict=True)]
+
+    alone = placed()
+    assert alone[1].line == lines[1]  # read: checked by its digest
+    assert [tokens.crc for tokens in alone] == [None, zlib.crc32(lines[1] + b"\n"), None]
+    run = placed()
+    assert [tokens.crc for tokens in run] == [None, None, None]
     hashed = counting_sha256(monkeypatch)
-    assert b"".join(chunk_bytes(ChunkBuffer(), placed)) == path.read_bytes()
+    assert b"".join(chunk_bytes(ChunkBuffer(), run)) == path.read_bytes()
     assert hashed[0] == 3
-    assert placed[1].line == path.read_bytes().splitlines()[1]  # read: checked by its digest
-    assert [tokens.crc for tokens in placed] == [None, kept[1].crc, None]
+    assert [tokens.crc for tokens in run] == chained_crcs(lines)
     hashed[0] = 0
-    assert b"".join(chunk_bytes(ChunkBuffer(), placed)) == path.read_bytes()
-    assert hashed[0] == 3  # one CRC of the run unknown: the whole run is checked by digest
-    assert [tokens.line for tokens in placed] == path.read_bytes().splitlines()
-    assert [tokens.crc for tokens in placed] == [tokens.crc for tokens in kept]
+    for lines_of in (run, alone):  # once taken, or when one CRC of the run was known: checked again by CRC
+        assert b"".join(chunk_bytes(ChunkBuffer(), lines_of)) == path.read_bytes()
+    assert hashed[0] == 3  # the lines of ``alone`` by their digests, once
+    assert [tokens.crc for tokens in alone] == chained_crcs(lines)
     hashed[0] = 0
-    assert b"".join(chunk_bytes(ChunkBuffer(), placed)) == path.read_bytes()
+    assert b"".join(chunk_bytes(ChunkBuffer(), alone)) == path.read_bytes()
     assert hashed[0] == 0
+
+
+def test_lines_whose_crcs_do_not_chain_are_checked_each_then_chained(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines next to each other whose CRCs were taken apart (each from 0) are checked chain by chain,
+    then chained: the next copy of the same run is one CRC."""
+    kept, path = kept_lines(root, 30)
+    lines = path.read_bytes().splitlines()
+    for tokens, line in zip(kept, lines, strict=True):
+        tokens.crc_in, tokens.crc = 0, zlib.crc32(line + b"\n")
+    hashed = counting_sha256(monkeypatch)
+    assert b"".join(chunk_bytes(ChunkBuffer(), kept)) == path.read_bytes()
+    assert hashed[0] == 0
+    assert [tokens.crc for tokens in kept] == chained_crcs(lines)
+    crcs = counting(monkeypatch, zlib, "crc32")
+    assert b"".join(chunk_bytes(ChunkBuffer(), kept)) == path.read_bytes()
+    assert crcs[0] <= 2
 
 
 def test_token_lines_are_copied_a_bounded_chunk_at_a_time_in_one_buffer(root: Path) -> None:
@@ -458,8 +522,12 @@ def test_token_lines_are_copied_a_bounded_chunk_at_a_time_in_one_buffer(root: Pa
     assert len(buffer._data) == held
 
 
-def test_a_damaged_newline_between_kept_lines_is_written_as_a_newline(root: Path) -> None:
+@pytest.mark.parametrize("crcs", ["chained", "each from 0"])
+def test_a_damaged_newline_between_kept_lines_is_written_as_a_newline(root: Path, crcs: str) -> None:
     kept, path = kept_lines(root, 5)
+    if crcs == "each from 0":  # a chain's CRC does not cover the newline after it
+        for tokens, line in zip(kept, path.read_bytes().splitlines(), strict=True):
+            tokens.crc_in, tokens.crc = 0, zlib.crc32(line + b"\n")
     content = path.read_bytes()
     damaged = bytearray(content)
     damaged[kept[2].size + kept[0].size + kept[1].size + 2] = ord("x")  # the newline after line 2
