@@ -3,7 +3,8 @@ earlier commit already made durable.
 
 A full commit (``incremental: false``) writes everything again: the policy model reads each token
 line back from the earlier sidecar (checked against the CRC-32 taken when it left memory, since stop
-39; against its digest before) and writes it to the new one. At two
+39, one CRC over each run of lines whose CRCs chain since stop 43; against its digest before) and
+writes it to the new one. At two
 sizes of that earlier sidecar (the same lines of ``line_bytes``, a small and a large number of
 them), in one run: the commit's wall time and write speed against the fsync'd sequential floor of
 the same bytes, measured right after it; and the peak of the Python memory the commit allocates
