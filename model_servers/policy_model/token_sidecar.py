@@ -563,16 +563,15 @@ class SidecarStore(CheckpointStore):
         """The lines are durable: the next commit links them, and they leave memory."""
         self.sidecar_base = done.index
         files: dict[str, LineFile] = {}
-        after: tuple[str, int, int | None] = ("", -1, None)  # the line before: its file, its end, its CRC
+        before = ("", -1, 0)  # the line that left memory before: its file, the offset after it, its CRC
         for line, name, offset in done.placed:
             if name not in files:
                 try:
                     files[name] = LineFile.open(done.index.directory / name)
                 except OSError:
                     continue  # stays in memory; a later commit tries again
-            chained = after[0] == name and after[1] == offset and after[2] is not None
-            line.kept_at(files[name], offset, after[2] if chained and after[2] is not None else 0)
-            after = (name, offset + line.size + 1, line.crc)
+            line.kept_at(files[name], offset, before[2] if before[:2] == (name, offset) else 0)  # next to it: chained
+            before = (name, offset + line.size + 1, line.crc or 0)
 
     def read(self, checkpoint_dir: Path, kind: str, instance: str, scope: Scope) -> ReadResult:
         result = super().read(checkpoint_dir, kind, instance, scope)
