@@ -480,9 +480,9 @@ def test_a_line_restored_through_the_index_is_copied_by_its_digest_once_then_by_
     assert hashed[0] == 3
     assert [tokens.crc for tokens in run] == chained_crcs(lines)
     hashed[0] = 0
-    for lines_of in (run, alone):  # once taken, or when one CRC of the run was known: checked again by CRC
+    for lines_of in (run, alone):  # ``run`` by the CRCs it took; ``alone``, one CRC of three known, by digests
         assert b"".join(chunk_bytes(ChunkBuffer(), lines_of)) == path.read_bytes()
-    assert hashed[0] == 3  # the lines of ``alone`` by their digests, once
+    assert hashed[0] == 3  # the lines of ``alone``, once: then they chain too
     assert [tokens.crc for tokens in alone] == chained_crcs(lines)
     hashed[0] = 0
     assert b"".join(chunk_bytes(ChunkBuffer(), alone)) == path.read_bytes()
