@@ -39,9 +39,11 @@ byte installed is checked against a digest.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import stat
 from collections.abc import Generator, Iterable, Mapping, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from pathlib import Path
@@ -49,7 +51,7 @@ from typing import Any, BinaryIO, NamedTuple, TypeVar, cast
 
 import orjson
 
-from nemo_gym_ckpt.checkpoint.fileops import FileOps, file_size
+from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.patches import Patch, PatchLine, apply_patch, patch_between, read_patch_line
 from nemo_gym_ckpt.checkpoint.records import PATCH_KEY, REFERENCE_KEYS, SPAN_KEY, Record, Scope, is_reference
 from nemo_gym_ckpt.errors import InternalError, InvalidCheckpointState
@@ -232,23 +234,34 @@ def span_line(records: Sequence[Record], span: Span) -> bytes:
 def link_files(
     ops: FileOps, source: Path, sizes: Mapping[str, int], names: Iterable[str], directory: Path
 ) -> set[str]:
-    """Hard-link each named file of ``source`` into ``directory``: the names now there with the size
-    ``sizes`` says (a file that cannot be linked, or is not the size it was, is left out)."""
+    """Hard-link each named file of ``source`` into ``directory``: the names now there as regular
+    files of the size ``sizes`` says. A file that cannot be linked, is not the size it was or is not
+    a regular file (``link`` links a symlink itself, not what it points to) is left out, and the link
+    made for it removed: a token sidecar's restore reads every file of its name in the directory."""
     linked = set()
     for name in names:
         target = directory / name
         try:
             ops.link(source / name, target)
+            made = True
         except FileExistsError:
-            pass
+            made = False
         except OSError:
             continue
-        try:
-            if target.stat().st_size == sizes.get(name):
-                linked.add(name)
-        except OSError:
-            continue
+        if _regular_of_size(target, sizes.get(name)):
+            linked.add(name)
+        elif made:
+            with suppress(OSError):
+                ops.unlink(target)
     return linked
+
+
+def _regular_of_size(path: Path, size: int | None) -> bool:
+    try:
+        status = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(status.st_mode) and status.st_size == size
 
 
 class _KeptRun(NamedTuple):
@@ -411,19 +424,22 @@ def _check_disjoint(ranges: Iterable[tuple[str, int, int]]) -> None:
 
 
 class _Files:
-    """The base files a restore reads, each opened once (never through a symlink) and sized."""
+    """The base files a restore reads, each opened once (never through a symlink) and sized. Two
+    names of one file (hard links; ``main``, the records file read, among them) are refused: names
+    are digests of contents, so only a forged directory has them, to read the same bytes twice."""
 
-    def __init__(self, ops: FileOps, directory: Path, stack: ExitStack) -> None:
-        self.ops, self.directory, self.stack = ops, directory, stack
+    def __init__(self, ops: FileOps, directory: Path, stack: ExitStack, main: str) -> None:
+        self.ops, self.directory, self.stack, self.main = ops, directory, stack, main
         self.open: dict[str, BinaryIO] = {}
         self.sizes: dict[str, int] = {}
+        self._names: dict[tuple[int, int], str] = {}
 
     def at(self, name: str, offset: int, length: int) -> BinaryIO:
         file = self.open.get(name)
         try:
             if file is None:
                 file = self.open[name] = self.stack.enter_context(self.ops.open_read(self.directory / name))
-                self.sizes[name] = file_size(file)
+                self.sizes[name] = self._first_name(name, os.fstat(file.fileno()))
             if offset + length > self.sizes[name]:
                 raise InvalidCheckpointState(f"a span reaches past the end of {name} "
                                              f"({offset + length} > {self.sizes[name]} bytes)")
@@ -431,6 +447,17 @@ class _Files:
         except OSError as error:
             raise InvalidCheckpointState(f"cannot read the records file {name}: {error.strerror}") from None
         return file
+
+    def _first_name(self, name: str, status: os.stat_result) -> int:
+        """``status``'s size, once its file is known under ``name`` only."""
+        if not self._names:
+            main = (self.directory / self.main).lstat()
+            self._names[(main.st_dev, main.st_ino)] = self.main
+        other = self._names.setdefault((status.st_dev, status.st_ino), name)
+        if other != name:
+            raise InvalidCheckpointState(f"{name} and {other} are one file (hard links): a checkpoint names "
+                                         "each records file once")
+        return status.st_size
 
 
 def _read_span(files: _Files, span: _SpanLine, scope: Scope, max_record_bytes: int) -> list[tuple[Record, int]]:
@@ -440,7 +467,7 @@ def _read_span(files: _Files, span: _SpanLine, scope: Scope, max_record_bytes: i
     digest, read, found = hashlib.sha256(), 0, []
     where = f"span of {span.record.episode.capture_key} into {span.records_file}"
     for number in range(span.lines):
-        line = file.readline(min(max_record_bytes + 2, span.length - read + 1))
+        line = _read_line(file, min(max_record_bytes + 2, span.length - read + 1), span.records_file)
         if not line.endswith(b"\n") or len(line) - 1 > max_record_bytes or read + len(line) > span.length:
             raise InvalidCheckpointState(f"{where}: its {span.lines} lines are not {span.length} bytes of whole lines")
         digest.update(line)
@@ -457,6 +484,13 @@ def _read_span(files: _Files, span: _SpanLine, scope: Scope, max_record_bytes: i
     return found
 
 
+def _read_line(file: BinaryIO, limit: int, name: str) -> bytes:
+    try:
+        return file.readline(limit)
+    except OSError as error:
+        raise InvalidCheckpointState(f"cannot read the records file {name}: {error.strerror}") from None
+
+
 def resolve(
     ops: FileOps, directory: Path, read: Sequence[tuple[Record, int]], records_file: str, scope: Scope,
     max_record_bytes: int,
@@ -470,7 +504,7 @@ def resolve(
     index = BaseIndex(directory)
     resolved: list[Record] = []
     with ExitStack() as stack:
-        files = _Files(ops, directory, stack)
+        files = _Files(ops, directory, stack, records_file)
         for record, offset, reference in lines_read:
             if isinstance(reference, PatchLine):
                 _install_patch(files, reference, scope, index, resolved)

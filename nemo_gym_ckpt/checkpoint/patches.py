@@ -130,6 +130,8 @@ def read_patch_line(record: Record, checked: dict[str, Any], max_record_bytes: i
     if not isinstance(insert, str):
         raise InvalidCheckpointState(f"{where}: a patch's insert is a string")
     raw_insert = insert.encode()
+    if b"\n" in raw_insert:  # a record is one line: what a patch makes could not be written again
+        raise InvalidCheckpointState(f"{where}: a patch's insert holds no newline")
     head, tail, length = checked["keep_head"], checked["keep_tail"], checked["length"]
     if not (0 < length <= max_record_bytes + 1 and head + tail <= length - 1
             and head + len(raw_insert) + tail <= max_record_bytes):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
+import operator
 import re
 import secrets
 import threading
@@ -61,6 +62,7 @@ from nemo_gym_ckpt.errors import (
     CheckpointConflict,
     InvalidCheckpointState,
     InvalidRequest,
+    PayloadTooLarge,
     StaleCheckpoint,
     Unavailable,
 )
@@ -93,6 +95,7 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024
 DEFAULT_MAX_RECORD_BYTES = 64 * 1024 * 1024
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_RAW = operator.attrgetter("raw")
 
 
 class WriteStopped(StaleCheckpoint):
@@ -221,11 +224,15 @@ class RecordWriter:
         for the disk (and for a core once the disk was done)."""
         self.base: BaseIndex | None = None
         self.on_commit: Callable[[MakeIndex], None] | None = None
+        self.max_record_bytes = DEFAULT_MAX_RECORD_BYTES  # the store's bound, set by ``open_writer``
         self._index = IndexBuilder(directory)
 
     def write_records(self, records: Sequence[Record]) -> None:
         """Write every record of this commit: inline, in runs as a span of a linked base file, or as
-        a patch of a line of one (docs/protocol.md section 6.1), in chunks of about ``CHUNK_BYTES``."""
+        a patch of a line of one (docs/protocol.md section 6.1), in chunks of about ``CHUNK_BYTES``.
+        A record longer than ``max_record_bytes`` is refused before anything is written: a restore
+        with the same bound would refuse the checkpoint."""
+        self._check_record_sizes(records)
         base = self.base
         decided = plan(records, base)
         if base is not None and decided.links:
@@ -239,6 +246,14 @@ class RecordWriter:
             self._write_chunked([record.raw for record in records])
         else:
             self._write_chunked(self._planned_lines(records, decided, spans, patches))
+
+    def _check_record_sizes(self, records: Sequence[Record]) -> None:
+        if not records or max(map(len, map(_RAW, records))) <= self.max_record_bytes:
+            return
+        record = next(record for record in records if len(record.raw) > self.max_record_bytes)
+        raise PayloadTooLarge(f"the record of {record.episode.capture_key} is {len(record.raw)} bytes, over the "
+                              f"store's max_record_bytes of {self.max_record_bytes}: a restore would refuse it; "
+                              "this commit did not succeed and must not be published")
 
     def _planned_lines(
         self, records: Sequence[Record], decided: Plan, spans: dict[int, Span], patches: dict[int, Patch]
@@ -475,6 +490,7 @@ class CheckpointStore:
             self._makedirs(directory)
         _check_inside(self.root, directory)
         writer = self.new_writer(directory, stop)
+        writer.max_record_bytes = self.max_record_bytes
         base = self.base if incremental else None  # made once here if the last commit's index is pending
         writer.base = base if base is not None and base.directory != directory else None
         writer.on_commit = self.remember_later
@@ -594,11 +610,20 @@ def _confine(root: Path | None, checkpoint_dir: str) -> Path:
 
 def _check_inside(root: Path | None, path: Path) -> Path:
     if root is None:
-        return path.resolve()
-    resolved_root, resolved = root.resolve(), path.resolve()
+        return _resolved(path)
+    resolved_root, resolved = _resolved(root), _resolved(path)
     if resolved == resolved_root or not resolved.is_relative_to(resolved_root):
         raise InvalidRequest(f"checkpoint_dir must resolve inside the checkpoint root {resolved_root}")
     return resolved
+
+
+def _resolved(path: Path) -> Path:
+    """``path`` resolved; a symlink loop on the way (``RuntimeError`` before Python 3.13) is
+    ``InvalidRequest``, as a symlink leading out of the root is."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as error:
+        raise InvalidRequest(f"checkpoint_dir cannot be resolved at {path}: {error}") from None
 
 
 @contextmanager

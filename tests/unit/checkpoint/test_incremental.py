@@ -5,18 +5,21 @@ what it claims is refused before anything is installed."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import random
 import shutil
 from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import orjson
 import pytest
 
 from nemo_gym_ckpt.checkpoint import incremental as incremental_module
 from nemo_gym_ckpt.checkpoint import patches as patches_module
+from nemo_gym_ckpt.checkpoint.fileops import FileOps
 from nemo_gym_ckpt.checkpoint.incremental import REFERENCE_KEY, BaseIndex, IndexBuilder, refuse_reserved
 from nemo_gym_ckpt.checkpoint.patches import patch_between
 from nemo_gym_ckpt.checkpoint.pipeline import ExportPipeline
@@ -190,6 +193,88 @@ def test_a_reference_that_does_not_match_is_refused(root: Path) -> None:
     with pytest.raises(InvalidCheckpointState, match="do not hash to the span's digest"):
         CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
     assert second.record_count == 1  # one span
+
+
+def test_a_base_file_that_is_a_symlink_now_is_not_linked_and_the_commit_reads_back(
+    root: Path, tmp_path: Path
+) -> None:
+    records = [record(f"r{n}", n=n, text="s" * 500) for n in range(8)]
+    store = CheckpointStore(root)
+    base = commit(store, root / "c1", records)
+    original = where(root / "c1") / base.records_file
+    outside = tmp_path / "outside.jsonl"
+    outside.write_bytes(original.read_bytes())  # the same bytes and size, elsewhere
+    original.unlink()
+    original.symlink_to(outside)
+    second = commit(store, root / "c2", [*records[:7], record("r7", n=-1)])
+    assert not (where(root / "c2") / base.records_file).is_symlink()
+    assert not (where(root / "c2") / base.records_file).exists() and second.record_count == 8  # all inline
+    read = CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
+    assert [r.raw for r in read.records] == [r.raw for r in [*records[:7], record("r7", n=-1)]]
+
+
+def test_a_link_to_a_base_file_that_is_not_the_size_it_was_is_removed(root: Path) -> None:
+    (root / "base").mkdir()
+    (root / "new").mkdir()
+    (root / "base" / "kept").write_bytes(b"0123456789")
+    (root / "base" / "shrunk").write_bytes(b"01234")
+    sizes = {"kept": 10, "shrunk": 10}
+    linked = incremental_module.link_files(FileOps(), root / "base", sizes, sizes, root / "new")
+    assert linked == {"kept"} and sorted(p.name for p in (root / "new").iterdir()) == ["kept"]
+
+
+def test_two_names_of_one_base_file_are_refused(root: Path) -> None:
+    records = [record(f"r{n}", n=n, text="h" * 500) for n in range(8)]
+    store = CheckpointStore(root)
+    base = commit(store, root / "c1", records)
+    commit(store, root / "c2", [*records[:4], record("r4", n=-1), *records[5:]])
+    other = "records-" + "0" * 64 + ".jsonl"
+    os.link(where(root / "c2") / base.records_file, where(root / "c2") / other)
+
+    def second_name(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:  # the same bytes again, under it
+        return [*lines, *({**line, "records_file": other} for line in lines if REFERENCE_KEY in line)]
+
+    forge(root / "c2", second_name)
+    with pytest.raises(InvalidCheckpointState, match="are one file"):
+        CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
+
+
+class _FailingReads(FileOps):
+    """Reads of ``failing`` fail with EIO once they have started."""
+
+    def __init__(self, failing: str) -> None:
+        self.failing = failing
+
+    def open_read(self, path: Path) -> BinaryIO:
+        file = super().open_read(path)
+        return cast("BinaryIO", _Failing(file)) if path.name == self.failing else file
+
+
+class _Failing:
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
+
+    def __enter__(self) -> _Failing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+    def readline(self, limit: int = -1) -> bytes:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+def test_a_base_file_that_fails_to_read_is_a_clear_error(root: Path) -> None:
+    records = [record(f"r{n}", n=n, text="e" * 500) for n in range(8)]
+    store = CheckpointStore(root)
+    base = commit(store, root / "c1", records)
+    commit(store, root / "c2", [*records[:4], record("r4", n=-1), *records[5:]])
+    reader = CheckpointStore(root, _FailingReads(base.records_file))
+    with pytest.raises(InvalidCheckpointState, match=r"cannot read the records file .*Input/output error"):
+        reader.read(root / "c2", "agent", "a1", EVERYONE)
 
 
 async def test_an_adapter_record_may_not_look_like_a_reference(root: Path) -> None:
@@ -465,6 +550,26 @@ def test_a_patch_that_does_not_hold_what_it_claims_is_refused(root: Path, case: 
     edit, message = FORGED_PATCHES[case]
     forge(root / "c2", edit)
     with pytest.raises(InvalidCheckpointState, match=message):
+        CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
+
+
+def test_a_patch_that_would_make_a_record_of_two_lines_is_refused(root: Path) -> None:
+    records = [record(f"r{n}", n=n, text="p" * 2000) for n in range(8)]
+    store = CheckpointStore(root)
+    commit(store, root / "c1", records)
+    second = commit(store, root / "c2", [*records[:4], record("r4", n=-1, text="p" * 2000), *records[5:]])
+    assert patches_in(root / "c2", second)
+
+    def newline_after_the_insert(patch: dict[str, Any]) -> None:  # JSON whitespace: the record still parses
+        at = patch["offset"]
+        base = (where(root / "c2") / patch["records_file"]).read_bytes()[at:at + patch["length"] - 1]
+        patch["insert"] += "\n"
+        raw = base[:patch["keep_head"]] + patch["insert"].encode() + base[len(base) - patch["keep_tail"]:]
+        assert orjson.loads(raw)["state"]["n"] == -1
+        patch[PATCH_KEY] = hashlib.sha256(raw).hexdigest()
+
+    forge(root / "c2", first_patch(newline_after_the_insert))
+    with pytest.raises(InvalidCheckpointState, match="holds no newline"):
         CheckpointStore(root).read(root / "c2", "agent", "a1", EVERYONE)
 
 

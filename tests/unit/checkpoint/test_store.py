@@ -26,6 +26,7 @@ from nemo_gym_ckpt.errors import (
     InternalError,
     InvalidCheckpointState,
     InvalidRequest,
+    PayloadTooLarge,
     Unavailable,
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
@@ -255,6 +256,37 @@ def test_paths_resolve_as_paths_do_and_symlink_escapes_are_refused(
         store.read(ck, "resources", "s1", frozenset())
     assert list(outside.iterdir()) == []
 
+
+
+
+@pytest.mark.parametrize("where", ["checkpoint_dir", "instance directory"])
+def test_a_symlink_loop_is_a_clear_error_not_a_crash(store: CheckpointStore, root: Path, where: str) -> None:
+    if where == "checkpoint_dir":
+        (root / "loop").symlink_to(root / "loop")
+        with pytest.raises(InvalidRequest, match="cannot be resolved"):
+            store.locate(str(root / "loop" / "ck"))
+        return
+    (root / "ck" / "gym" / "resources").mkdir(parents=True)
+    (root / "ck" / "gym" / "resources" / "s1").symlink_to(root / "ck" / "gym" / "resources" / "s1")
+    ck = store.locate(str(root / "ck"))
+    with pytest.raises(InvalidRequest, match="cannot be resolved"):
+        store.open_writer(ck, "resources", "s1", StopSignal())
+    with pytest.raises(InvalidRequest, match="cannot be resolved"):
+        store.read(ck, "resources", "s1", frozenset())
+
+
+def test_a_record_over_the_stores_bound_is_refused_at_the_commit_not_at_the_restore(root: Path) -> None:
+    store = CheckpointStore(root, max_record_bytes=1024)
+    records = [record("r1", text="x" * 100), record("r2", text="x" * 1100)]
+    writer = store.open_writer(root / "ck", "resources", "s1", StopSignal())
+    with pytest.raises(PayloadTooLarge, match=r"r2 is 1\d+ bytes, over the store's max_record_bytes of 1024"):
+        writer.write_records(records)
+    writer.abort()
+    assert list((root / "ck" / "gym" / "resources" / "s1").iterdir()) == []
+    writer = store.open_writer(root / "ck", "resources", "s1", StopSignal())
+    writer.write_records(records[:1])  # at the bound or under it: written
+    writer.finish("resources", "s1", "c1")
+    assert store.read(root / "ck", "resources", "s1", everything(records)).records == records[:1]
 
 
 @pytest.fixture
