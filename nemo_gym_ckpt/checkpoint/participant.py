@@ -145,6 +145,7 @@ class Participant:
         self._fenced_unopened: OrderedDict[str, None] = OrderedDict()  # ids only named by a resume
         self._served = False
         self._installed = False
+        self._restoring: asyncio.Task[Any] | None = None  # the restore job, running on after a resume
         self._waiting = 0
         self._last_report: dict[str, Any] | None = None
         self._last_commit: dict[str, Any] | None = None
@@ -239,6 +240,7 @@ class Participant:
             self.marks.retire(episodes)
             self.signal.notify()
             self.gate_signal.notify()
+            await self._after_restore(request.deadline_ts, "retire")
             await self._bounded(self.adapter.retire(episodes), request.deadline_ts, "retire")
             return {"retired": [episode.capture_key for episode in episodes]}
 
@@ -247,6 +249,7 @@ class Participant:
             self._check_horizon(request.deadline_ts)
             self._enter_housekeeping(request, Op.FORGET)
             self.marks.forget(request.rollout_ids)
+            await self._after_restore(request.deadline_ts, "forget")
             await self._bounded(self.adapter.forget(request.rollout_ids), request.deadline_ts, "forget")
             return {"forgotten": list(request.rollout_ids)}
 
@@ -308,10 +311,13 @@ class Participant:
     async def _wait_ready(self, open_: _Open, deadline_ts: float) -> dict[str, Any]:
         while True:
             changed = self.signal.current
-            readiness = await self.adapter.readiness()
+            done, readiness = await wait_until(self.clock, self.adapter.readiness(), deadline_ts)
             self._ensure_current(open_)
             if open_.prepared is not None:
                 return open_.prepared
+            if not done or readiness is None:  # the deadline came first: as not ready, with the last report
+                self.telemetry.event("prepare_not_ready")
+                return {"phase": self.phase, "report": self._last_report}
             self._last_report = readiness.report()
             if readiness.ready:
                 self.phase = advance(self.phase, Op.READY)
@@ -404,6 +410,7 @@ class Participant:
             open_ = self._open_checkpoint(request.checkpoint_id, request.deadline_ts)
             work = self._run_restore(open_, directory, scope)
             job = self._start_job(open_, Op.RESTORE, (directory, scope), work)
+            self._restoring = job.task
         return await self._await_job(job, request.deadline_ts, request.checkpoint_id)
 
     async def _run_restore(self, open_: _Open, directory: Path, scope: Scope) -> dict[str, Any]:
@@ -412,10 +419,10 @@ class Participant:
             self.telemetry.moved(Op.RESTORE, span, len(read.records), read.bytes_read)
         open_.stop.check()
         open_.installing = True
+        self._installed = True  # from its start: a resume lets it finish, and no second one may begin
         attributes = {ATTR.ID: open_.checkpoint_id, ATTR.RECORDS: len(read.records)}
         with self.telemetry.span("install", **attributes):
             await self.adapter.install(read.records, scope)
-        self._installed = True
         restored = sorted({record.episode.next_attempt().capture_key for record in read.records})
         source = read.manifest.checkpoint_id
         return {"phase": Phase.RESTORED, "source_checkpoint_id": source, "restored": restored}
@@ -441,6 +448,12 @@ class Participant:
         advance(self.phase, op)
         if open_ is not None:
             open_.lease.renew(request.deadline_ts)
+
+    async def _after_restore(self, deadline_ts: float, what: str) -> None:
+        """Wait for a restore still running (its install would put back what ``what`` frees)."""
+        restoring = self._restoring
+        if restoring is not None and not restoring.done():
+            await self._bounded(asyncio.wait({restoring}), deadline_ts, f"{what} (waiting for the restore running)")
 
     async def _bounded(self, work: Coroutine[Any, Any, T], deadline_ts: float, what: str) -> T | None:
         done, result = await wait_until(self.clock, work, deadline_ts)

@@ -526,6 +526,92 @@ async def test_retire_waits_for_the_work_to_end_within_the_deadline(
     assert "r1" not in adapter.sessions
 
 
+class SlowInstall(SessionsAdapter):
+    """Installs at a gate, checking first that it holds nothing (as the resources adapter does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.installs = 0
+        self.gate = asyncio.Event()
+
+    async def install(self, records: Any, scope: Scope) -> None:
+        assert not self.sessions
+        self.installs += 1
+        await self.gate.wait()
+        await super().install(records, scope)
+
+
+async def restoring(root: Path, clock: FakeClock, cid: str) -> tuple[Participant, SlowInstall, asyncio.Task[Any]]:
+    """A fresh participant restoring ``c1`` (of ``r1`` and ``r2``) under ``cid``, its install at the gate."""
+    source = SessionsAdapter()
+    writer = Participant(kind="agent", instance="a1", adapter=source, store=CheckpointStore(root),
+                         lease_grace_s=GRACE_S, clock=clock)
+    source.participant = writer
+    source.put(RolloutIdentity("r1"), {"turn": 1})
+    source.put(RolloutIdentity("r2"), {"turn": 2})
+    await writer.prepare(control(clock, "c1"))
+    await writer.commit(commit_request(clock, "c1", root / "ck"))
+    await writer.aclose()
+    adapter = SlowInstall()
+    participant = Participant(kind="agent", instance="a1", adapter=adapter, store=CheckpointStore(root),
+                              lease_grace_s=GRACE_S, clock=clock)
+    adapter.participant = participant
+    task = asyncio.create_task(participant.restore(restore_request(clock, cid, root / "ck", ["r1", "r2"])))
+    await until(lambda: adapter.installs == 1)
+    return participant, adapter, task
+
+
+def restore_request(clock: FakeClock, cid: str, directory: Path, rollouts: list[str]) -> RestoreRequest:
+    return RestoreRequest(checkpoint_id=cid, deadline_ts=clock.now() + 30, checkpoint_dir=str(directory),
+                          episode_ids=[{"rollout_id": rollout} for rollout in rollouts])
+
+
+async def test_a_restore_still_installing_after_a_resume_keeps_a_second_one_out(root: Path, clock: FakeClock) -> None:
+    participant, adapter, first = await restoring(root, clock, "ra")
+    await participant.resume(control(clock, "ra"))  # the install goes on to its end
+    with pytest.raises(InvalidPhase, match="fresh process"):
+        await participant.restore(restore_request(clock, "rb", root / "ck", ["r1", "r2"]))
+    adapter.gate.set()
+    assert (await asyncio.wait_for(first, WAIT_S))["restored"] == ["r1-a1", "r2-a1"]
+    assert adapter.installs == 1
+    await participant.aclose()
+
+
+async def test_a_retire_during_a_restore_frees_what_the_install_puts_back(root: Path, clock: FakeClock) -> None:
+    participant, adapter, restore = await restoring(root, clock, "rc")
+    retire = asyncio.create_task(participant.retire(RetireRequest(
+        checkpoint_id="rc", deadline_ts=clock.now() + 30, episode_ids=[{"rollout_id": "r1", "attempt": 1}])))
+    await asyncio.sleep(0.05)
+    assert not retire.done()  # it waits for the install
+    adapter.gate.set()
+    assert (await asyncio.wait_for(retire, WAIT_S)) == {"retired": ["r1-a1"]}
+    await asyncio.wait_for(restore, WAIT_S)
+    assert sorted(adapter.sessions) == ["r2-a1"]
+    await participant.aclose()
+
+
+class SlowReadiness(GatedAdapter):
+    async def readiness(self) -> Any:
+        await self.gate.wait()
+        return await super().readiness()
+
+
+async def test_a_readiness_that_outlasts_the_deadline_answers_preparing_at_the_deadline(
+    root: Path, clock: FakeClock
+) -> None:
+    adapter = SlowReadiness()
+    participant = Participant(kind="agent", instance="a1", adapter=adapter, store=CheckpointStore(root),
+                              lease_grace_s=GRACE_S, clock=clock)
+    adapter.participant = participant
+    pending = asyncio.create_task(participant.prepare(control(clock, "c1", seconds=3)))
+    await asyncio.sleep(0.05)
+    clock.advance(3)
+    assert (await asyncio.wait_for(pending, WAIT_S)) == {"phase": "preparing", "report": None}
+    adapter.gate.set()
+    assert (await participant.prepare(control(clock, "c1", seconds=3)))["phase"] == "prepared"
+    await participant.aclose()
+
+
 # ---- a failing disk --------------------------------------------------------------------------------
 
 
