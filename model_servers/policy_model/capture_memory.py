@@ -14,8 +14,10 @@ gigabytes, so a line lives in one of three places:
   ``unavailable`` naming the bound: the call is answered with that error, not delivered half-kept;
 - a **sidecar file**: once a commit has made the line durable (written or linked into its
   directory, docs/protocol.md section 6), it leaves memory and is read back from that file through
-  a descriptor kept open, so pruning the checkpoint directory cannot take it away. A restore keeps
-  the lines it reads in the restored-from sidecar the same way.
+  a descriptor kept open, so pruning the checkpoint directory cannot take it away. A line a commit
+  copies from an earlier sidecar into its new one (the earlier file not linked: under a quarter in
+  use) is read from the new one from then on, so an earlier sidecar no line needs any more is
+  closed. A restore keeps the lines it reads in the restored-from sidecar the same way.
 
 A line read back is checked against its digest (``LineFile.read``; lines next to each other in one
 file are read back with one read into a buffer given, ``LineFile.read_run_into``, each line still
