@@ -160,7 +160,7 @@ class CallTokens:
         them is checked with one CRC over all its bytes."""
         self.crc_in = 0
         self._line: bytes | None = line  # compact JSON, no newline
-        self._memory = memory  # set when the line counts against the memory bound
+        self._memory = memory  # set while the line counts against the memory bound, or among the spilled
         self._at: tuple[LineFile, int] | None = None  # the file and offset it is read from once out of memory
         # (one attribute: a reader never sees one file with another's offset while a commit moves it)
 
@@ -186,6 +186,12 @@ class CallTokens:
     def in_memory(self) -> bool:
         return self._line is not None
 
+    @property
+    def durable(self) -> bool:
+        """Read from a durable file (a committed or restored-from sidecar): not in memory, not spilled."""
+        at = self._at
+        return self._line is None and at is not None and at[0].durable
+
     @classmethod
     def kept_in(cls, call_id: str, digest: str, size: int, file: LineFile, offset: int) -> CallTokens:
         """A line known by its digest and size only, at ``offset`` in ``file``: read (and checked
@@ -207,10 +213,14 @@ class CallTokens:
         self._line = None
 
     def forget(self) -> None:
-        """Stop counting this line against the memory bound (it left memory, or its ledger is gone)."""
+        """Stop counting this line against the memory bound, or among the spilled lines (it left
+        memory or its spill file, or its ledger is gone)."""
         memory, self._memory = self._memory, None
         if memory is not None:
-            memory.release(self.size)
+            if self._line is not None:
+                memory.release(self.size)
+            else:
+                memory.unspilled()
 
     def _arrays(self) -> dict[str, Any]:
         data: dict[str, Any] = orjson.loads(self.line)
@@ -244,6 +254,7 @@ class CallTokens:
                 tokens._memory = memory
             else:
                 tokens.kept_at(*memory.spill(line))
+                tokens._memory = memory  # counted among the spilled lines until a commit or a forget
         return tokens
 
     def check(self, call_id: str, prompt_digest: str, output_digest: str, where: str) -> None:
@@ -466,8 +477,8 @@ class SidecarWrite:
     placed: list[tuple[CallTokens, str, int]]
     """Each line to be read from this directory once the commit is durable, its file and offset: every
     line written to the new file (from memory, a spill file, or an earlier sidecar it was copied
-    from), and the lines of a linked file that were in memory (a line already read from a linked
-    file reads the same inode, and stays)."""
+    from), and the lines of a linked file that were not yet durable (a line already read from a
+    linked file reads the same inode, and stays)."""
 
 
 def write_sidecars(
@@ -503,7 +514,7 @@ def write_sidecars(
             found = base.where.get(line.digest)
             if found is not None and found[0] in linked:
                 index.where[line.digest] = found
-                if line._line is not None:
+                if not line.durable:
                     placed.append((line, *found))
             else:
                 fresh.append(line)

@@ -351,6 +351,7 @@ async def test_past_the_bound_token_lines_spill_and_are_committed_exactly(
         assert extras["token_bytes_in_memory"] == 0 and extras["token_lines_spilled"] == 1
         [call] = await policy.calls(R1)
         where, _ = await policy.commit("c1")
+        assert (await policy.extras())["token_lines_spilled"] == 0  # durable: read from the sidecar
     assert {name: call[name] for name in ARRAYS} == {name: first["output"][0][name] for name in ARRAYS}
     [line] = sidecar_of(where).read_bytes().splitlines()
     assert orjson.loads(line)["generation_token_ids"] == first["output"][0]["generation_token_ids"]
@@ -619,6 +620,51 @@ def test_lines_a_commit_copies_are_read_from_its_sidecar_and_the_earlier_file_is
     for line in long:  # read from the new sidecar, its CRC still of its bytes
         assert line.line == orjson.dumps({"call_id": line.call_id, "generation_token_ids": [0, 1]})
         assert line.crc == line_crc(line.line, line.crc_in)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc/self/fd")
+def test_spilled_lines_a_commit_made_durable_leave_the_spill_file_which_is_closed(root: Path) -> None:
+    spill = root / "spill"
+    spill.mkdir()
+    memory = CaptureMemory(0, spill_dir=str(spill))
+    tokens = [CallTokens.of(f"mc_{n}", TokenCapture([1, n], [2], [-0.5]), memory) for n in range(3)]
+    assert memory.spilled == 3 and len(open_under(spill)) == 1
+    store = SidecarStore(CheckpointStore(root), lambda: tokens)
+    directory = commit_lines(store, root / "c1", tokens)
+    assert memory.spilled == 0  # durable: counted no longer among the spilled lines
+    assert open_under(spill) == set()  # the spill file the lines were in (the current one) is closed
+    [sidecar] = [path for path in directory.iterdir() if SIDECAR_NAME.fullmatch(path.name)]
+    assert open_under(root) == {sidecar.stat().st_ino}
+    assert b"".join(line.line + b"\n" for line in tokens) == sidecar.read_bytes()
+    late = CallTokens.of("mc_9", TokenCapture([9], [2], [-0.5]), memory)  # a new spill file
+    assert memory.spilled == 1 and len(open_under(spill)) == 1
+    late.forget()  # its ledger forgotten
+    del late
+    assert memory.spilled == 0 and open_under(spill) == set()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc/self/fd")
+def test_spilled_lines_a_linked_sidecar_holds_are_read_from_it(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spilled lines whose commit could not open its sidecar stay spilled; the next commit links that
+    sidecar (every line in use), and they are read from the link."""
+    spill = root / "spill"
+    spill.mkdir()
+    memory = CaptureMemory(0, spill_dir=str(spill))
+    tokens = [CallTokens.of(f"mc_{n}", TokenCapture([1, n], [2], [-0.5]), memory) for n in range(3)]
+    store = SidecarStore(CheckpointStore(root), lambda: tokens)
+
+    def out_of_descriptors(path: Path) -> LineFile:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(LineFile, "open", out_of_descriptors)
+        first = commit_lines(store, root / "c1", tokens)
+    assert memory.spilled == 3 and len(open_under(spill)) == 1
+    second = commit_lines(store, root / "c2", tokens)
+    [sidecar] = [path for path in second.iterdir() if SIDECAR_NAME.fullmatch(path.name)]
+    assert sidecar.stat().st_ino == (first / sidecar.name).stat().st_ino  # linked, not written again
+    assert memory.spilled == 0 and open_under(spill) == set()
+    assert b"".join(line.line + b"\n" for line in tokens) == sidecar.read_bytes()
 
 
 async def test_the_capture_route_is_rollout_scoped(open_policy: Callable[..., Any]) -> None:
