@@ -10,12 +10,15 @@ gigabytes, so a line lives in one of three places:
   under ``capture_spill_dir`` (or the system's temporary directory) and read back when needed (a
   commit writing the sidecar, the capture route, a continued call's prompt). Spill files are not
   durable and vanish with the process; a new one is started every 256 MiB, and one is closed
-  (its disk space freed) once no line points into it. A spill that fails (a full disk) is 503
-  ``unavailable`` naming the bound: the call is answered with that error, not delivered half-kept;
+  (its disk space freed) once no line points into it, the one being appended to included. A spill
+  that fails (a full disk) is 503 ``unavailable`` naming the bound: the call is answered with that
+  error, not delivered half-kept;
 - a **sidecar file**: once a commit has made the line durable (written or linked into its
-  directory, docs/protocol.md section 6), it leaves memory and is read back from that file through
-  a descriptor kept open, so pruning the checkpoint directory cannot take it away. A restore keeps
-  the lines it reads in the restored-from sidecar the same way.
+  directory, docs/protocol.md section 6), it leaves memory (or its spill file) and is read back from
+  that file through a descriptor kept open, so pruning the checkpoint directory cannot take it away.
+  A line a commit copies from an earlier sidecar into its new one (the earlier file not linked: under
+  a quarter in use) is read from the new one from then on, so an earlier sidecar no line needs any
+  more is closed. A restore keeps the lines it reads in the restored-from sidecar the same way.
 
 A line read back is checked against its digest (``LineFile.read``; lines next to each other in one
 file are read back with one read into a buffer given, ``LineFile.read_run_into``, each line still
@@ -35,6 +38,7 @@ import hashlib
 import os
 import tempfile
 import threading
+import weakref
 import zlib
 from collections.abc import Sequence
 from itertools import accumulate, compress, pairwise
@@ -51,6 +55,8 @@ _NEWLINE = ord("\n")
 
 class LineFile:
     """An open file of lines, read by offset; the descriptor closes when the last user drops it."""
+
+    durable = True  # a committed (or restored-from) sidecar; a spill file is not
 
     def __init__(self, fd: int, name: str) -> None:
         self._fd = fd
@@ -101,6 +107,11 @@ class LineFile:
         if b"".join([sha256(line).digest() for line in lines]) != bytes.fromhex("".join(digests)):
             raise InvalidCheckpointState(f"a token line kept in {self.name} no longer matches its digest")
 
+    @property
+    def closed(self) -> bool:
+        """Its descriptor closed (its last user gone, ``__del__`` running)."""
+        return self._fd < 0
+
     def _shorter(self) -> InvalidCheckpointState:
         return InvalidCheckpointState(f"token lines kept in {self.name} are shorter than when written")
 
@@ -133,6 +144,8 @@ def _chains_hold(view: memoryview, offsets: list[int], starts: list[int], crcs_i
 class _Spill(LineFile):
     """An unlinked temporary file that lines are appended to."""
 
+    durable = False
+
     def __init__(self, directory: str | None) -> None:
         with tempfile.TemporaryFile(dir=directory, prefix="ngc-capture-spill-", buffering=0) as handle:
             super().__init__(os.dup(handle.fileno()), "a capture spill file")  # unlinked: ours alone
@@ -148,7 +161,12 @@ class _Spill(LineFile):
 
 
 class CaptureMemory:
-    """The bound on token lines held in memory, and the spill file past it."""
+    """The bound on token lines held in memory, and the spill file past it.
+
+    ``spilled`` counts the lines in spill files that are neither durable yet nor forgotten. The spill
+    file being appended to is held by the lines in it alone (this keeps a weak reference): like every
+    earlier one, it closes, its space freed, once no line points into it (a commit re-pointed them
+    all to its sidecar, or they were forgotten); the next spill starts a new one."""
 
     def __init__(self, max_bytes: int, spill_dir: str | None = None) -> None:
         if max_bytes < 0:
@@ -157,7 +175,7 @@ class CaptureMemory:
         self.spill_dir = spill_dir
         self.held = 0
         self.spilled = 0
-        self._spill: _Spill | None = None
+        self._spill: weakref.ref[_Spill] | None = None
         self._lock = threading.Lock()
 
     def take(self, size: int) -> bool:
@@ -172,17 +190,24 @@ class CaptureMemory:
         with self._lock:
             self.held = max(0, self.held - size)
 
+    def unspilled(self) -> None:
+        """A spilled line left its spill file (a commit made it durable), or was forgotten."""
+        with self._lock:
+            self.spilled = max(0, self.spilled - 1)
+
     def spill(self, line: bytes) -> tuple[LineFile, int]:
-        """Append ``line`` to the spill file: the file and the offset it is at."""
+        """Append ``line`` to the spill file: the file (to be held by the line) and the offset it is at."""
         with self._lock:
             try:
-                if self._spill is None or self._spill.end >= SPILL_FILE_BYTES:
-                    self._spill = _Spill(self.spill_dir)
-                offset = self._spill.append(line)
+                spill = self._spill() if self._spill is not None else None
+                if spill is None or spill.closed or spill.end >= SPILL_FILE_BYTES:  # closed: its ``__del__`` runs
+                    spill = _Spill(self.spill_dir)
+                    self._spill = weakref.ref(spill)
+                offset = spill.append(line)
             except OSError as error:
                 raise Unavailable(f"the capture ledger holds {self.held} bytes of token lines in memory "
                                   f"(capture_memory_max_bytes {self.max_bytes}) and spilling to "
                                   f"{self.spill_dir or tempfile.gettempdir()} failed: {error.strerror or error}; "
                                   "commit a checkpoint or forget finished rollouts") from error
             self.spilled += 1
-            return self._spill, offset
+            return spill, offset

@@ -146,7 +146,7 @@ class CallTokens:
     it is. The arrays are parsed from the line when asked for.
     """
 
-    __slots__ = ("_file", "_line", "_memory", "_offset", "call_id", "crc", "crc_in", "digest", "size")
+    __slots__ = ("_at", "_line", "_memory", "call_id", "crc", "crc_in", "digest", "size")
 
     def __init__(self, call_id: str, line: bytes, digest: str, memory: CaptureMemory | None = None) -> None:
         self.call_id = call_id
@@ -160,9 +160,9 @@ class CallTokens:
         them is checked with one CRC over all its bytes."""
         self.crc_in = 0
         self._line: bytes | None = line  # compact JSON, no newline
-        self._memory = memory  # set when the line counts against the memory bound
-        self._file: LineFile | None = None
-        self._offset = 0
+        self._memory = memory  # set while the line counts against the memory bound, or among the spilled
+        self._at: tuple[LineFile, int] | None = None  # the file and offset it is read from once out of memory
+        # (one attribute: a reader never sees one file with another's offset while a commit moves it)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CallTokens) and (self.call_id, self.digest) == (other.call_id, other.digest)
@@ -175,8 +175,9 @@ class CallTokens:
         line = self._line
         if line is not None:
             return line
-        assert self._file is not None
-        line = self._file.read(self._offset, self.size, self.digest)
+        at = self._at
+        assert at is not None
+        line = at[0].read(at[1], self.size, self.digest)
         if self.crc is None:  # checked against its digest just now
             self.crc_in, self.crc = 0, line_crc(line)
         return line
@@ -185,29 +186,41 @@ class CallTokens:
     def in_memory(self) -> bool:
         return self._line is not None
 
+    @property
+    def durable(self) -> bool:
+        """Read from a durable file (a committed or restored-from sidecar): not in memory, not spilled."""
+        at = self._at
+        return self._line is None and at is not None and at[0].durable
+
     @classmethod
     def kept_in(cls, call_id: str, digest: str, size: int, file: LineFile, offset: int) -> CallTokens:
         """A line known by its digest and size only, at ``offset`` in ``file``: read (and checked
         against ``digest``) when asked for, never before."""
         tokens = cls(call_id, b"", digest)
-        tokens.size, tokens._line, tokens._file, tokens._offset = size, None, file, offset  # its CRC unknown yet
+        tokens.size, tokens._line, tokens._at = size, None, (file, offset)  # its CRC unknown yet
         return tokens
 
     def kept_at(self, file: LineFile, offset: int, crc_in: int = 0) -> None:
-        """The line is at ``offset`` in ``file`` (durable, or spilled): it leaves memory, its CRC taken
-        from the bytes it had, going on from ``crc_in`` (the ``crc`` of the line right before it in
-        ``file``, to chain with it)."""
+        """The line is at ``offset`` in ``file`` (durable, or spilled) and is read from there from now
+        on. A line in memory leaves it, its CRC taken from the bytes it had, going on from ``crc_in``
+        (the ``crc`` of the line right before it in ``file``, to chain with it); a line already read
+        from a file (a spill file, or an earlier sidecar it was copied from) keeps its CRCs, which are
+        of its bytes wherever they are, and lets go of that file."""
         if self._line is not None:  # the CRC before the line goes: whoever sees it gone sees the CRC
             self.crc_in, self.crc = crc_in, line_crc(self._line, crc_in)
-        self._file, self._offset = file, offset
-        self._line = None
+        self._at = (file, offset)
         self.forget()
+        self._line = None
 
     def forget(self) -> None:
-        """Stop counting this line against the memory bound (it left memory, or its ledger is gone)."""
+        """Stop counting this line against the memory bound, or among the spilled lines (it left
+        memory or its spill file, or its ledger is gone)."""
         memory, self._memory = self._memory, None
         if memory is not None:
-            memory.release(self.size)
+            if self._line is not None:
+                memory.release(self.size)
+            else:
+                memory.unspilled()
 
     def _arrays(self) -> dict[str, Any]:
         data: dict[str, Any] = orjson.loads(self.line)
@@ -241,6 +254,7 @@ class CallTokens:
                 tokens._memory = memory
             else:
                 tokens.kept_at(*memory.spill(line))
+                tokens._memory = memory  # counted among the spilled lines until a commit or a forget
         return tokens
 
     def check(self, call_id: str, prompt_digest: str, output_digest: str, where: str) -> None:
@@ -349,13 +363,13 @@ class ChunkBuffer:
                 end = at + len(segment)
                 view[at:end] = segment
             else:
-                first = segment[0]
-                assert first._file is not None
+                where = segment[0]._at
+                assert where is not None
                 sizes, crcs = [tokens.size for tokens in segment], [tokens.crc for tokens in segment]
                 chains = None if None in crcs else ([tokens.crc_in for tokens in segment], cast("list[int]", crcs))
                 end = at + sum(sizes) + len(sizes) - 1
-                taken = first._file.read_run_into(view[at:end], first._offset, sizes,
-                                                  [tokens.digest for tokens in segment], chains)
+                taken = where[0].read_run_into(view[at:end], where[1], sizes,
+                                               [tokens.digest for tokens in segment], chains)
                 if taken is not None:  # checked line by line: they chain from now on
                     for tokens, crc_in, crc in zip(segment, [0, *taken[:-1]], taken, strict=True):
                         tokens.crc_in, tokens.crc = crc_in, crc
@@ -389,13 +403,15 @@ def _segments(group: list[CallTokens]) -> Iterator[bytes | list[CallTokens]]:
                 yield run
                 run, run_file = [], None
             yield line
-        elif tokens._file is run_file and tokens._offset == run_end:
+            continue
+        file, offset = cast("tuple[LineFile, int]", tokens._at)  # out of memory: in a file
+        if file is run_file and offset == run_end:
             run.append(tokens)
             run_end += tokens.size + 1
         else:
             if run:
                 yield run
-            run, run_file, run_end = [tokens], tokens._file, tokens._offset + tokens.size + 1
+            run, run_file, run_end = [tokens], file, offset + tokens.size + 1
     if run:
         yield run
 
@@ -458,7 +474,11 @@ class SidecarWrite:
     written: str | None
     bytes_written: int  # the new sidecar and its index
     index: SidecarIndex
-    placed: list[tuple[CallTokens, str, int]]  # each line that was in memory: the file (of this directory), offset
+    placed: list[tuple[CallTokens, str, int]]
+    """Each line to be read from this directory once the commit is durable, its file and offset: every
+    line written to the new file (from memory, a spill file, or an earlier sidecar it was copied
+    from), and the lines of a linked file that were not yet durable (a line already read from a
+    linked file reads the same inode, and stays)."""
 
 
 def write_sidecars(
@@ -494,7 +514,7 @@ def write_sidecars(
             found = base.where.get(line.digest)
             if found is not None and found[0] in linked:
                 index.where[line.digest] = found
-                if line._line is not None:
+                if not line.durable:
                     placed.append((line, *found))
             else:
                 fresh.append(line)
@@ -504,8 +524,7 @@ def write_sidecars(
         offsets = list(accumulate([line.size + 1 for line in fresh], initial=0))
         size = offsets.pop()
         index.where.update(zip([line.digest for line in fresh], zip(repeat(written), offsets), strict=True))
-        placed.extend([(line, written, offset) for line, offset in zip(fresh, offsets, strict=True)
-                       if line._line is not None])
+        placed.extend([(line, written, offset) for line, offset in zip(fresh, offsets, strict=True)])
         index.sizes[written] = size
         index.indexes[written] = index_size = index_bytes(len(fresh))
     return SidecarWrite(sorted(linked), written, size + index_size, index, placed)
@@ -560,7 +579,9 @@ class SidecarStore(CheckpointStore):
         return SidecarWriter(self.ops, directory, stop, self._lines, self)
 
     def sidecar_committed(self, done: SidecarWrite) -> None:
-        """The lines are durable: the next commit links them, and they leave memory."""
+        """The lines are durable: the next commit links them, and they are read from this directory
+        from now on (``SidecarWrite.placed``): they leave memory, and a spill file or an earlier
+        sidecar no line reads from any more is closed (its last user gone)."""
         self.sidecar_base = done.index
         files: dict[str, LineFile] = {}
         before = ("", -1, 0)  # the line that left memory before: its file, the offset after it, its CRC
@@ -569,9 +590,9 @@ class SidecarStore(CheckpointStore):
                 try:
                     files[name] = LineFile.open(done.index.directory / name)
                 except OSError:
-                    continue  # stays in memory; a later commit tries again
+                    continue  # stays where it is (memory, a spill or earlier file); a later commit tries again
             line.kept_at(files[name], offset, before[2] if before[:2] == (name, offset) else 0)  # next to it: chained
-            before = (name, offset + line.size + 1, line.crc or 0)
+            before = (name, offset + line.size + 1, line.crc or 0)  # a copied line's CRC: of its bytes, chained on
 
     def read(self, checkpoint_dir: Path, kind: str, instance: str, scope: Scope) -> ReadResult:
         result = super().read(checkpoint_dir, kind, instance, scope)

@@ -15,9 +15,9 @@ import os
 import shutil
 import zlib
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import orjson
 import pytest
 
 from model_servers.inference_worker import default_model_data as data
-from model_servers.policy_model.capture_memory import CaptureMemory, LineFile
+from model_servers.policy_model.capture_memory import CaptureMemory, LineFile, line_crc
 from model_servers.policy_model.chat_format import ChatFormat
 from model_servers.policy_model.generation import TokenCapture
 from model_servers.policy_model.ids import sha256_of
@@ -351,6 +351,7 @@ async def test_past_the_bound_token_lines_spill_and_are_committed_exactly(
         assert extras["token_bytes_in_memory"] == 0 and extras["token_lines_spilled"] == 1
         [call] = await policy.calls(R1)
         where, _ = await policy.commit("c1")
+        assert (await policy.extras())["token_lines_spilled"] == 0  # durable: read from the sidecar
     assert {name: call[name] for name in ARRAYS} == {name: first["output"][0][name] for name in ARRAYS}
     [line] = sidecar_of(where).read_bytes().splitlines()
     assert orjson.loads(line)["generation_token_ids"] == first["output"][0]["generation_token_ids"]
@@ -568,6 +569,102 @@ def test_a_spill_that_cannot_be_written_is_a_clear_error(root: Path) -> None:
     memory = CaptureMemory(0, spill_dir=str(root / "missing"))
     with pytest.raises(Unavailable, match="capture_memory_max_bytes 0"):
         CallTokens.of("mc_1", TokenCapture([1], [2], [-0.5]), memory)
+
+
+def open_under(directory: Path) -> set[int]:
+    """The inodes of the files under ``directory`` this process holds open (deleted ones included)."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"{directory}/"):
+                held.add(os.fstat(int(fd)).st_ino)
+    return held
+
+
+def token_line(n: int, ids: int) -> CallTokens:
+    line = orjson.dumps({"call_id": f"mc_{n}", "generation_token_ids": list(range(ids))})
+    return CallTokens(f"mc_{n}", line, hashlib.sha256(line).hexdigest())
+
+
+def commit_lines(store: SidecarStore, checkpoint_dir: Path, tokens: list[CallTokens]) -> Path:
+    """A commit of ``tokens`` (the lines ``store`` answers), each in a record of its own: the
+    participant's directory."""
+    records = [Record.from_data({"episode_id": {"rollout_id": f"r_{line.call_id}", "attempt": 0},
+                                 "ledger": [{"call_id": line.call_id, "token_digest": line.digest}]})
+               for line in tokens]
+    writer = store.open_writer(checkpoint_dir, "model", "policy_model", StopSignal())
+    writer.write_records(records)
+    writer.finish("model", "policy_model", checkpoint_dir.name)
+    return writer.directory
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc/self/fd")
+def test_lines_a_commit_copies_are_read_from_its_sidecar_and_the_earlier_file_is_closed(root: Path) -> None:
+    """One rollout living across commits, a call per commit, beside short ones: its earlier lines are
+    each time in a sidecar under a quarter in use, so copied, not linked. Once the commit is durable
+    they are read from the new sidecar, and the earlier one (pruned) is closed: the process holds
+    open the sidecars its lines need, not one per commit."""
+    long: list[CallTokens] = []
+    current: list[CallTokens] = []
+    store = SidecarStore(CheckpointStore(root), lambda: current)
+    for n in range(6):
+        long.append(token_line(n, 2))
+        current = [*long, *(token_line(100 * (n + 1) + k, 60) for k in range(8))]
+        directory = commit_lines(store, root / f"c{n}", current)
+        if n:
+            shutil.rmtree(root / f"c{n - 1}")  # pruned: the last checkpoint kept
+        sidecars = {path.stat().st_ino for path in directory.iterdir() if SIDECAR_NAME.fullmatch(path.name)}
+        assert len(sidecars) == 1  # every line copied into the new sidecar
+        assert open_under(root) == sidecars
+    assert all(after.crc_in == before.crc for before, after in pairwise(long))  # one chain: a copy is one CRC
+    for line in long:  # read from the new sidecar, its CRC still of its bytes
+        assert line.line == orjson.dumps({"call_id": line.call_id, "generation_token_ids": [0, 1]})
+        assert line.crc == line_crc(line.line, line.crc_in)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc/self/fd")
+def test_spilled_lines_a_commit_made_durable_leave_the_spill_file_which_is_closed(root: Path) -> None:
+    spill = root / "spill"
+    spill.mkdir()
+    memory = CaptureMemory(0, spill_dir=str(spill))
+    tokens = [CallTokens.of(f"mc_{n}", TokenCapture([1, n], [2], [-0.5]), memory) for n in range(3)]
+    assert memory.spilled == 3 and len(open_under(spill)) == 1
+    store = SidecarStore(CheckpointStore(root), lambda: tokens)
+    directory = commit_lines(store, root / "c1", tokens)
+    assert memory.spilled == 0  # durable: counted no longer among the spilled lines
+    assert open_under(spill) == set()  # the spill file the lines were in (the current one) is closed
+    [sidecar] = [path for path in directory.iterdir() if SIDECAR_NAME.fullmatch(path.name)]
+    assert open_under(root) == {sidecar.stat().st_ino}
+    assert b"".join(line.line + b"\n" for line in tokens) == sidecar.read_bytes()
+    late = CallTokens.of("mc_9", TokenCapture([9], [2], [-0.5]), memory)  # a new spill file
+    assert memory.spilled == 1 and len(open_under(spill)) == 1
+    late.forget()  # its ledger forgotten
+    del late
+    assert memory.spilled == 0 and open_under(spill) == set()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc/self/fd")
+def test_spilled_lines_a_linked_sidecar_holds_are_read_from_it(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spilled lines whose commit could not open its sidecar stay spilled; the next commit links that
+    sidecar (every line in use), and they are read from the link."""
+    spill = root / "spill"
+    spill.mkdir()
+    memory = CaptureMemory(0, spill_dir=str(spill))
+    tokens = [CallTokens.of(f"mc_{n}", TokenCapture([1, n], [2], [-0.5]), memory) for n in range(3)]
+    store = SidecarStore(CheckpointStore(root), lambda: tokens)
+
+    def out_of_descriptors(path: Path) -> LineFile:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(LineFile, "open", out_of_descriptors)
+        first = commit_lines(store, root / "c1", tokens)
+    assert memory.spilled == 3 and len(open_under(spill)) == 1
+    second = commit_lines(store, root / "c2", tokens)
+    [sidecar] = [path for path in second.iterdir() if SIDECAR_NAME.fullmatch(path.name)]
+    assert sidecar.stat().st_ino == (first / sidecar.name).stat().st_ino  # linked, not written again
+    assert memory.spilled == 0 and open_under(spill) == set()
+    assert b"".join(line.line + b"\n" for line in tokens) == sidecar.read_bytes()
 
 
 async def test_the_capture_route_is_rollout_scoped(open_policy: Callable[..., Any]) -> None:
