@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,14 @@ from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
 from nemo_gym_ckpt.checkpoint.wire_scope import episodes_from_wire, episodes_to_wire, item_from_wire, scope_to_wire
 from nemo_gym_ckpt.config import CheckpointConfig
-from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidRequest, NotFound
+from nemo_gym_ckpt.errors import (
+    CoordinatorUnavailable,
+    GymError,
+    InvalidCheckpointState,
+    InvalidPhase,
+    InvalidRequest,
+    NotFound,
+)
 from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = ["CALL_TIMEOUT_S", "COORDINATOR_ENV", "PAGE_BYTES", "REPLY_GRACE_S", "WorkerFanout", "WorkerHub",
@@ -251,6 +258,17 @@ class WorkerHub:
             with contextlib.suppress(GymError):
                 worker.channel.note("gate", gate)
 
+    def blockers(self) -> list[str]:
+        """What holds a checkpoint besides the workers' own blockers: workers not registered yet, or
+        one lost while the checkpoint is open."""
+        blockers: list[str] = []
+        missing = self.expected_workers - len(self.workers)
+        if missing > 0:
+            blockers.append(f"{self.kind}-workers-unregistered:{missing}")
+        if self.lost_while_open:
+            blockers.append(f"{self.kind}-worker-lost")
+        return blockers
+
     # ---- calls to every worker ----------------------------------------------------------------
 
     async def broadcast(self, kind: str, body: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
@@ -272,13 +290,8 @@ class WorkerFanout:
 
     async def readiness(self) -> Readiness:
         hub = self.hub
-        blockers: list[str] = []
-        missing = hub.expected_workers - len(hub.workers)
-        if missing > 0:
-            blockers.append(f"{hub.kind}-workers-unregistered:{missing}")
-        if hub.lost_while_open:
-            blockers.append(f"{hub.kind}-worker-lost")
         replies = await hub.broadcast("readiness", {}, CALL_TIMEOUT_S)
+        blockers = hub.blockers()  # after the replies: a worker lost while answering counts
         counts: dict[str, int] = {}
         restarts: list[str] = []
         for reply in replies:
@@ -293,12 +306,14 @@ class WorkerFanout:
         are processes of their own: their captures run side by side), and their first pages wait
         here; the later pages of each are asked for in turn. At most a page per worker is held."""
         seen: set[bytes] = set()  # a restored record every worker still holds, untouched, comes once
+        if blockers := self.hub.blockers():  # a worker lost since the readiness: its records would be missing
+            raise InvalidPhase(f"commit expected every worker, got {', '.join(blockers)}")
         workers = list(self.hub.workers.values())
         first = {"scope": scope_to_wire(scope), "first": True}
         firsts = [asyncio.ensure_future(worker.channel.call("export", first, CALL_TIMEOUT_S)) for worker in workers]
         try:
             for worker, first_page in zip(workers, firsts, strict=True):
-                page = await first_page
+                page = await _page_of(worker, first_page)
                 while True:
                     for value in page["items"]:
                         item = item_from_wire(value)
@@ -309,7 +324,7 @@ class WorkerFanout:
                         yield item
                     if page["done"]:
                         break
-                    page = await worker.channel.call("export", {"first": False}, CALL_TIMEOUT_S)
+                    page = await _page_of(worker, worker.channel.call("export", {"first": False}, CALL_TIMEOUT_S))
         finally:
             for pending in firsts:
                 pending.cancel()
@@ -346,6 +361,16 @@ class WorkerFanout:
 
     def status_extras(self) -> Mapping[str, Any]:
         return {"workers": len(self.hub.workers), "expected_workers": self.hub.expected_workers}
+
+
+async def _page_of(worker: _Worker, pending: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """An export page of ``worker``; a worker lost before its last page fails the commit."""
+    try:
+        return await pending
+    except CoordinatorUnavailable as error:
+        if not worker.channel.closed:
+            raise
+        raise InvalidPhase(f"commit lost worker {worker.pid} during its export: {error.detail}") from None
 
 
 async def start_coordinator(

@@ -44,6 +44,7 @@ from nemo_gym_ckpt.errors import (
     ConfigError,
     CoordinatorUnavailable,
     InvalidCheckpointState,
+    InvalidPhase,
     StaleAttempt,
     StaleCheckpoint,
 )
@@ -357,6 +358,34 @@ async def test_one_manifest_holds_every_workers_records_and_a_restore_is_claimed
         for each in fresh.workers:
             await each.link.aclose()
         await fresh.hub.aclose()
+
+
+async def test_a_worker_lost_after_answering_the_commits_readiness_fails_the_commit(
+    server: Server, tmp_path: Path
+) -> None:
+    first, second = server.workers
+    first.adapter.put(A, {"on": "first"})
+    second.adapter.put(B, {"on": "second"})
+    assert second.link.channel is not None
+    channel, looks = second.link.channel, []
+    answer = channel.on_call
+
+    async def dies_after_readiness(kind: str, body: dict[str, object]) -> dict[str, object]:
+        reply = await answer(kind, body)
+        if kind == "readiness":
+            looks.append(kind)
+            if len(looks) == 2:  # the commit's own look: answered "ready", then the worker is gone
+                asyncio.get_running_loop().call_soon(channel.close)
+        return reply
+
+    channel.on_call = dies_after_readiness
+    control = participant(server)
+    await control.prepare(server.control())
+    with pytest.raises(InvalidPhase, match=r"resources-worker-lost|lost worker 1001"):
+        await control.commit(CommitRequest(checkpoint_id="c1", deadline_ts=server.deadline(),
+                                           checkpoint_dir=str(tmp_path / "ck")))
+    assert looks == ["readiness", "readiness"]
+    assert not (tmp_path / "ck" / "gym" / KIND / NAME / "manifest.json").exists()  # no manifest without b
 
 
 async def test_every_worker_starts_its_export_before_the_pages_are_read_in_turn(
