@@ -25,7 +25,9 @@ What it does for the participant (docs/protocol.md section 13):
 - retire and forget go to every worker (their retire marks included).
 
 Every call to a worker has a deadline: ``CALL_TIMEOUT_S``, or the control call's own deadline plus
-``REPLY_GRACE_S``.
+``REPLY_GRACE_S``. The readiness asked for by a prepare or a commit is bounded by that operation's
+``deadline_ts`` too (plus ``READINESS_GRACE_S``): a worker that has not answered by then is a
+``<kind>-workers-unanswered:<n>`` blocker, so a prepare answers by its deadline.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,18 +68,20 @@ from nemo_gym_ckpt.errors import (
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["CALL_TIMEOUT_S", "COORDINATOR_ENV", "PAGE_BYTES", "REPLY_GRACE_S", "WorkerFanout", "WorkerHub",
-           "start_coordinator"]
+__all__ = ["CALL_TIMEOUT_S", "COORDINATOR_ENV", "PAGE_BYTES", "READINESS_GRACE_S", "REPLY_GRACE_S", "HubParticipant",
+           "WorkerFanout", "WorkerHub", "start_coordinator"]
 
 logger = logging.getLogger(__name__)
 COORDINATOR_ENV = "NEMO_GYM_CKPT_COORDINATOR_SOCKET"
 CALL_TIMEOUT_S = 30.0
 REPLY_GRACE_S = 10.0
+READINESS_GRACE_S = 0.25  # how late past its deadline a prepare may answer, waiting on a worker's readiness
 PAGE_BYTES = 4 * 1024 * 1024
 _CONTROL: dict[str, type[ControlRequest]] = {
     "prepare": ControlRequest, "renew": ControlRequest, "commit": CommitRequest, "restore": RestoreRequest,
     "resume": ControlRequest, "retire": RetireRequest, "forget": ForgetRequest,
 }
+_DEADLINE: ContextVar[float | None] = ContextVar("worker_hub_deadline", default=None)  # the running operation's
 
 
 @dataclass
@@ -283,15 +288,19 @@ class WorkerFanout:
     def __init__(self, hub: WorkerHub, clock_now: Any) -> None:
         self.hub, self._now = hub, clock_now
 
-    def _timeout(self, deadline_ts: float | None = None) -> float:
+    def _readiness_timeout(self) -> float:
+        """``CALL_TIMEOUT_S``, and no later than the running prepare's or commit's deadline (plus grace)."""
+        deadline_ts = _DEADLINE.get()
         if deadline_ts is None:
             return CALL_TIMEOUT_S
-        return max(deadline_ts - self._now(), 0.0) + REPLY_GRACE_S
+        return min(CALL_TIMEOUT_S, max(deadline_ts - self._now(), 0.0) + READINESS_GRACE_S)
 
     async def readiness(self) -> Readiness:
         hub = self.hub
-        replies = await hub.broadcast("readiness", {}, CALL_TIMEOUT_S)
+        replies, unanswered = await self._readiness_replies()
         blockers = hub.blockers()  # after the replies: a worker lost while answering counts
+        if unanswered:
+            blockers.append(f"{hub.kind}-workers-unanswered:{unanswered}")
         counts: dict[str, int] = {}
         restarts: list[str] = []
         for reply in replies:
@@ -300,6 +309,22 @@ class WorkerFanout:
             for key, value in reply["counts"].items():
                 counts[key] = counts.get(key, 0) + value
         return Readiness(blockers=blockers, counts=counts, restarts=restarts)
+
+    async def _readiness_replies(self) -> tuple[list[dict[str, Any]], int]:
+        """The replies of the workers that answered in time, and how many others did not (lost ones
+        left out: ``hub.blockers()`` names them); a worker's own error is raised."""
+        workers, timeout = list(self.hub.workers.values()), self._readiness_timeout()
+        calls = (worker.channel.call("readiness", {}, timeout) for worker in workers)
+        replies: list[dict[str, Any]] = []
+        unanswered = 0
+        for worker, reply in zip(workers, await asyncio.gather(*calls, return_exceptions=True), strict=True):
+            if isinstance(reply, CoordinatorUnavailable):
+                unanswered += not worker.channel.closed
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                replies.append(reply)
+        return replies, unanswered
 
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
         """Every worker's records, worker after worker. All workers start their export at once (they
@@ -363,6 +388,26 @@ class WorkerFanout:
         return {"workers": len(self.hub.workers), "expected_workers": self.hub.expected_workers}
 
 
+class HubParticipant(Participant):
+    """The hub's participant: a prepare's or a commit's ``deadline_ts`` bounds the readiness its
+    adapter (a ``WorkerFanout``) asks the workers for."""
+
+    async def prepare(self, request: ControlRequest) -> dict[str, Any]:
+        return await _within(request.deadline_ts, super().prepare(request))
+
+    async def commit(self, request: CommitRequest) -> dict[str, Any]:
+        return await _within(request.deadline_ts, super().commit(request))
+
+
+async def _within(deadline_ts: float, work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    """``work`` run with ``deadline_ts`` as the running operation's (tasks it starts take it along)."""
+    token = _DEADLINE.set(deadline_ts)
+    try:
+        return await work
+    finally:
+        _DEADLINE.reset(token)
+
+
 async def _page_of(worker: _Worker, pending: Awaitable[dict[str, Any]]) -> dict[str, Any]:
     """An export page of ``worker``; a worker lost before its last page fails the commit."""
     try:
@@ -379,7 +424,7 @@ async def start_coordinator(
     """The hub of a multi-worker server, its participant built from the mesh's ``checkpoint`` block
     (a ``CheckpointConfig``), listening on ``path``."""
     hub = WorkerHub(kind, expected_workers)
-    participant = Participant(
+    participant = HubParticipant(
         kind=kind,
         instance=instance,
         adapter=WorkerFanout(hub, SYSTEM_CLOCK.now),

@@ -29,7 +29,9 @@ import pytest
 from fastapi import FastAPI
 
 from nemo_gym_ckpt.checkpoint import follower as follower_module
+from nemo_gym_ckpt.checkpoint import frames as frames_module
 from nemo_gym_ckpt.checkpoint import participant as participant_module
+from nemo_gym_ckpt.checkpoint import worker_hub as worker_hub_module
 from nemo_gym_ckpt.checkpoint.channel import Channel
 from nemo_gym_ckpt.checkpoint.follower import FollowerParticipant, WorkerLink
 from nemo_gym_ckpt.checkpoint.frames import encode_frame, read_frame
@@ -299,6 +301,49 @@ async def test_a_worker_lost_while_open_blocks_until_the_checkpoint_closes(serve
     await server.workers[1].link.aclose()
     reply = await pending
     assert "resources-worker-lost" in reply["report"]["blockers"], reply
+
+
+async def raw_peer(path: Path, pid: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A registered 'worker' that answers nothing: the test writes what it sends."""
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    writer.write(encode_frame({"id": 1, "kind": "register", "body": {"pid": pid}}))
+    while "reply_to" not in (await asyncio.wait_for(read_frame(reader), 5) or {"reply_to": None}):
+        pass
+    return reader, writer
+
+
+async def test_a_worker_stalled_inside_a_frame_is_dropped_as_lost(
+    tmp_path: Path, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(frames_module, "FRAME_BODY_S", 0.3, raising=False)  # 30 s in production
+    server = await start_server(tmp_path, short_dir, workers=1)
+    _, writer = await raw_peer(server.path, 2000)
+    try:
+        writer.write(struct.pack(">I", 100) + b'{"reply_to"')  # a header for 100 bytes, 11 of them, then silence
+        await asyncio.sleep(1.0)
+        assert sorted(server.hub.workers) == [1000]
+        assert server.hub.blockers() == ["resources-workers-unregistered:1"]
+    finally:
+        writer.close()
+        await server.workers[0].link.aclose()
+        await server.hub.aclose()
+
+
+async def test_a_prepare_answers_by_its_deadline_while_a_worker_does_not(
+    tmp_path: Path, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(worker_hub_module, "CALL_TIMEOUT_S", 3.0)  # 30 s in production
+    server = await start_server(tmp_path, short_dir, workers=1)
+    _, writer = await raw_peer(server.path, 2000)  # registered, never answers its readiness
+    try:
+        started = time.monotonic()
+        reply = await participant(server).prepare(server.control(0.3))
+        assert time.monotonic() - started < 1.0
+        assert reply["report"]["blockers"] == ["resources-workers-unanswered:1"]
+    finally:
+        writer.close()
+        await server.workers[0].link.aclose()
+        await server.hub.aclose()
 
 
 async def commit(server: Server, checkpoint_id: str, directory: Path) -> dict[str, object]:
