@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,7 +219,7 @@ class WorkerHub:
     async def _status(self, participant: Participant) -> dict[str, Any]:
         """The participant's status, with the workers' extras merged and their waiting requests summed."""
         status = participant.status()
-        replies = await self.broadcast("extras", {}, CALL_TIMEOUT_S)
+        replies = [_checked(reply, "extras", _EXTRAS) for reply in await self.broadcast("extras", {}, CALL_TIMEOUT_S)]
         status["waiting_requests"] = sum(reply["waiting_requests"] for reply in replies)
         status["extras"] = self._merged_extras([reply["extras"] for reply in replies])
         return status
@@ -323,7 +323,7 @@ class WorkerFanout:
             elif isinstance(reply, BaseException):
                 raise reply
             else:
-                replies.append(reply)
+                replies.append(_checked(reply, f"worker {worker.pid}'s readiness", _READINESS))
         return replies, unanswered
 
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
@@ -388,6 +388,29 @@ class WorkerFanout:
         return {"workers": len(self.hub.workers), "expected_workers": self.hub.expected_workers}
 
 
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(each, str) for each in value)
+
+
+def _counts(value: Any) -> bool:
+    return isinstance(value, dict) and all(type(each) is int for each in value.values())
+
+
+_READINESS: dict[str, Callable[[Any], bool]] = {"blockers": _strings, "restarts": _strings, "counts": _counts}
+_EXTRAS: dict[str, Callable[[Any], bool]] = {
+    "extras": lambda value: isinstance(value, dict), "waiting_requests": lambda value: type(value) is int}
+_PAGE: dict[str, Callable[[Any], bool]] = {
+    "items": lambda value: isinstance(value, list), "done": lambda value: isinstance(value, bool)}
+
+
+def _checked(reply: dict[str, Any], what: str, shape: Mapping[str, Callable[[Any], bool]]) -> dict[str, Any]:
+    """``reply`` when each field of ``shape`` fits; a worker that answers otherwise is misbehaving:
+    ``InvalidCheckpointState`` (422, as for a frame it breaks), never a 500."""
+    if bad := [key for key, fits in shape.items() if not fits(reply.get(key))]:
+        raise InvalidCheckpointState(f"{what} reply has no usable {', '.join(bad)}")
+    return reply
+
+
 class HubParticipant(Participant):
     """The hub's participant: a prepare's or a commit's ``deadline_ts`` bounds the readiness its
     adapter (a ``WorkerFanout``) asks the workers for."""
@@ -411,7 +434,7 @@ async def _within(deadline_ts: float, work: Coroutine[Any, Any, dict[str, Any]])
 async def _page_of(worker: _Worker, pending: Awaitable[dict[str, Any]]) -> dict[str, Any]:
     """An export page of ``worker``; a worker lost before its last page fails the commit."""
     try:
-        return await pending
+        return _checked(await pending, f"worker {worker.pid}'s export page", _PAGE)
     except CoordinatorUnavailable as error:
         if not worker.channel.closed:
             raise

@@ -346,6 +346,33 @@ async def test_a_prepare_answers_by_its_deadline_while_a_worker_does_not(
         await server.hub.aclose()
 
 
+@pytest.mark.parametrize(("operation", "bad"), [
+    ("prepare", {"blockers": [], "counts": {"sessions": "many"}, "restarts": []}),
+    ("prepare", {}),
+    ("status", {"extras": {}}),
+    ("commit", {"items": [], "done": "yes"}),
+])
+async def test_a_worker_reply_of_the_wrong_shape_is_a_structured_refusal(
+    server: Server, tmp_path: Path, operation: str, bad: dict[str, object]
+) -> None:
+    second = server.workers[1].link.channel
+    assert second is not None
+    answer = second.on_call
+
+    async def misbehaving(kind: str, body: dict[str, object]) -> dict[str, object]:
+        late = {"prepare": "readiness", "status": "extras", "commit": "export"}[operation] == kind
+        return bad if late else await answer(kind, body)
+
+    second.on_call = misbehaving
+    request: dict[str, object] | None = None if operation == "status" else {
+        "checkpoint_id": "c1", "deadline_ts": server.deadline()}
+    if operation == "commit":
+        await server.workers[0].link.forward("prepare", request)
+        request = {**(request or {}), "checkpoint_dir": str(tmp_path / "ck")}
+    with pytest.raises(InvalidCheckpointState, match="reply has no usable"):
+        await server.workers[0].link.forward(operation, request)  # run on the coordinator, answered here
+
+
 async def commit(server: Server, checkpoint_id: str, directory: Path) -> dict[str, object]:
     control = participant(server)
     await control.prepare(server.control(checkpoint_id=checkpoint_id))
