@@ -568,6 +568,17 @@ async def test_a_worker_exits_when_its_coordinator_is_gone(server: Server) -> No
         await server.workers[0].link.forward("status", None)
 
 
+async def test_requests_parked_on_a_worker_are_refused_when_its_coordinator_is_gone(server: Server) -> None:
+    await participant(server).prepare(server.control())  # the gate closes on both workers
+    parked = asyncio.create_task(server.workers[0].participant.admit(A))
+    await asyncio.sleep(0.1)
+    assert not parked.done()
+    await server.hub.aclose()
+    with pytest.raises(CoordinatorUnavailable, match="lost its coordinator"):
+        await asyncio.wait_for(parked, 2)  # not left to wait for the dead coordinator's lease
+    assert server.workers[0].lost == [1000]
+
+
 def test_a_runtime_dir_is_private_and_the_dirs_of_dead_owners_are_swept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
