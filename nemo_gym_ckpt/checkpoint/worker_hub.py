@@ -201,6 +201,8 @@ class WorkerHub:
         pid = body.get("pid")
         if type(pid) is not int or pid <= 0:
             raise InvalidRequest("register needs the worker's pid")
+        if "pid" in holder:  # one entry per channel: a second would outlive the channel
+            raise InvalidRequest(f"this channel is registered already, as worker {holder['pid']}")
         holder["pid"] = pid
         self.workers[pid] = _Worker(pid, channel)
         assert self.participant is not None

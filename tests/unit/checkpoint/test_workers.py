@@ -329,6 +329,21 @@ async def test_a_worker_stalled_inside_a_frame_is_dropped_as_lost(
         await server.hub.aclose()
 
 
+async def test_a_second_register_on_one_channel_is_refused(tmp_path: Path, short_dir: Path) -> None:
+    server = await start_server(tmp_path, short_dir, workers=1)
+    reader, writer = await raw_peer(server.path, 2000)
+    try:
+        writer.write(encode_frame({"id": 2, "kind": "register", "body": {"pid": 2001}}))
+        reply = await asyncio.wait_for(read_frame(reader), 5)
+        assert reply is not None and reply["ok"] is False and reply["error"]["code"] == "invalid_request"
+        writer.close()  # the peer goes away: none of its entries stays
+        await asyncio.sleep(0.2)
+        assert sorted(server.hub.workers) == [1000]
+    finally:
+        await server.workers[0].link.aclose()
+        await server.hub.aclose()
+
+
 async def test_a_prepare_answers_by_its_deadline_while_a_worker_does_not(
     tmp_path: Path, short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
