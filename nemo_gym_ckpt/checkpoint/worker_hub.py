@@ -92,17 +92,29 @@ class _Worker:
 
 @dataclass
 class _Claims:
-    """Restored attempts: which worker (pid) claimed each, ``None`` while unclaimed."""
+    """Restored attempts: which worker (pid) claimed each, ``None`` while unclaimed (until the other
+    workers all dropped their copies: a claim whose drops failed is asked again)."""
 
     owners: dict[RolloutIdentity, int | None] = field(default_factory=dict)
+    claiming: dict[RolloutIdentity, asyncio.Lock] = field(default_factory=dict)  # one claim at a time each
+
+    def lock(self, episode: RolloutIdentity) -> asyncio.Lock:
+        return self.claiming.setdefault(episode, asyncio.Lock())
+
+    def claimed(self, episode: RolloutIdentity, pid: int) -> None:
+        if episode in self.owners:
+            self.owners[episode] = pid
+        self.claiming.pop(episode, None)  # later claims see the owner without waiting
 
     def drop(self, rollout_ids: set[str]) -> None:
         for episode in [episode for episode in self.owners if episode.rollout_id in rollout_ids]:
             del self.owners[episode]
+            self.claiming.pop(episode, None)
 
     def keep(self, rollout_ids: set[str]) -> None:
         for episode in [episode for episode in self.owners if episode.rollout_id not in rollout_ids]:
             del self.owners[episode]
+            self.claiming.pop(episode, None)
 
 
 class WorkerHub:
@@ -244,11 +256,14 @@ class WorkerHub:
         episode = episodes_from_wire([body.get("episode")])[0]
         if episode not in self.claims.owners:
             return {"owner": "none"}
-        owner = self.claims.owners[episode]
-        if owner is None:
-            self.claims.owners[episode] = owner = pid
-            await self._drop_elsewhere(pid, episode.rollout_id)
-        return {"owner": "this" if owner == pid else "another"}
+        if self.claims.owners[episode] is None:
+            async with self.claims.lock(episode):
+                if self.claims.owners.get(episode, pid) is None:  # unclaimed still, not retired meanwhile
+                    await self._drop_elsewhere(pid, episode.rollout_id)  # the owner once every drop succeeded
+                    self.claims.claimed(episode, pid)
+        if episode not in self.claims.owners:
+            return {"owner": "none"}
+        return {"owner": "this" if self.claims.owners[episode] == pid else "another"}
 
     async def _drop_elsewhere(self, pid: int, rollout_id: str) -> None:
         """Every worker but ``pid`` drops what it holds of ``rollout_id`` (its retire marks stay)."""
@@ -376,7 +391,7 @@ class WorkerFanout:
                                          f"got {len(hub.workers)}")
         body = {"records": [record.raw.decode() for record in records], "scope": scope_to_wire(scope)}
         await hub.broadcast("install", body, CALL_TIMEOUT_S + len(records) / 1000)
-        hub.claims.owners = {record.episode.next_attempt(): None for record in records}
+        hub.claims = _Claims({record.episode.next_attempt(): None for record in records})
 
     async def retire(self, episodes: Sequence[RolloutIdentity]) -> None:
         self.hub.claims.drop({episode.rollout_id for episode in episodes})

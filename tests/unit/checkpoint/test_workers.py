@@ -49,6 +49,7 @@ from nemo_gym_ckpt.errors import (
     InvalidPhase,
     StaleAttempt,
     StaleCheckpoint,
+    Unavailable,
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.launch.workers import RUNTIME_PREFIX, runtime_dir
@@ -473,6 +474,38 @@ async def test_a_worker_lost_after_answering_the_commits_readiness_fails_the_com
                                            checkpoint_dir=str(tmp_path / "ck")))
     assert looks == ["readiness", "readiness"]
     assert not (tmp_path / "ck" / "gym" / KIND / NAME / "manifest.json").exists()  # no manifest without b
+
+
+async def test_a_claim_whose_drop_failed_is_asked_again(tmp_path: Path, short_dir: Path) -> None:
+    server = await start_server(tmp_path, short_dir)
+    server.workers[0].adapter.put(A, {"n": 1})
+    await commit(server, "c1", tmp_path / "ck")
+    for each in server.workers:
+        await each.link.aclose()
+    await server.hub.aclose()
+    fresh = await start_server(tmp_path, short_dir)
+    try:
+        await participant(fresh).restore(RestoreRequest(checkpoint_id="r1", deadline_ts=fresh.deadline(),
+                                                        checkpoint_dir=str(tmp_path / "ck"),
+                                                        episode_ids=[{"rollout_id": "a"}]))
+        await participant(fresh).resume(fresh.control(checkpoint_id="r1"))
+        holder, claimer = fresh.workers
+        forget, failures = holder.adapter.forget, [Unavailable("could not free the session right now")]
+
+        async def fails_once(rollout_ids: list[str]) -> None:
+            if failures:
+                raise failures.pop()
+            await forget(rollout_ids)
+
+        holder.adapter.forget = fails_once  # type: ignore[method-assign]
+        with pytest.raises(Unavailable):
+            await claimer.participant.admit(A.next_attempt())
+        await claimer.participant.admit(A.next_attempt())  # the client's retry: the drop is asked again
+        assert (holder.adapter.sessions, sorted(claimer.adapter.sessions)) == ({}, ["a-a1"])
+    finally:
+        for each in fresh.workers:
+            await each.link.aclose()
+        await fresh.hub.aclose()
 
 
 async def test_every_worker_starts_its_export_before_the_pages_are_read_in_turn(
