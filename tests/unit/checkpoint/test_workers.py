@@ -134,6 +134,8 @@ async def pair(short_dir: Path) -> AsyncIterator[Pair]:
             raise StaleCheckpoint("c1 was resumed")
         if kind == "slow":
             await asyncio.sleep(10)
+        if kind == "big":
+            return {"text": "x" * 2000}
         return {"echo": body}
 
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -174,6 +176,15 @@ async def test_a_call_past_its_deadline_or_on_a_closed_channel_is_coordinator_un
     with pytest.raises(CoordinatorUnavailable, match="closed"):
         await pair.left.call("echo", {}, 5)
     assert sorted(pair.closed) == ["left", "right"]
+
+
+async def test_a_reply_too_large_to_frame_is_answered_with_that_refusal(pair: Pair) -> None:
+    pair.right.max_frame_bytes = 1024
+    started = time.monotonic()
+    with pytest.raises(InvalidCheckpointState, match="over the 1024-byte bound"):
+        await pair.left.call("big", {}, 3)
+    assert time.monotonic() - started < 1  # at once, not at the call's timeout
+    assert await pair.left.call("echo", {"x": 1}, 5) == {"echo": {"x": 1}}  # the channel still works
 
 
 async def test_a_frame_breaking_the_rules_closes_the_channel(pair: Pair) -> None:
