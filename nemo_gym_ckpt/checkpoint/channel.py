@@ -10,7 +10,8 @@ Messages (``checkpoint/frames.py`` carries each in one frame):
 
 ``call`` waits at most its timeout; a call that times out, a channel that is closed or ends, and a
 write that fails are all ``CoordinatorUnavailable`` (503). A remote ``GymError`` is raised again
-here as the same class (by its code). A frame that breaks the rules closes the channel (the reason is
+here as the same class (by its code); a reply that cannot be framed (over the bound) is answered
+with that refusal instead. A frame that breaks the rules closes the channel (the reason is
 logged). Handlers run as tasks, one per call; ``on_closed`` runs once when the channel ends.
 """
 
@@ -157,7 +158,15 @@ class Channel:
             reply = _failed(number, InternalError(f"{kind} failed: {type(error).__name__}"))
         if not self.closed:
             with contextlib.suppress(CoordinatorUnavailable):
-                self._write(reply)
+                self._reply(kind, reply)
+
+    def _reply(self, kind: str, reply: dict[str, Any]) -> None:
+        """Send ``reply``; one that cannot be framed (over the bound, not JSON) is answered with why."""
+        try:
+            self._write(reply)
+        except InvalidCheckpointState as error:
+            logger.error("worker channel %s: the reply to %s cannot be sent: %s", self.name, kind, error.detail)
+            self._write(_failed(reply["reply_to"], error))
 
 
 def _failed(number: int, error: GymError) -> dict[str, Any]:

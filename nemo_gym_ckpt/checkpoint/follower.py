@@ -12,8 +12,8 @@ its own episodes or sessions, but the checkpoint state machine is the coordinato
 - A request naming an attempt that a restore installed claims it from the coordinator first
   (once per attempt and worker): the first worker keeps that state, every other drops its copy.
 - A call this worker cannot get answered in time (no coordinator, or none within the deadline) is
-  503 ``checkpoint_coordinator_unavailable``; once the channel to the coordinator ends, the worker
-  shuts down (``on_lost``).
+  503 ``checkpoint_coordinator_unavailable``; once the channel to the coordinator ends, the
+  requests parked here are woken and refused the same way, and the worker shuts down (``on_lost``).
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ class FollowerParticipant(Participant):
         """The lease is the coordinator's: past its expiry admission reopens here as it does there."""
         if self._open is not None and self._open.lease.expired:
             self.follow({"checkpoint_id": None})
+
+    def _check_admissible(self) -> None:
+        """No coordinator, no admission: a request parked here is refused (503) once it is lost."""
+        self.link._usable()
 
     def notify_changed(self) -> None:
         super().notify_changed()
@@ -149,6 +153,7 @@ class WorkerLink:
     def _lost(self) -> None:
         self._failed = "the coordinator is gone"
         logger.error("worker %d: its coordinator is gone; shutting down", self.pid)
+        self.participant.gate_signal.notify()  # the parked requests wake, and are refused
         self.on_lost()
 
     async def registered(self) -> None:

@@ -2,8 +2,9 @@
 
 A multi-worker server's workers and its coordinator (``checkpoint/channel.py``) talk in these
 frames over a Unix socket. ``encode_frame`` refuses a message over ``max_bytes`` before anything is
-written; ``read_frame`` refuses a length over ``max_bytes`` before reading the body, a body that is
-not a JSON object, and a stream that ends inside a frame. Every refusal is
+written; ``read_frame`` refuses a length over ``max_bytes`` before reading the body, a body that does
+not arrive within ``FRAME_BODY_S`` of its header (a peer stalled inside a frame), a body that is not
+a JSON object, and a stream that ends inside a frame. Every refusal is
 ``InvalidCheckpointState`` (422: the peer sent something unusable), so the channel closes with a
 structured reason instead of a hang or unbounded memory. A stream that ends between frames is a
 clean end (``None``).
@@ -20,9 +21,10 @@ import orjson
 
 from nemo_gym_ckpt.errors import InvalidCheckpointState
 
-__all__ = ["HEADER_BYTES", "MAX_FRAME_BYTES", "encode_frame", "read_frame"]
+__all__ = ["FRAME_BODY_S", "HEADER_BYTES", "MAX_FRAME_BYTES", "encode_frame", "read_frame"]
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+FRAME_BODY_S = 30.0  # a frame's body, once its header is read, arrives within this (read when used)
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size
 
@@ -38,8 +40,11 @@ def encode_frame(message: Mapping[str, Any], max_bytes: int = MAX_FRAME_BYTES) -
     return _HEADER.pack(len(body)) + body
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> dict[str, Any] | None:
-    """The next message, or ``None`` when the stream ended between frames."""
+async def read_frame(
+    reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES, body_s: float | None = None
+) -> dict[str, Any] | None:
+    """The next message, or ``None`` when the stream ended between frames. Waiting for a frame is
+    unbounded (a quiet peer is no fault); its body must come within ``body_s`` (``FRAME_BODY_S``)."""
     try:
         header = await reader.readexactly(HEADER_BYTES)
     except asyncio.IncompleteReadError as error:
@@ -49,10 +54,14 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BY
     (size,) = _HEADER.unpack(header)
     if size > max_bytes:
         raise InvalidCheckpointState(f"a frame of {size} bytes is over the {max_bytes}-byte bound")
+    body_s = FRAME_BODY_S if body_s is None else body_s
     try:
-        body = await reader.readexactly(size)
+        async with asyncio.timeout(body_s):
+            body = await reader.readexactly(size)
     except asyncio.IncompleteReadError:
         raise InvalidCheckpointState(f"the worker channel ended inside a frame of {size} bytes") from None
+    except TimeoutError:
+        raise InvalidCheckpointState(f"a frame of {size} bytes did not come within {body_s:g} s") from None
     try:
         message = orjson.loads(body)
     except orjson.JSONDecodeError as error:

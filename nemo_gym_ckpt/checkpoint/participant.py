@@ -468,6 +468,7 @@ class Participant:
             raise RolloutIdRequired("checkpointing is on: a rollout-scoped request needs /ng-rollout/<key>/")
         woken = False
         while True:
+            self._check_admissible()
             self._expire_if_due()
             self.marks.check(identity)
             if self.phase is Phase.IDLE:
@@ -536,6 +537,10 @@ class Participant:
     def _ensure_current(self, open_: _Open) -> None:
         if self._open is not open_:
             raise StaleCheckpoint(f"checkpoint {open_.checkpoint_id} was resumed while waiting")
+
+    def _check_admissible(self) -> None:
+        """Raise to refuse every request, the parked ones as they wake (a worker that lost its
+        coordinator); nothing here."""
 
     def _expire_if_due(self) -> None:
         if self._open is not None and self._open.lease.expired:

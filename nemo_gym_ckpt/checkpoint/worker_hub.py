@@ -25,7 +25,9 @@ What it does for the participant (docs/protocol.md section 13):
 - retire and forget go to every worker (their retire marks included).
 
 Every call to a worker has a deadline: ``CALL_TIMEOUT_S``, or the control call's own deadline plus
-``REPLY_GRACE_S``.
+``REPLY_GRACE_S``. The readiness asked for by a prepare or a commit is bounded by that operation's
+``deadline_ts`` too (plus ``READINESS_GRACE_S``): a worker that has not answered by then is a
+``<kind>-workers-unanswered:<n>`` blocker, so a prepare answers by its deadline.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,21 +58,30 @@ from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
 from nemo_gym_ckpt.checkpoint.wire_scope import episodes_from_wire, episodes_to_wire, item_from_wire, scope_to_wire
 from nemo_gym_ckpt.config import CheckpointConfig
-from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidRequest, NotFound
+from nemo_gym_ckpt.errors import (
+    CoordinatorUnavailable,
+    GymError,
+    InvalidCheckpointState,
+    InvalidPhase,
+    InvalidRequest,
+    NotFound,
+)
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["CALL_TIMEOUT_S", "COORDINATOR_ENV", "PAGE_BYTES", "REPLY_GRACE_S", "WorkerFanout", "WorkerHub",
-           "start_coordinator"]
+__all__ = ["CALL_TIMEOUT_S", "COORDINATOR_ENV", "PAGE_BYTES", "READINESS_GRACE_S", "REPLY_GRACE_S", "HubParticipant",
+           "WorkerFanout", "WorkerHub", "start_coordinator"]
 
 logger = logging.getLogger(__name__)
 COORDINATOR_ENV = "NEMO_GYM_CKPT_COORDINATOR_SOCKET"
 CALL_TIMEOUT_S = 30.0
 REPLY_GRACE_S = 10.0
+READINESS_GRACE_S = 0.25  # how late past its deadline a prepare may answer, waiting on a worker's readiness
 PAGE_BYTES = 4 * 1024 * 1024
 _CONTROL: dict[str, type[ControlRequest]] = {
     "prepare": ControlRequest, "renew": ControlRequest, "commit": CommitRequest, "restore": RestoreRequest,
     "resume": ControlRequest, "retire": RetireRequest, "forget": ForgetRequest,
 }
+_DEADLINE: ContextVar[float | None] = ContextVar("worker_hub_deadline", default=None)  # the running operation's
 
 
 @dataclass
@@ -80,17 +92,29 @@ class _Worker:
 
 @dataclass
 class _Claims:
-    """Restored attempts: which worker (pid) claimed each, ``None`` while unclaimed."""
+    """Restored attempts: which worker (pid) claimed each, ``None`` while unclaimed (until the other
+    workers all dropped their copies: a claim whose drops failed is asked again)."""
 
     owners: dict[RolloutIdentity, int | None] = field(default_factory=dict)
+    claiming: dict[RolloutIdentity, asyncio.Lock] = field(default_factory=dict)  # one claim at a time each
+
+    def lock(self, episode: RolloutIdentity) -> asyncio.Lock:
+        return self.claiming.setdefault(episode, asyncio.Lock())
+
+    def claimed(self, episode: RolloutIdentity, pid: int) -> None:
+        if episode in self.owners:
+            self.owners[episode] = pid
+        self.claiming.pop(episode, None)  # later claims see the owner without waiting
 
     def drop(self, rollout_ids: set[str]) -> None:
         for episode in [episode for episode in self.owners if episode.rollout_id in rollout_ids]:
             del self.owners[episode]
+            self.claiming.pop(episode, None)
 
     def keep(self, rollout_ids: set[str]) -> None:
         for episode in [episode for episode in self.owners if episode.rollout_id not in rollout_ids]:
             del self.owners[episode]
+            self.claiming.pop(episode, None)
 
 
 class WorkerHub:
@@ -189,6 +213,8 @@ class WorkerHub:
         pid = body.get("pid")
         if type(pid) is not int or pid <= 0:
             raise InvalidRequest("register needs the worker's pid")
+        if "pid" in holder:  # one entry per channel: a second would outlive the channel
+            raise InvalidRequest(f"this channel is registered already, as worker {holder['pid']}")
         holder["pid"] = pid
         self.workers[pid] = _Worker(pid, channel)
         assert self.participant is not None
@@ -207,7 +233,7 @@ class WorkerHub:
     async def _status(self, participant: Participant) -> dict[str, Any]:
         """The participant's status, with the workers' extras merged and their waiting requests summed."""
         status = participant.status()
-        replies = await self.broadcast("extras", {}, CALL_TIMEOUT_S)
+        replies = [_checked(reply, "extras", _EXTRAS) for reply in await self.broadcast("extras", {}, CALL_TIMEOUT_S)]
         status["waiting_requests"] = sum(reply["waiting_requests"] for reply in replies)
         status["extras"] = self._merged_extras([reply["extras"] for reply in replies])
         return status
@@ -230,11 +256,14 @@ class WorkerHub:
         episode = episodes_from_wire([body.get("episode")])[0]
         if episode not in self.claims.owners:
             return {"owner": "none"}
-        owner = self.claims.owners[episode]
-        if owner is None:
-            self.claims.owners[episode] = owner = pid
-            await self._drop_elsewhere(pid, episode.rollout_id)
-        return {"owner": "this" if owner == pid else "another"}
+        if self.claims.owners[episode] is None:
+            async with self.claims.lock(episode):
+                if self.claims.owners.get(episode, pid) is None:  # unclaimed still, not retired meanwhile
+                    await self._drop_elsewhere(pid, episode.rollout_id)  # the owner once every drop succeeded
+                    self.claims.claimed(episode, pid)
+        if episode not in self.claims.owners:
+            return {"owner": "none"}
+        return {"owner": "this" if self.claims.owners[episode] == pid else "another"}
 
     async def _drop_elsewhere(self, pid: int, rollout_id: str) -> None:
         """Every worker but ``pid`` drops what it holds of ``rollout_id`` (its retire marks stay)."""
@@ -251,6 +280,17 @@ class WorkerHub:
             with contextlib.suppress(GymError):
                 worker.channel.note("gate", gate)
 
+    def blockers(self) -> list[str]:
+        """What holds a checkpoint besides the workers' own blockers: workers not registered yet, or
+        one lost while the checkpoint is open."""
+        blockers: list[str] = []
+        missing = self.expected_workers - len(self.workers)
+        if missing > 0:
+            blockers.append(f"{self.kind}-workers-unregistered:{missing}")
+        if self.lost_while_open:
+            blockers.append(f"{self.kind}-worker-lost")
+        return blockers
+
     # ---- calls to every worker ----------------------------------------------------------------
 
     async def broadcast(self, kind: str, body: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
@@ -265,20 +305,19 @@ class WorkerFanout:
     def __init__(self, hub: WorkerHub, clock_now: Any) -> None:
         self.hub, self._now = hub, clock_now
 
-    def _timeout(self, deadline_ts: float | None = None) -> float:
+    def _readiness_timeout(self) -> float:
+        """``CALL_TIMEOUT_S``, and no later than the running prepare's or commit's deadline (plus grace)."""
+        deadline_ts = _DEADLINE.get()
         if deadline_ts is None:
             return CALL_TIMEOUT_S
-        return max(deadline_ts - self._now(), 0.0) + REPLY_GRACE_S
+        return min(CALL_TIMEOUT_S, max(deadline_ts - self._now(), 0.0) + READINESS_GRACE_S)
 
     async def readiness(self) -> Readiness:
         hub = self.hub
-        blockers: list[str] = []
-        missing = hub.expected_workers - len(hub.workers)
-        if missing > 0:
-            blockers.append(f"{hub.kind}-workers-unregistered:{missing}")
-        if hub.lost_while_open:
-            blockers.append(f"{hub.kind}-worker-lost")
-        replies = await hub.broadcast("readiness", {}, CALL_TIMEOUT_S)
+        replies, unanswered = await self._readiness_replies()
+        blockers = hub.blockers()  # after the replies: a worker lost while answering counts
+        if unanswered:
+            blockers.append(f"{hub.kind}-workers-unanswered:{unanswered}")
         counts: dict[str, int] = {}
         restarts: list[str] = []
         for reply in replies:
@@ -288,17 +327,35 @@ class WorkerFanout:
                 counts[key] = counts.get(key, 0) + value
         return Readiness(blockers=blockers, counts=counts, restarts=restarts)
 
+    async def _readiness_replies(self) -> tuple[list[dict[str, Any]], int]:
+        """The replies of the workers that answered in time, and how many others did not (lost ones
+        left out: ``hub.blockers()`` names them); a worker's own error is raised."""
+        workers, timeout = list(self.hub.workers.values()), self._readiness_timeout()
+        calls = (worker.channel.call("readiness", {}, timeout) for worker in workers)
+        replies: list[dict[str, Any]] = []
+        unanswered = 0
+        for worker, reply in zip(workers, await asyncio.gather(*calls, return_exceptions=True), strict=True):
+            if isinstance(reply, CoordinatorUnavailable):
+                unanswered += not worker.channel.closed
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                replies.append(_checked(reply, f"worker {worker.pid}'s readiness", _READINESS))
+        return replies, unanswered
+
     async def export(self, scope: Scope | None) -> AsyncIterator[ExportItem]:
         """Every worker's records, worker after worker. All workers start their export at once (they
         are processes of their own: their captures run side by side), and their first pages wait
         here; the later pages of each are asked for in turn. At most a page per worker is held."""
         seen: set[bytes] = set()  # a restored record every worker still holds, untouched, comes once
+        if blockers := self.hub.blockers():  # a worker lost since the readiness: its records would be missing
+            raise InvalidPhase(f"commit expected every worker, got {', '.join(blockers)}")
         workers = list(self.hub.workers.values())
         first = {"scope": scope_to_wire(scope), "first": True}
         firsts = [asyncio.ensure_future(worker.channel.call("export", first, CALL_TIMEOUT_S)) for worker in workers]
         try:
             for worker, first_page in zip(workers, firsts, strict=True):
-                page = await first_page
+                page = await _page_of(worker, first_page)
                 while True:
                     for value in page["items"]:
                         item = item_from_wire(value)
@@ -309,7 +366,7 @@ class WorkerFanout:
                         yield item
                     if page["done"]:
                         break
-                    page = await worker.channel.call("export", {"first": False}, CALL_TIMEOUT_S)
+                    page = await _page_of(worker, worker.channel.call("export", {"first": False}, CALL_TIMEOUT_S))
         finally:
             for pending in firsts:
                 pending.cancel()
@@ -334,7 +391,7 @@ class WorkerFanout:
                                          f"got {len(hub.workers)}")
         body = {"records": [record.raw.decode() for record in records], "scope": scope_to_wire(scope)}
         await hub.broadcast("install", body, CALL_TIMEOUT_S + len(records) / 1000)
-        hub.claims.owners = {record.episode.next_attempt(): None for record in records}
+        hub.claims = _Claims({record.episode.next_attempt(): None for record in records})
 
     async def retire(self, episodes: Sequence[RolloutIdentity]) -> None:
         self.hub.claims.drop({episode.rollout_id for episode in episodes})
@@ -348,13 +405,66 @@ class WorkerFanout:
         return {"workers": len(self.hub.workers), "expected_workers": self.hub.expected_workers}
 
 
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(each, str) for each in value)
+
+
+def _counts(value: Any) -> bool:
+    return isinstance(value, dict) and all(type(each) is int for each in value.values())
+
+
+_READINESS: dict[str, Callable[[Any], bool]] = {"blockers": _strings, "restarts": _strings, "counts": _counts}
+_EXTRAS: dict[str, Callable[[Any], bool]] = {
+    "extras": lambda value: isinstance(value, dict), "waiting_requests": lambda value: type(value) is int}
+_PAGE: dict[str, Callable[[Any], bool]] = {
+    "items": lambda value: isinstance(value, list), "done": lambda value: isinstance(value, bool)}
+
+
+def _checked(reply: dict[str, Any], what: str, shape: Mapping[str, Callable[[Any], bool]]) -> dict[str, Any]:
+    """``reply`` when each field of ``shape`` fits; a worker that answers otherwise is misbehaving:
+    ``InvalidCheckpointState`` (422, as for a frame it breaks), never a 500."""
+    if bad := [key for key, fits in shape.items() if not fits(reply.get(key))]:
+        raise InvalidCheckpointState(f"{what} reply has no usable {', '.join(bad)}")
+    return reply
+
+
+class HubParticipant(Participant):
+    """The hub's participant: a prepare's or a commit's ``deadline_ts`` bounds the readiness its
+    adapter (a ``WorkerFanout``) asks the workers for."""
+
+    async def prepare(self, request: ControlRequest) -> dict[str, Any]:
+        return await _within(request.deadline_ts, super().prepare(request))
+
+    async def commit(self, request: CommitRequest) -> dict[str, Any]:
+        return await _within(request.deadline_ts, super().commit(request))
+
+
+async def _within(deadline_ts: float, work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    """``work`` run with ``deadline_ts`` as the running operation's (tasks it starts take it along)."""
+    token = _DEADLINE.set(deadline_ts)
+    try:
+        return await work
+    finally:
+        _DEADLINE.reset(token)
+
+
+async def _page_of(worker: _Worker, pending: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """An export page of ``worker``; a worker lost before its last page fails the commit."""
+    try:
+        return _checked(await pending, f"worker {worker.pid}'s export page", _PAGE)
+    except CoordinatorUnavailable as error:
+        if not worker.channel.closed:
+            raise
+        raise InvalidPhase(f"commit lost worker {worker.pid} during its export: {error.detail}") from None
+
+
 async def start_coordinator(
     *, kind: str, instance: str, config: CheckpointConfig, path: Path, expected_workers: int
 ) -> WorkerHub:
     """The hub of a multi-worker server, its participant built from the mesh's ``checkpoint`` block
     (a ``CheckpointConfig``), listening on ``path``."""
     hub = WorkerHub(kind, expected_workers)
-    participant = Participant(
+    participant = HubParticipant(
         kind=kind,
         instance=instance,
         adapter=WorkerFanout(hub, SYSTEM_CLOCK.now),

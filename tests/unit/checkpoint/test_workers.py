@@ -29,7 +29,9 @@ import pytest
 from fastapi import FastAPI
 
 from nemo_gym_ckpt.checkpoint import follower as follower_module
+from nemo_gym_ckpt.checkpoint import frames as frames_module
 from nemo_gym_ckpt.checkpoint import participant as participant_module
+from nemo_gym_ckpt.checkpoint import worker_hub as worker_hub_module
 from nemo_gym_ckpt.checkpoint.channel import Channel
 from nemo_gym_ckpt.checkpoint.follower import FollowerParticipant, WorkerLink
 from nemo_gym_ckpt.checkpoint.frames import encode_frame, read_frame
@@ -44,8 +46,10 @@ from nemo_gym_ckpt.errors import (
     ConfigError,
     CoordinatorUnavailable,
     InvalidCheckpointState,
+    InvalidPhase,
     StaleAttempt,
     StaleCheckpoint,
+    Unavailable,
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.launch.workers import RUNTIME_PREFIX, runtime_dir
@@ -130,6 +134,8 @@ async def pair(short_dir: Path) -> AsyncIterator[Pair]:
             raise StaleCheckpoint("c1 was resumed")
         if kind == "slow":
             await asyncio.sleep(10)
+        if kind == "big":
+            return {"text": "x" * 2000}
         return {"echo": body}
 
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -170,6 +176,15 @@ async def test_a_call_past_its_deadline_or_on_a_closed_channel_is_coordinator_un
     with pytest.raises(CoordinatorUnavailable, match="closed"):
         await pair.left.call("echo", {}, 5)
     assert sorted(pair.closed) == ["left", "right"]
+
+
+async def test_a_reply_too_large_to_frame_is_answered_with_that_refusal(pair: Pair) -> None:
+    pair.right.max_frame_bytes = 1024
+    started = time.monotonic()
+    with pytest.raises(InvalidCheckpointState, match="over the 1024-byte bound"):
+        await pair.left.call("big", {}, 3)
+    assert time.monotonic() - started < 1  # at once, not at the call's timeout
+    assert await pair.left.call("echo", {"x": 1}, 5) == {"echo": {"x": 1}}  # the channel still works
 
 
 async def test_a_frame_breaking_the_rules_closes_the_channel(pair: Pair) -> None:
@@ -300,6 +315,91 @@ async def test_a_worker_lost_while_open_blocks_until_the_checkpoint_closes(serve
     assert "resources-worker-lost" in reply["report"]["blockers"], reply
 
 
+async def raw_peer(path: Path, pid: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A registered 'worker' that answers nothing: the test writes what it sends."""
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    writer.write(encode_frame({"id": 1, "kind": "register", "body": {"pid": pid}}))
+    while "reply_to" not in (await asyncio.wait_for(read_frame(reader), 5) or {"reply_to": None}):
+        pass
+    return reader, writer
+
+
+async def test_a_worker_stalled_inside_a_frame_is_dropped_as_lost(
+    tmp_path: Path, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(frames_module, "FRAME_BODY_S", 0.3, raising=False)  # 30 s in production
+    server = await start_server(tmp_path, short_dir, workers=1)
+    _, writer = await raw_peer(server.path, 2000)
+    try:
+        writer.write(struct.pack(">I", 100) + b'{"reply_to"')  # a header for 100 bytes, 11 of them, then silence
+        await asyncio.sleep(1.0)
+        assert sorted(server.hub.workers) == [1000]
+        assert server.hub.blockers() == ["resources-workers-unregistered:1"]
+    finally:
+        writer.close()
+        await server.workers[0].link.aclose()
+        await server.hub.aclose()
+
+
+async def test_a_second_register_on_one_channel_is_refused(tmp_path: Path, short_dir: Path) -> None:
+    server = await start_server(tmp_path, short_dir, workers=1)
+    reader, writer = await raw_peer(server.path, 2000)
+    try:
+        writer.write(encode_frame({"id": 2, "kind": "register", "body": {"pid": 2001}}))
+        reply = await asyncio.wait_for(read_frame(reader), 5)
+        assert reply is not None and reply["ok"] is False and reply["error"]["code"] == "invalid_request"
+        writer.close()  # the peer goes away: none of its entries stays
+        await asyncio.sleep(0.2)
+        assert sorted(server.hub.workers) == [1000]
+    finally:
+        await server.workers[0].link.aclose()
+        await server.hub.aclose()
+
+
+async def test_a_prepare_answers_by_its_deadline_while_a_worker_does_not(
+    tmp_path: Path, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(worker_hub_module, "CALL_TIMEOUT_S", 3.0)  # 30 s in production
+    server = await start_server(tmp_path, short_dir, workers=1)
+    _, writer = await raw_peer(server.path, 2000)  # registered, never answers its readiness
+    try:
+        started = time.monotonic()
+        reply = await participant(server).prepare(server.control(0.3))
+        assert time.monotonic() - started < 1.0
+        assert reply["report"]["blockers"] == ["resources-workers-unanswered:1"]
+    finally:
+        writer.close()
+        await server.workers[0].link.aclose()
+        await server.hub.aclose()
+
+
+@pytest.mark.parametrize(("operation", "bad"), [
+    ("prepare", {"blockers": [], "counts": {"sessions": "many"}, "restarts": []}),
+    ("prepare", {}),
+    ("status", {"extras": {}}),
+    ("commit", {"items": [], "done": "yes"}),
+])
+async def test_a_worker_reply_of_the_wrong_shape_is_a_structured_refusal(
+    server: Server, tmp_path: Path, operation: str, bad: dict[str, object]
+) -> None:
+    second = server.workers[1].link.channel
+    assert second is not None
+    answer = second.on_call
+
+    async def misbehaving(kind: str, body: dict[str, object]) -> dict[str, object]:
+        late = {"prepare": "readiness", "status": "extras", "commit": "export"}[operation] == kind
+        return bad if late else await answer(kind, body)
+
+    second.on_call = misbehaving
+    request: dict[str, object] | None = None if operation == "status" else {
+        "checkpoint_id": "c1", "deadline_ts": server.deadline()}
+    if operation == "commit":
+        await server.workers[0].link.forward("prepare", request)
+        request = {**(request or {}), "checkpoint_dir": str(tmp_path / "ck")}
+    with pytest.raises(InvalidCheckpointState, match="reply has no usable"):
+        await server.workers[0].link.forward(operation, request)  # run on the coordinator, answered here
+
+
 async def commit(server: Server, checkpoint_id: str, directory: Path) -> dict[str, object]:
     control = participant(server)
     await control.prepare(server.control(checkpoint_id=checkpoint_id))
@@ -353,6 +453,66 @@ async def test_one_manifest_holds_every_workers_records_and_a_restore_is_claimed
         assert sorted(fresh.workers[1].adapter.sessions) == ["a-a1", "b-a1"]
         status = await fresh.hub._status(control)
         assert status["extras"]["restored_unclaimed"] == 1 and status["extras"]["sessions"] == 3
+    finally:
+        for each in fresh.workers:
+            await each.link.aclose()
+        await fresh.hub.aclose()
+
+
+async def test_a_worker_lost_after_answering_the_commits_readiness_fails_the_commit(
+    server: Server, tmp_path: Path
+) -> None:
+    first, second = server.workers
+    first.adapter.put(A, {"on": "first"})
+    second.adapter.put(B, {"on": "second"})
+    assert second.link.channel is not None
+    channel, looks = second.link.channel, []
+    answer = channel.on_call
+
+    async def dies_after_readiness(kind: str, body: dict[str, object]) -> dict[str, object]:
+        reply = await answer(kind, body)
+        if kind == "readiness":
+            looks.append(kind)
+            if len(looks) == 2:  # the commit's own look: answered "ready", then the worker is gone
+                asyncio.get_running_loop().call_soon(channel.close)
+        return reply
+
+    channel.on_call = dies_after_readiness
+    control = participant(server)
+    await control.prepare(server.control())
+    with pytest.raises(InvalidPhase, match=r"resources-worker-lost|lost worker 1001"):
+        await control.commit(CommitRequest(checkpoint_id="c1", deadline_ts=server.deadline(),
+                                           checkpoint_dir=str(tmp_path / "ck")))
+    assert looks == ["readiness", "readiness"]
+    assert not (tmp_path / "ck" / "gym" / KIND / NAME / "manifest.json").exists()  # no manifest without b
+
+
+async def test_a_claim_whose_drop_failed_is_asked_again(tmp_path: Path, short_dir: Path) -> None:
+    server = await start_server(tmp_path, short_dir)
+    server.workers[0].adapter.put(A, {"n": 1})
+    await commit(server, "c1", tmp_path / "ck")
+    for each in server.workers:
+        await each.link.aclose()
+    await server.hub.aclose()
+    fresh = await start_server(tmp_path, short_dir)
+    try:
+        await participant(fresh).restore(RestoreRequest(checkpoint_id="r1", deadline_ts=fresh.deadline(),
+                                                        checkpoint_dir=str(tmp_path / "ck"),
+                                                        episode_ids=[{"rollout_id": "a"}]))
+        await participant(fresh).resume(fresh.control(checkpoint_id="r1"))
+        holder, claimer = fresh.workers
+        forget, failures = holder.adapter.forget, [Unavailable("could not free the session right now")]
+
+        async def fails_once(rollout_ids: list[str]) -> None:
+            if failures:
+                raise failures.pop()
+            await forget(rollout_ids)
+
+        holder.adapter.forget = fails_once  # type: ignore[method-assign]
+        with pytest.raises(Unavailable):
+            await claimer.participant.admit(A.next_attempt())
+        await claimer.participant.admit(A.next_attempt())  # the client's retry: the drop is asked again
+        assert (holder.adapter.sessions, sorted(claimer.adapter.sessions)) == ({}, ["a-a1"])
     finally:
         for each in fresh.workers:
             await each.link.aclose()
@@ -465,6 +625,17 @@ async def test_a_worker_exits_when_its_coordinator_is_gone(server: Server) -> No
     assert [each.lost for each in server.workers] == [[1000], [1001]]
     with pytest.raises(CoordinatorUnavailable, match="lost its coordinator"):
         await server.workers[0].link.forward("status", None)
+
+
+async def test_requests_parked_on_a_worker_are_refused_when_its_coordinator_is_gone(server: Server) -> None:
+    await participant(server).prepare(server.control())  # the gate closes on both workers
+    parked = asyncio.create_task(server.workers[0].participant.admit(A))
+    await asyncio.sleep(0.1)
+    assert not parked.done()
+    await server.hub.aclose()
+    with pytest.raises(CoordinatorUnavailable, match="lost its coordinator"):
+        await asyncio.wait_for(parked, 2)  # not left to wait for the dead coordinator's lease
+    assert server.workers[0].lost == [1000]
 
 
 def test_a_runtime_dir_is_private_and_the_dirs_of_dead_owners_are_swept(
