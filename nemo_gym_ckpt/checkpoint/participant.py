@@ -78,6 +78,10 @@ DEFAULT_MAX_DEADLINE_S = 24 * 3600.0
 # What a failing StopCommitted hook may raise: logged, and the stop commit still succeeds.
 _STOP_FAILURES = (GymError, OSError, RuntimeError, ValueError, TimeoutError)
 READINESS_POLL_S = 1.0
+READINESS_GRACE_S = 0.5
+"""How long past a prepare's deadline its adapter's readiness may run before the prepare answers
+without it (``preparing``, with the last report): an adapter that bounds its own by the deadline, as a
+multi-worker server's coordinator does (``worker_hub.READINESS_GRACE_S``), answers with its blockers first."""
 SETTLE_REST_S = 0.001
 """The rest before each step of the index made after a resume (a step: ``INDEX_STEP`` records, about
 0.3 ms of CPU in process): it takes at most about half a core."""
@@ -145,6 +149,7 @@ class Participant:
         self._fenced_unopened: OrderedDict[str, None] = OrderedDict()  # ids only named by a resume
         self._served = False
         self._installed = False
+        self._installing = False
         self._restoring: asyncio.Task[Any] | None = None  # the restore job, running on after a resume
         self._waiting = 0
         self._last_report: dict[str, Any] | None = None
@@ -161,7 +166,7 @@ class Participant:
     @property
     def fresh(self) -> bool:
         """Has served no rollout traffic and installed nothing: a restore may run."""
-        return not (self._served or self._installed)
+        return not (self._served or self._installed or self._installing)
 
     def status(self) -> dict[str, Any]:
         self._expire_if_due()
@@ -311,7 +316,7 @@ class Participant:
     async def _wait_ready(self, open_: _Open, deadline_ts: float) -> dict[str, Any]:
         while True:
             changed = self.signal.current
-            done, readiness = await wait_until(self.clock, self.adapter.readiness(), deadline_ts)
+            done, readiness = await wait_until(self.clock, self.adapter.readiness(), deadline_ts + READINESS_GRACE_S)
             self._ensure_current(open_)
             if open_.prepared is not None:
                 return open_.prepared
@@ -418,11 +423,14 @@ class Participant:
             read = await asyncio.to_thread(self.store.read, directory, self.kind, self.instance, scope)
             self.telemetry.moved(Op.RESTORE, span, len(read.records), read.bytes_read)
         open_.stop.check()
-        open_.installing = True
-        self._installed = True  # from its start: a resume lets it finish, and no second one may begin
+        open_.installing = self._installing = True  # a resume lets it finish: no second one may begin
         attributes = {ATTR.ID: open_.checkpoint_id, ATTR.RECORDS: len(read.records)}
-        with self.telemetry.span("install", **attributes):
-            await self.adapter.install(read.records, scope)
+        try:
+            with self.telemetry.span("install", **attributes):
+                await self.adapter.install(read.records, scope)
+        finally:
+            self._installing = False
+        self._installed = True
         restored = sorted({record.episode.next_attempt().capture_key for record in read.records})
         source = read.manifest.checkpoint_id
         return {"phase": Phase.RESTORED, "source_checkpoint_id": source, "restored": restored}

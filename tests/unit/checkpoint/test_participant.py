@@ -20,7 +20,7 @@ from nemo_gym_ckpt.checkpoint import incremental
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem
 from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest, RestoreRequest, RetireRequest
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
-from nemo_gym_ckpt.checkpoint.participant import REMEMBERED_IDS, Participant
+from nemo_gym_ckpt.checkpoint.participant import READINESS_GRACE_S, REMEMBERED_IDS, Participant
 from nemo_gym_ckpt.checkpoint.records import Scope
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore
@@ -606,6 +606,9 @@ async def test_a_readiness_that_outlasts_the_deadline_answers_preparing_at_the_d
     pending = asyncio.create_task(participant.prepare(control(clock, "c1", seconds=3)))
     await asyncio.sleep(0.05)
     clock.advance(3)
+    await asyncio.sleep(0.05)
+    assert not pending.done()  # a grace past the deadline, for an adapter that answers with its blockers
+    clock.advance(READINESS_GRACE_S)
     assert (await asyncio.wait_for(pending, WAIT_S)) == {"phase": "preparing", "report": None}
     adapter.gate.set()
     assert (await participant.prepare(control(clock, "c1", seconds=3)))["phase"] == "prepared"
