@@ -201,6 +201,10 @@ class PayloadTooLarge(BadInput):
     code, status = "payload_too_large", 413
 
 
+class RequestTimeout(BadInput):
+    code, status = "request_timeout", 408
+
+
 class InvalidCheckpointState(StorageError):
     code, status = "invalid_checkpoint_state", 422
 

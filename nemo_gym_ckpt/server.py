@@ -17,7 +17,9 @@ can encode again (400, never a 500 later).
 
 Every request body is capped (``BodyLimitMiddleware``: 413 ``payload_too_large`` once more than the
 limit has arrived, or at once when ``Content-Length`` says so; ``DEFAULT_MAX_BODY_BYTES``, set per
-server with ``set_max_body_bytes`` from its ``max_body_bytes`` setting). A 405 names the allowed
+server with ``set_max_body_bytes`` from its ``max_body_bytes`` setting), and must keep arriving (408
+``request_timeout`` after ``BODY_PART_TIMEOUT_S`` without a part); a client that disconnects before its
+body is read is no error of the server's (logged at debug level). A 405 names the allowed
 methods in ``Allow``. The OpenAPI document declares, on every operation, the structured error
 replies (``ErrorBody``) instead of FastAPI's default 422, and the body of each route that reads it
 itself (``declare_body``).
@@ -25,6 +27,7 @@ itself (``declare_body``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -37,6 +40,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -48,10 +52,12 @@ from nemo_gym_ckpt.errors import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    RequestTimeout,
 )
 from nemo_gym_ckpt.identity import CURRENT_IDENTITY, split_rollout_path
 
 __all__ = [
+    "BODY_PART_TIMEOUT_S",
     "DEFAULT_MAX_BODY_BYTES",
     "ERROR_STATUSES",
     "BodyLimitMiddleware",
@@ -71,7 +77,9 @@ logger = logging.getLogger(__name__)
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
-ERROR_STATUSES = (400, 401, 404, 405, 409, 413, 422, 500, 502, 503, 504)
+BODY_PART_TIMEOUT_S = 30.0
+"""The longest wait for the next part of an unfinished request body (then 408 ``request_timeout``)."""
+ERROR_STATUSES = (400, 401, 404, 405, 408, 409, 413, 422, 500, 502, 503, 504)
 ERROR_SCHEMA = "ErrorBody"
 _ERROR_BODY_SCHEMA: dict[str, Any] = {
     "title": ERROR_SCHEMA, "type": "object", "required": ["error"], "additionalProperties": False,
@@ -161,7 +169,9 @@ class _BodyLimit:
 
 class BodyLimitMiddleware:
     """413 once a request body exceeds the app's limit: at once when ``Content-Length`` says so, else
-    when the bytes received pass it (the handler's read of the body fails there, nothing more is held)."""
+    when the bytes received pass it (the handler's read of the body fails there, nothing more is held).
+    408 when no part of an unfinished body arrives for ``BODY_PART_TIMEOUT_S``: a client that stalls
+    mid-body holds nothing (an environment's ``/run`` slot among others) for longer."""
 
     def __init__(self, app: ASGIApp, limit: _BodyLimit) -> None:
         self.app = app
@@ -176,11 +186,14 @@ class BodyLimitMiddleware:
         if declared is not None and declared > limit:
             await error_response(PayloadTooLarge(_too_large(limit)))(scope, receive, send)
             return
-        received = 0
+        received, complete = 0, False
 
         async def counted() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete:  # what a handler receives after the body (a disconnect) has no deadline here
+                return await receive()
+            message = await _body_part(receive)
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
@@ -188,6 +201,14 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, counted, send)
+
+
+async def _body_part(receive: Receive) -> Message:
+    try:
+        async with asyncio.timeout(BODY_PART_TIMEOUT_S):
+            return await receive()
+    except TimeoutError:
+        raise RequestTimeout(f"no part of the request body arrived for {BODY_PART_TIMEOUT_S:g} s") from None
 
 
 def _too_large(limit: int) -> str:
@@ -293,6 +314,12 @@ def _allow_header(request: Request, error: StarletteHTTPException) -> dict[str, 
     return {"Allow": ", ".join(sorted(methods))} if methods else {}
 
 
+async def _on_disconnect(request: Request, _: Exception) -> Response:
+    """The client went away before its body was read: nobody reads the reply, nothing to log loudly."""
+    logger.debug("client disconnected during %s %s", request.method, request.url.path)
+    return error_response(InvalidRequest("the client disconnected before its request body was read"))
+
+
 async def _on_unexpected(request: Request, error: Exception) -> Response:
     logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
     return error_response(InternalError(f"{type(error).__name__} on {request.url.path}"))
@@ -303,6 +330,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(GymError, _on_gym_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(ClientDisconnect, _on_disconnect)
     app.add_exception_handler(Exception, _on_unexpected)
 
 

@@ -10,6 +10,7 @@ handler runs, or while the body arrives) and ``Allow`` on 405 on the served apps
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from typing import Any
 
@@ -17,6 +18,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from nemo_gym_ckpt import server as server_module
 from nemo_gym_ckpt.config import load_config_dict
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.launch.child import build_app
@@ -93,13 +95,14 @@ def test_every_operation_declares_its_body_and_its_structured_errors(name: str) 
     assert problems == [], "\n".join(problems)
 
 
-def served(name: str, max_body_bytes: int | None = None) -> httpx.AsyncClient:
+def served(name: str, **settings: Any) -> httpx.AsyncClient:
+    """The app of instance ``name`` as its server process runs it, ``settings`` added to its block."""
     mesh = dict(MESH)
-    if max_body_bytes is not None:
+    if settings:
         block = dict(mesh[name])
         kind = next(iter(block))
         impl = next(iter(block[kind]))
-        block[kind] = {impl: {**block[kind][impl], "max_body_bytes": max_body_bytes}}
+        block[kind] = {impl: {**block[kind][impl], **settings}}
         mesh[name] = block
     app = build_app(load_config_dict(mesh), name)  # what a server process runs
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
@@ -123,6 +126,27 @@ async def test_a_body_over_the_configured_limit_is_413_before_or_while_it_arrive
         assert reply.status_code == 413, reply.text
         assert reply.json()["error"]["code"] == "payload_too_large" and "4096" in reply.json()["error"]["detail"]
     assert small.status_code == 400  # under the limit: the body itself is judged
+
+
+async def test_a_body_that_stops_arriving_is_408_and_holds_no_run_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server_module, "BODY_PART_TIMEOUT_S", 0.3)
+    never = asyncio.Event()
+
+    async def stalled() -> Any:
+        yield b'{"responses_create_params": '
+        await never.wait()  # the rest never comes, the connection stays open
+
+    json_type = {"content-type": "application/json"}
+    async with served("single_agent_turn", max_rollouts_in_flight=1) as http:
+        waiting = asyncio.create_task(http.post("/ng-rollout/r1/run", content=stalled(), headers=json_type))
+        await asyncio.sleep(0.1)
+        meanwhile = await http.post("/ng-rollout/r2/run", content=b"[]", headers=json_type)
+        timed_out = await asyncio.wait_for(waiting, 10)
+        after = await http.post("/ng-rollout/r3/run", content=b"[]", headers=json_type)
+    assert meanwhile.status_code == 429  # the stalled body held the one slot...
+    assert timed_out.status_code == 408, timed_out.text
+    assert timed_out.json()["error"]["code"] == "request_timeout"
+    assert after.status_code == 400  # ...and let it go at its deadline: this body is judged
 
 
 async def test_a_405_names_the_allowed_methods() -> None:
