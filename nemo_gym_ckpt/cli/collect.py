@@ -89,6 +89,8 @@ __all__ = [
 
 PROG = "nemo-gym-ckpt collect"
 ENVIRONMENT_TYPE: Literal["environment_servers"] = "environment_servers"
+MAX_SECONDS = 365 * 24 * 3600.0
+"""The longest duration an option takes (a year, as a participant's ``max_deadline_seconds`` allows)."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -103,14 +105,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=_positive, help="use only the first N task rows")
     parser.add_argument("--num-repeats", type=_positive, default=1, help="rollouts per task row (default 1)")
     parser.add_argument("--concurrency", type=_positive, default=8, help="rollouts in flight (default 8)")
-    parser.add_argument("--rollout-timeout-s", type=float, default=3600.0, help="deadline of one rollout")
-    parser.add_argument("--ready-timeout-s", type=float, default=300.0, help="deadline for the mesh to start")
+    parser.add_argument("--rollout-timeout-s", type=_seconds, default=3600.0, help="deadline of one rollout")
+    parser.add_argument("--ready-timeout-s", type=_seconds, default=300.0, help="deadline for the mesh to start")
     group = parser.add_argument_group("checkpointing")
     group.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
                        help="checkpoint the mesh into DIR (SIGUSR1: checkpoint; SIGTERM: checkpoint, "
                             "exit 75); run again with the same arguments to restore and continue")
-    group.add_argument("--checkpoint-every-s", type=_positive_float, metavar="S", help="also every S seconds")
-    group.add_argument("--checkpoint-timeout-s", type=_positive_float, default=300.0,
+    group.add_argument("--checkpoint-every-s", type=_seconds, metavar="S", help="also every S seconds")
+    group.add_argument("--checkpoint-timeout-s", type=_seconds, default=300.0,
                        help="deadline of one checkpoint and of the restore (default 300)")
     group.add_argument("--token", help=f"control token of a --head mesh (default: ${TOKEN_ENV}; the "
                                        "environment keeps it out of the process list)")
@@ -123,10 +125,11 @@ def _positive(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _seconds(text: str) -> float:
+    """A duration: more than 0 and at most ``MAX_SECONDS`` (so never ``inf`` or ``nan``)."""
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {MAX_SECONDS:g} seconds, got {text}")
     return value
 
 

@@ -407,6 +407,17 @@ def test_flags_refuse_non_positive_counts() -> None:
         parser.parse_args(["--output", "o", "--concurrency", "0"])
 
 
+@pytest.mark.parametrize("flag", ["--rollout-timeout-s", "--ready-timeout-s", "--checkpoint-every-s",
+                                  "--checkpoint-timeout-s"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-1", "0", "1e9"])
+def test_durations_are_positive_finite_and_bounded(flag: str, value: str) -> None:
+    parser = argparse.ArgumentParser()
+    collect.configure(parser)
+    with pytest.raises(SystemExit):  # a duration without a bound would be a deadline never reached
+        parser.parse_args(["--output", "o", f"{flag}={value}"])
+    assert getattr(parser.parse_args(["--output", "o", f"{flag}=2.5"]), flag[2:].replace("-", "_")) == 2.5
+
+
 async def test_held_back_rollouts_wait_for_their_release(tmp_path: Path) -> None:
     mesh, model = build_mesh()
     output = tmp_path / "out.jsonl"
