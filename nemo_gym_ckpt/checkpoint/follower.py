@@ -9,6 +9,8 @@ its own episodes or sessions, but the checkpoint state machine is the coordinato
 - Admission follows the coordinator's ``gate`` notes: closed while a checkpoint is open there,
   with the same lease expiry. A request that arrives before the worker has registered waits for
   it (bounded by ``CONNECT_S``).
+- A restore's records come in pages (``install``); they are held until the last page, which
+  installs them all, so a restore that fails midway leaves the worker as fresh as before.
 - A request naming an attempt that a restore installed claims it from the coordinator first
   (once per attempt and worker): the first worker keeps that state, every other drops its copy.
 - A call this worker cannot get answered in time (no coordinator, or none within the deadline) is
@@ -23,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,7 @@ from nemo_gym_ckpt.checkpoint.participant import Participant, _Open
 from nemo_gym_ckpt.checkpoint.phases import Phase
 from nemo_gym_ckpt.checkpoint.records import Record
 from nemo_gym_ckpt.checkpoint.wire_scope import episodes_from_wire, item_to_wire, scope_from_wire
-from nemo_gym_ckpt.checkpoint.worker_hub import CALL_TIMEOUT_S, PAGE_BYTES, REPLY_GRACE_S
+from nemo_gym_ckpt.checkpoint.worker_hub import CALL_TIMEOUT_S, PAGE_BYTES, PAGE_ITEM_BYTES, REPLY_GRACE_S
 from nemo_gym_ckpt.errors import CoordinatorUnavailable, InvalidCheckpointState, InvalidPhase, NotFound
 from nemo_gym_ckpt.identity import RolloutIdentity
 
@@ -47,6 +50,14 @@ _RETRY_S = 0.1
 def connect_s() -> float:
     """How long a worker tries to reach its coordinator (``CONNECT_S``, read when used)."""
     return CONNECT_S
+
+
+@dataclass
+class _Receiving:
+    """The records of an install's pages received so far."""
+
+    pages: int = 0
+    records: list[Record] = field(default_factory=list)
 
 
 class FollowerParticipant(Participant):
@@ -110,6 +121,7 @@ class WorkerLink:
         self._served_told = False
         self._changed_pending = False
         self._export: Any = None
+        self._receiving: _Receiving | None = None  # the pages of an install, until its last
         self._task: asyncio.Task[None] | None = None
 
     # ---- connecting ---------------------------------------------------------------------------
@@ -214,6 +226,9 @@ class WorkerLink:
     # ---- coordinator -> worker ----------------------------------------------------------------
 
     def _on_note(self, kind: str, body: dict[str, Any]) -> None:
+        if kind == "install_abort":  # the restore failed elsewhere: the pages held here are dropped
+            self._receiving = None
+            return
         if kind != "gate":
             raise InvalidCheckpointState(f"no coordinator note named {kind!r}")
         self.participant.follow(body)
@@ -256,15 +271,37 @@ class WorkerLink:
         raise NotFound(f"no coordinator call named {kind!r}")
 
     async def _install(self, body: dict[str, Any]) -> dict[str, Any]:
-        if not self.participant.fresh:
-            raise InvalidPhase("restore expected fresh workers (no rollout traffic, nothing restored), "
-                               f"got worker {self.pid} that is not")
-        records = [Record.from_raw(str(raw).encode()) for raw in body.get("records") or []]
+        """One page of a restore's records; the last installs them all, nothing is installed before."""
+        records = self._install_page(body)
+        if body.get("done") is not True:
+            return {}
+        self._check_fresh()
         scope = scope_from_wire(body.get("scope")) or frozenset()
         await self.adapter.install(records, scope)
         self.participant._installed = True
         self.restored = {record.episode.next_attempt() for record in records}
         return {}
+
+    def _install_page(self, body: dict[str, Any]) -> list[Record]:
+        """The records of the install's pages so far, this one's added. Page 0 begins an install; a
+        page out of turn or unparsable is refused and drops what the install held."""
+        number = body.get("page")
+        if number == 0:
+            self._check_fresh()
+            self._receiving = _Receiving()
+        receiving, self._receiving = self._receiving, None  # taken: a refusal below leaves nothing held
+        if receiving is None or type(number) is not int or number != receiving.pages:
+            raise InvalidCheckpointState(f"install page {number!r} came out of turn on worker {self.pid}")
+        receiving.records.extend(Record.from_raw(str(raw).encode()) for raw in body.get("records") or [])
+        receiving.pages += 1
+        if body.get("done") is not True:
+            self._receiving = receiving
+        return receiving.records
+
+    def _check_fresh(self) -> None:
+        if not self.participant.fresh:
+            raise InvalidPhase("restore expected fresh workers (no rollout traffic, nothing restored), "
+                               f"got worker {self.pid} that is not")
 
     async def _export_page(self, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("first"):
@@ -282,6 +319,6 @@ class WorkerLink:
                 self._export = None
                 return {"items": items, "done": True}
             wire = item_to_wire(item)
-            size += len(wire.get("raw", "")) + 256
+            size += len(wire.get("raw", "")) + PAGE_ITEM_BYTES
             items.append(wire)
         return {"items": items, "done": False}

@@ -19,9 +19,12 @@ What it does for the participant (docs/protocol.md section 13):
 - commit: every worker exports (in pages of at most ``PAGE_BYTES``; all start at once, their pages
   are read worker after worker); records installed on every worker by a restore and still untouched
   come back once; one records file, one manifest, written here;
-- restore: every worker checks and installs the records (all or nothing on each); the first
-  worker whose request names a restored attempt claims it (``claim``), and the others drop their
-  copy of that rollout, so its state lives in one worker from then on;
+- restore: every worker gets the records in pages bounded as an export's (all workers one page at a
+  time; at most a page per worker is in flight) and checks and installs them with the last page
+  (all or nothing on each); a failed restore has the workers drop the pages they hold
+  (``install_abort``). The first worker whose request names a restored attempt claims it
+  (``claim``), and the others drop their copy of that rollout, so its state lives in one worker
+  from then on;
 - retire and forget go to every worker (their retire marks included).
 
 Every call to a worker has a deadline: ``CALL_TIMEOUT_S``, or the control call's own deadline plus
@@ -36,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,15 +71,16 @@ from nemo_gym_ckpt.errors import (
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["CALL_TIMEOUT_S", "COORDINATOR_ENV", "PAGE_BYTES", "READINESS_GRACE_S", "REPLY_GRACE_S", "HubParticipant",
-           "WorkerFanout", "WorkerHub", "start_coordinator"]
+__all__ = ["CALL_TIMEOUT_S", "COORDINATOR_ENV", "PAGE_BYTES", "PAGE_ITEM_BYTES", "READINESS_GRACE_S", "REPLY_GRACE_S",
+           "HubParticipant", "WorkerFanout", "WorkerHub", "start_coordinator"]
 
 logger = logging.getLogger(__name__)
 COORDINATOR_ENV = "NEMO_GYM_CKPT_COORDINATOR_SOCKET"
 CALL_TIMEOUT_S = 30.0
 REPLY_GRACE_S = 10.0
 READINESS_GRACE_S = 0.25  # how late past its deadline a prepare may answer, waiting on a worker's readiness
-PAGE_BYTES = 4 * 1024 * 1024
+PAGE_BYTES = 4 * 1024 * 1024  # the records of one export or install page (about: one record over it is a page alone)
+PAGE_ITEM_BYTES = 256  # what a page counts for each item besides its record's bytes
 _CONTROL: dict[str, type[ControlRequest]] = {
     "prepare": ControlRequest, "renew": ControlRequest, "commit": CommitRequest, "restore": RestoreRequest,
     "resume": ControlRequest, "retire": RetireRequest, "forget": ForgetRequest,
@@ -385,12 +389,24 @@ class WorkerFanout:
         await self.hub.broadcast("stop_committed", {"scope": scope_to_wire(scope)}, CALL_TIMEOUT_S)
 
     async def install(self, records: Sequence[Record], scope: Scope) -> None:
+        """Every worker gets the records in pages of about ``PAGE_BYTES`` (all workers one page at a
+        time, each page decoded once) and installs them with the last: all or nothing on each."""
         hub = self.hub
         if len(hub.workers) < hub.expected_workers:
             raise InvalidCheckpointState(f"restore needs all {hub.expected_workers} workers registered, "
                                          f"got {len(hub.workers)}")
-        body = {"records": [record.raw.decode() for record in records], "scope": scope_to_wire(scope)}
-        await hub.broadcast("install", body, CALL_TIMEOUT_S + len(records) / 1000)
+        workers = list(hub.workers.values())
+        try:
+            for number, (page, done) in enumerate(_install_pages(records)):
+                body: dict[str, Any] = {"page": number, "records": page, "done": done}
+                if done:
+                    body["scope"] = scope_to_wire(scope)
+                await _install_page(workers, body, CALL_TIMEOUT_S + (len(records) / 1000 if done else 0))
+        except BaseException:
+            for worker in workers:  # the pages they hold are of no use now (cancelled too)
+                with contextlib.suppress(GymError):
+                    worker.channel.note("install_abort", {})
+            raise
         hub.claims = _Claims({record.episode.next_attempt(): None for record in records})
 
     async def retire(self, episodes: Sequence[RolloutIdentity]) -> None:
@@ -448,14 +464,44 @@ async def _within(deadline_ts: float, work: Coroutine[Any, Any, dict[str, Any]])
         _DEADLINE.reset(token)
 
 
-async def _page_of(worker: _Worker, pending: Awaitable[dict[str, Any]]) -> dict[str, Any]:
-    """An export page of ``worker``; a worker lost before its last page fails the commit."""
+async def _reply_of(worker: _Worker, pending: Awaitable[dict[str, Any]], operation: str, step: str) -> dict[str, Any]:
+    """The reply of ``worker``; a worker lost before it answers fails ``operation`` (409 ``invalid_phase``)."""
     try:
-        return _checked(await pending, f"worker {worker.pid}'s export page", _PAGE)
+        return await pending
     except CoordinatorUnavailable as error:
         if not worker.channel.closed:
             raise
-        raise InvalidPhase(f"commit lost worker {worker.pid} during its export: {error.detail}") from None
+        raise InvalidPhase(f"{operation} lost worker {worker.pid} during its {step}: {error.detail}") from None
+
+
+async def _page_of(worker: _Worker, pending: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """An export page of ``worker``; a worker lost before its last page fails the commit."""
+    return _checked(await _reply_of(worker, pending, "commit", "export"), f"worker {worker.pid}'s export page", _PAGE)
+
+
+def _install_pages(records: Sequence[Record]) -> Iterator[tuple[list[str], bool]]:
+    """``records`` in pages bounded as an export's (a record over ``PAGE_BYTES`` alone on its page),
+    each with whether it is the last; no records is one empty page."""
+    page: list[str] = []
+    size = 0
+    for record in records:
+        cost = len(record.raw) + PAGE_ITEM_BYTES
+        if page and size + cost > PAGE_BYTES:
+            yield page, False
+            page, size = [], 0
+        page.append(record.raw.decode())
+        size += cost
+    yield page, True
+
+
+async def _install_page(workers: Sequence[_Worker], body: dict[str, Any], timeout_s: float) -> None:
+    """One install page to every worker at once; once all answered, the first failure is raised (a
+    worker lost meanwhile fails the restore)."""
+    calls = (_reply_of(worker, worker.channel.call("install", body, timeout_s), "restore", "install")
+             for worker in workers)
+    for reply in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(reply, BaseException):
+            raise reply
 
 
 async def start_coordinator(

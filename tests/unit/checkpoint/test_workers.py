@@ -542,6 +542,92 @@ async def test_every_worker_starts_its_export_before_the_pages_are_read_in_turn(
     assert calls.count((first, True)) == calls.count((second, True)) == 1
 
 
+async def committed_with(
+    tmp_path: Path, short_dir: Path, records: int, size: int
+) -> tuple[Path, list[dict[str, str]]]:
+    """A checkpoint of a 2-worker server holding ``records`` records of about ``size`` bytes each."""
+    server = await start_server(tmp_path, short_dir)
+    try:
+        for n in range(records):
+            server.workers[n % 2].adapter.put(RolloutIdentity(f"r{n}"), {"text": "x" * size})
+        await commit(server, "c1", tmp_path / "ck")
+    finally:
+        for each in server.workers:
+            await each.link.aclose()
+        await server.hub.aclose()
+    return tmp_path / "ck", [{"rollout_id": f"r{n}"} for n in range(records)]
+
+
+def bound_frames(server: Server, max_bytes: int) -> None:
+    """Every channel between ``server``'s coordinator and its workers bounds its frames at ``max_bytes``."""
+    for each in [*server.hub.workers.values(), *(w.link for w in server.workers)]:
+        assert each.channel is not None
+        each.channel.max_frame_bytes = max_bytes
+
+
+async def test_a_restore_over_one_frame_reaches_every_worker_in_pages(
+    tmp_path: Path, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory, episodes = await committed_with(tmp_path, short_dir, 40, 600)  # about 27 KB of records
+    monkeypatch.setattr(worker_hub_module, "PAGE_BYTES", 4096)  # 4 MiB in production
+    pages: list[tuple[int, object]] = []
+    real_install = WorkerLink._install
+
+    async def logged(self: WorkerLink, body: dict[str, object]) -> dict[str, object]:
+        pages.append((self.pid, body.get("page")))
+        return await real_install(self, body)
+
+    monkeypatch.setattr(WorkerLink, "_install", logged)
+    fresh = await start_server(tmp_path, short_dir)
+    bound_frames(fresh, 16 * 1024)  # 256 MiB in production: the records are over one frame
+    try:
+        restored = await participant(fresh).restore(RestoreRequest(
+            checkpoint_id="r1", deadline_ts=fresh.deadline(), checkpoint_dir=str(directory), episode_ids=episodes))
+        assert len(restored["restored"]) == 40
+        assert [len(w.adapter.sessions) for w in fresh.workers] == [40, 40]
+        first = [page for pid, page in pages if pid == fresh.workers[0].link.pid]
+        assert first == list(range(len(first))) and len(first) > 4  # every page, in turn
+    finally:
+        for each in fresh.workers:
+            await each.link.aclose()
+        await fresh.hub.aclose()
+
+
+async def test_a_worker_lost_mid_restore_fails_it_and_leaves_the_others_fresh(
+    tmp_path: Path, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory, episodes = await committed_with(tmp_path, short_dir, 20, 600)
+    monkeypatch.setattr(worker_hub_module, "PAGE_BYTES", 4096)
+    fresh = await start_server(tmp_path, short_dir)
+    kept, lost = fresh.workers
+    assert lost.link.channel is not None
+    channel, answer = lost.link.channel, lost.link.channel.on_call
+
+    async def dies_on_page_2(kind: str, body: dict[str, object]) -> dict[str, object]:
+        if kind == "install" and body.get("page") == 2:
+            channel.close()
+        return await answer(kind, body)
+
+    channel.on_call = dies_on_page_2
+    try:
+        with pytest.raises(InvalidPhase, match="restore lost worker 1001 during its install"):
+            await participant(fresh).restore(RestoreRequest(
+                checkpoint_id="r1", deadline_ts=fresh.deadline(), checkpoint_dir=str(directory), episode_ids=episodes))
+        await asyncio.sleep(0.1)  # the abort note reaches the worker kept
+        assert kept.adapter.sessions == {} and kept.participant.fresh and kept.link._receiving is None
+        with pytest.raises(InvalidCheckpointState, match="out of turn"):  # a page with no install begun
+            await kept.link._install({"page": 3, "records": [], "done": True})
+        await participant(fresh).resume(fresh.control(checkpoint_id="r1"))
+        fresh.workers[1] = await worker(fresh.path, tmp_path, 2000)  # a new worker: the restore runs again
+        restored = await participant(fresh).restore(RestoreRequest(
+            checkpoint_id="r2", deadline_ts=fresh.deadline(), checkpoint_dir=str(directory), episode_ids=episodes))
+        assert len(restored["restored"]) == 20 and [len(w.adapter.sessions) for w in fresh.workers] == [20, 20]
+    finally:
+        for each in [*fresh.workers, lost]:
+            await each.link.aclose()
+        await fresh.hub.aclose()
+
+
 async def test_retire_and_forget_reach_every_worker(server: Server) -> None:
     for each in server.workers:
         each.adapter.put(A, {})
