@@ -36,7 +36,9 @@ def test_sidecar_copy_holds_one_chunk_whatever_the_sidecar(tmp_path: Path) -> No
                for key in ("commit_ms", "write_mb_s", "over_floor", "restore_ms", "restore_mb_s"))
     assert large["peak_traced_mb"] < 0.5 * large["sidecar_mb"]  # a few chunks, not every line at once
     assert result["large_over_small_peak"] < 2
-    assert large["restore_held_mb"] < 0.5 * large["sidecar_mb"]  # the records, not the token lines
+    # the records (about half a token line each here: 0.48-0.51 of the sidecar), not the token lines
+    # (which would add the whole sidecar)
+    assert large["restore_held_mb"] < 0.75 * large["sidecar_mb"]
     assert large["restore_peak_mb"] < large["sidecar_mb"]  # the records read, not an index read to its bound
     assert large["restore_tenth_ms"] > 0 and large["restore_tenth_over_all"] > 0
     assert list(tmp_path.iterdir()) == []
