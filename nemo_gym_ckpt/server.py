@@ -69,6 +69,7 @@ __all__ = [
     "declare_body",
     "error_response",
     "install_error_handlers",
+    "refuse_unencodable",
     "set_max_body_bytes",
     "sse_event",
 ]
@@ -139,12 +140,29 @@ def _int64(text: str) -> int:
     return value
 
 
+def refuse_unencodable(value: Any, what: str = "the request body") -> Any:
+    """``value``, read from JSON, if the mesh can write it again; else 400: JSON nested deeper than
+    orjson writes (254 levels; its reader takes 1,024) or text with a lone surrogate (the standard
+    library's reader takes it) would fail later, when a digest or a call encodes it."""
+    try:
+        orjson.dumps(value)
+    except orjson.JSONEncodeError as error:
+        raise InvalidRequest(f"{what} cannot be written again as JSON ({error}): at most 254 levels of "
+                             "nesting, and text of valid Unicode") from None
+    return value
+
+
 class _BoundedJsonRequest(Request):
-    """A request whose ``json()`` refuses integers no encoder of the mesh can write back."""
+    """A request whose ``json()`` refuses what no encoder of the mesh can write back: integers
+    outside 64 bits, and what ``refuse_unencodable`` refuses."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = json.loads(await self.body(), parse_int=_int64)
+            value = json.loads(await self.body(), parse_int=_int64)
+            try:
+                self._json = refuse_unencodable(value)
+            except InvalidRequest as error:  # FastAPI passes an HTTPException on, with its detail
+                raise StarletteHTTPException(400, error.detail) from None
         return self._json
 
 

@@ -76,7 +76,7 @@ from nemo_gym_ckpt.identity import (
     without_attempt_keys,
     without_dispatch_keys,
 )
-from nemo_gym_ckpt.server import OrjsonResponse, declare_body
+from nemo_gym_ckpt.server import OrjsonResponse, declare_body, refuse_unencodable
 
 __all__ = [
     "CLOSE_REPLAYS_NOTE",
@@ -196,7 +196,7 @@ def _json_object(raw: bytes, what: str) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise InvalidRequest(f"{what} is a JSON object")
-    return data
+    return cast(dict[str, Any], refuse_unencodable(data, what))
 
 
 def _check_task(data: dict[str, Any], model: type[EpisodeTask], where: str = "task row") -> None:

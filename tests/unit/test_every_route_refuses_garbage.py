@@ -105,6 +105,26 @@ async def _post_garbage(http: httpx.AsyncClient, name: str, routes: list[tuple[s
                     assert isinstance(error["code"], str) and isinstance(error["detail"], str), where
 
 
+UNWRITABLE = {  # JSON the readers take and orjson cannot write again
+    "nested 300 deep": b'{"responses_create_params": {"input": "hi"}, "deep": ' + b"[" * 300 + b"]" * 300 + b"}",
+    "a lone surrogate": b'{"responses_create_params": {"input": "hi"}, "note": "\\ud800"}',
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", sorted(UNWRITABLE))
+@pytest.mark.parametrize(("name", "path"), [("single_agent_turn", "/run"), ("simple_agent", "/v1/responses")])
+async def test_a_body_the_mesh_could_not_write_again_is_a_400_not_a_500(name: str, path: str, case: str) -> None:
+    body = UNWRITABLE[case]
+    if name == "simple_agent":  # an agent's request is the Responses body itself
+        body = body.replace(b'"responses_create_params": {"input": "hi"}', b'"input": "hi"')
+    transport = httpx.ASGITransport(app=_app(name), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as http:
+        reply = await http.post(f"/ng-rollout/deep-r1{path}", content=body,
+                                headers={"content-type": "application/json", "x-ng-agent-activation": "1"})
+    assert (reply.status_code, reply.json()["error"]["code"]) == (400, "invalid_request"), reply.text
+
+
 WRAPPED = ("string_match", "equivalence_llm_judge", "nvarc_inductive_resources_server",
            "genrm_compare_resources_server")
 """One NeMo Gym verifier of each family: rule, judge, code, cohort."""
