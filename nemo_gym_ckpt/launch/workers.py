@@ -1,7 +1,8 @@
 """The worker processes of a server with ``num_workers: N`` (N > 1), behind its one port.
 
 The server's main process holds the port (``reserve_port``: bound with ``SO_REUSEPORT``, never
-listening, so no connection is queued on it), imports the app's module and forks N workers before
+listening, so no connection is queued on it; refused, as a single-process server's bind is, when
+anything listens on the port already), imports the app's module and forks N workers before
 it starts any thread or event loop (``WorkerProcesses.fork``: a worker starts in well under a
 second, with nothing to import again); each binds its own listening socket
 on the same port with ``SO_REUSEPORT`` (``bind_listener``) and serves it with uvicorn. The kernel
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -67,10 +69,35 @@ def _alive(pid: int) -> bool:
 
 def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` with ``SO_REUSEPORT`` and not listening: the port stays this
-    server's (the workers bind it too) while no connection can wait on this socket."""
+    server's (the workers bind it too) while no connection can wait on this socket.
+
+    ``OSError`` (``EADDRINUSE``) if anything listens on the port already, as a single-process server
+    gets it: ``SO_REUSEPORT`` alone would let this server's workers share the port with another
+    server's ``SO_REUSEPORT`` listeners of the same user (the kernel would split the connections), so
+    the port is first probed with a plain bind (``SO_REUSEADDR`` as uvicorn binds, which a listener
+    of anyone refuses).
+    """
+    _refuse_if_listened_on(host, port)
     sock = _reusing(host)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     return sock
+
+
+def _refuse_if_listened_on(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT left is no owner
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                raise
+            raise OSError(errno.EADDRINUSE, f"error while attempting to bind on address {(host, port)!r}: "
+                          "address already in use") from None
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import re
@@ -26,6 +27,7 @@ from nemo_gym_ckpt.launch.launcher import (
     find_free_port,
     wait_for_health,
 )
+from nemo_gym_ckpt.launch.workers import bind_listener, reserve_port
 
 pytestmark = [
     pytest.mark.e2e,
@@ -228,6 +230,47 @@ def test_a_server_that_dies_while_starting_fails_the_start_fast_with_its_log() -
     assert launcher.pids == {}
     servers = [pid for pid in child_pids(os.getpid()) if "nemo_gym_ckpt.cli.serve" in _cmdline(pid)]
     assert servers == [], "the other server must be stopped too"
+
+
+def reuseport_listener() -> socket.socket:
+    """A listener with ``SO_REUSEPORT`` on a free port of 127.0.0.1, as another multi-worker server's
+    worker of this user holds its port (a plain bind cannot share it, a ``SO_REUSEPORT`` one could)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", find_free_port("127.0.0.1")))
+    sock.listen()
+    return sock
+
+
+def test_a_multi_worker_server_refuses_a_port_another_reuseport_listener_holds() -> None:
+    with reuseport_listener() as other:
+        port = other.getsockname()[1]
+        with pytest.raises(OSError, match="address already in use") as caught:
+            reserve_port("127.0.0.1", port).close()
+        assert caught.value.errno == errno.EADDRINUSE
+    reserved = reserve_port("127.0.0.1", port)  # free again: its own workers still share the port
+    with reserved, bind_listener("127.0.0.1", port), bind_listener("127.0.0.1", port):
+        pass
+
+
+def test_a_multi_worker_server_on_a_taken_port_fails_the_start_like_a_single_process_one() -> None:
+    lines: list[tuple[str, str]] = []
+    with reuseport_listener() as other:
+        port = other.getsockname()[1]
+        mesh = load_config([FIXTURES / "string_match.yaml"], [
+            "head_server.port=0", f"sm.resources_servers.string_match.port={port}",
+            "sm.resources_servers.string_match.num_workers=2"])
+        launcher = MeshLauncher(mesh, on_line=lambda name, line: lines.append((name, line)))
+        try:
+            with pytest.raises(LaunchError) as caught:
+                launcher.start(ready_timeout_s=60.0)
+        finally:
+            launcher.stop()
+    message = str(caught.value)
+    expected = r"sm exited with status [1-9]\d* before it was healthy: .*address already in use"
+    assert re.fullmatch(expected, message), message
+    assert any(name == "sm" and "address already in use" in line for name, line in lines)
+    assert launcher.pids == {}
 
 
 def test_a_stop_requested_before_the_servers_are_up_ends_the_start() -> None:

@@ -3,7 +3,9 @@
 ``/global_config_dict_yaml`` must be what NeMo Gym's ``ServerClient.load_from_global_config`` reads
 (``json.loads`` of the body gives the YAML text), hold every instance with its host and port, and
 leak no secret: the control token, an API key, and a copy of the token under another key are all
-redacted, while a plural like ``max_tokens`` is no secret. The coordinator's discovery (and NeMo
+redacted, while a plural like ``max_tokens`` is no secret; so are keys spelled ``hf-token``,
+``api_keys`` (a list) and ``authorization``, and a secret inside a longer string (URL userinfo,
+``Bearer ...``). The coordinator's discovery (and NeMo
 Gym's rule: instance -> first type key -> first implementation -> host/port) finds every server in
 it. ``/server_instances`` has exactly the fields of NeMo Gym's ``ServerInstanceDisplayConfig``.
 """
@@ -93,3 +95,36 @@ def test_server_instances_are_nemo_gyms_display_configs(serve_app: Callable[[Any
                   "url": "http://127.0.0.1:15402"}
     assert Path(sm["dir_path"], sm["entrypoint"]).is_file()
     assert instances[0]["pid"] is None and instances[0]["start_time"] is None  # not running here
+
+
+def test_global_config_dict_yaml_redacts_secret_keys_of_every_spelling_and_secrets_inside_strings(
+    serve_app: Callable[[Any], str]
+) -> None:
+    hf_token, listed, header_token = "hf_" + "Q" * 30, "sk-listed-key-0123456789", "hdr-" + "z9" * 12
+    mesh = _mesh()
+    block = mesh.raw["sm_copy"]["resources_servers"]["string_match"]
+    block.update({
+        "hf-token": hf_token,  # a hyphen
+        "api_keys": [listed, {"backup": listed + "-2"}],  # a plural key, a list holding a mapping
+        "authorization": f"Bearer {header_token}",
+        "judge_base_url": f"https://user:{API_KEY}@judge.example/v1",  # a known secret in URL userinfo
+        "judge_headers_text": f"Authorization: Bearer {API_KEY}",  # ... inside a longer string
+        "curl": f"curl -H 'Authorization: Bearer {header_token}' https://{hf_token}@hub.example/x",
+        "mirror_url": "https://svc:unknown-password@mirror.example/simple",  # userinfo of no known secret
+        "sort_keys": False, "max_new_tokens": 64, "use_auth_token": True,  # no secrets
+    })
+    url = serve_app(create_head_app(mesh))
+    with httpx.Client(trust_env=False, timeout=5.0) as http:
+        reply = http.get(f"{url}/global_config_dict_yaml")
+    text = json.loads(reply.content)
+    for secret in (TOKEN, API_KEY, hf_token, listed, header_token, "unknown-password"):
+        assert secret not in text, secret
+    got = yaml.safe_load(text)["sm_copy"]["resources_servers"]["string_match"]
+    assert got["hf-token"] == got["api_keys"] == got["authorization"] == REDACTED
+    assert got["judge_base_url"] == f"https://{REDACTED}@judge.example/v1"
+    assert got["judge_headers_text"] == f"Authorization: Bearer {REDACTED}"
+    # the whole known value "Bearer hdr-..." of authorization is replaced, the URL's userinfo too
+    assert got["curl"] == f"curl -H 'Authorization: {REDACTED}' https://{REDACTED}@hub.example/x"
+    assert got["mirror_url"] == f"https://{REDACTED}@mirror.example/simple"
+    assert (got["sort_keys"], got["max_new_tokens"], got["use_auth_token"]) == (False, 64, True)
+    assert got["port"] == 15403
