@@ -48,6 +48,7 @@ from nemo_gym_ckpt.checkpoint.clock import Clock
 from nemo_gym_ckpt.checkpoint.cut_wire import (
     CUT_ROUTE,
     MAX_STAGING_KEYS,
+    MAX_TOKENS,
     GenerationCutInventory,
     GenerationCutPrefix,
     GenerationCutPrefixAck,
@@ -129,7 +130,8 @@ def _values(record: CutRecord) -> list[Any]:
 
 
 def _count(value: Any) -> bool:
-    return type(value) is int and value >= 0
+    """A token count as the wire bounds it (``cut_wire.MAX_TOKENS``): a restored record holds no more."""
+    return type(value) is int and 0 <= value <= MAX_TOKENS
 
 
 _CHECKS: dict[str, Callable[[Any], bool]] = {
