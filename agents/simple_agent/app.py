@@ -22,7 +22,8 @@ Routes (also under ``/ng-rollout/<capture_key>/``, where the capture key names t
 - ``POST /v1/agent_sessions`` and ``POST /v1/agent_sessions/close``: NeMo Gym's agent sessions
   (``agent_sessions.py``): a session names its episode and, in a ``direct_http`` tool access, the
   resources server and cookies its activations use; the close answers the resources cookies after
-  the last activation and ends the episode's activation session.
+  the last activation and ends the episode's activation session. With checkpointing on, a retire of
+  the session's attempt (or a later one of its rollout) or a forget of its rollout drops it too.
 - ``POST /aggregate_metrics``: NeMo Gym's ``AggregateMetrics`` of the rows sent.
 - ``POST /close``: frees the session of the request's capture key (idempotent).
 - ``POST /v1/responses/refill``: ``{"items": [...]}`` (output items of this rollout that an
@@ -505,7 +506,7 @@ class SimpleAgent:
 def build_app(agent: SimpleAgent, ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
     """The app of ``agent``; a participant of kind ``agent`` when the mesh enables checkpointing."""
     sessions = AgentSessions(restart_only=not agent.checkpoint_sessions, check_state=check_agent_state,
-                             refill=agent.refill_reply)
+                             refill=agent.refill_reply, release=agent.agent_sessions.drop)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
