@@ -14,13 +14,16 @@ agent_observations, resources_cookies}``). ``AgentSessionTable`` keeps what a se
 
 A repeated seed of the same id with the same body answers the same session; with another body, or
 after a close, it is refused (400). A close of an unknown id answers with no cookies; a repeated
-close answers the first reply again. The table keeps the last ``CLOSED_KEPT`` close replies.
+close answers the first reply again. The table keeps the last ``CLOSED_KEPT`` close replies. With
+checkpointing on, a retire drops the sessions of the retired attempts (and the earlier ones of
+those rollouts) and a forget every session of those rollouts (``drop``).
 """
 
 from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -140,6 +143,12 @@ class AgentSessionTable:
 
     def find(self, session_id: str | None) -> AgentSession | None:
         return self.live.get(session_id or "")
+
+    def drop(self, ended: Callable[[RolloutIdentity], bool]) -> None:
+        """Drop the live sessions of the episodes ``ended`` names (a retire or forget of them): their
+        seed, tools and cookies. A later close of one, if its fence lets it in, answers as for an unknown id."""
+        for session_id in [key for key, session in self.live.items() if ended(session.identity)]:
+            del self.live[session_id]
 
     def close(self, request: CloseAgentSession, identity: RolloutIdentity) -> dict[str, Any]:
         """NeMo Gym's close reply; the session is gone afterwards (a repeat answers the same)."""

@@ -22,7 +22,8 @@ Routes (also under ``/ng-rollout/<capture_key>/``, where the capture key names t
 - ``POST /v1/agent_sessions`` and ``POST /v1/agent_sessions/close``: NeMo Gym's agent sessions
   (``agent_sessions.py``): a session names its episode and, in a ``direct_http`` tool access, the
   resources server and cookies its activations use; the close answers the resources cookies after
-  the last activation and ends the episode's activation session.
+  the last activation and ends the episode's activation session. With checkpointing on, a retire of
+  the session's attempt (or a later one of its rollout) or a forget of its rollout drops it too.
 - ``POST /aggregate_metrics``: NeMo Gym's ``AggregateMetrics`` of the rows sent.
 - ``POST /close``: frees the session of the request's capture key (idempotent).
 - ``POST /v1/responses/refill``: ``{"items": [...]}`` (output items of this rollout that an
@@ -53,7 +54,12 @@ completed reply invoked again is refilled the same way before it is answered (``
 ``refill`` hook), so a re-invoked activation answers its reply token arrays included.
 A ``/run`` is its session's activation 1: seed and verify are gated like tool calls (a prepare
 waits for them; after a restore the continued activation seeds no more), and a ``/run`` or an
-agent-session seed or close arriving while a checkpoint is open waits for its resume.
+agent-session seed or close arriving while a checkpoint is open waits for its resume. Once its
+verify answered, inside that gate, the ``/run``'s state (``RunState``) keeps the verdict (without its
+echoes of the row and the response, which the restored ``/run`` takes from them again): a restored
+``/run`` answers that verdict without verifying again. Its resources close is not gated (a failed
+close is only logged, and a repeated one is harmless): a checkpoint that lands during it does not
+wait, and the restored ``/run`` closes again.
 ``checkpoint_sessions`` (a class attribute, not config) says
 whether the implementation captures its sessions; ``agents/restart_only_agent`` is the same loop
 with it off. With checkpointing off the activation header is only recorded.
@@ -96,6 +102,7 @@ from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
+from nemo_gym_ckpt.echoes import echoed_keys, with_echoes, without_echoes
 from nemo_gym_ckpt.environment.base import REFILL_PATH, cookies_of, lacks_token_arrays
 from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidRequest, UpstreamError
 from nemo_gym_ckpt.identity import (
@@ -118,11 +125,14 @@ __all__ = [
     "GatedCalls",
     "HttpCalls",
     "RefillRequest",
+    "RunState",
     "SimpleAgent",
     "build_app",
+    "check_agent_state",
     "create_app",
     "parse_activation",
     "request_fields",
+    "resumed_run_state",
     "resumed_state",
 ]
 
@@ -328,6 +338,8 @@ class SimpleAgent:
     ) -> ActivationReply:
         """One checkpointed activation: the loop from its restored state, or afresh."""
         resume = turn.resume
+        if resume is not None and not VERDICT_KEYS.isdisjoint(resume):
+            raise InvalidCheckpointState("a restored /v1/responses activation's state carries a /run's verdict")
         state = self.fresh_state(body, cookies) if resume is None else resumed_state(resume, body)
         turn.track(state.view)
         if resume is not None and self.settings.return_token_ids:
@@ -355,22 +367,29 @@ class SimpleAgent:
 
     async def _run_work(self, turn: Turn | None, row: dict[str, Any], params: AgentRequest) -> ActivationReply:
         """Seed, loop, verify, close; under a checkpoint every call is a gated boundary (a restored
-        activation continues its loop and does not seed again)."""
+        activation continues its loop and does not seed again; one restored after its verify answered
+        takes the verdict from its state and only closes the resources session, which may run again)."""
         resume = turn.resume if turn is not None else None
         if resume is None:
             async with _gate(turn):
                 cookies = await self._seed(row)
-            state = self.fresh_state(params, cookies)
+            run = RunState(self.fresh_state(params, cookies))
         else:
-            state = resumed_state(resume, params)
+            run = resumed_run_state(resume, params)
+        state = run.loop
         if turn is not None:
-            turn.track(state.view)
+            turn.track(run.view)
             if resume is not None and self.settings.return_token_ids:
                 await self._reattach_tokens(state)
         await run_loop(state, GatedCalls(self.calls, turn) if turn is not None else self.calls)
         response = response_object(state)
-        async with _gate(turn):
-            verdict = await self._verify(row, response, state.cookies)
+        verify_request = {**row, "response": response}
+        if run.verdict is None:
+            async with _gate(turn):
+                verdict = await self._verify(row, response, state.cookies)
+                run.verified(verdict, verify_request)  # inside the gate: the verify is done exactly once
+        else:  # restored after its verify answered: that verdict, and no verify again
+            verdict = run.restored_verdict(verify_request)
         await self._close_resources(state.cookies)
         result = {**row, **verdict, "response": response, "reward": float(verdict["reward"])}
         return ActivationReply(result, dict(state.cookies))
@@ -486,8 +505,8 @@ class SimpleAgent:
 
 def build_app(agent: SimpleAgent, ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
     """The app of ``agent``; a participant of kind ``agent`` when the mesh enables checkpointing."""
-    sessions = AgentSessions(restart_only=not agent.checkpoint_sessions, check_state=check_loop_state,
-                             refill=agent.refill_reply)
+    sessions = AgentSessions(restart_only=not agent.checkpoint_sessions, check_state=check_agent_state,
+                             refill=agent.refill_reply, release=agent.agent_sessions.drop)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -543,6 +562,73 @@ def resumed_state(snapshot: dict[str, Any], body: AgentRequest) -> LoopState:
         return LoopState.resumed(snapshot, request_fields(body))
     except ValueError as error:
         raise InvalidCheckpointState(f"the restored loop state does not fit its request: {error}") from None
+
+
+VERDICT_KEYS = frozenset({"verdict", "verdict_echoes"})
+"""The keys a ``/run``'s state adds to its loop's once its verify answered (``RunState.view``)."""
+
+
+@dataclass
+class RunState:
+    """A ``/run``'s state: its loop, and the verdict once its verify answered (kept without its echoes
+    of the verify request, the row and the response, as ``single_agent_turn`` keeps it)."""
+
+    loop: LoopState
+    verdict: dict[str, Any] | None = None
+    verdict_echoes: list[str] = field(default_factory=list)
+
+    def view(self) -> dict[str, Any]:
+        """The loop's snapshot (``LoopState.view``), with ``verdict`` and ``verdict_echoes`` once verified."""
+        snapshot = self.loop.view()
+        if self.verdict is not None:
+            snapshot["verdict"], snapshot["verdict_echoes"] = self.verdict, self.verdict_echoes
+        return snapshot
+
+    def verified(self, verdict: dict[str, Any], request: Mapping[str, Any]) -> None:
+        """Keep the verify's answer (to ``request``, the row and the response) without its echoes."""
+        echoed = echoed_keys(verdict, request)
+        self.verdict, self.verdict_echoes = without_echoes(verdict, echoed), echoed
+
+    def restored_verdict(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """The verdict as the verify answered it, its echoes taken from ``request`` again."""
+        assert self.verdict is not None
+        try:
+            return with_echoes(self.verdict, self.verdict_echoes, request)
+        except ValueError as error:
+            raise InvalidCheckpointState(f"the restored verdict does not fit its row: {error}") from None
+
+
+def check_agent_state(data: dict[str, Any]) -> None:
+    """``ValueError`` unless ``data`` is a loop state (``check_loop_state``), or a ``/run``'s state
+    after its verify: a stopped loop's, with ``verdict`` (an object with a numeric ``reward``, its
+    echoes null) and ``verdict_echoes`` (its keys taken from the verify request again)."""
+    present = VERDICT_KEYS & set(data)
+    if not present:
+        check_loop_state(data)
+        return
+    if present != VERDICT_KEYS:
+        raise ValueError(f"a /run's state after its verify has both {sorted(VERDICT_KEYS)}, got {sorted(present)}")
+    loop = {key: value for key, value in data.items() if key not in VERDICT_KEYS}
+    check_loop_state(loop)
+    if loop.get("stop_reason") is None:
+        raise ValueError("a /run's state has a verdict only after its loop stopped")
+    verdict, echoed = data["verdict"], data["verdict_echoes"]
+    reward = verdict.get("reward") if isinstance(verdict, dict) else None
+    if not isinstance(reward, int | float) or isinstance(reward, bool):
+        raise ValueError("a /run's verdict is an object with a numeric reward")
+    if not isinstance(echoed, list) or not all(isinstance(key, str) and key in verdict and verdict[key] is None
+                                               for key in echoed):
+        raise ValueError("a /run's verdict_echoes name keys of its verdict, each null there")
+
+
+def resumed_run_state(snapshot: dict[str, Any], params: AgentRequest) -> RunState:
+    """The state a restored ``/run`` continues from: its loop (``resumed_state``) and its verdict, if
+    its verify had answered."""
+    loop = {key: value for key, value in snapshot.items() if key not in VERDICT_KEYS}
+    run = RunState(resumed_state(loop, params))
+    if "verdict" in snapshot:
+        run.verdict, run.verdict_echoes = dict(snapshot["verdict"]), list(snapshot["verdict_echoes"])
+    return run
 
 
 def _run_params(row: dict[str, Any]) -> AgentRequest:

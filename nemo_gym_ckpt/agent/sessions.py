@@ -40,6 +40,9 @@ activation with ``x-ng-agent-activation: <n>`` (1-based, docs/protocol.md sectio
   call is made again. Until its first activation the session exports the very record it came from.
 - **retire** and **forget** cancel the sessions' running activations (their callers get
   ``stale_attempt``), wait for them to end and drop the sessions; so does ``close`` (``/close``).
+  Retire and forget then hand the agent's ``release`` hook (given to ``AgentSessions``) a predicate
+  naming the episodes they ended (a retire: the attempts retired and the earlier ones of those
+  rollouts; a forget: every attempt of those rollouts), for what it keeps per episode beside them.
 
 A restart-only agent (``restart_only=True``) cannot capture its sessions: they are ``restarts``
 that never park, never block and are never exported; a restore with any record of it is
@@ -83,6 +86,7 @@ __all__ = [
     "AgentSessions",
     "CallKind",
     "Refill",
+    "Release",
     "Turn",
     "Work",
     "request_digest",
@@ -190,6 +194,9 @@ Work = Callable[["Turn"], Awaitable[ActivationReply]]
 StateCheck = Callable[[dict[str, Any]], None]
 Refill = Callable[[ActivationReply], Awaitable[ActivationReply]]
 """Puts back what records strip (token arrays) on a restored completed reply answered again."""
+Release = Callable[[Callable[[RolloutIdentity], bool]], None]
+"""Drops what an agent keeps per episode beside its sessions (the simple agent: NeMo Gym's agent
+sessions) for the episodes the predicate names: called by ``retire`` and ``forget``."""
 
 
 def _any_object(state: dict[str, Any]) -> None:
@@ -236,11 +243,13 @@ class AgentSessions:
     """The sessions of one agent server, and its ``ParticipantAdapter``."""
 
     def __init__(
-        self, *, restart_only: bool = False, check_state: StateCheck = _any_object, refill: Refill | None = None
+        self, *, restart_only: bool = False, check_state: StateCheck = _any_object, refill: Refill | None = None,
+        release: Release | None = None,
     ) -> None:
         self.restart_only = restart_only
         self.check_state = check_state
         self.refill = refill
+        self.release = release
         self.participant: Participant | None = None
         self.sessions: dict[str, AgentSession] = {}
         self.completed_calls: Counter[str] = Counter()
@@ -485,12 +494,26 @@ class AgentSessions:
         marks: dict[str, int] = {}
         for episode in episodes:
             marks[episode.rollout_id] = max(episode.attempt, marks.get(episode.rollout_id, -1))
-        await self._drop([s for s in self.sessions.values()
-                          if s.identity.attempt <= marks.get(s.identity.rollout_id, -1)])
+
+        def retired(identity: RolloutIdentity) -> bool:
+            return identity.attempt <= marks.get(identity.rollout_id, -1)
+
+        await self._drop([s for s in self.sessions.values() if retired(s.identity)])
+        self._release(retired)
 
     async def forget(self, rollout_ids: Sequence[str]) -> None:
         gone = set(rollout_ids)
-        await self._drop([s for s in self.sessions.values() if s.identity.rollout_id in gone])
+
+        def forgotten(identity: RolloutIdentity) -> bool:
+            return identity.rollout_id in gone
+
+        await self._drop([s for s in self.sessions.values() if forgotten(s.identity)])
+        self._release(forgotten)
+
+    def _release(self, ended: Callable[[RolloutIdentity], bool]) -> None:
+        """Have the agent drop what it keeps beside these sessions for the episodes ``ended`` names."""
+        if self.release is not None:
+            self.release(ended)
 
     async def _drop(self, sessions: Sequence[AgentSession]) -> None:
         """Drop the sessions; cancel their running activations and wait for them to end."""
