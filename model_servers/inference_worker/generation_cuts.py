@@ -10,8 +10,9 @@ prefixes}``: one ack per ticket, in inventory order, ``durable_prefix`` with its
 (``frozen_buffer_id`` and the one staging key are the same key; ``effective_output_limit`` is the
 call's whole output budget, its ``max_tokens``) or ``durable_failure`` with none. Why a ticket
 failed (no such generation here, another rollout's, constrained decoding, nothing generated yet,
-staging full or failing) is logged and counted in the status (``cut_failures``), since upstream's
-ack has no field for it; that call is simply generated again after a restore. One cut runs at a
+staging full or failing) is logged with the call's id and counted by reason in the status
+(``cut_failures``; each reason is a fixed string that never names a call, so its keys stay few),
+since upstream's ack has no field for it; that call is simply generated again after a restore. One cut runs at a
 time; the same request again gets the same receipt. ``keep(request)`` settles a checkpoint's cut (its other staged
 prefixes are dropped); a cut of a settled checkpoint stages nothing, and the prefixes of a cut that
 was still being written when its checkpoint was settled are dropped as soon as it ends. The status
@@ -57,6 +58,9 @@ K = TypeVar("K")
 V = TypeVar("V")
 logger = logging.getLogger(__name__)
 STAGING_REFUSED = "staging refused the prefix (bounds reached, or an I/O error)"
+#: Fixed, like every reason: ``cut_failures`` counts by reason, so a reason never names a call (the
+#: call id goes to the log).
+ANOTHER_ATTEMPT = "the call belongs to another rollout attempt"
 
 
 def _failure(entry: ActivePrefix) -> dict[str, Any]:
@@ -187,7 +191,10 @@ class GenerationCuts:
         if generation is None:
             return "no generation of this call here (not started, cancelled, or long finished)"
         if not generation.belongs_to(entry):
-            return f"call {entry.model_call_id} belongs to another rollout attempt"
+            logger.debug("generation cut of %s (ticket %s): its generation is of %r, not of rollout %s "
+                         "attempt %d", entry.model_call_id, entry.ticket_id, generation.identity,
+                         entry.rollout_id, entry.attempt)
+            return ANOTHER_ATTEMPT
         if generation.call is None or generation.call.constrained:
             return "constrained decoding is never cut"
         frozen = generation.freeze()

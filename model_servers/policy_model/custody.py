@@ -20,6 +20,9 @@ docs/protocol.md section 8, first half. Every model call goes through ``CustodyB
    blocks readiness until it drains. The ledger row is written as the reply goes out: a whole
    reply when it is returned, a stream once its final event was passed on and the next one asked
    for. A held reply has no row when the commit exports, so after a restore the call is made again.
+   A stream being delivered is stopped by a retire at its next event, and before its row is
+   written (``stale_attempt``): once the retire stopped its call, even if a forget then cleared
+   the rollout's mark (a retire that ran past its deadline leaves the call stopped).
 """
 
 from __future__ import annotations
@@ -142,7 +145,11 @@ class Custody:
         self.calls.mark(ticket, CallState.DELIVERING)
 
     def check_retired(self, ticket: Ticket) -> None:
-        """A stream being delivered stops at its next event once its attempt is retired."""
+        """A stream being delivered stops at its next event once its attempt is retired: once the
+        retire stopped the call (``ticket.stopped``, which a forget clearing the mark after a retire
+        that ran past its deadline leaves set) or the attempt is at or below its rollout's mark."""
+        if ticket.stopped:
+            raise _stale(ticket)
         self.participant.marks.check(ticket.episode)
 
     def deliver(self, ticket: Ticket, result: ChatResult) -> None:
@@ -259,6 +266,7 @@ class CustodyBackend:
                     custody.check_retired(ticket)
                     yield event
                     if isinstance(event, ChatResult):
+                        custody.check_retired(ticket)  # retired while it went out: no row
                         custody.deliver(ticket, event)
         finally:
             custody.release(ticket)

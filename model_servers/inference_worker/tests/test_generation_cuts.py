@@ -116,7 +116,27 @@ async def test_tickets_without_a_cuttable_generation_are_durable_failures(
     reasons = sorted(failures)
     assert len(reasons) == 3 and sum(failures.values()) == 4
     assert any("no generation" in r for r in reasons) and failures["constrained decoding is never cut"] == 1
-    assert failures["call mc_w belongs to another rollout attempt"] == 2
+    assert failures["the call belongs to another rollout attempt"] == 2
+    assert batch_files(tmp_path) == []
+
+
+async def test_failures_of_other_attempts_calls_are_counted_under_one_reason(
+    worker_client: WorkerClient, tmp_path: Path
+) -> None:
+    """A reason never names the call: ``cut_failures`` keeps one key however many calls mismatch."""
+    engine = GatedEngine(ScriptedEngine.from_text("abcdefghijkl"))
+    async with worker_client(engine, checkpoint=True, staging_dir=str(tmp_path)) as http:
+        running = [start_under(http, "r1", {**BODY, "model_call": model_call(call_id)})
+                   for call_id in ("mc_x", "mc_y", "mc_z")]
+        for call_id in ("mc_x", "mc_y", "mc_z"):
+            await until_tokens(http, call_id, 0)  # live (the attempt is checked before the tokens)
+        await cut(http, cut_body("c1", ("t-x", "r1", 1, "mc_x"), ("t-y", "r1", 1, "mc_y")))
+        await cut(http, cut_body("c2", ("t-z", "r9", 0, "mc_z")))
+        failures = (await status(http))["cut_failures"]
+        engine.open_gate()
+        for task in running:
+            assert (await task).status_code == 200
+    assert failures == {"the call belongs to another rollout attempt": 3}
     assert batch_files(tmp_path) == []
 
 

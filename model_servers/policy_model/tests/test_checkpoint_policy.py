@@ -372,3 +372,34 @@ async def test_retire_stops_a_stream_being_delivered(open_policy: Callable[..., 
         assert (await asyncio.wait_for(retire, WAIT_S)) == {"retired": ["r1"]}
         assert b'"code":"stale_attempt"' in body and not body.endswith(b"data: [DONE]\n\n")
         assert (await policy.extras())["ledgers"] == 0
+
+
+async def test_a_stream_stopped_by_a_retire_past_its_deadline_stays_stopped_after_a_forget(
+    open_policy: Callable[..., Any],
+) -> None:
+    """The forget clears the retire mark, but the call the retire stopped still answers
+    ``stale_attempt`` at its next event and writes no row (no ledger comes back)."""
+    async with open_policy() as policy:
+        gate, headers = asyncio.Event(), asyncio.Event()
+        policy.worker.will(Generate("a long stream", gate=gate))
+
+        async def read_stream() -> bytes:
+            async with policy.http.stream("POST", chat_url(R1), json=chat_body("s", stream=True)) as response:
+                headers.set()
+                return await response.aread()
+
+        stream = asyncio.create_task(read_stream())
+        await asyncio.wait_for(headers.wait(), WAIT_S)
+        retire = asyncio.create_task(policy.control.send("retire", {
+            "checkpoint_id": "h1", "episode_ids": [R1.to_json()], "deadline_ts": policy.clock.now() + 1.0}))
+        await policy.until(lambda s: s["retired_rollouts"] == 1)
+        policy.clock.advance(2.0)  # the retire's wait for the stream runs past its deadline
+        expect_error(await asyncio.wait_for(retire, WAIT_S), "deadline_exceeded", "a retire past its deadline")
+        await policy.control.ok("forget", checkpoint_id="h2", rollout_ids=["r1"])
+        assert (await policy.control.status())["retired_rollouts"] == 0
+        gate.set()
+        body = await asyncio.wait_for(stream, WAIT_S)
+        extras = await policy.extras()
+    assert b'"code":"stale_attempt"' in body and not body.endswith(b"data: [DONE]\n\n")
+    assert {key: extras[key] for key in ("ledgers", "rows", "active_calls")} == {
+        "ledgers": 0, "rows": 0, "active_calls": 0}

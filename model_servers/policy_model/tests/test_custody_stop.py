@@ -16,7 +16,7 @@ import pytest
 from fastapi import FastAPI
 
 from model_servers.policy_model.custody import CustodyBackend
-from model_servers.policy_model.generation import ChatCall, ChatResult, Sampling, StreamEvent
+from model_servers.policy_model.generation import ChatCall, ChatResult, Sampling, StreamEvent, StreamStarted
 from model_servers.policy_model.participant import PolicyParticipant, mount_policy_participant
 from model_servers.policy_model.tests.policy_harness import policy_context
 from nemo_gym_ckpt.client import MeshClient
@@ -54,6 +54,14 @@ class GatedBackend:
 
     def stream(self, call: ChatCall) -> AsyncGenerator[StreamEvent, None]:
         raise NotImplementedError("the gated backend only completes")
+
+
+class OneEventStream(GatedBackend):
+    """Streams its start, then its final result at once."""
+
+    async def stream(self, call: ChatCall) -> AsyncGenerator[StreamEvent, None]:
+        yield StreamStarted("d" * 32)
+        yield ChatResult("ok", [], "stop", 1, 1, "d" * 32, prompt_digest="a" * 64, output_digest="b" * 64)
 
 
 def mounted(tmp_path: Path, inner: GatedBackend) -> PolicyParticipant:
@@ -122,3 +130,29 @@ async def test_a_retire_and_a_cancel_from_outside_together_stay_a_cancellation(t
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(call, WAIT_S)
     assert len(policy.adapter.calls) == 0
+
+
+async def test_a_stream_stopped_while_its_final_event_went_out_writes_no_row(tmp_path: Path) -> None:
+    """Stopped by a retire (which then ran past its deadline) and forgotten while the final event
+    was being passed on: the stream answers ``stale_attempt`` instead of writing the row."""
+    policy = mounted(tmp_path, OneEventStream())
+
+    async def stream_as(episode: RolloutIdentity) -> str:
+        CURRENT_IDENTITY.set(episode)
+        events = policy.backend.stream(CALL)
+        try:
+            assert isinstance(await anext(events), StreamStarted)
+            assert isinstance(await anext(events), ChatResult)  # being passed on
+            assert len(policy.adapter.calls.stop([R1])) == 1
+            policy.adapter.ledgers.forget(["r1"])
+            async for _ in events:
+                return "more events"
+        except StaleAttempt:
+            return "stale_attempt"
+        finally:
+            await events.aclose()
+        return "delivered"
+
+    assert await asyncio.wait_for(asyncio.create_task(stream_as(R1)), WAIT_S) == "stale_attempt"
+    assert len(policy.adapter.calls) == 0
+    assert len(policy.adapter.ledgers) == 0  # no ledger comes back for the forgotten rollout
