@@ -9,7 +9,10 @@ loopback, see docs/benchmarks.md) or ``httpx`` (httpcore). Behaviour the rest of
 - idempotent calls (GET, or a POST marked ``idempotent=True``) are retried a bounded number of
   times on connection failures and 502/503/504; any call is sent again when it was provably never
   sent (no connection could be made, or the pooled connection was found closed before the request
-  was written: the peer cannot have run it); nothing else is ever retried;
+  was written: the peer cannot have run it); nothing else is ever retried. A connection dropped once
+  the request may have gone out (the peer disconnected or reset it before answering) is not proof:
+  such a call fails with ``Unavailable`` unless it is idempotent (httpx-aiohttp reports every aiohttp
+  connection error as ``httpx.ConnectTimeout``, so the aiohttp error it wraps is what decides);
 - every call has an overall deadline, retries included;
 - cookies are never stored: a call sends only the cookies it is given (a session cookie of one
   rollout must never ride along on another rollout's call);
@@ -41,6 +44,7 @@ __all__ = [
     "DEFAULT_TRANSPORT",
     "KEEPALIVE_S",
     "MAX_CONNECT_DOUBLINGS",
+    "MAX_SLOW_CONNECTS",
     "UNSENT_EXTRA",
     "EncodedJson",
     "MeshClient",
@@ -72,6 +76,13 @@ MAX_CONNECT_DOUBLINGS = 6
 (0.25 s up to 16 s)."""
 UNSENT_EXTRA = 3
 """Extra sends of a call found never sent: each may meet another closed pooled connection."""
+MAX_SLOW_CONNECTS = 16
+"""A control call's connects not made in time (``_SlowConnect``) are made again at most this many
+times (each after ``backoff_s``), then the call fails with ``Unavailable``: with ``CONTROL_CONNECT_S``
+doubling up to 16 s, that is about three minutes spent connecting, past any control call's deadline."""
+_WRITE_REFUSED = "Cannot write to closing transport"
+"""aiohttp's message when it finds the connection closing before it writes the request (headers and
+a bytes body go out in one write, so nothing of the request was sent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,8 +233,11 @@ class MeshClient:
             last = attempt == attempts - 1
             try:
                 response = await self._send_once(method, url, content, headers, cookies, self._connect_timeout(slow))
-            except _SlowConnect:
-                slow += 1  # a fresh socket at once, twice the time: the call's deadline bounds the tries
+            except _SlowConnect as not_made:
+                slow += 1  # a fresh socket, twice the time: bounded by the count and the call's deadline
+                if slow > MAX_SLOW_CONNECTS:
+                    raise Unavailable(f"{not_made.detail} ({slow} tries)") from not_made
+                await asyncio.sleep(self.backoff_s)
                 continue
             except _NotSent as not_sent:
                 if unsent_retries > 0:
@@ -258,13 +272,14 @@ class MeshClient:
             request.headers["cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
         try:
             return await self._http.send(request)
-        except httpx.ConnectTimeout as error:
-            if timeout is not None:
+        except (httpx.ConnectTimeout, httpx.ConnectError) as error:
+            cause = _aiohttp_error(error)
+            name = type(cause or error).__name__
+            if not _never_sent(cause):  # the peer may have the whole request: never "not sent"
+                raise Unavailable(f"{method} {url}: {name}: {error}") from error
+            if timeout is not None and _connect_timed_out(error, cause):
                 raise _SlowConnect(f"{method} {url}: no connection within {timeout.connect:g} s") from error
-            raise _NotSent(f"{method} {url}: {type(error).__name__}: {error}") from error
-        except httpx.ConnectError as error:
-            # Not sent: httpx-aiohttp also reports a dropped keep-alive connection this way.
-            raise _NotSent(f"{method} {url}: {type(error).__name__}: {error}") from error
+            raise _NotSent(f"{method} {url}: {name}: {error}") from error
         except httpx.TimeoutException as error:
             raise UpstreamTimeout(f"{method} {url}: {type(error).__name__}") from error
         except httpx.TransportError as error:
@@ -308,6 +323,55 @@ class MeshClient:
             yield response
         finally:
             await response.aclose()
+
+
+def _aiohttp_error(error: BaseException) -> BaseException | None:
+    """The aiohttp error behind an httpx one (httpx-aiohttp raises its own ``from`` aiohttp's), found
+    through ``__cause__``/``__context__``; ``None`` for httpx's own transport or a test's."""
+    import aiohttp
+
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        if isinstance(link, aiohttp.ClientError):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def _never_sent(cause: BaseException | None) -> bool:
+    """Whether an ``httpx.ConnectError``/``ConnectTimeout`` proves the request never went out.
+
+    httpx's own transport (``cause`` is ``None``) raises them only when no connection was made. Over
+    httpx-aiohttp, which raises ``ConnectTimeout`` for every ``aiohttp.ClientConnectionError``, only a
+    failed or timed-out connect (``ClientConnectorError``, ``ConnectionTimeoutError``) or a write refused
+    because the connection was already closing proves it; ``ServerDisconnectedError`` or a reset
+    (``ClientOSError``) may come after the peer read the whole request.
+    """
+    if cause is None:
+        return True
+    import aiohttp
+
+    if isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return True
+    link: BaseException | None = cause
+    for _ in range(8):  # "Can not write request body" (ClientOSError) is raised from the writer's refusal
+        if link is None:
+            break
+        if isinstance(link, aiohttp.ClientConnectionResetError) and str(link) == _WRITE_REFUSED:
+            return True
+        link = link.__cause__
+    return False
+
+
+def _connect_timed_out(error: httpx.TransportError, cause: BaseException | None) -> bool:
+    """A connect not made within its timeout (a refused one is not: it is made again after a backoff)."""
+    if cause is None:
+        return isinstance(error, httpx.ConnectTimeout)
+    import aiohttp
+
+    return isinstance(cause, aiohttp.ConnectionTimeoutError)
 
 
 def raise_for_error(response: httpx.Response) -> None:

@@ -13,7 +13,13 @@ import httpx
 import pytest
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
-from nemo_gym_ckpt.client import CONTROL_CONNECT_S, MAX_CONNECT_DOUBLINGS, MeshClient, _make_transport
+from nemo_gym_ckpt.client import (
+    CONTROL_CONNECT_S,
+    MAX_CONNECT_DOUBLINGS,
+    MAX_SLOW_CONNECTS,
+    MeshClient,
+    _make_transport,
+)
 from nemo_gym_ckpt.errors import Unavailable, UpstreamTimeout
 
 pytestmark = pytest.mark.unit
@@ -116,3 +122,17 @@ async def test_a_dropped_syn_is_sent_again_on_a_fresh_socket(full_listen_queue: 
             await client.post_json(f"http://127.0.0.1:{full_listen_queue}/ng-control/prepare", {},
                                    idempotent=True, timeout_s=0.8)
     assert transport.sent >= 2
+
+
+async def test_slow_connects_are_paused_and_bounded_whatever_the_deadline() -> None:
+    """A connect reported as timed out at once (no wait at all) is not made again in a tight loop until
+    the deadline: each try waits ``backoff_s``, and past ``MAX_SLOW_CONNECTS`` the call fails."""
+    transport = SlowConnects(failures=10**6)
+    loop = asyncio.get_running_loop()
+    async with MeshClient(transport=transport, backoff_s=0.01, connect_timeout_s=0.25) as client:
+        started = loop.time()
+        with pytest.raises(Unavailable, match="tries") as raised:
+            await client.post_json("http://peer/ng-control/prepare", {}, idempotent=True, timeout_s=60)
+    assert type(raised.value) is Unavailable
+    assert transport.seen == MAX_SLOW_CONNECTS + 1
+    assert loop.time() - started >= MAX_SLOW_CONNECTS * 0.01
