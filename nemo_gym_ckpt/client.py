@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULT_TRANSPORT",
     "KEEPALIVE_S",
     "MAX_CONNECT_DOUBLINGS",
+    "MAX_ERROR_REPLY_BYTES",
     "MAX_SLOW_CONNECTS",
     "UNSENT_EXTRA",
     "EncodedJson",
@@ -75,6 +76,9 @@ MAX_CONNECT_DOUBLINGS = 6
 """A control connect's timeout doubles after each try not made in time, at most this many times
 (0.25 s up to 16 s)."""
 UNSENT_EXTRA = 3
+MAX_ERROR_REPLY_BYTES = 1024 * 1024
+"""The most bytes read of a streamed call's error reply (``{"error": {"code", "detail"}}``, a few
+hundred bytes in practice); a longer one is ``UpstreamError``."""
 """Extra sends of a call found never sent: each may meet another closed pooled connection."""
 MAX_SLOW_CONNECTS = 16
 """A control call's connects not made in time (``_SlowConnect``) are made again at most this many
@@ -303,22 +307,35 @@ class MeshClient:
         identity: RolloutIdentity | None = None,
         connect_timeout_s: float | None = None,
     ) -> AsyncIterator[httpx.Response]:
-        """A streaming request: the response is yielded once its headers arrive; never retried."""
+        """A streaming request: the response is yielded once its headers arrive; never retried.
+
+        ``connect_timeout_s`` (default ``timeout_s``) bounds the wait for the headers and, for an error
+        status, for its whole body too (at most ``MAX_ERROR_REPLY_BYTES``), which is then raised as the
+        matching ``GymError``."""
         url = with_rollout_prefix(url, identity or current_identity())
         content = None if json is None else orjson.dumps(json)
         all_headers = {"content-type": "application/json", **(headers or {})}
         request = self._http.build_request(method.upper(), url, content=content, headers=all_headers)
         limit = self.timeout_s if connect_timeout_s is None else connect_timeout_s
+        deadline = asyncio.get_running_loop().time() + limit
         try:
-            async with asyncio.timeout(limit):
+            async with asyncio.timeout_at(deadline):
                 response = await self._http.send(request, stream=True)
         except TimeoutError:
             raise UpstreamTimeout(f"{method} {url}: no reply within {limit:g} s") from None
         except httpx.TransportError as error:
             raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
         try:
-            if response.status_code >= 400:
-                await response.aread()
+            if response.status_code >= 400:  # an error reply is read whole, within the same deadline
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await _read_bounded(response, MAX_ERROR_REPLY_BYTES, f"{method} {url}")
+                except TimeoutError:
+                    raise UpstreamTimeout(
+                        f"{method} {url}: its {response.status_code} reply was not read within {limit:g} s"
+                    ) from None
+                except httpx.TransportError as error:
+                    raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
                 raise_for_error(response)
             yield response
         finally:
@@ -372,6 +389,24 @@ def _connect_timed_out(error: httpx.TransportError, cause: BaseException | None)
     import aiohttp
 
     return isinstance(cause, aiohttp.ConnectionTimeoutError)
+
+
+async def _read_bounded(response: httpx.Response, limit: int, call: str) -> None:
+    """Read ``response``'s body (decoded) into ``response.content``, refusing one longer than ``limit``
+    bytes (``UpstreamError``) without reading past it; the caller closes the response."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise UpstreamError(f"{call}: the {response.status_code} reply declares {declared} bytes, "
+                            f"past the client's bound of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise UpstreamError(f"{call}: the {response.status_code} reply is longer than "
+                                f"the client's bound of {limit} bytes")
+        chunks.append(chunk)
+    response._content = b"".join(chunks)  # what ``aread`` keeps: ``content``, ``json()`` read it
 
 
 def raise_for_error(response: httpx.Response) -> None:

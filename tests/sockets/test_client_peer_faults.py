@@ -11,8 +11,15 @@ import aiohttp
 import httpx
 import pytest
 
-from nemo_gym_ckpt.client import CONTROL_CONNECT_S, UNSENT_EXTRA, MeshClient, _make_transport, _never_sent
-from nemo_gym_ckpt.errors import Unavailable
+from nemo_gym_ckpt.client import (
+    CONTROL_CONNECT_S,
+    MAX_ERROR_REPLY_BYTES,
+    UNSENT_EXTRA,
+    MeshClient,
+    _make_transport,
+    _never_sent,
+)
+from nemo_gym_ckpt.errors import Unavailable, UpstreamError, UpstreamTimeout
 
 pytestmark = pytest.mark.sockets
 
@@ -126,3 +133,68 @@ async def test_aiohttp_refuses_a_write_into_a_closing_connection_with_the_messag
         await writer.write_headers("POST /run HTTP/1.1", {"Content-Length": "2"})  # type: ignore[arg-type]
         await writer.write(b"{}")
     assert _never_sent(raised.value)
+
+
+def answers(head: bytes, body_chunks: Callable[[], AsyncIterator[bytes]]) -> Handler:
+    """A peer answering ``head`` then the chunks of ``body_chunks`` (chunked transfer encoding)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await read_request(reader)
+            writer.write(head + b"transfer-encoding: chunked\r\n\r\n")
+            async for chunk in body_chunks():
+                writer.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    return handle
+
+
+async def test_a_streamed_call_s_error_reply_is_read_within_its_deadline() -> None:
+    async def trickle() -> AsyncIterator[bytes]:
+        while True:  # one byte every 50 ms, forever
+            yield b" "
+            await asyncio.sleep(0.05)
+
+    head = b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+    loop = asyncio.get_running_loop()
+    async with peer(answers(head, trickle)) as url, MeshClient() as client:
+        started = loop.time()
+        with pytest.raises(UpstreamTimeout, match=r"500 reply was not read within 0\.5 s"):
+            async with asyncio.timeout(5):  # the test's own watchdog
+                async with client.stream("POST", f"{url}/v1/completions", json={}, connect_timeout_s=0.5):
+                    pass
+    assert loop.time() - started < 2
+
+
+async def test_a_streamed_call_s_error_reply_is_read_up_to_its_bound() -> None:
+    sent = 0
+
+    async def endless() -> AsyncIterator[bytes]:
+        nonlocal sent
+        while sent < 64 * MAX_ERROR_REPLY_BYTES:  # ends, so that a client without a bound still returns
+            sent += 1 << 16
+            yield b" " * (1 << 16)
+
+    head = b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+    async with peer(answers(head, endless)) as url, MeshClient() as client:
+        with pytest.raises(UpstreamError, match=f"longer than the client's bound of {MAX_ERROR_REPLY_BYTES} bytes"):
+            async with client.stream("POST", f"{url}/v1/completions", json={}, connect_timeout_s=5):
+                pass
+    assert sent < 8 * MAX_ERROR_REPLY_BYTES  # no more than the socket buffers past the bound
+
+
+async def test_a_streamed_call_s_error_reply_is_still_raised_as_its_class() -> None:
+    async def one() -> AsyncIterator[bytes]:
+        yield b'{"error": {"code": "unavailable", "detail": "engine is restarting"}}'
+
+    head = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    async with peer(answers(head, one)) as url, MeshClient() as client:
+        with pytest.raises(Unavailable, match="engine is restarting"):
+            async with client.stream("POST", f"{url}/v1/completions", json={}, connect_timeout_s=5):
+                pass
