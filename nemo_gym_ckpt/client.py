@@ -13,7 +13,8 @@ loopback, see docs/benchmarks.md) or ``httpx`` (httpcore). Behaviour the rest of
   the request may have gone out (the peer disconnected or reset it before answering) is not proof:
   such a call fails with ``Unavailable`` unless it is idempotent (httpx-aiohttp reports every aiohttp
   connection error as ``httpx.ConnectTimeout``, so the aiohttp error it wraps is what decides);
-- every call has an overall deadline, retries included;
+- every call has an overall deadline, retries included, and reads at most ``max_reply_bytes`` of a
+  reply (``DEFAULT_MAX_REPLY_BYTES``, 256 MiB): a longer one is ``UpstreamError``;
 - cookies are never stored: a call sends only the cookies it is given (a session cookie of one
   rollout must never ride along on another rollout's call);
 - failures are mapped here, once: transport errors become ``Unavailable`` or ``UpstreamTimeout``,
@@ -41,6 +42,7 @@ from nemo_gym_ckpt.identity import ROLLOUT_PREFIX, RolloutIdentity, current_iden
 
 __all__ = [
     "CONTROL_CONNECT_S",
+    "DEFAULT_MAX_REPLY_BYTES",
     "DEFAULT_TRANSPORT",
     "KEEPALIVE_S",
     "MAX_CONNECT_DOUBLINGS",
@@ -76,6 +78,11 @@ MAX_CONNECT_DOUBLINGS = 6
 """A control connect's timeout doubles after each try not made in time, at most this many times
 (0.25 s up to 16 s)."""
 UNSENT_EXTRA = 3
+DEFAULT_MAX_REPLY_BYTES = 256 * 1024 * 1024
+"""The most bytes of a reply a call reads (``max_reply_bytes``); a longer one is ``UpstreamError``
+(502), refused once the bound is passed, never read whole. Eight times a server's default request
+bound (``server.DEFAULT_MAX_BODY_BYTES``, 32 MiB), so any reply a mesh server builds from what it
+accepted fits, while a runaway or hostile peer costs at most this much memory per call."""
 MAX_ERROR_REPLY_BYTES = 1024 * 1024
 """The most bytes read of a streamed call's error reply (``{"error": {"code", "detail"}}``, a few
 hundred bytes in practice); a longer one is ``UpstreamError``."""
@@ -104,8 +111,8 @@ class _NotSent(Unavailable):
 class _SlowConnect(_NotSent):
     """A new connection was not made within this try's connect timeout: its SYN most likely met a
     full listen queue and was dropped (the kernel would send it again only 1, then 3 and 7 seconds
-    later). Tried again at once on a fresh socket, with twice the timeout (a slow link still gets
-    through), until the call's deadline."""
+    later). Tried again on a fresh socket after ``backoff_s``, with twice the timeout (a slow link
+    still gets through), until the call's deadline, at most ``MAX_SLOW_CONNECTS`` times."""
 
 
 def with_rollout_prefix(url: str, identity: RolloutIdentity | None) -> str:
@@ -150,10 +157,13 @@ class MeshClient:
         retries: int = 2,
         backoff_s: float = 0.05,
         connect_timeout_s: float | None = None,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     ) -> None:
-        """``connect_timeout_s``: a new connection not made by then is abandoned and made again at
-        once with twice the timeout, as often as the call's deadline allows (``None``: the kernel's
-        own SYN retries)."""
+        """``connect_timeout_s``: a new connection not made by then is abandoned and made again
+        with twice the timeout, as often as the call's deadline allows (``None``: the kernel's
+        own SYN retries). ``max_reply_bytes``: the most bytes of a reply a call reads."""
+        if max_reply_bytes < 1:
+            raise ValueError("max_reply_bytes must be >= 1")
         self._transport_name = transport if isinstance(transport, str) else None
         if isinstance(transport, str):
             transport = _make_transport(transport, max_connections)
@@ -164,6 +174,7 @@ class MeshClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.connect_timeout_s = connect_timeout_s
+        self.max_reply_bytes = max_reply_bytes
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -176,7 +187,8 @@ class MeshClient:
             return self
         return MeshClient(transport=self._transport_name, max_connections=max_connections,
                           timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s,
-                          connect_timeout_s=connect_timeout_s or self.connect_timeout_s)
+                          connect_timeout_s=connect_timeout_s or self.connect_timeout_s,
+                          max_reply_bytes=self.max_reply_bytes)
 
     def for_control(self, max_connections: int) -> MeshClient:
         """A client for control calls: ``with_own_pool``, so they never wait behind data calls, and
@@ -275,7 +287,7 @@ class MeshClient:
         if cookies:
             request.headers["cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
         try:
-            return await self._http.send(request)
+            response = await self._http.send(request, stream=True)  # read below, within its bound
         except (httpx.ConnectTimeout, httpx.ConnectError) as error:
             cause = _aiohttp_error(error)
             name = type(cause or error).__name__
@@ -288,6 +300,15 @@ class MeshClient:
             raise UpstreamTimeout(f"{method} {url}: {type(error).__name__}") from error
         except httpx.TransportError as error:
             raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
+        try:  # the reply's headers arrived: whatever fails now, the request was sent
+            await _read_bounded(response, self.max_reply_bytes, f"{method} {url}")
+        except httpx.TimeoutException as error:
+            raise UpstreamTimeout(f"{method} {url}: {type(error).__name__}") from error
+        except httpx.TransportError as error:
+            raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
+        finally:
+            await response.aclose()
+        return response
 
     async def post_json(self, url: str, json: Any = None, **kwargs: Any) -> Any:
         """POST and decode the JSON reply (errors raised as ``GymError``)."""

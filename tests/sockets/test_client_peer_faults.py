@@ -13,6 +13,7 @@ import pytest
 
 from nemo_gym_ckpt.client import (
     CONTROL_CONNECT_S,
+    DEFAULT_MAX_REPLY_BYTES,
     MAX_ERROR_REPLY_BYTES,
     UNSENT_EXTRA,
     MeshClient,
@@ -198,3 +199,56 @@ async def test_a_streamed_call_s_error_reply_is_still_raised_as_its_class() -> N
         with pytest.raises(Unavailable, match="engine is restarting"):
             async with client.stream("POST", f"{url}/v1/completions", json={}, connect_timeout_s=5):
                 pass
+
+
+def big_reply(total: int, counter: list[int], *, declared: bool = False) -> Handler:
+    """A peer answering 200 with ``total`` bytes of body (chunked, or with ``Content-Length``);
+    ``counter[0]`` counts the bytes it managed to write."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await read_request(reader)
+            framing = b"content-length: %d" % total if declared else b"transfer-encoding: chunked"
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n%b\r\n\r\n" % framing)
+            chunk = b" " * (1 << 16)
+            while counter[0] < total:
+                writer.write(chunk if declared else b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                counter[0] += len(chunk)
+                await writer.drain()
+            if not declared:
+                writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    return handle
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["chunked", "content-length"])
+async def test_a_reply_past_the_client_s_bound_is_refused_without_reading_it_whole(declared: bool) -> None:
+    bound, sent = 1 << 20, [0]
+    async with peer(big_reply(64 * bound, sent, declared=declared)) as url, \
+            MeshClient(max_reply_bytes=bound) as client:
+        with pytest.raises(UpstreamError, match=f"the client's bound of {bound} bytes") as raised:
+            await client.request("POST", f"{url}/v1/completions", json={}, timeout_s=30)
+    assert raised.value.status == 502
+    assert sent[0] < 8 * bound  # no more than the socket buffers past the bound
+
+
+async def test_a_reply_within_the_bound_is_read_whole() -> None:
+    bound, sent = 1 << 20, [0]
+    async with peer(big_reply(bound, sent)) as url, MeshClient(max_reply_bytes=bound) as client:
+        response = await client.request("POST", f"{url}/v1/completions", json={}, timeout_s=30)
+    assert len(response.content) == bound and response.content.strip() == b""
+
+
+async def test_the_reply_bound_defaults_to_256_mib_and_is_kept_by_clients_made_from_one() -> None:
+    async with MeshClient() as data, MeshClient(max_reply_bytes=1234) as small:
+        assert data.max_reply_bytes == DEFAULT_MAX_REPLY_BYTES == 256 * 1024 * 1024
+        control = small.for_control(2)
+        try:
+            assert control.max_reply_bytes == 1234
+        finally:
+            await control.aclose()
