@@ -89,8 +89,9 @@ hundred bytes in practice); a longer one is ``UpstreamError``."""
 """Extra sends of a call found never sent: each may meet another closed pooled connection."""
 MAX_SLOW_CONNECTS = 16
 """A control call's connects not made in time (``_SlowConnect``) are made again at most this many
-times (each after ``backoff_s``), then the call fails with ``Unavailable``: with ``CONTROL_CONNECT_S``
-doubling up to 16 s, that is about three minutes spent connecting, past any control call's deadline."""
+times (at once: each try waited its whole connect timeout), then the call fails with ``Unavailable``:
+with ``CONTROL_CONNECT_S`` doubling up to 16 s, that is about three minutes spent connecting, past any
+control call's deadline."""
 _WRITE_REFUSED = "Cannot write to closing transport"
 """aiohttp's message when it finds the connection closing before it writes the request (headers and
 a bytes body go out in one write, so nothing of the request was sent)."""
@@ -111,8 +112,9 @@ class _NotSent(Unavailable):
 class _SlowConnect(_NotSent):
     """A new connection was not made within this try's connect timeout: its SYN most likely met a
     full listen queue and was dropped (the kernel would send it again only 1, then 3 and 7 seconds
-    later). Tried again on a fresh socket after ``backoff_s``, with twice the timeout (a slow link
-    still gets through), until the call's deadline, at most ``MAX_SLOW_CONNECTS`` times."""
+    later). Tried again at once on a fresh socket (the try waited its whole timeout: no spin), with
+    twice the timeout (a slow link still gets through), until the call's deadline, at most
+    ``MAX_SLOW_CONNECTS`` times."""
 
 
 def with_rollout_prefix(url: str, identity: RolloutIdentity | None) -> str:
@@ -250,10 +252,9 @@ class MeshClient:
             try:
                 response = await self._send_once(method, url, content, headers, cookies, self._connect_timeout(slow))
             except _SlowConnect as not_made:
-                slow += 1  # a fresh socket, twice the time: bounded by the count and the call's deadline
-                if slow > MAX_SLOW_CONNECTS:
+                slow += 1  # a fresh socket at once (each try waited its whole connect timeout), twice the
+                if slow > MAX_SLOW_CONNECTS:  # time: bounded by the count and the call's deadline
                     raise Unavailable(f"{not_made.detail} ({slow} tries)") from not_made
-                await asyncio.sleep(self.backoff_s)
                 continue
             except _NotSent as not_sent:
                 if unsent_retries > 0:

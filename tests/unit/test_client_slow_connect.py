@@ -61,7 +61,7 @@ async def test_without_a_connect_timeout_the_retries_stay_bounded() -> None:
 
 
 async def test_the_deadline_bounds_the_connects_made_again() -> None:
-    transport = SlowConnects(failures=10**6, wait_s=0.01)  # each try fails after 10 ms, whatever its timeout
+    transport = SlowConnects(failures=10**6, wait_s=0.03)  # each try fails after 30 ms, whatever its timeout
     async with MeshClient(transport=transport, connect_timeout_s=0.01) as client:
         with pytest.raises(UpstreamTimeout):
             await client.post_json("http://peer/ng-control/prepare", {}, idempotent=True, timeout_s=0.3)
@@ -124,15 +124,12 @@ async def test_a_dropped_syn_is_sent_again_on_a_fresh_socket(full_listen_queue: 
     assert transport.sent >= 2
 
 
-async def test_slow_connects_are_paused_and_bounded_whatever_the_deadline() -> None:
-    """A connect reported as timed out at once (no wait at all) is not made again in a tight loop until
-    the deadline: each try waits ``backoff_s``, and past ``MAX_SLOW_CONNECTS`` the call fails."""
+async def test_slow_connects_are_bounded_whatever_the_deadline() -> None:
+    """Connects reported as timed out (here at once, no wait at all) are made again at most
+    ``MAX_SLOW_CONNECTS`` times, then the call fails, long before its deadline."""
     transport = SlowConnects(failures=10**6)
-    loop = asyncio.get_running_loop()
     async with MeshClient(transport=transport, backoff_s=0.01, connect_timeout_s=0.25) as client:
-        started = loop.time()
         with pytest.raises(Unavailable, match="tries") as raised:
             await client.post_json("http://peer/ng-control/prepare", {}, idempotent=True, timeout_s=60)
     assert type(raised.value) is Unavailable
     assert transport.seen == MAX_SLOW_CONNECTS + 1
-    assert loop.time() - started >= MAX_SLOW_CONNECTS * 0.01
