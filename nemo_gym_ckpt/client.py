@@ -9,8 +9,12 @@ loopback, see docs/benchmarks.md) or ``httpx`` (httpcore). Behaviour the rest of
 - idempotent calls (GET, or a POST marked ``idempotent=True``) are retried a bounded number of
   times on connection failures and 502/503/504; any call is sent again when it was provably never
   sent (no connection could be made, or the pooled connection was found closed before the request
-  was written: the peer cannot have run it); nothing else is ever retried;
-- every call has an overall deadline, retries included;
+  was written: the peer cannot have run it); nothing else is ever retried. A connection dropped once
+  the request may have gone out (the peer disconnected or reset it before answering) is not proof:
+  such a call fails with ``Unavailable`` unless it is idempotent (httpx-aiohttp reports every aiohttp
+  connection error as ``httpx.ConnectTimeout``, so the aiohttp error it wraps is what decides);
+- every call has an overall deadline, retries included, and reads at most ``max_reply_bytes`` of a
+  reply (``DEFAULT_MAX_REPLY_BYTES``, 256 MiB): a longer one is ``UpstreamError``;
 - cookies are never stored: a call sends only the cookies it is given (a session cookie of one
   rollout must never ride along on another rollout's call);
 - failures are mapped here, once: transport errors become ``Unavailable`` or ``UpstreamTimeout``,
@@ -38,9 +42,12 @@ from nemo_gym_ckpt.identity import ROLLOUT_PREFIX, RolloutIdentity, current_iden
 
 __all__ = [
     "CONTROL_CONNECT_S",
+    "DEFAULT_MAX_REPLY_BYTES",
     "DEFAULT_TRANSPORT",
     "KEEPALIVE_S",
     "MAX_CONNECT_DOUBLINGS",
+    "MAX_ERROR_REPLY_BYTES",
+    "MAX_SLOW_CONNECTS",
     "UNSENT_EXTRA",
     "EncodedJson",
     "MeshClient",
@@ -71,7 +78,23 @@ MAX_CONNECT_DOUBLINGS = 6
 """A control connect's timeout doubles after each try not made in time, at most this many times
 (0.25 s up to 16 s)."""
 UNSENT_EXTRA = 3
+DEFAULT_MAX_REPLY_BYTES = 256 * 1024 * 1024
+"""The most bytes of a reply a call reads (``max_reply_bytes``); a longer one is ``UpstreamError``
+(502), refused once the bound is passed, never read whole. Eight times a server's default request
+bound (``server.DEFAULT_MAX_BODY_BYTES``, 32 MiB), so any reply a mesh server builds from what it
+accepted fits, while a runaway or hostile peer costs at most this much memory per call."""
+MAX_ERROR_REPLY_BYTES = 1024 * 1024
+"""The most bytes read of a streamed call's error reply (``{"error": {"code", "detail"}}``, a few
+hundred bytes in practice); a longer one is ``UpstreamError``."""
 """Extra sends of a call found never sent: each may meet another closed pooled connection."""
+MAX_SLOW_CONNECTS = 16
+"""A control call's connects not made in time (``_SlowConnect``) are made again at most this many
+times (at once: each try waited its whole connect timeout), then the call fails with ``Unavailable``:
+with ``CONTROL_CONNECT_S`` doubling up to 16 s, that is about three minutes spent connecting, past any
+control call's deadline."""
+_WRITE_REFUSED = "Cannot write to closing transport"
+"""aiohttp's message when it finds the connection closing before it writes the request (headers and
+a bytes body go out in one write, so nothing of the request was sent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +112,9 @@ class _NotSent(Unavailable):
 class _SlowConnect(_NotSent):
     """A new connection was not made within this try's connect timeout: its SYN most likely met a
     full listen queue and was dropped (the kernel would send it again only 1, then 3 and 7 seconds
-    later). Tried again at once on a fresh socket, with twice the timeout (a slow link still gets
-    through), until the call's deadline."""
+    later). Tried again at once on a fresh socket (the try waited its whole timeout: no spin), with
+    twice the timeout (a slow link still gets through), until the call's deadline, at most
+    ``MAX_SLOW_CONNECTS`` times."""
 
 
 def with_rollout_prefix(url: str, identity: RolloutIdentity | None) -> str:
@@ -135,10 +159,13 @@ class MeshClient:
         retries: int = 2,
         backoff_s: float = 0.05,
         connect_timeout_s: float | None = None,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     ) -> None:
-        """``connect_timeout_s``: a new connection not made by then is abandoned and made again at
-        once with twice the timeout, as often as the call's deadline allows (``None``: the kernel's
-        own SYN retries)."""
+        """``connect_timeout_s``: a new connection not made by then is abandoned and made again
+        with twice the timeout, as often as the call's deadline allows (``None``: the kernel's
+        own SYN retries). ``max_reply_bytes``: the most bytes of a reply a call reads."""
+        if max_reply_bytes < 1:
+            raise ValueError("max_reply_bytes must be >= 1")
         self._transport_name = transport if isinstance(transport, str) else None
         if isinstance(transport, str):
             transport = _make_transport(transport, max_connections)
@@ -149,6 +176,7 @@ class MeshClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.connect_timeout_s = connect_timeout_s
+        self.max_reply_bytes = max_reply_bytes
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -161,7 +189,8 @@ class MeshClient:
             return self
         return MeshClient(transport=self._transport_name, max_connections=max_connections,
                           timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s,
-                          connect_timeout_s=connect_timeout_s or self.connect_timeout_s)
+                          connect_timeout_s=connect_timeout_s or self.connect_timeout_s,
+                          max_reply_bytes=self.max_reply_bytes)
 
     def for_control(self, max_connections: int) -> MeshClient:
         """A client for control calls: ``with_own_pool``, so they never wait behind data calls, and
@@ -222,8 +251,10 @@ class MeshClient:
             last = attempt == attempts - 1
             try:
                 response = await self._send_once(method, url, content, headers, cookies, self._connect_timeout(slow))
-            except _SlowConnect:
-                slow += 1  # a fresh socket at once, twice the time: the call's deadline bounds the tries
+            except _SlowConnect as not_made:
+                slow += 1  # a fresh socket at once (each try waited its whole connect timeout), twice the
+                if slow > MAX_SLOW_CONNECTS:  # time: bounded by the count and the call's deadline
+                    raise Unavailable(f"{not_made.detail} ({slow} tries)") from not_made
                 continue
             except _NotSent as not_sent:
                 if unsent_retries > 0:
@@ -257,18 +288,28 @@ class MeshClient:
         if cookies:
             request.headers["cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
         try:
-            return await self._http.send(request)
-        except httpx.ConnectTimeout as error:
-            if timeout is not None:
+            response = await self._http.send(request, stream=True)  # read below, within its bound
+        except (httpx.ConnectTimeout, httpx.ConnectError) as error:
+            cause = _aiohttp_error(error)
+            name = type(cause or error).__name__
+            if not _never_sent(cause):  # the peer may have the whole request: never "not sent"
+                raise Unavailable(f"{method} {url}: {name}: {error}") from error
+            if timeout is not None and _connect_timed_out(error, cause):
                 raise _SlowConnect(f"{method} {url}: no connection within {timeout.connect:g} s") from error
-            raise _NotSent(f"{method} {url}: {type(error).__name__}: {error}") from error
-        except httpx.ConnectError as error:
-            # Not sent: httpx-aiohttp also reports a dropped keep-alive connection this way.
-            raise _NotSent(f"{method} {url}: {type(error).__name__}: {error}") from error
+            raise _NotSent(f"{method} {url}: {name}: {error}") from error
         except httpx.TimeoutException as error:
             raise UpstreamTimeout(f"{method} {url}: {type(error).__name__}") from error
         except httpx.TransportError as error:
             raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
+        try:  # the reply's headers arrived: whatever fails now, the request was sent
+            await _read_bounded(response, self.max_reply_bytes, f"{method} {url}")
+        except httpx.TimeoutException as error:
+            raise UpstreamTimeout(f"{method} {url}: {type(error).__name__}") from error
+        except httpx.TransportError as error:
+            raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
+        finally:
+            await response.aclose()
+        return response
 
     async def post_json(self, url: str, json: Any = None, **kwargs: Any) -> Any:
         """POST and decode the JSON reply (errors raised as ``GymError``)."""
@@ -288,26 +329,106 @@ class MeshClient:
         identity: RolloutIdentity | None = None,
         connect_timeout_s: float | None = None,
     ) -> AsyncIterator[httpx.Response]:
-        """A streaming request: the response is yielded once its headers arrive; never retried."""
+        """A streaming request: the response is yielded once its headers arrive; never retried.
+
+        ``connect_timeout_s`` (default ``timeout_s``) bounds the wait for the headers and, for an error
+        status, for its whole body too (at most ``MAX_ERROR_REPLY_BYTES``), which is then raised as the
+        matching ``GymError``."""
         url = with_rollout_prefix(url, identity or current_identity())
         content = None if json is None else orjson.dumps(json)
         all_headers = {"content-type": "application/json", **(headers or {})}
         request = self._http.build_request(method.upper(), url, content=content, headers=all_headers)
         limit = self.timeout_s if connect_timeout_s is None else connect_timeout_s
+        deadline = asyncio.get_running_loop().time() + limit
         try:
-            async with asyncio.timeout(limit):
+            async with asyncio.timeout_at(deadline):
                 response = await self._http.send(request, stream=True)
         except TimeoutError:
             raise UpstreamTimeout(f"{method} {url}: no reply within {limit:g} s") from None
         except httpx.TransportError as error:
             raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
         try:
-            if response.status_code >= 400:
-                await response.aread()
+            if response.status_code >= 400:  # an error reply is read whole, within the same deadline
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await _read_bounded(response, MAX_ERROR_REPLY_BYTES, f"{method} {url}")
+                except TimeoutError:
+                    raise UpstreamTimeout(
+                        f"{method} {url}: its {response.status_code} reply was not read within {limit:g} s"
+                    ) from None
+                except httpx.TransportError as error:
+                    raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
                 raise_for_error(response)
             yield response
         finally:
             await response.aclose()
+
+
+def _aiohttp_error(error: BaseException) -> BaseException | None:
+    """The aiohttp error behind an httpx one (httpx-aiohttp raises its own ``from`` aiohttp's), found
+    through ``__cause__``/``__context__``; ``None`` for httpx's own transport or a test's."""
+    import aiohttp
+
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        if isinstance(link, aiohttp.ClientError):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def _never_sent(cause: BaseException | None) -> bool:
+    """Whether an ``httpx.ConnectError``/``ConnectTimeout`` proves the request never went out.
+
+    httpx's own transport (``cause`` is ``None``) raises them only when no connection was made. Over
+    httpx-aiohttp, which raises ``ConnectTimeout`` for every ``aiohttp.ClientConnectionError``, only a
+    failed or timed-out connect (``ClientConnectorError``, ``ConnectionTimeoutError``) or a write refused
+    because the connection was already closing proves it; ``ServerDisconnectedError`` or a reset
+    (``ClientOSError``) may come after the peer read the whole request.
+    """
+    if cause is None:
+        return True
+    import aiohttp
+
+    if isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return True
+    link: BaseException | None = cause
+    for _ in range(8):  # "Can not write request body" (ClientOSError) is raised from the writer's refusal
+        if link is None:
+            break
+        if isinstance(link, aiohttp.ClientConnectionResetError) and str(link) == _WRITE_REFUSED:
+            return True
+        link = link.__cause__
+    return False
+
+
+def _connect_timed_out(error: httpx.TransportError, cause: BaseException | None) -> bool:
+    """A connect not made within its timeout (a refused one is not: it is made again after a backoff)."""
+    if cause is None:
+        return isinstance(error, httpx.ConnectTimeout)
+    import aiohttp
+
+    return isinstance(cause, aiohttp.ConnectionTimeoutError)
+
+
+async def _read_bounded(response: httpx.Response, limit: int, call: str) -> None:
+    """Read ``response``'s body (decoded) into ``response.content``, refusing one longer than ``limit``
+    bytes (``UpstreamError``) without reading past it; the caller closes the response."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise UpstreamError(f"{call}: the {response.status_code} reply declares {declared} bytes, "
+                            f"past the client's bound of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise UpstreamError(f"{call}: the {response.status_code} reply is longer than "
+                                f"the client's bound of {limit} bytes")
+        chunks.append(chunk)
+    response._content = b"".join(chunks)  # what ``aread`` keeps: ``content``, ``json()`` read it
 
 
 def raise_for_error(response: httpx.Response) -> None:

@@ -51,10 +51,12 @@ branch on classes, never on status codes.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any, ClassVar
 
 __all__ = [
     "ERROR_CODES",
+    "MAX_DETAIL_CHARS",
     "ActivationOutOfOrder",
     "BadInput",
     "CheckpointConflict",
@@ -314,13 +316,31 @@ ERROR_CODES: dict[str, type[GymError]] = {
 }
 
 
+MAX_DETAIL_CHARS = 4096
+"""The most characters of a peer's ``detail`` (and ``code``) kept in the error it maps to."""
+_DETAIL_REPR = reprlib.Repr()
+_DETAIL_REPR.maxlevel = 4  # any nesting deeper is shown as "[...]": str() of a 990-deep list raised RecursionError
+_DETAIL_REPR.maxlist = _DETAIL_REPR.maxtuple = _DETAIL_REPR.maxdict = 64
+_DETAIL_REPR.maxstring = _DETAIL_REPR.maxother = MAX_DETAIL_CHARS
+
+
+def _bounded_text(value: Any) -> str:
+    """A peer's ``detail`` (any JSON value) as text: a string as is, anything else as its bounded
+    ``repr`` (depth and items bounded), cut to ``MAX_DETAIL_CHARS``."""
+    text = value if isinstance(value, str) else _DETAIL_REPR.repr(value)
+    if len(text) <= MAX_DETAIL_CHARS:
+        return text
+    return f"{text[:MAX_DETAIL_CHARS]}... ({len(text)} characters)"
+
+
 def error_from_body(status: int, body: Any) -> GymError:
-    """Turn a peer's error reply back into the matching class (``UpstreamError`` if unknown)."""
+    """Turn a peer's error reply back into the matching class (``UpstreamError`` if unknown); its
+    detail is kept as bounded text, whatever JSON value the peer sent."""
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict) and isinstance(error.get("code"), str):
         cls = ERROR_CODES.get(error["code"])
-        detail = str(error.get("detail", ""))
+        detail = _bounded_text(error.get("detail", ""))
         if cls is not None:
             return cls(detail)
-        return UpstreamError(f"{error['code']} ({status}): {detail}")
+        return UpstreamError(f"{_bounded_text(error['code'])} ({status}): {detail}")
     return UpstreamError(f"peer answered {status} without a structured error")

@@ -13,7 +13,13 @@ import httpx
 import pytest
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
-from nemo_gym_ckpt.client import CONTROL_CONNECT_S, MAX_CONNECT_DOUBLINGS, MeshClient, _make_transport
+from nemo_gym_ckpt.client import (
+    CONTROL_CONNECT_S,
+    MAX_CONNECT_DOUBLINGS,
+    MAX_SLOW_CONNECTS,
+    MeshClient,
+    _make_transport,
+)
 from nemo_gym_ckpt.errors import Unavailable, UpstreamTimeout
 
 pytestmark = pytest.mark.unit
@@ -55,7 +61,7 @@ async def test_without_a_connect_timeout_the_retries_stay_bounded() -> None:
 
 
 async def test_the_deadline_bounds_the_connects_made_again() -> None:
-    transport = SlowConnects(failures=10**6, wait_s=0.01)  # each try fails after 10 ms, whatever its timeout
+    transport = SlowConnects(failures=10**6, wait_s=0.03)  # each try fails after 30 ms, whatever its timeout
     async with MeshClient(transport=transport, connect_timeout_s=0.01) as client:
         with pytest.raises(UpstreamTimeout):
             await client.post_json("http://peer/ng-control/prepare", {}, idempotent=True, timeout_s=0.3)
@@ -116,3 +122,14 @@ async def test_a_dropped_syn_is_sent_again_on_a_fresh_socket(full_listen_queue: 
             await client.post_json(f"http://127.0.0.1:{full_listen_queue}/ng-control/prepare", {},
                                    idempotent=True, timeout_s=0.8)
     assert transport.sent >= 2
+
+
+async def test_slow_connects_are_bounded_whatever_the_deadline() -> None:
+    """Connects reported as timed out (here at once, no wait at all) are made again at most
+    ``MAX_SLOW_CONNECTS`` times, then the call fails, long before its deadline."""
+    transport = SlowConnects(failures=10**6)
+    async with MeshClient(transport=transport, backoff_s=0.01, connect_timeout_s=0.25) as client:
+        with pytest.raises(Unavailable, match="tries") as raised:
+            await client.post_json("http://peer/ng-control/prepare", {}, idempotent=True, timeout_s=60)
+    assert type(raised.value) is Unavailable
+    assert transport.seen == MAX_SLOW_CONNECTS + 1

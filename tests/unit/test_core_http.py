@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import orjson
 import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from model_servers.policy_model.sse_reader import read_sse_json
 from nemo_gym_ckpt.client import MeshClient, with_rollout_prefix
 from nemo_gym_ckpt.errors import (
     ERROR_CODES,
+    MAX_DETAIL_CHARS,
     InvalidRequest,
     StaleAttempt,
     Unavailable,
@@ -77,6 +80,49 @@ def test_every_code_maps_back_to_its_class() -> None:
         assert type(error) is cls and error.detail == "d"
     assert isinstance(error_from_body(500, {"error": {"code": "weird"}}), UpstreamError)
     assert isinstance(error_from_body(500, "not a dict"), UpstreamError)
+
+
+def deep_error_body(depth: int = 990) -> bytes:
+    """Valid JSON (orjson reads up to 1,024 levels) whose detail str() cannot show: RecursionError."""
+    return b'{"error":{"code":"unavailable","detail":' + b"[" * depth + b"]" * depth + b"}}"
+
+
+def test_a_detail_of_any_json_value_maps_to_bounded_text() -> None:
+    deep = error_from_body(503, orjson.loads(deep_error_body()))
+    assert type(deep) is Unavailable and deep.detail.startswith("[[[") and len(deep.detail) < 100
+    assert error_from_body(503, {"error": {"code": "unavailable", "detail": {"n": 1}}}).detail == "{'n': 1}"
+    long = error_from_body(503, {"error": {"code": "unavailable", "detail": "x" * 10**6}})
+    assert len(long.detail) < MAX_DETAIL_CHARS + 40 and long.detail.endswith("(1000000 characters)")
+    wide = error_from_body(503, {"error": {"code": "unavailable", "detail": list(range(10**5))}})
+    assert len(wide.detail) <= MAX_DETAIL_CHARS + 40
+    unknown = error_from_body(500, {"error": {"code": "c" * 10**6, "detail": None}})
+    assert type(unknown) is UpstreamError and len(unknown.detail) < 2 * MAX_DETAIL_CHARS
+
+
+async def test_a_peer_s_deeply_nested_detail_is_raised_as_its_class() -> None:
+    """Through the client and through a server route calling the peer: no RecursionError, no 500."""
+    peer = httpx.MockTransport(lambda request: httpx.Response(503, content=deep_error_body()))
+    async with MeshClient(transport=peer, retries=0) as client:
+        with pytest.raises(Unavailable):
+            await client.request("GET", "http://peer/status")
+        app = create_app("caller")
+
+        @app.get("/call")
+        async def call() -> object:
+            return (await client.request("GET", "http://peer/status")).json()
+
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            reply = await http.get("/call")
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "unavailable"
+
+
+async def test_a_streamed_event_s_deeply_nested_detail_is_raised_as_its_class() -> None:
+    body = b"data: " + deep_error_body() + b"\n\n"
+    response = httpx.Response(200, content=body, request=httpx.Request("POST", "http://worker/v1/completions"))
+    with pytest.raises(Unavailable):
+        async for _ in read_sse_json(response, asyncio.get_running_loop().time() + 5):
+            pass
 
 
 def test_capture_keys_round_trip() -> None:
