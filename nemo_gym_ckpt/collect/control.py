@@ -6,7 +6,8 @@ checkpoint directory (``collection_checkpoint``). The collector calls it:
 - ``begin(left)`` once, before dispatching, with the rollout ids not yet in the output: restore the
   latest published checkpoint (refused if another config or input took it) with the continued
   rollouts still left as the scope, on a mesh of fresh processes; fence by ``retire`` every other
-  attempt the dispatch log names for a rollout still left; resume. Answers what to dispatch: the
+  attempt the dispatch log names for a rollout still left; resume (also when the fencing failed:
+  then logged, and ``begin`` raises the fencing's error). Answers what to dispatch: the
   continued rollouts as attempt N+1 first, then every other rollout as the attempt after the
   highest it was ever dispatched as (0 if never). A mesh that is not fresh refuses the restore
   (``invalid_phase``): the coordinator undoes it, and those rollouts start over too.
@@ -153,8 +154,13 @@ class CollectionControl:
         started = time.monotonic()
         restore_id, continued = await self._restore(latest, scope, dispatched) if scope else (None, {})
         fences = _fences(left, continued, dispatched)
-        if fences:
-            await self.coordinator.retire(fences, deadline_ts=self._deadline(), checkpoint_id=restore_id)
+        try:
+            if fences:
+                await self.coordinator.retire(fences, deadline_ts=self._deadline(), checkpoint_id=restore_id)
+        except BaseException:
+            if restore_id is not None:  # never leave the mesh restored with admission closed
+                await self._resume(restore_id)
+            raise
         if restore_id is not None:
             await self.coordinator.resume(restore_id, deadline_ts=self._deadline())
         restarted = _restarted(latest, pending, continued)

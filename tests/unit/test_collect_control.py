@@ -34,6 +34,7 @@ from nemo_gym_ckpt.collect.published import (
 )
 from nemo_gym_ckpt.collect.rows import JsonlAppender, read_jsonl
 from nemo_gym_ckpt.collect.triggers import SIGTERM, SIGUSR1, Triggers
+from nemo_gym_ckpt.errors import Unavailable
 from tests.support.rollout_mesh import (
     DeterministicModel,
     RolloutMesh,
@@ -243,3 +244,34 @@ def test_triggers_answer_stop_then_sigterm_then_others_then_the_timer() -> None:
     assert asyncio.run(drain()) == ["stop", "stop", "stop"]
     with pytest.raises(ValueError, match="every_s"):
         Triggers(every_s=0)
+
+
+async def sigterm_checkpoint(root: Path, output: Path, directory: Path) -> None:
+    """A first run stopped by a SIGTERM checkpoint with the HELD rollouts in flight (then a crash)."""
+    held, triggers = model(hold=HELD), Triggers()
+    async with rollout_mesh("single_agent_turn", root, held) as mesh:
+        waiting = asyncio.create_task(request_when(
+            triggers, SIGTERM, lambda: sum(held.holding.values()) == 3 and len(keyed(output)) == 3))
+        await controlled_run(mesh, output, directory, triggers)
+        await waiting
+
+
+async def test_a_failed_fencing_after_a_restore_still_resumes_the_mesh(tmp_path: Path) -> None:
+    root, output = tmp_path / "checkpoints", tmp_path / "rollouts.jsonl"
+    directory = root / "collection"
+    await sigterm_checkpoint(root, output, directory)
+    async with rollout_mesh("single_agent_turn", root, model()) as mesh:
+        ctl = control(mesh, directory)
+
+        async def failing_retire(*args: Any, **kwargs: Any) -> Any:
+            raise Unavailable("retire on agent: timed out")
+
+        ctl.coordinator.retire = failing_retire  # type: ignore[method-assign]
+        try:
+            with pytest.raises(Unavailable, match="retire on agent"):
+                await ctl.begin([f"{task}-0" for task in (0, 2, 4)])
+            phases = {name: (await mesh.status(name))["phase"] for name in ("env", "agent")}
+        finally:
+            ctl.close()
+            await ctl.coordinator.aclose()
+    assert phases == {"env": "idle", "agent": "idle"}  # resumed, not left restored
