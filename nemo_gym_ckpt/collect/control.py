@@ -46,11 +46,12 @@ from nemo_gym_ckpt.collect.published import (
     created_now,
     find_latest,
     new_checkpoint_id,
+    older_published,
     publish,
     read_dispatched,
 )
 from nemo_gym_ckpt.collect.rows import JsonlAppender
-from nemo_gym_ckpt.errors import GymError, InvalidPhase
+from nemo_gym_ckpt.errors import GymError, InvalidPhase, StaleAttempt, StorageError
 from nemo_gym_ckpt.identity import RolloutIdentity, parse_capture_key
 
 __all__ = ["AfterPublish", "CollectionControl", "ControlSettings", "Published", "Restored"]
@@ -98,6 +99,8 @@ class Restored:
     """Rollouts in flight at the checkpoint and still left that start over."""
     fenced: list[RolloutIdentity] = field(default_factory=list)
     restore_ms: float = 0.0
+    refused: list[str] = field(default_factory=list)
+    """Checkpoints the participants refused as unusable (``invalid_checkpoint_state``): left on disk."""
 
 
 def _elapsed_ms(started: float) -> float:
@@ -124,6 +127,7 @@ class CollectionControl:
         self._to_forget: list[str] = []
         self._forgot_at = time.monotonic()
         self._restored_waiting: dict[str, RolloutIdentity] = {}
+        self._refused: list[str] = []
         """Next attempts the restore installed whose ``/run`` is not sent yet: kept by every commit."""
 
     @property
@@ -149,10 +153,8 @@ class CollectionControl:
         latest, dispatched = self.latest(), read_dispatched(self.directory)
         self._log = JsonlAppender(self.directory / DISPATCH_LOG)
         pending = set(left)
-        checkpointed = map(parse_capture_key, latest.continued if latest else [])
-        scope = [episode for episode in checkpointed if episode.rollout_id in pending]
         started = time.monotonic()
-        restore_id, continued = await self._restore(latest, scope, dispatched) if scope else (None, {})
+        source, restore_id, continued = await self._restore_usable(latest, pending, dispatched)
         fences = _fences(left, continued, dispatched)
         try:
             if fences:
@@ -163,29 +165,68 @@ class CollectionControl:
             raise
         if restore_id is not None:
             await self.coordinator.resume(restore_id, deadline_ts=self._deadline())
-        restarted = _restarted(latest, pending, continued)
-        self.restored = Restored(latest, list(continued.values()), restarted, fences, _elapsed_ms(started))
+        restarted = _restarted([latest, source], pending, continued)
+        self.restored = Restored(source, list(continued.values()), restarted, fences, _elapsed_ms(started),
+                                 self._refused)
         self._restored_waiting = {episode.capture_key: episode for episode in continued.values()}
         fresh = [RolloutIdentity(rid, dispatched.get(rid, -1) + 1) for rid in left if rid not in continued]
         return [continued[rid] for rid in left if rid in continued] + fresh
 
+    async def _restore_usable(
+        self, latest: CollectionManifest | None, pending: set[str], dispatched: dict[str, int]
+    ) -> tuple[CollectionManifest | None, str | None, dict[str, RolloutIdentity]]:
+        """Restore ``latest``; if the participants refuse it as unusable (``invalid_checkpoint_state``),
+        each older published checkpoint in turn. The source, the restore's id (``None``: nothing
+        restored, the rollouts start over) and the continued attempts by rollout id."""
+        candidates = [] if latest is None else [latest]
+        while candidates:
+            candidate = candidates.pop(0)
+            checkpointed = map(parse_capture_key, candidate.continued)
+            # an older checkpoint only for rollouts whose checkpointed attempt is still their last one
+            scope = [e for e in checkpointed if e.rollout_id in pending
+                     and (candidate is latest or e.attempt >= dispatched.get(e.rollout_id, -1))]
+            if not scope:
+                continue
+            try:
+                restore_id, continued = await self._restore(candidate, scope)
+            except (InvalidPhase, StaleAttempt) as error:
+                logger.warning("cannot restore %s on this mesh (%s: %s); its %d unfinished rollouts start over",
+                               candidate.checkpoint_id, error.code, error.detail, len(scope))
+                _start_over(scope, dispatched)
+                return latest, None, {}
+            except StorageError as error:
+                logger.error("checkpoint %s refused as unusable (%s: %s); it is left on disk, its %d unfinished "
+                             "rollouts start over unless an older checkpoint holds them",
+                             candidate.checkpoint_id, error.code, error.detail, len(scope))
+                self._refused.append(candidate.checkpoint_id)
+                _start_over(scope, dispatched)
+                if candidate is latest:
+                    candidates = self._older(candidate)
+                continue
+            return candidate, restore_id, continued
+        return latest, None, {}
+
+    def _older(self, refused: CollectionManifest) -> list[CollectionManifest]:
+        """The published checkpoints of this collection other than ``refused``, newest first."""
+        older = []
+        for manifest in older_published(self.directory, refused.checkpoint_id):
+            try:
+                check_same_run(manifest, self.settings.identity, self.directory)
+            except CheckpointRefused as error:
+                logger.warning("not falling back to %s: %s", manifest.checkpoint_id, error)
+                continue
+            older.append(manifest)
+        return older
+
     async def _restore(
-        self, latest: CollectionManifest | None, scope: list[RolloutIdentity], dispatched: dict[str, int]
-    ) -> tuple[str | None, dict[str, RolloutIdentity]]:
-        assert latest is not None
+        self, source: CollectionManifest, scope: list[RolloutIdentity]
+    ) -> tuple[str, dict[str, RolloutIdentity]]:
+        """One restore (the coordinator undoes a failed one, retiring the next attempts, and raises)."""
         restore_id = f"restore-{int(time.time())}-{secrets.token_hex(4)}"
-        directory = str(self.directory / latest.checkpoint_id)
-        try:
-            result = await self.coordinator.restore(restore_id, deadline_ts=self._deadline(),
-                                                    checkpoint_dir=directory, episode_ids=scope)
-        except InvalidPhase as error:
-            logger.warning("cannot restore %s (%s); its %d unfinished rollouts start over",
-                           latest.checkpoint_id, error.detail, len(scope))
-            for episode in scope:  # the coordinator retired the next attempts while undoing
-                rid = episode.rollout_id
-                dispatched[rid] = max(dispatched.get(rid, -1), episode.attempt + 1)
-            return None, {}
-        logger.info("restored %s: %d rollouts continue, %d start over", latest.checkpoint_id,
+        directory = str(self.directory / source.checkpoint_id)
+        result = await self.coordinator.restore(restore_id, deadline_ts=self._deadline(),
+                                                checkpoint_dir=directory, episode_ids=scope)
+        logger.info("restored %s: %d rollouts continue, %d start over", source.checkpoint_id,
                     len(result.continued()), len(result.restarts()))
         return restore_id, {episode.rollout_id: episode for episode in result.continued()}
 
@@ -330,11 +371,19 @@ class CollectionControl:
             self._log = None
 
 
+def _start_over(scope: list[RolloutIdentity], dispatched: dict[str, int]) -> None:
+    """A restore of ``scope`` was undone: the coordinator retired the next attempts, so each rollout
+    starts over as the attempt after them."""
+    for episode in scope:
+        rid = episode.rollout_id
+        dispatched[rid] = max(dispatched.get(rid, -1), episode.attempt + 1)
+
+
 def _restarted(
-    latest: CollectionManifest | None, pending: set[str], continued: dict[str, RolloutIdentity]
+    sources: Sequence[CollectionManifest | None], pending: set[str], continued: dict[str, RolloutIdentity]
 ) -> list[str]:
-    """Rollouts in flight at the checkpoint, still left, that do not continue: they start over."""
-    in_flight = [] if latest is None else latest.continued + latest.restarted
+    """Rollouts in flight at the checkpoints, still left, that do not continue: they start over."""
+    in_flight = [key for m in sources if m is not None for key in m.continued + m.restarted]
     return sorted({parse_capture_key(key).rollout_id for key in in_flight} & pending - continued.keys())
 
 

@@ -64,6 +64,7 @@ __all__ = [
     "is_checkpoint_id",
     "load_published",
     "new_checkpoint_id",
+    "older_published",
     "prune",
     "publish",
     "read_dispatched",
@@ -297,6 +298,23 @@ def find_latest(directory: Path) -> CollectionManifest | None:
         if manifest is not None:
             return manifest
     return None
+
+
+def older_published(directory: Path, than: str) -> list[CollectionManifest]:
+    """The published checkpoints other than ``than``, newest first (by name); damaged ones are
+    logged and left out. What a collector falls back to when ``than`` cannot be restored."""
+    found = []
+    for checkpoint in reversed(_checkpoint_dirs(directory)):
+        if checkpoint.name == than:
+            continue
+        try:
+            manifest = load_published(checkpoint)
+        except CheckpointRefused as error:
+            logger.warning("not a published checkpoint: %s", error)
+            continue
+        if manifest is not None:
+            found.append(manifest)
+    return found
 
 
 def prune(directory: Path, *, keep: int = KEEP) -> list[str]:

@@ -275,3 +275,31 @@ async def test_a_failed_fencing_after_a_restore_still_resumes_the_mesh(tmp_path:
             ctl.close()
             await ctl.coordinator.aclose()
     assert phases == {"env": "idle", "agent": "idle"}  # resumed, not left restored
+
+
+async def test_a_checkpoint_the_participants_refuse_as_unusable_is_kept_and_its_rollouts_start_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    reference = await reference_rows(tmp_path)
+    root, output = tmp_path / "checkpoints", tmp_path / "rollouts.jsonl"
+    directory = root / "collection"
+    await sigterm_checkpoint(root, output, directory)
+    latest = find_latest(directory)
+    assert latest is not None
+    records = sorted((directory / latest.checkpoint_id / "gym" / "agent").rglob("records-*.jsonl"))
+    records[0].write_bytes(b"garbage\n")  # one participant's records damaged: invalid_checkpoint_state
+    async with rollout_mesh("single_agent_turn", root, model()) as mesh:
+        summary, ctl = await controlled_run(mesh, output, directory, Triggers())
+        phases = {name: (await mesh.status(name))["phase"] for name in ("env", "agent")}
+    assert summary.stopped_by is None and summary.finished == 3 and summary.continued == 0
+    assert ctl.restored.refused == [latest.checkpoint_id] and ctl.restored.continued == []
+    assert ctl.restored.restarted == sorted(HELD)
+    assert f"checkpoint {latest.checkpoint_id} refused as unusable (invalid_checkpoint_state" in caplog.text
+    assert (directory / latest.checkpoint_id / "collection.json").is_file()  # never deleted
+    assert phases == {"env": "idle", "agent": "idle"}
+    rows = keyed(output)
+    assert {key: comparable(row) for key, row in rows.items()} == {
+        key: comparable(row) for key, row in reference.items()}
+    # the next attempts the undone restore installed were retired: each starts over above them
+    assert {key: row["_ng_attempt_index"] for key, row in rows.items() if row["_ng_attempt_index"]} == {
+        (0, 0): 2, (2, 0): 2, (4, 0): 2}
