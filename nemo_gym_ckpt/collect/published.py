@@ -14,7 +14,8 @@ Publishing (``publish``), after every participant's commit answered its manifest
 ``collection.json`` into the checkpoint's directory, then replace ``LATEST``; both atomically (a
 temporary file, fsync, rename, fsync of the directory). Then ``prune`` keeps the 2 newest published
 checkpoints and deletes older checkpoint directories (published or abandoned): the new one is
-always published before anything is deleted.
+always published before anything is deleted, and neither it nor the one ``LATEST`` names is ever
+deleted (ids come from the wall clock, which may step back).
 
 Reading (``find_latest``): the checkpoint ``LATEST`` names if it is published; otherwise the newest
 published one. A directory is published when its ``collection.json`` exists and every participant
@@ -237,7 +238,7 @@ def publish(directory: Path, manifest: CollectionManifest, *, keep: int = KEEP) 
         raise CheckpointRefused(f"not publishing {manifest.checkpoint_id}: no manifest for {names}")
     write_atomic(checkpoint / COLLECTION_FILE, manifest.to_json())
     write_atomic(directory / LATEST_FILE, manifest.checkpoint_id.encode() + b"\n")
-    prune(directory, keep=keep)
+    prune(directory, keep=keep, published_now=manifest.checkpoint_id)
 
 
 def load_published(checkpoint: Path) -> CollectionManifest | None:
@@ -317,15 +318,25 @@ def older_published(directory: Path, than: str) -> list[CollectionManifest]:
     return found
 
 
-def prune(directory: Path, *, keep: int = KEEP) -> list[str]:
-    """Delete every checkpoint directory older than the ``keep`` newest published ones; their names."""
+def prune(directory: Path, *, keep: int = KEEP, published_now: str | None = None) -> list[str]:
+    """Delete every checkpoint directory older than the ``keep`` newest published ones; their names.
+
+    Never the one ``LATEST`` names, nor ``published_now``: ids come from the wall clock, so after a
+    clock step back the checkpoint just published can sort before older ones. The publication order
+    is not recorded anywhere else, so the other kept ones are the newest by name."""
     checkpoints = _checkpoint_dirs(directory)
-    published = [p for p in checkpoints if _published(p)]
+    published = [p.name for p in checkpoints if _published(p)]
     if len(published) < keep:
         return []
-    kept = {p.name for p in published[-keep:]}
-    oldest_kept = min(kept)
-    doomed = [p for p in checkpoints if p.name not in kept and p.name < oldest_kept]
+    pinned = {name for name in (_pointer_if_readable(directory), published_now) if name is not None}
+    ranked = [name for name in reversed(published) if name not in pinned]
+    by_name = ranked[:max(keep - len(pinned & set(published)), 0)]
+    kept = pinned | set(by_name)
+    oldest = by_name or sorted(pinned & set(published))
+    if not oldest:
+        return []
+    boundary = min(oldest)
+    doomed = [p for p in checkpoints if p.name not in kept and p.name < boundary]
     deleted = []
     for checkpoint in doomed:
         try:
@@ -335,6 +346,14 @@ def prune(directory: Path, *, keep: int = KEEP) -> list[str]:
             continue
         deleted.append(checkpoint.name)
     return deleted
+
+
+def _pointer_if_readable(directory: Path) -> str | None:
+    try:
+        return _latest_pointer(directory)
+    except (CheckpointRefused, OSError) as error:
+        logger.warning("pruning without %s: %s", directory / LATEST_FILE, error)
+        return None
 
 
 # ---- refusing another run's checkpoint -----------------------------------------------------------

@@ -226,3 +226,15 @@ def test_write_atomic_replaces_whole_files(tmp_path: Path) -> None:
     write_atomic(target, b"two\n")
     assert target.read_bytes() == b"two\n" and os.stat(target).st_ino != inode
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST"]
+
+
+def test_prune_never_deletes_what_latest_names_when_the_clock_stepped_back(tmp_path: Path) -> None:
+    first, second = checkpoint_id(10), checkpoint_id(20)
+    publish(tmp_path, manifest(tmp_path, first))
+    publish(tmp_path, manifest(tmp_path, second))
+    stepped_back = checkpoint_id(5)  # the clock stepped back: the newest sorts first by name
+    publish(tmp_path, manifest(tmp_path, stepped_back))
+    assert (tmp_path / "LATEST").read_text().strip() == stepped_back
+    assert find_latest(tmp_path).checkpoint_id == stepped_back  # type: ignore[union-attr]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [stepped_back, second]
+    assert prune(tmp_path) == [] and (tmp_path / stepped_back).is_dir()
