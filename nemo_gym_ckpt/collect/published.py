@@ -18,9 +18,11 @@ always published before anything is deleted, and neither it nor the one ``LATEST
 deleted (ids come from the wall clock, which may step back).
 
 Reading (``find_latest``): the checkpoint ``LATEST`` names if it is published; otherwise the newest
-published one. A directory is published when its ``collection.json`` exists and every participant
-manifest it lists exists; others (an interrupted commit, a crash before ``collection.json``) are
-ignored. Nothing here ever writes into a published checkpoint's directory.
+published one. A ``LATEST`` that is not one line naming a checkpoint id, or is not a regular file,
+is ``CheckpointRefused`` (a damaged pointer is not guessed around). A directory is published when
+its ``collection.json`` exists and every participant manifest it lists exists; others (an
+interrupted commit, a crash before ``collection.json``) are ignored. Nothing here ever writes into
+a published checkpoint's directory.
 
 ``RunIdentity`` ties a checkpoint to its collection: a digest of the resolved config (ports, tokens
 and the ``checkpoint`` block left out) and one of the task rows; ``check_same_run`` refuses a
@@ -29,6 +31,7 @@ checkpoint taken with another config or input, saying which differs.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -45,7 +48,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from nemo_gym_ckpt.canonical import canonical_json
-from nemo_gym_ckpt.checkpoint.fileops import FileOps
+from nemo_gym_ckpt.checkpoint.fileops import FileOps, file_size
 from nemo_gym_ckpt.collect.rows import read_jsonl
 from nemo_gym_ckpt.errors import CheckpointRefused
 
@@ -79,6 +82,7 @@ COLLECTION_FILE = "collection.json"
 LATEST_FILE = "LATEST"
 DISPATCH_LOG = "dispatched.jsonl"
 KEEP = 2
+MAX_LATEST_BYTES = 4096
 _ID = re.compile(r"ckpt-\d{8}T\d{12}Z-[0-9a-f]{8}")
 _UNPORTABLE_KEYS = frozenset({"port", "control_auth_token", "api_key"})
 _RUN_KEYS = ("head_server", "checkpoint", "config_paths", "port_range_low", "port_range_high", "disallowed_ports")
@@ -277,12 +281,33 @@ def _checkpoint_dirs(directory: Path) -> list[Path]:
                   key=lambda p: p.name)
 
 
+def _read_bounded(path: Path, limit: int) -> bytes:
+    """A regular file's bytes, opened without blocking or following a symlink, at most ``limit``
+    bytes; ``OSError`` (``NotRegularFile`` for a FIFO, a device, a directory) else."""
+    with _OPS.open_read(path) as file:
+        if file_size(file) > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        return file.read(limit + 1)[:limit]
+
+
 def _latest_pointer(directory: Path) -> str | None:
+    """The id ``LATEST`` names; ``None`` without one; ``CheckpointRefused`` if it is not one line
+    naming a checkpoint id (or cannot be read)."""
+    path = directory / LATEST_FILE
     try:
-        name = (directory / LATEST_FILE).read_text().strip()
+        data = _read_bounded(path, MAX_LATEST_BYTES)
     except FileNotFoundError:
         return None
-    return name if is_checkpoint_id(name) else None
+    except NotADirectoryError:
+        raise CheckpointRefused(f"the checkpoint directory {directory} is not a directory") from None
+    except OSError as error:
+        raise CheckpointRefused(f"cannot read {path}: {error.strerror or error}; remove it to restore the "
+                                f"newest published checkpoint") from None
+    name = data.decode("utf-8", errors="replace").strip()
+    if not is_checkpoint_id(name):
+        raise CheckpointRefused(f"{path} does not name a checkpoint (it holds {data[:64]!r}); remove it to "
+                                f"restore the newest published checkpoint")
+    return name
 
 
 def find_latest(directory: Path) -> CollectionManifest | None:

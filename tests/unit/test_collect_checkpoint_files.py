@@ -238,3 +238,26 @@ def test_prune_never_deletes_what_latest_names_when_the_clock_stepped_back(tmp_p
     assert find_latest(tmp_path).checkpoint_id == stepped_back  # type: ignore[union-attr]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [stepped_back, second]
     assert prune(tmp_path) == [] and (tmp_path / stepped_back).is_dir()
+
+
+@pytest.mark.parametrize("damage", ["binary", "text", "directory", "fifo"])
+def test_a_damaged_latest_pointer_is_refused_in_one_line(tmp_path: Path, damage: str) -> None:
+    publish(tmp_path, manifest(tmp_path, checkpoint_id(0)))
+    latest = tmp_path / "LATEST"
+    latest.unlink()
+    if damage == "binary":
+        latest.write_bytes(b"\xff\xfeckpt-\x00\x81 garbage")
+    elif damage == "text":
+        latest.write_bytes(b"not a checkpoint\n")
+    elif damage == "directory":
+        latest.mkdir()
+    else:
+        os.mkfifo(latest)  # read blocking, this would wait for a writer forever
+    with pytest.raises(CheckpointRefused, match=f"{latest}"):
+        find_latest(tmp_path)
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(CheckpointRefused, match="is not a directory"):
+        find_latest(tmp_path / "file")

@@ -117,3 +117,15 @@ def test_a_launched_mesh_gets_checkpointing_into_the_directory(tmp_path: Path) -
     assert collect.checkpoint_overrides(enabled, tmp_path / "ckpt" / "run") == []  # the config's own
     with pytest.raises(collect.UsageError, match=r"not inside the config's checkpoint\.root"):
         collect.checkpoint_overrides(enabled, tmp_path / "elsewhere")
+
+
+def test_a_damaged_latest_pointer_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "LATEST").write_bytes(b"\xff\xfe garbage")
+    status = collect.main(args_for("--config", str(QUICKSTART), "--output", str(tmp_path / "rows.jsonl"),
+                                   "--limit", "2", "--checkpoint-dir", str(directory)))
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"{directory / 'LATEST'} does not name a checkpoint" in err and "Traceback" not in err
+    assert not (tmp_path / "rows_servers.log").exists()  # no mesh was launched
