@@ -21,8 +21,10 @@ Reading (``find_latest``): the checkpoint ``LATEST`` names if it is published; o
 published one. A ``LATEST`` that is not one line naming a checkpoint id, or is not a regular file,
 is ``CheckpointRefused`` (a damaged pointer is not guessed around). A directory is published when
 its ``collection.json`` exists and every participant manifest it lists exists; others (an
-interrupted commit, a crash before ``collection.json``) are ignored. Nothing here ever writes into
-a published checkpoint's directory.
+interrupted commit, a crash before ``collection.json``) are ignored. The collector's own files are
+read as the participants read theirs: regular files only, opened without blocking and without
+following a symlink, with a size bound (a FIFO or a device there is refused, never waited on).
+Nothing here ever writes into a published checkpoint's directory.
 
 ``RunIdentity`` ties a checkpoint to its collection: a digest of the resolved config (ports, tokens
 and the ``checkpoint`` block left out) and one of the task rows; ``check_same_run`` refuses a
@@ -83,6 +85,8 @@ LATEST_FILE = "LATEST"
 DISPATCH_LOG = "dispatched.jsonl"
 KEEP = 2
 MAX_LATEST_BYTES = 4096
+MAX_COLLECTION_BYTES = 64 * 1024 * 1024
+"""``collection.json`` lists a capture key per rollout in flight: 64 MiB holds millions."""
 _ID = re.compile(r"ckpt-\d{8}T\d{12}Z-[0-9a-f]{8}")
 _UNPORTABLE_KEYS = frozenset({"port", "control_auth_token", "api_key"})
 _RUN_KEYS = ("head_server", "checkpoint", "config_paths", "port_range_low", "port_range_high", "disallowed_ports")
@@ -250,7 +254,7 @@ def load_published(checkpoint: Path) -> CollectionManifest | None:
     if not is_checkpoint_id(checkpoint.name):
         return None
     try:
-        data = (checkpoint / COLLECTION_FILE).read_bytes()
+        data = _read_bounded(checkpoint / COLLECTION_FILE, MAX_COLLECTION_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as error:

@@ -261,3 +261,15 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(CheckpointRefused, match="is not a directory"):
         find_latest(tmp_path / "file")
+
+
+def test_a_fifo_where_collection_json_belongs_is_refused_and_prune_goes_on(tmp_path: Path) -> None:
+    abandoned = checkpoint_id(0)
+    (tmp_path / abandoned).mkdir()
+    os.mkfifo(tmp_path / abandoned / "collection.json")  # read blocking, this would wait forever
+    with pytest.raises(CheckpointRefused, match="not a regular file"):
+        load_published(tmp_path / abandoned)
+    first, second = checkpoint_id(1), checkpoint_id(2)
+    publish(tmp_path, manifest(tmp_path, first))
+    publish(tmp_path, manifest(tmp_path, second))  # prunes: looks at every directory
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [first, second]
