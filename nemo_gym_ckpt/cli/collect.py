@@ -69,6 +69,7 @@ from nemo_gym_ckpt.collect.published import (
     config_digest,
     find_latest,
     input_digest,
+    read_dispatched,
 )
 from nemo_gym_ckpt.collect.rows import failures_path, materialized_path, metrics_path
 from nemo_gym_ckpt.collect.tasks import default_input, read_tasks, resolve_input
@@ -233,10 +234,12 @@ class CheckpointSetup:
     timeout_s: float = 300.0
 
     def check_latest(self) -> None:
-        """``CheckpointRefused`` if the directory's latest checkpoint belongs to another collection."""
+        """``CheckpointRefused`` if the directory's latest checkpoint belongs to another collection,
+        or its files (``LATEST``, ``collection.json``, the dispatch log) are damaged."""
         latest = find_latest(self.directory)
         if latest is not None:
             check_same_run(latest, self.identity, self.directory)
+        read_dispatched(self.directory)
 
     def triggers(self) -> Triggers:
         return Triggers(self.every_s)

@@ -60,7 +60,7 @@ from nemo_gym_ckpt.collect.rows import (
     summarize,
 )
 from nemo_gym_ckpt.collect.triggers import SIGTERM, STOP, Triggers, install_signals
-from nemo_gym_ckpt.errors import CollectionStartFailed, GymError, Overloaded, UpstreamError
+from nemo_gym_ckpt.errors import CollectionStartFailed, GymError, Overloaded, UpstreamError, UsageError
 from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = ["HOUSEKEEPING_TICK_S", "CollectionStartFailed", "Dispatcher", "HeldBack", "Plan", "Summary", "Watch",
@@ -102,8 +102,14 @@ class Plan:
 
 
 def done_keys(output: Path) -> set[RolloutKey]:
-    """The rollouts that have a whole row in ``output``."""
-    return {key for row in read_jsonl(output, complete_lines_only=True) if (key := rollout_key(row))}
+    """The rollouts that have a whole row in ``output``; ``UsageError`` naming the file (and line) if
+    it cannot be read or a complete line is not a JSON object."""
+    try:
+        return {key for row in read_jsonl(output, complete_lines_only=True) if (key := rollout_key(row))}
+    except ValueError as error:  # names the file and the line
+        raise UsageError(f"the output is damaged: {error}") from None
+    except OSError as error:
+        raise UsageError(f"cannot read the output {output}: {error.strerror or error}") from None
 
 
 @dataclass

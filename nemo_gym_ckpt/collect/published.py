@@ -409,10 +409,16 @@ def check_same_run(manifest: CollectionManifest, identity: RunIdentity, director
 
 
 def read_dispatched(directory: Path) -> dict[str, int]:
-    """The highest attempt of each rollout the dispatch log names (a torn last line is skipped)."""
+    """The highest attempt of each rollout the dispatch log names (a torn last line is skipped);
+    ``CheckpointRefused`` naming the file and line if a complete line is not a JSON object."""
     highest: dict[str, int] = {}
-    for row in read_jsonl(directory / DISPATCH_LOG, complete_lines_only=True):
-        rollout, attempt = row.get("rollout_id"), row.get("attempt")
-        if isinstance(rollout, str) and isinstance(attempt, int):
-            highest[rollout] = max(attempt, highest.get(rollout, -1))
+    try:
+        for row in read_jsonl(directory / DISPATCH_LOG, complete_lines_only=True):
+            rollout, attempt = row.get("rollout_id"), row.get("attempt")
+            if isinstance(rollout, str) and isinstance(attempt, int):
+                highest[rollout] = max(attempt, highest.get(rollout, -1))
+    except ValueError as error:  # names the file and the line
+        raise CheckpointRefused(f"the dispatch log is damaged: {error}") from None
+    except OSError as error:
+        raise CheckpointRefused(f"cannot read the dispatch log {directory / DISPATCH_LOG}: {error}") from None
     return highest

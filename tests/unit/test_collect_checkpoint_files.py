@@ -273,3 +273,9 @@ def test_a_fifo_where_collection_json_belongs_is_refused_and_prune_goes_on(tmp_p
     publish(tmp_path, manifest(tmp_path, first))
     publish(tmp_path, manifest(tmp_path, second))  # prunes: looks at every directory
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [first, second]
+
+
+def test_a_damaged_complete_line_in_the_dispatch_log_is_refused_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "dispatched.jsonl").write_bytes(b'{"rollout_id": "0-0", "attempt": 0}\n{"rollout_id": "1-0", "att\n')
+    with pytest.raises(CheckpointRefused, match=r"dispatched.jsonl, line 2: not a JSON object"):
+        read_dispatched(tmp_path)

@@ -129,3 +129,31 @@ def test_a_damaged_latest_pointer_is_one_line_and_exit_2(tmp_path: Path, capsys:
     assert status == 2 and err.count("\n") == 1, err
     assert f"{directory / 'LATEST'} does not name a checkpoint" in err and "Traceback" not in err
     assert not (tmp_path / "rows_servers.log").exists()  # no mesh was launched
+
+
+def test_a_damaged_line_in_the_output_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "rows.jsonl"
+    output.write_bytes(b'{"_ng_task_index": 0, "_ng_rollout_index": 0}\n\x00\x00\x00\x00\n')
+    status = collect.main(args_for("--config", str(QUICKSTART), "--output", str(output), "--limit", "2",
+                                   "--checkpoint-dir", str(tmp_path / "ckpt")))
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"{output}, line 2: not a JSON object" in err and "Traceback" not in err
+    assert not (tmp_path / "rows_servers.log").exists()  # no mesh was launched
+
+
+def test_a_damaged_line_in_the_dispatch_log_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    damaged = b'{"rollout_id": "0-0", "attempt": 0}\n{"rollout_id": "1-0", "attem\n'
+    (directory / "dispatched.jsonl").write_bytes(damaged)
+    status = collect.main(args_for("--config", str(QUICKSTART), "--output", str(tmp_path / "rows.jsonl"),
+                                   "--limit", "2", "--checkpoint-dir", str(directory)))
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"{directory / 'dispatched.jsonl'}, line 2: not a JSON object" in err and "Traceback" not in err
+    assert not (tmp_path / "rows_servers.log").exists()  # no mesh was launched
