@@ -12,16 +12,22 @@ from typing import Any
 import pytest
 
 from agents.simple_agent import app as agent_app
-from nemo_gym_ckpt.config import ServerConfig
+from nemo_gym_ckpt.config import CheckpointConfig, ServerConfig
 from nemo_gym_ckpt.config import ServerRef as Ref
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import Control, ParticipantUnderTest
 from nemo_gym_ckpt.testing.placement import InProcess, Stack, closing_ctx, instance_at, mesh_of, under_test
+from nemo_gym_ckpt.testing.placement import checkpoint_config as kit_checkpoint_config
 from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, message
-from tests.support.episode_participants import TOKEN, checkpoint_config
 
 pytestmark = pytest.mark.unit
+
+TOKEN = "agent-run-token-4321"
+
+
+def checkpoint_config(root: Path) -> CheckpointConfig:
+    return kit_checkpoint_config(root, TOKEN)
 
 
 @asynccontextmanager

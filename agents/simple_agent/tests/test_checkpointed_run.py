@@ -16,17 +16,24 @@ from fastapi import FastAPI, Request, Response
 
 from agents.simple_agent import app as agent_app
 from agents.simple_agent.loop import LoopState
-from nemo_gym_ckpt.config import ServerConfig
+from nemo_gym_ckpt.config import CheckpointConfig, ServerConfig
 from nemo_gym_ckpt.config import ServerRef as Ref
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.server import create_app
 from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import Control, ParticipantUnderTest
 from nemo_gym_ckpt.testing.placement import InProcess, Stack, closing_ctx, instance_at, mesh_of, under_test
+from nemo_gym_ckpt.testing.placement import checkpoint_config as kit_checkpoint_config
 from nemo_gym_ckpt.testing.scripted_model import ScriptedModel, message
-from tests.support.episode_participants import TOKEN, WAIT_S, checkpoint_config
 
 pytestmark = pytest.mark.unit
+
+TOKEN = "agent-run-token-4321"
+WAIT_S = 10.0
+
+
+def checkpoint_config(root: Path) -> CheckpointConfig:
+    return kit_checkpoint_config(root, TOKEN)
 
 ROW = {"responses_create_params": {"input": "What is 1+1?"}, "expected": "2"}
 
