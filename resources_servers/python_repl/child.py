@@ -1,9 +1,10 @@
 """The child process of one python_repl session: a persistent interpreter spoken to in JSON lines.
 
-Run as ``python -I -S child.py <max_output_chars>``. Each request line is ``{"code": str}``; each
-reply line is ``{"output": str, "error": str | null}``: what the code printed (stdout and stderr)
-and the values of its expression statements, shown as an interactive interpreter shows them, and
-the last line of the traceback when it raised. Variables, imports and functions persist between
+Run as ``python -I -S child.py <max_output_chars>``. Each request line is ``{"code": str, "id": int}``;
+each reply line is ``{"output": str, "error": str | null, "id": int}``: what the code printed (stdout
+and stderr) and the values of its expression statements, shown as an interactive interpreter shows
+them, and the last line of the traceback when it raised, each cut at ``max_output_chars``, and the
+request's ``id``. Variables, imports and functions persist between
 requests. The protocol runs over private copies of fds 0 and 1: the code's own stdin and stdout
 are /dev/null and a buffer, so nothing it does can garble a reply. Standard library only.
 """
@@ -50,10 +51,15 @@ def run(console: Console, source: str, limit: int) -> dict[str, Any]:
     shown = io.StringIO()
     with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(shown):
         _run_source(console, source)
-    output = shown.getvalue()
-    if len(output) > limit:
-        output = output[:limit] + f"\n... ({len(output) - limit} more characters)"
-    return {"output": output, "error": console.error}
+    error = None if console.error is None else _cut(console.error, limit)
+    return {"output": _cut(shown.getvalue(), limit), "error": error}
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` cut at ``limit`` characters, with a note of how many were left off."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n... ({len(text) - limit} more characters)"
 
 
 def _run_source(console: Console, source: str) -> None:
@@ -78,7 +84,8 @@ def main() -> None:
     os.dup2(null, 1)
     console = Console()
     for line in requests:
-        reply = run(console, json.loads(line)["code"], limit)
+        request = json.loads(line)
+        reply = {**run(console, request["code"], limit), "id": request["id"]}
         replies.write(json.dumps(reply, ensure_ascii=False) + "\n")
         replies.flush()
 

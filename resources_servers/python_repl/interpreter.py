@@ -2,8 +2,10 @@
 
 The parent side of the JSON-lines protocol: ``run(code, timeout_s)`` sends one request and reads
 one reply, one call at a time. A child that runs out of time is killed; one that died answers
-nothing; either way ``run`` answers ``None`` and the interpreter is closed. ``close`` kills and
-reaps the process.
+nothing; one whose reply is not a whole, valid line (longer than ``READ_LIMIT``, not JSON, not
+``{output, error, id}`` with this request's ``id``) has lost the protocol. In each case ``run``
+answers ``None``, ``lost`` says why, and the interpreter is closed, so that no later call can read
+what is left of the bad line as its reply. ``close`` kills and reaps the process.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 __all__ = ["CHILD", "Interpreter"]
 
 CHILD = Path(__file__).with_name("child.py")
-READ_LIMIT = 4 << 20  # one reply line: output of at most 100k characters, JSON-escaped
+READ_LIMIT = 4 << 20  # one reply line: output and error of at most 100k characters each, JSON-escaped
+BROKEN = "broke the reply protocol (a reply too long, not JSON or not the reply to this call)"
 
 
 class Interpreter:
@@ -26,6 +29,8 @@ class Interpreter:
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self._process = process
         self._lock = asyncio.Lock()
+        self._calls = 0
+        self.lost = "exited"  # why the last ``run`` answered None
 
     @classmethod
     async def start(cls, max_output_chars: int) -> Interpreter:
@@ -47,22 +52,43 @@ class Interpreter:
     async def run(self, code: str, timeout_s: float) -> dict[str, Any] | None:
         """The child's reply, or ``None`` when it died or ran past ``timeout_s`` (then it is closed)."""
         async with self._lock:
+            self._calls += 1
             line = await self._exchange(code, timeout_s)
-        if not line:
-            await self.close()
-            return None
-        reply: dict[str, Any] = json.loads(line)
+            reply = self._reply(line, self._calls) if line else None
+            if reply is None:
+                await self.close()
         return reply
 
     async def _exchange(self, code: str, timeout_s: float) -> bytes:
+        """The child's reply line; empty when it died, ran past ``timeout_s`` or broke the protocol."""
         stdin, stdout = self._process.stdin, self._process.stdout
         assert stdin is not None and stdout is not None  # both are pipes (start)
+        self.lost = f"exited or ran past {timeout_s} s"
         try:
-            stdin.write(json.dumps({"code": code}).encode() + b"\n")
+            stdin.write(json.dumps({"code": code, "id": self._calls}).encode() + b"\n")
             await stdin.drain()
-            return await asyncio.wait_for(stdout.readline(), timeout_s)
+            line = await asyncio.wait_for(stdout.readline(), timeout_s)
         except (TimeoutError, ConnectionError):
             return b""
+        except ValueError:  # the line is longer than READ_LIMIT (LimitOverrunError's ValueError)
+            self.lost = BROKEN
+            return b""
+        if line and not line.endswith(b"\n"):  # a part line, then end of file: the child died
+            return b""
+        return line
+
+    def _reply(self, line: bytes, call: int) -> dict[str, Any] | None:
+        """The reply in ``line`` when it is a valid one for this ``call``, else ``None``."""
+        try:
+            reply = json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8
+            reply = None
+        if (isinstance(reply, dict) and reply.keys() == {"output", "error", "id"}
+                and isinstance(reply["output"], str) and isinstance(reply["error"], (str, type(None)))
+                and type(reply["id"]) is int and reply["id"] == call):
+            return {"output": reply["output"], "error": reply["error"]}
+        self.lost = BROKEN
+        return None
 
     async def close(self) -> None:
         """Kill the child (if it still runs) and reap it."""

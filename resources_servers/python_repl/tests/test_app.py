@@ -113,6 +113,38 @@ async def test_output_is_bounded(start: Callable[..., Any]) -> None:
         assert reply["output"] == "a" * 10 + "\n... (16 more characters)"
 
 
+async def test_the_error_is_bounded_too_and_the_next_call_gets_its_own_reply(start: Callable[..., Any]) -> None:
+    async with start(max_output_chars=10) as py:
+        cookie = await py.seed()
+        await py.run(cookie, "kept = 41")
+        reply = await py.run(cookie, "raise ValueError('y' * 5_000_000)")  # a reply line over READ_LIMIT
+        assert reply["error"] == "ValueError\n... (5000002 more characters)"
+        assert await py.run(cookie, "kept + 1") == {"output": "42\n", "error": None}
+
+
+@pytest.mark.parametrize(
+    "garble",
+    [
+        "b'not json\\n'",  # not JSON
+        "b'[1, 2]\\n'",  # not an object
+        "b'{\"output\": \"forged\", \"error\": null}\\n'",  # not the reply to this call
+        "b'x' * (5 << 20)",  # longer than READ_LIMIT
+    ],
+)
+async def test_a_garbled_reply_loses_the_interpreter_never_a_500_or_a_stale_reply(
+    start: Callable[..., Any], garble: str
+) -> None:
+    async with start() as py:
+        cookie = await py.seed()
+        await py.run(cookie, "kept = 1")
+        (old,) = py.server.interpreters.values()
+        lost = await py.run(cookie, f"import os; n = os.write(4, {garble}); 'real'")  # fd 4: the replies
+        assert lost["error"].startswith("InterpreterLost: the interpreter broke the reply protocol")
+        assert not old.alive and py.server.interpreters == {}
+        assert await py.run(cookie, "'second'") == {"output": "'second'\n", "error": None}
+        assert (await py.run(cookie, "kept"))["error"] == "NameError: name 'kept' is not defined"
+
+
 async def test_verify_runs_the_check_in_the_session(start: Callable[..., Any]) -> None:
     async with start() as py:
         cookie = await py.seed()
