@@ -5,13 +5,17 @@ one reply, one call at a time. A child that runs out of time is killed; one that
 nothing; one whose reply is not a whole, valid line (longer than ``READ_LIMIT``, not JSON, not
 ``{output, error, id}`` with this request's ``id``) has lost the protocol. In each case ``run``
 answers ``None``, ``lost`` says why, and the interpreter is closed, so that no later call can read
-what is left of the bad line as its reply. ``close`` kills and reaps the process.
+what is left of the bad line as its reply. The child leads a process group of its own: ``close``
+kills the whole group (whatever the code started with it) and reaps the child.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,7 @@ class Interpreter:
             sys.executable, "-I", "-S", str(CHILD), str(max_output_chars),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL, limit=READ_LIMIT,
+            start_new_session=True,  # its own process group, so close kills what the code started too
         )
         return cls(process)
 
@@ -91,9 +96,13 @@ class Interpreter:
         return None
 
     async def close(self) -> None:
-        """Kill the child (if it still runs) and reap it."""
-        if self._process.returncode is None:
-            self._process.kill()
+        """Kill the child's process group (the child and what its code started) and reap the child.
+
+        A process the code moved to a session or group of its own is out of reach: not a sandbox.
+        """
+        # The group outlives the child while any of its processes runs; its id is the child's pid.
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # no process of it is left
+            os.killpg(self._process.pid, signal.SIGKILL)
         await self._process.wait()
         if self._process.stdin is not None:
             self._process.stdin.close()

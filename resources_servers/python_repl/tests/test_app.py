@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -166,6 +168,36 @@ async def test_closing_a_session_kills_its_interpreter(start: Callable[..., Any]
         assert not interpreter.alive and py.server.interpreters == {}
         reply = await py.http.post("/run_python", json={"code": "1"}, headers=cookie)
         assert reply.status_code == 400 and "unknown session" in reply.json()["error"]["detail"]
+
+
+SPAWN = "import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+
+
+async def _gone(pid: int) -> bool:
+    """Whether ``pid`` exits (or is only a zombie) within a few seconds."""
+    for _ in range(100):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+async def test_processes_the_code_started_die_with_the_interpreter(start: Callable[..., Any]) -> None:
+    async with start(call_timeout_s=2) as py:
+        closed, timed_out, shut_down = await py.seed(), await py.seed(), await py.seed()
+        first = int((await py.run(closed, SPAWN + "p.pid"))["output"])
+        assert (await py.http.post("/close_session", headers=closed)).status_code == 200
+        assert await _gone(first)
+        second = int((await py.run(timed_out, SPAWN + "p.pid"))["output"])
+        assert (await py.run(timed_out, "while True: pass"))["error"].startswith("InterpreterLost")
+        assert await _gone(second)
+        third = int((await py.run(shut_down, SPAWN + "p.pid"))["output"])
+    assert await _gone(third)
 
 
 async def test_shutdown_kills_every_interpreter(start: Callable[..., Any]) -> None:
