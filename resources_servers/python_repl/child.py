@@ -86,7 +86,7 @@ def main() -> None:
     for line in requests:
         request = json.loads(line)
         reply = {**run(console, request["code"], limit), "id": request["id"]}
-        replies.write(json.dumps(reply, ensure_ascii=False) + "\n")
+        replies.write(json.dumps(reply) + "\n")  # ASCII: any str, a lone surrogate too, can be written
         replies.flush()
 
 

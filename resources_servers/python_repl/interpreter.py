@@ -91,7 +91,8 @@ class Interpreter:
         if (isinstance(reply, dict) and reply.keys() == {"output", "error", "id"}
                 and isinstance(reply["output"], str) and isinstance(reply["error"], (str, type(None)))
                 and type(reply["id"]) is int and reply["id"] == call):
-            return {"output": reply["output"], "error": reply["error"]}
+            error = None if reply["error"] is None else _utf8(reply["error"])
+            return {"output": _utf8(reply["output"]), "error": error}
         self.lost = BROKEN
         return None
 
@@ -106,3 +107,9 @@ class Interpreter:
         await self._process.wait()
         if self._process.stdin is not None:
             self._process.stdin.close()
+
+
+def _utf8(text: str) -> str:
+    """``text`` with each lone surrogate (``print(chr(0xd800))``) written as its escape, ``\\ud800``:
+    the reply must be UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -147,6 +147,15 @@ async def test_a_garbled_reply_loses_the_interpreter_never_a_500_or_a_stale_repl
         assert (await py.run(cookie, "kept"))["error"] == "NameError: name 'kept' is not defined"
 
 
+async def test_lone_surrogates_are_shown_escaped_and_the_interpreter_survives(start: Callable[..., Any]) -> None:
+    async with start() as py:
+        cookie = await py.seed()
+        await py.run(cookie, "kept = 41")
+        assert await py.run(cookie, "print(chr(0xd800))") == {"output": "\\ud800\n", "error": None}
+        assert (await py.run(cookie, "raise ValueError(chr(0xdfff))"))["error"] == "ValueError: \\udfff"
+        assert await py.run(cookie, "kept + 1") == {"output": "42\n", "error": None}
+
+
 async def test_verify_runs_the_check_in_the_session(start: Callable[..., Any]) -> None:
     async with start() as py:
         cookie = await py.seed()
