@@ -69,10 +69,15 @@ class Interpreter:
         stdin, stdout = self._process.stdin, self._process.stdout
         assert stdin is not None and stdout is not None  # both are pipes (start)
         self.lost = f"exited or ran past {timeout_s} s"
+        request = json.dumps({"code": code, "id": self._calls}).encode() + b"\n"
+
+        async def exchange() -> bytes:
+            stdin.write(request)
+            await stdin.drain()  # under the deadline too: a busy child may not read its request
+            return await stdout.readline()
+
         try:
-            stdin.write(json.dumps({"code": code, "id": self._calls}).encode() + b"\n")
-            await stdin.drain()
-            line = await asyncio.wait_for(stdout.readline(), timeout_s)
+            line = await asyncio.wait_for(exchange(), timeout_s)
         except (TimeoutError, ConnectionError):
             return b""
         except ValueError:  # the line is longer than READ_LIMIT (LimitOverrunError's ValueError)

@@ -101,6 +101,27 @@ async def test_a_call_past_its_timeout_loses_the_interpreter(start: Callable[...
         assert (await py.run(cookie, "kept"))["error"] == "NameError: name 'kept' is not defined"
 
 
+FORGE_THEN_SLEEP = (  # a thread answers this call (with its id), then the interpreter reads no request
+    "import json, os, sys, threading, time\n"
+    "frame = sys._getframe()\n"
+    "while 'request' not in frame.f_locals:\n"
+    "    frame = frame.f_back\n"
+    "reply = json.dumps({'output': 'forged', 'error': None, 'id': frame.f_locals['request']['id']})\n"
+    "threading.Thread(target=lambda: (time.sleep(0.2), os.write(4, reply.encode() + b'\\n'))).start()\n"
+    "time.sleep(3600)"
+)
+
+
+async def test_sending_a_request_is_under_the_call_timeout_too(start: Callable[..., Any]) -> None:
+    async with start(call_timeout_s=1) as py:
+        cookie = await py.seed()
+        assert await py.run(cookie, FORGE_THEN_SLEEP) == {"output": "forged", "error": None}
+        big = "#" + "\u00e9" * 99_000  # about 600 KB once JSON-escaped: more than the pipe holds
+        lost = await asyncio.wait_for(py.run(cookie, big), 15)
+        assert lost["error"].startswith("InterpreterLost: the interpreter exited or ran past 1.0 s")
+        assert py.server.interpreters == {}
+
+
 async def test_an_interpreter_that_exits_is_replaced(start: Callable[..., Any]) -> None:
     async with start() as py:
         cookie = await py.seed()
