@@ -48,11 +48,39 @@ def _summary() -> str:
 def run(console: Console, source: str, limit: int) -> dict[str, Any]:
     """Run ``source`` in the console: what it showed (at most ``limit`` characters) and its error."""
     console.error = None
-    shown = io.StringIO()
+    shown = Capture(limit)
     with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(shown):
         _run_source(console, source)
     error = None if console.error is None else _cut(console.error, limit)
-    return {"output": _cut(shown.getvalue(), limit), "error": error}
+    return {"output": shown.value(), "error": error}
+
+
+class Capture(io.TextIOBase):
+    """A text stream that keeps the first ``limit`` characters written to it and counts the rest."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self._limit = limit
+        self._kept: list[str] = []
+        self._size = 0  # characters kept
+        self._dropped = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        room = self._limit - self._size
+        if room > 0:
+            self._kept.append(text[:room])
+            self._size += min(room, len(text))
+        self._dropped += max(0, len(text) - max(room, 0))
+        return len(text)
+
+    def value(self) -> str:
+        kept = "".join(self._kept)
+        return kept + f"\n... ({self._dropped} more characters)" if self._dropped else kept
 
 
 def _cut(text: str, limit: int) -> str:

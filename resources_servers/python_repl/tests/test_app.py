@@ -136,6 +136,23 @@ async def test_output_is_bounded(start: Callable[..., Any]) -> None:
         assert reply["output"] == "a" * 10 + "\n... (16 more characters)"
 
 
+def _peak_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+async def test_output_past_the_bound_is_dropped_as_it_is_written(start: Callable[..., Any]) -> None:
+    async with start(max_output_chars=10) as py:
+        cookie = await py.seed()
+        await py.run(cookie, "line = 'x' * 1_000_000")
+        (interpreter,) = py.server.interpreters.values()
+        before = _peak_kib(interpreter.pid)
+        reply = await py.run(cookie, "for _ in range(100):\n    print(line)")  # 100 MB printed
+        assert reply == {"output": "x" * 10 + "\n... (100000090 more characters)", "error": None}
+        assert _peak_kib(interpreter.pid) - before < 30_000  # KiB: not the 100 MB it printed
+
+
 async def test_the_error_is_bounded_too_and_the_next_call_gets_its_own_reply(start: Callable[..., Any]) -> None:
     async with start(max_output_chars=10) as py:
         cookie = await py.seed()
