@@ -8,6 +8,7 @@ task's ``expected_answer`` numerically. Stateless, and verify may simply run aga
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Annotated
@@ -66,7 +67,8 @@ class CalculatorTask(VerifyRequest):
 
 
 class CalculatorVerdict(Verdict):
-    extracted_answer: int | float | None
+    extracted_answer: int | float | str | None
+    """N as a JSON number; its exact decimal text where no JSON number holds it (``_as_json_number``)."""
 
 
 def _to_decimal(text: str) -> Decimal:
@@ -85,8 +87,16 @@ def extract_answer(text: str) -> Decimal | None:
     return _to_decimal(matches[-1]) if matches else None
 
 
-def _as_json_number(number: Decimal) -> int | float:
-    return int(number) if number == number.to_integral_value() else float(number)
+def _as_json_number(number: Decimal) -> int | float | str:
+    """``number`` for the reply: an integer of 64 bits as an int, another number as a float when it
+    is finite, else (an integer past 64 bits, which JSON writers refuse or round, or a number past a
+    float's range) its exact decimal text."""
+    if number == number.to_integral_value():
+        if -MAX_INT64 - 1 <= number <= MAX_INT64:
+            return int(number)
+        return format(number.to_integral_value(), "f")
+    as_float = float(number)
+    return as_float if math.isfinite(as_float) else format(number, "f")
 
 
 class CalculatorTools(ResourcesServer[Config]):

@@ -109,9 +109,8 @@ class PythonRepl(ResourcesServer[Config]):
             return reply
         if self.interpreters.get(session.session_id) is interpreter:
             del self.interpreters[session.session_id]
-        return {"output": "", "error": f"InterpreterLost: the interpreter exited or ran past "
-                                       f"{self.settings.call_timeout_s} s; the next call starts a fresh "
-                                       f"one (earlier variables are gone)"}
+        return {"output": "", "error": f"InterpreterLost: the interpreter {interpreter.lost}; the next "
+                                       f"call starts a fresh one (earlier variables are gone)"}
 
     async def _interpreter(self, session: Session) -> Interpreter:
         """The session's interpreter, started on first use (one start at a time)."""

@@ -1,9 +1,10 @@
 """The child process of one python_repl session: a persistent interpreter spoken to in JSON lines.
 
-Run as ``python -I -S child.py <max_output_chars>``. Each request line is ``{"code": str}``; each
-reply line is ``{"output": str, "error": str | null}``: what the code printed (stdout and stderr)
-and the values of its expression statements, shown as an interactive interpreter shows them, and
-the last line of the traceback when it raised. Variables, imports and functions persist between
+Run as ``python -I -S child.py <max_output_chars>``. Each request line is ``{"code": str, "id": int}``;
+each reply line is ``{"output": str, "error": str | null, "id": int}``: what the code printed (stdout
+and stderr) and the values of its expression statements, shown as an interactive interpreter shows
+them, and the last line of the traceback when it raised, each cut at ``max_output_chars``, and the
+request's ``id``. Variables, imports and functions persist between
 requests. The protocol runs over private copies of fds 0 and 1: the code's own stdin and stdout
 are /dev/null and a buffer, so nothing it does can garble a reply. Standard library only.
 """
@@ -47,13 +48,46 @@ def _summary() -> str:
 def run(console: Console, source: str, limit: int) -> dict[str, Any]:
     """Run ``source`` in the console: what it showed (at most ``limit`` characters) and its error."""
     console.error = None
-    shown = io.StringIO()
+    shown = Capture(limit)
     with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(shown):
         _run_source(console, source)
-    output = shown.getvalue()
-    if len(output) > limit:
-        output = output[:limit] + f"\n... ({len(output) - limit} more characters)"
-    return {"output": output, "error": console.error}
+    error = None if console.error is None else _cut(console.error, limit)
+    return {"output": shown.value(), "error": error}
+
+
+class Capture(io.TextIOBase):
+    """A text stream that keeps the first ``limit`` characters written to it and counts the rest."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self._limit = limit
+        self._kept: list[str] = []
+        self._size = 0  # characters kept
+        self._dropped = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        room = self._limit - self._size
+        if room > 0:
+            self._kept.append(text[:room])
+            self._size += min(room, len(text))
+        self._dropped += max(0, len(text) - max(room, 0))
+        return len(text)
+
+    def value(self) -> str:
+        kept = "".join(self._kept)
+        return kept + f"\n... ({self._dropped} more characters)" if self._dropped else kept
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` cut at ``limit`` characters, with a note of how many were left off."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n... ({len(text) - limit} more characters)"
 
 
 def _run_source(console: Console, source: str) -> None:
@@ -78,8 +112,9 @@ def main() -> None:
     os.dup2(null, 1)
     console = Console()
     for line in requests:
-        reply = run(console, json.loads(line)["code"], limit)
-        replies.write(json.dumps(reply, ensure_ascii=False) + "\n")
+        request = json.loads(line)
+        reply = {**run(console, request["code"], limit), "id": request["id"]}
+        replies.write(json.dumps(reply) + "\n")  # ASCII: any str, a lone surrogate too, can be written
         replies.flush()
 
 

@@ -24,7 +24,8 @@ __all__ = ["ExtractionMode", "assistant_text", "extract", "grade"]
 ExtractionMode = Literal["boxed", "final_answer", "last_line", "full_response"]
 
 _BOXED = "\\boxed{"
-_TEXT_WRAPPER = re.compile(r"\\text\{\s*(.*?)\s*\}", re.S)
+_TEXT = "\\text{"
+_BRACES = re.compile(r"[{}]")
 _ANSWER_LINE = re.compile("(?i)(?:final\\s+answer|answer)\\s*[:\uff1a]\\s*(.+)")  # a colon, or a full-width one
 _DIGIT_GROUPS = re.compile(r"(\d),(\d)")
 _LATEX_COMMANDS = ("boxed", "text", "textbf", "textit", "texttt", "mathrm", "mathbf", "mathit", "mathsf",
@@ -50,28 +51,44 @@ def extract(text: str, mode: ExtractionMode) -> str | None:
     return _EXTRACTORS[mode](text)
 
 
-def _closing_brace(text: str, start: int) -> int | None:
-    """The index of the brace closing the one just before ``start``, or None."""
-    depth = 1
-    for index in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[index], 0)
-        if depth == 0:
-            return index
-    return None
+def _brace_pairs(text: str) -> dict[int, int]:
+    """The index of each closed ``{`` in ``text`` -> the index of the ``}`` closing it (one pass)."""
+    pairs: dict[int, int] = {}
+    opened: list[int] = []
+    for brace in _BRACES.finditer(text):
+        if brace[0] == "{":
+            opened.append(brace.start())
+        elif opened:
+            pairs[opened.pop()] = brace.start()
+    return pairs
 
 
 def _boxed(text: str) -> str | None:
     start = text.rfind(_BOXED)
+    pairs = _brace_pairs(text) if start != -1 else {}
     while start != -1:
         inner = start + len(_BOXED)
-        end = _closing_brace(text, inner)
+        end = pairs.get(inner - 1)
         if end is not None:
-            value = text[inner:end].strip()
-            while (wrapped := _TEXT_WRAPPER.fullmatch(value)) is not None:
-                value = wrapped[1]
-            return value.strip()
+            return _without_text_wrappers(text[inner:end].strip())
         start = text.rfind(_BOXED, 0, start)
     return None
+
+
+def _without_text_wrappers(value: str) -> str:
+    """``value`` (stripped) without the ``\\text{...}`` wrappers around all of it, each one's inside stripped.
+
+    Index arithmetic, linear in ``value``: the regex it replaces (``\\\\text\\{\\s*(.*?)\\s*\\}``, full
+    match) backtracked cubically on a wrapper of spaces.
+    """
+    start, end = 0, len(value)
+    while end - start > len(_TEXT) and value.startswith(_TEXT, start, end) and value[end - 1] == "}":
+        start, end = start + len(_TEXT), end - 1
+        while start < end and value[start].isspace():
+            start += 1
+        while end > start and value[end - 1].isspace():
+            end -= 1
+    return value[start:end]
 
 
 def _final_answer(text: str) -> str | None:
@@ -159,11 +176,25 @@ def _without_latex(text: str) -> str:
 
 
 def _unwrap(text: str, opening: str) -> str:
-    """``text`` with every ``\\cmd{inner}`` replaced by ``inner`` (an unclosed one loses its ``\\cmd{``)."""
-    start = text.find(opening)
-    while start != -1:
-        end = _closing_brace(text, start + len(opening))
-        inner_end = len(text) if end is None else end
-        text = text[:start] + text[start + len(opening) : inner_end] + text[inner_end + 1 :]
-        start = text.find(opening, start)
-    return text
+    """``text`` with every ``\\cmd{inner}`` replaced by ``inner`` (an unclosed one loses its ``\\cmd{``).
+
+    One pass: each ``{`` is pushed (marked when it opens ``opening``), each ``}`` closes the last
+    open one and is dropped with its marked opening.
+    """
+    if opening not in text:
+        return text
+    pieces: list[str] = []
+    kept = 0  # text[kept:] is not yet in pieces
+    opened: list[bool] = []  # the open braces, innermost last: True where it is an opening's
+    for token in re.finditer(re.escape(opening) + "|[{}]", text):
+        if token[0] == "{":
+            opened.append(False)
+            continue
+        if token[0] == "}" and not (opened and opened.pop()):
+            continue
+        pieces.append(text[kept : token.start()])
+        kept = token.end()
+        if token[0] != "}":
+            opened.append(True)
+    pieces.append(text[kept:])
+    return "".join(pieces)

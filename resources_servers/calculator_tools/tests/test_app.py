@@ -107,6 +107,14 @@ async def test_tool_definitions(client: httpx.AsyncClient) -> None:
         ("The answer is 5142.", 5141, 0.0, 5142),
         ("5141", 5141, 0.0, None),
         ("", 5141, 0.0, None),
+        ("The answer is 9223372036854775807.", 9223372036854775807, 1.0, 9223372036854775807),  # 64 bits
+        ("The answer is 9223372036854775808.", 9223372036854775807, 0.0, "9223372036854775808"),
+        ("The answer is 1" + "0" * 95 + ".", 5, 0.0, "1" + "0" * 95),
+        ("The answer is 1" + "0" * 95 + ".", "1" + "0" * 95, 1.0, "1" + "0" * 95),  # exact, not a float
+        ("The answer is 1" + "0" * 95 + "1.", "1" + "0" * 96, 0.0, "1" + "0" * 95 + "1"),
+        ("The answer is -1" + "0" * 5000 + ".0.", 5, 0.0, "-1" + "0" * 5000),
+        ("The answer is 1.5" + "0" * 400 + "1.", 1.5, 0.0, 1.5),
+        ("The answer is 1" + "0" * 400 + ".5.", 5, 0.0, "1" + "0" * 400 + ".5"),  # past a float's range
     ],
 )
 async def test_verify(client: httpx.AsyncClient, text: str, expected: Any, reward: float,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -60,6 +61,24 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 )
 def test_extract_choice(text: str, choice: str | None) -> None:
     assert extract_choice(text, OPTIONS) == choice
+
+
+def test_extraction_is_linear_on_adversarial_text() -> None:
+    """Whitespace after a boxed letter, never closed, costs about what other text of its shape costs.
+
+    The former boxed regex backtracked cubically on it (2 KB of it held the event loop for 8 s).
+    """
+    def cost(text: str) -> float:
+        best = float("inf")
+        for _ in range(3):
+            began = time.perf_counter()
+            assert extract_choice(text, OPTIONS) is None
+            best = min(best, time.perf_counter() - began)
+        return best
+
+    piece = "\\boxed{A: " + " " * 300
+    adversarial, plain = piece * 50, piece.replace(" ", "x") * 50
+    assert cost(adversarial) < 20 * cost(plain) + 0.005
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -99,6 +101,27 @@ async def test_a_call_past_its_timeout_loses_the_interpreter(start: Callable[...
         assert (await py.run(cookie, "kept"))["error"] == "NameError: name 'kept' is not defined"
 
 
+FORGE_THEN_SLEEP = (  # a thread answers this call (with its id), then the interpreter reads no request
+    "import json, os, sys, threading, time\n"
+    "frame = sys._getframe()\n"
+    "while 'request' not in frame.f_locals:\n"
+    "    frame = frame.f_back\n"
+    "reply = json.dumps({'output': 'forged', 'error': None, 'id': frame.f_locals['request']['id']})\n"
+    "threading.Thread(target=lambda: (time.sleep(0.2), os.write(4, reply.encode() + b'\\n'))).start()\n"
+    "time.sleep(3600)"
+)
+
+
+async def test_sending_a_request_is_under_the_call_timeout_too(start: Callable[..., Any]) -> None:
+    async with start(call_timeout_s=1) as py:
+        cookie = await py.seed()
+        assert await py.run(cookie, FORGE_THEN_SLEEP) == {"output": "forged", "error": None}
+        big = "#" + "\u00e9" * 99_000  # about 600 KB once JSON-escaped: more than the pipe holds
+        lost = await asyncio.wait_for(py.run(cookie, big), 15)
+        assert lost["error"].startswith("InterpreterLost: the interpreter exited or ran past 1.0 s")
+        assert py.server.interpreters == {}
+
+
 async def test_an_interpreter_that_exits_is_replaced(start: Callable[..., Any]) -> None:
     async with start() as py:
         cookie = await py.seed()
@@ -111,6 +134,64 @@ async def test_output_is_bounded(start: Callable[..., Any]) -> None:
         cookie = await py.seed()
         reply = await py.run(cookie, "print('a' * 25)")
         assert reply["output"] == "a" * 10 + "\n... (16 more characters)"
+
+
+def _peak_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+async def test_output_past_the_bound_is_dropped_as_it_is_written(start: Callable[..., Any]) -> None:
+    async with start(max_output_chars=10) as py:
+        cookie = await py.seed()
+        await py.run(cookie, "line = 'x' * 1_000_000")
+        (interpreter,) = py.server.interpreters.values()
+        before = _peak_kib(interpreter.pid)
+        reply = await py.run(cookie, "for _ in range(100):\n    print(line)")  # 100 MB printed
+        assert reply == {"output": "x" * 10 + "\n... (100000090 more characters)", "error": None}
+        assert _peak_kib(interpreter.pid) - before < 30_000  # KiB: not the 100 MB it printed
+
+
+async def test_the_error_is_bounded_too_and_the_next_call_gets_its_own_reply(start: Callable[..., Any]) -> None:
+    async with start(max_output_chars=10) as py:
+        cookie = await py.seed()
+        await py.run(cookie, "kept = 41")
+        reply = await py.run(cookie, "raise ValueError('y' * 5_000_000)")  # a reply line over READ_LIMIT
+        assert reply["error"] == "ValueError\n... (5000002 more characters)"
+        assert await py.run(cookie, "kept + 1") == {"output": "42\n", "error": None}
+
+
+@pytest.mark.parametrize(
+    "garble",
+    [
+        "b'not json\\n'",  # not JSON
+        "b'[1, 2]\\n'",  # not an object
+        "b'{\"output\": \"forged\", \"error\": null}\\n'",  # not the reply to this call
+        "b'x' * (5 << 20)",  # longer than READ_LIMIT
+    ],
+)
+async def test_a_garbled_reply_loses_the_interpreter_never_a_500_or_a_stale_reply(
+    start: Callable[..., Any], garble: str
+) -> None:
+    async with start() as py:
+        cookie = await py.seed()
+        await py.run(cookie, "kept = 1")
+        (old,) = py.server.interpreters.values()
+        lost = await py.run(cookie, f"import os; n = os.write(4, {garble}); 'real'")  # fd 4: the replies
+        assert lost["error"].startswith("InterpreterLost: the interpreter broke the reply protocol")
+        assert not old.alive and py.server.interpreters == {}
+        assert await py.run(cookie, "'second'") == {"output": "'second'\n", "error": None}
+        assert (await py.run(cookie, "kept"))["error"] == "NameError: name 'kept' is not defined"
+
+
+async def test_lone_surrogates_are_shown_escaped_and_the_interpreter_survives(start: Callable[..., Any]) -> None:
+    async with start() as py:
+        cookie = await py.seed()
+        await py.run(cookie, "kept = 41")
+        assert await py.run(cookie, "print(chr(0xd800))") == {"output": "\\ud800\n", "error": None}
+        assert (await py.run(cookie, "raise ValueError(chr(0xdfff))"))["error"] == "ValueError: \\udfff"
+        assert await py.run(cookie, "kept + 1") == {"output": "42\n", "error": None}
 
 
 async def test_verify_runs_the_check_in_the_session(start: Callable[..., Any]) -> None:
@@ -134,6 +215,36 @@ async def test_closing_a_session_kills_its_interpreter(start: Callable[..., Any]
         assert not interpreter.alive and py.server.interpreters == {}
         reply = await py.http.post("/run_python", json={"code": "1"}, headers=cookie)
         assert reply.status_code == 400 and "unknown session" in reply.json()["error"]["detail"]
+
+
+SPAWN = "import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+
+
+async def _gone(pid: int) -> bool:
+    """Whether ``pid`` exits (or is only a zombie) within a few seconds."""
+    for _ in range(100):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+async def test_processes_the_code_started_die_with_the_interpreter(start: Callable[..., Any]) -> None:
+    async with start(call_timeout_s=2) as py:
+        closed, timed_out, shut_down = await py.seed(), await py.seed(), await py.seed()
+        first = int((await py.run(closed, SPAWN + "p.pid"))["output"])
+        assert (await py.http.post("/close_session", headers=closed)).status_code == 200
+        assert await _gone(first)
+        second = int((await py.run(timed_out, SPAWN + "p.pid"))["output"])
+        assert (await py.run(timed_out, "while True: pass"))["error"].startswith("InterpreterLost")
+        assert await _gone(second)
+        third = int((await py.run(shut_down, SPAWN + "p.pid"))["output"])
+    assert await _gone(third)
 
 
 async def test_shutdown_kills_every_interpreter(start: Callable[..., Any]) -> None:

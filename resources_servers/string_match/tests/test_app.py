@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from nemo_gym_ckpt.config import load_config_dict
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import ConfigError
+from resources_servers.string_match.answers import extract, grade
 from resources_servers.string_match.app import create_app
 
 pytestmark = pytest.mark.unit
@@ -204,3 +206,39 @@ async def test_case_sensitive_rows(make_client: Callable[..., httpx.AsyncClient]
         assert await reward(http, "PARIS", "paris") == 0.0
         body = {"expected_answer": "paris", "case_sensitive": False, "response": answer("PARIS")}
         assert (await http.post("/verify", json=body)).json()["reward"] == 1.0  # the row's wins over the config
+
+
+@pytest.mark.parametrize(
+    ("adversarial", "plain"),
+    [
+        ("\\boxed{\\text{" + " " * 1000 + "}a}", "\\boxed{\\text{" + "x" * 1000 + "}a}"),  # was cubic
+        ("\\boxed{" * 1000, "\\boxed{" + "x" * 7000),  # was quadratic: every unclosed box scanned to the end
+        ("\\text{" * 1000, "\\text{" + "x" * 6000),  # the same in grade's LaTeX unwrapping
+    ],
+)
+def test_extraction_and_grading_are_linear_on_adversarial_text(adversarial: str, plain: str) -> None:
+    """Text built to make extraction backtrack or rescan costs about what other text of its length costs."""
+    def cost(text: str) -> float:
+        best = float("inf")
+        for _ in range(3):
+            began = time.perf_counter()
+            grade(extract(text, "boxed") or text, "a", case_sensitive=False)
+            best = min(best, time.perf_counter() - began)
+        return best
+
+    assert cost(adversarial) < 20 * cost(plain) + 0.005
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("\\boxed{\\text{ \\text{  Paris } }}", "Paris"),
+        ("\\boxed{\\text{a}b\\text{c}}", "a}b\\text{c"),
+        ("\\boxed{\\text{}}", ""),
+        ("\\boxed{\\text{x} }", "x"),
+        ("\\boxed{\\text{x}", None),
+        ("\\boxed{ {1} } \\boxed{2", "{1}"),
+    ],
+)
+def test_text_wrappers_around_the_whole_box_are_removed(text: str, answer: str | None) -> None:
+    assert extract(text, "boxed") == answer
