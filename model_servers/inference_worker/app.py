@@ -175,7 +175,10 @@ class _Worker:
             raise InvalidRequest("model_call and continuation need the mesh's checkpointing on")
         if cuts is not None and body.continuation is not None:
             return await cuts.continuation_job(body, engine, served, current_identity())
-        plan = plan_completion(body, engine, served_model=served, next_seed=self.next_seed)
+        # tokenizing a text prompt (up to MAX_TEXT characters) and checking its ids is O(prompt):
+        # in a thread, so that the event loop (health, every stream) goes on meanwhile
+        plan = await asyncio.to_thread(plan_completion, body, engine, served_model=served,
+                                       next_seed=self.next_seed)
         if cuts is not None:
             return cuts.fresh_job(body, plan, engine, served, current_identity())
         return GenerationJob(plan.generation, CompletionBuilder(plan, engine.tokenizer, served,

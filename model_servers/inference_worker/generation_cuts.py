@@ -132,12 +132,17 @@ class GenerationCuts:
             logger.warning("continuation of %s generated afresh: %s", call.model_call_id, missing.detail)
             fresh = body.model_copy(update={"continuation": None})
             # the policy model always sends the call's seed; without one the fresh call is seeded 0
-            plan = plan_completion(fresh, engine, served_model=served_model, next_seed=lambda: 0)
+            plan = await asyncio.to_thread(plan_completion, fresh, engine, served_model=served_model,
+                                           next_seed=lambda: 0)
             return self.fresh_job(fresh, plan, engine, served_model, identity)
         seed = staged.sampling.seed
-        plan = plan_completion(body, engine, served_model=served_model, next_seed=lambda: seed)
-        check_continuation(staged, ref, call, identity, plan, engine.policy_version)
-        job = continued_job(staged, plan, engine.tokenizer, served_model)
+
+        def continue_staged() -> GenerationJob:  # O(prompt + prefix): off the event loop
+            plan = plan_completion(body, engine, served_model=served_model, next_seed=lambda: seed)
+            check_continuation(staged, ref, call, identity, plan, engine.policy_version)
+            return continued_job(staged, plan, engine.tokenizer, served_model)
+
+        job = await asyncio.to_thread(continue_staged)
         self.registry.tokens_from_staging += staged.prefix_token_count
         return self._track(job, body, identity, staged.policy_version)
 

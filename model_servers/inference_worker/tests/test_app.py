@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -314,3 +315,34 @@ def test_staging_lives_beside_the_checkpoint_root_never_inside_it(tmp_path: Path
     where = staging_dir(ServerContext(name="w1", settings=instance.settings, mesh=mesh))
     assert where == (own if configured else tmp_path / "ckpts.generation-cuts" / "w1")
     assert not where.is_relative_to(root)
+
+
+class _BlockingTokenizer(CharTokenizer):
+    """Encoding a text that starts with ``BLOCK`` waits until ``release`` is set (at most 5 s): a
+    long tokenization that a test can hold while it asks the worker for something else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.released_while_encoding: bool | None = None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if text.startswith("BLOCK"):
+            self.entered.set()
+            self.released_while_encoding = self.release.wait(5)
+        return super().encode(text, add_special_tokens=add_special_tokens)
+
+
+async def test_text_prompt_is_tokenized_off_the_event_loop(worker_client: WorkerClient) -> None:
+    tokenizer = _BlockingTokenizer()
+    engine = ScriptedEngine(TOK.encode("ok"), tokenizer=tokenizer)
+    async with worker_client(engine) as http:
+        pending = asyncio.ensure_future(http.post("/v1/completions", json={"prompt": "BLOCK me", "max_tokens": 2}))
+        assert await asyncio.to_thread(tokenizer.entered.wait, 5)
+        health = await http.get("/health")  # served while the prompt is still being tokenized
+        tokenizer.release.set()
+        reply = await pending
+    assert health.status_code == 200
+    assert tokenizer.released_while_encoding is True  # the loop ran while encode() was blocked
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "ok"
