@@ -161,6 +161,10 @@ class _Worker:
             raise Unavailable("the inference engine is not loaded")
         return self._engine
 
+    @property
+    def loaded_engine(self) -> Engine | None:
+        return self._engine
+
     def attach(self, engine: Engine | None) -> None:
         self._engine = engine
 
@@ -324,6 +328,20 @@ def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig)
         return {"policy_version": engine.policy_version}
 
 
+def _install_health(app: FastAPI, worker: _Worker, name: str) -> None:
+    """``GET /health`` in place of the base app's: 503 (unavailable, naming the cause) once the
+    engine can serve no more requests, so that whoever watches health sees a dead worker."""
+    app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) != "/health"]
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        engine = worker.loaded_engine
+        failure = engine.failure if engine is not None else None
+        if failure is not None:
+            raise Unavailable(f"the inference engine can serve no more requests: {failure}")
+        return {"status": "ok", "name": name}
+
+
 def staging_dir(ctx: ServerContext[Config]) -> Path:
     """Where this worker stages generation cuts: ``staging_dir``, else ``<root>.generation-cuts/<instance>``
     beside the checkpoint root (``./checkpoints`` -> ``./checkpoints.generation-cuts/inference_worker``;
@@ -372,6 +390,7 @@ def create_app(ctx: ServerContext[Config], *, engine_factory: EngineFactory = lo
             await engine.aclose()
 
     app = create_app_base(ctx.name, lifespan=lifespan)
+    _install_health(app, worker, ctx.name)
     _install_routes(app, worker, ctx.mesh.checkpoint)
     app.include_router(make_tokenize_router(lambda: worker.engine, ctx.settings.served_model_name))
     token = ctx.mesh.checkpoint.control_auth_token

@@ -182,6 +182,14 @@ class Engine(abc.ABC):
         self._policy_version = value
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine can serve no more requests (its scheduler died), or None while it can.
+
+        An engine with a failure refuses every new request with 503 and the worker's ``/health``
+        answers 503 naming it: only a restart of the worker brings it back."""
+        return None
+
+    @property
     def paused(self) -> bool:
         return not self._running.is_set()
 

@@ -23,7 +23,6 @@ intra-op parallelism; raise ``torch_threads`` for a large model on a machine of 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncGenerator
@@ -108,6 +107,7 @@ class TransformersEngine(Engine):
         self._active: list[_Slot] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._failure: str | None = None
         self._thread: ThreadPoolExecutor | None = None
         self.steps = 0
 
@@ -146,6 +146,10 @@ class TransformersEngine(Engine):
         return self._context_length
 
     @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    @property
     def kv_cache(self) -> bool:
         return isinstance(self._stepper, CachedDecode)
 
@@ -166,17 +170,22 @@ class TransformersEngine(Engine):
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait({task})  # a scheduler that died raises nothing here: _on_scheduler_exit logged it
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.shutdown(wait=False, cancel_futures=True)
         self._fail_all(Unavailable("the inference engine shut down"))
 
     def _on_scheduler_exit(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("engine scheduler died", exc_info=task.exception())
-            self._fail_all(InternalError(f"engine scheduler died: {task.exception()!r}"))
+        if task.cancelled():
+            return
+        error = task.exception()
+        # not restarted: the step that raised may have left the stepper's caches half updated
+        self._failure = f"the engine scheduler died: {error!r}" if error is not None else \
+            "the engine scheduler stopped"
+        if error is not None:
+            logger.error("engine scheduler died; refusing every request from now on", exc_info=error)
+        self._fail_all(InternalError(self._failure))
 
     def _fail_all(self, error: GymError) -> None:
         for slot in (*self._active, *self._waiting):
@@ -200,6 +209,9 @@ class TransformersEngine(Engine):
             slot.done = True
 
     def _admit(self, request: GenerationRequest) -> _Slot:
+        if self._failure is not None:
+            raise Unavailable(f"the inference engine can serve no more requests ({self._failure}); "
+                              "restart the worker")
         if self._task is None:
             raise Unavailable("the inference engine is not running")
         bad = [i for i in request.prompt_token_ids if not 0 <= i < self._tokenizer.vocab_size]

@@ -6,10 +6,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from model_servers.inference_worker.engine import GenerationRequest, TokenStep
+from model_servers.inference_worker.tests.conftest import WorkerClient
 from nemo_gym_ckpt.errors import ConfigError, Unavailable
 
 pytest.importorskip("transformers")
@@ -165,3 +167,26 @@ def test_context_length_and_its_limit(tiny_model_dir: Path) -> None:
     assert TransformersEngine.load(tiny_model_dir, max_model_len=100).context_length == 100
     with pytest.raises(ConfigError, match="exceeds the model's 256 positions"):
         TransformersEngine.load(tiny_model_dir, max_model_len=1000)
+
+
+async def test_a_dead_scheduler_refuses_new_requests_and_fails_health(
+    tiny_model_dir: Path, worker_client: WorkerClient
+) -> None:
+    engine = TransformersEngine.load(tiny_model_dir)
+    real = engine._stepper.logits
+
+    def fails_once(batch: Any) -> Any:
+        engine._stepper.logits = real
+        raise KeyError("injected: an error a step does not catch")
+
+    engine._stepper.logits = fails_once  # type: ignore[method-assign]
+    body = {"prompt": [5, 6, 7], "max_tokens": 3}
+    async with worker_client(engine) as http:
+        first = await http.post("/v1/completions", json=body)
+        assert first.status_code == 500 and "scheduler died" in first.json()["error"]["detail"]
+        async with asyncio.timeout(10):  # before the fix: queued behind the dead scheduler for good
+            second = await http.post("/v1/completions", json=body)
+        health = await http.get("/health")
+    assert second.status_code == 503 and second.json()["error"]["code"] == "unavailable"
+    assert "KeyError" in second.json()["error"]["detail"]
+    assert health.status_code == 503 and "KeyError" in health.json()["error"]["detail"]
