@@ -41,6 +41,7 @@ from model_servers.inference_worker.chat_prompt import chat_prompt
 from model_servers.inference_worker.completions import (
     CompletionBuilder,
     CompletionRequest,
+    check_prompt_fits,
     plan_completion,
 )
 from model_servers.inference_worker.cut_routes import check_bearer, make_cut_router
@@ -302,6 +303,9 @@ def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig)
             chat_prompt, engine.tokenizer, body.messages, options, required_prefix=body.required_prefix_token_ids,
             add_special_tokens=body.add_special_tokens,
         )
+        # a prompt too long for a CompletionRequest (over MAX_TOKENS ids) gets the same 400 as one
+        # that is only too long for the context, not a validation error (500) out of completion()
+        check_prompt_fits(len(prompt.ids), engine.context_length)
         job = await worker.job(body.completion(prompt))
         view = ChatView(body, prompt)
         if body.stream:

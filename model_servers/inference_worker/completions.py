@@ -30,6 +30,7 @@ __all__ = [
     "CompletionPlan",
     "CompletionRequest",
     "StreamOptions",
+    "check_prompt_fits",
     "check_token_ids",
     "plan_completion",
 ]
@@ -158,11 +159,20 @@ def _prompt_ids(body: CompletionRequest, tokenizer: EngineTokenizer) -> list[int
     return ids
 
 
-def _max_tokens(body: CompletionRequest, prompt_len: int, context: int) -> int:
-    room = context - prompt_len
-    if room <= 0:
+def check_prompt_fits(prompt_len: int, context: int) -> None:
+    """400 when a prompt of ``prompt_len`` tokens leaves no room for a token in ``context`` (or holds
+    more than a request's ``MAX_TOKENS``)."""
+    if prompt_len >= context:
         raise InvalidRequest(f"the prompt ({prompt_len} tokens) leaves no room in the model's context length "
                              f"of {context} tokens")
+    if prompt_len > MAX_TOKENS:
+        raise InvalidRequest(f"the prompt ({prompt_len} tokens) holds more than the {MAX_TOKENS} tokens a "
+                             "request may hold")
+
+
+def _max_tokens(body: CompletionRequest, prompt_len: int, context: int) -> int:
+    check_prompt_fits(prompt_len, context)
+    room = context - prompt_len
     if body.max_tokens is None:
         return room
     if body.max_tokens > room:

@@ -15,6 +15,7 @@ from model_servers.inference_worker.app import Config, staging_dir
 from model_servers.inference_worker.sampling import derive_seed
 from model_servers.inference_worker.tests.conftest import TOKEN, WorkerClient, make_ctx
 from model_servers.inference_worker.tests.scripted_engine import EOS, CharTokenizer, ScriptedEngine
+from nemo_gym_ckpt.bounds import MAX_TOKENS
 from nemo_gym_ckpt.config import load_config_dict
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import ConfigError
@@ -346,3 +347,23 @@ async def test_text_prompt_is_tokenized_off_the_event_loop(worker_client: Worker
     assert health.status_code == 200
     assert tokenizer.released_while_encoding is True  # the loop ran while encode() was blocked
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "ok"
+
+
+class _HugeTokenizer(CharTokenizer):
+    """A text holding ``HUGE`` encodes to one id more than a request may hold (cheaply)."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if "HUGE" in text:
+            return [5] * (MAX_TOKENS + 1)
+        return super().encode(text, add_special_tokens=add_special_tokens)
+
+
+async def test_chat_prompt_over_max_tokens_is_the_context_length_400(worker_client: WorkerClient) -> None:
+    engine = ScriptedEngine(TOK.encode("ok"), tokenizer=_HugeTokenizer())
+    async with worker_client(engine) as http:
+        long = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 80}]})
+        huge = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "HUGE"}]})
+    assert long.status_code == 400 and "leaves no room" in long.json()["error"]["detail"]
+    assert huge.status_code == 400, huge.text  # was a 500: a ValidationError out of body.completion()
+    assert huge.json()["error"]["detail"] == (f"the prompt ({MAX_TOKENS + 1} tokens) leaves no room in the "
+                                              "model's context length of 64 tokens")
