@@ -67,6 +67,8 @@ __all__ = ["Config", "EngineFactory", "PolicyVersionBody", "create_app", "load_e
 
 logger = logging.getLogger(__name__)
 DEFAULT_STAGING_BASE = Path("./checkpoints")
+#: How long a completion whose client went away may take to unwind its cancellation.
+CANCEL_WAIT_S = 5.0
 
 
 class Config(ServerConfig):
@@ -265,10 +267,19 @@ async def _unless_disconnected(request: Request, work: Awaitable[None]) -> None:
     finally:
         watcher.cancel()
         if not task.done():
+            # a cancel takes effect when the task next runs: wait for it (bounded) before looking
             task.cancel()
-    if task.cancelled():
+            await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
+    if not task.done() or task.cancelled():
+        if not task.done():  # still unwinding: its outcome is of no use to a client that left
+            task.add_done_callback(_consume_outcome)
         raise InvalidRequest("the client disconnected before the completion finished")
     task.result()
+
+
+def _consume_outcome(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved, so that asyncio logs no "exception was never retrieved"
 
 
 # ---- routes --------------------------------------------------------------------------------------

@@ -11,14 +11,14 @@ import httpx
 import orjson
 import pytest
 
-from model_servers.inference_worker.app import Config, staging_dir
+from model_servers.inference_worker.app import Config, _unless_disconnected, staging_dir
 from model_servers.inference_worker.sampling import derive_seed
 from model_servers.inference_worker.tests.conftest import TOKEN, WorkerClient, make_ctx
 from model_servers.inference_worker.tests.scripted_engine import EOS, CharTokenizer, ScriptedEngine
 from nemo_gym_ckpt.bounds import MAX_TOKENS
 from nemo_gym_ckpt.config import load_config_dict
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.errors import ConfigError
+from nemo_gym_ckpt.errors import ConfigError, InvalidRequest
 
 pytestmark = pytest.mark.unit
 
@@ -367,3 +367,29 @@ async def test_chat_prompt_over_max_tokens_is_the_context_length_400(worker_clie
     assert huge.status_code == 400, huge.text  # was a 500: a ValidationError out of body.completion()
     assert huge.json()["error"]["detail"] == (f"the prompt ({MAX_TOKENS + 1} tokens) leaves no room in the "
                                               "model's context length of 64 tokens")
+
+
+class _GoneClient:
+    """A request whose client has already disconnected."""
+
+    async def receive(self) -> dict[str, str]:
+        return {"type": "http.disconnect"}
+
+
+async def test_a_disconnected_client_cancels_the_work_and_is_a_quiet_400() -> None:
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def run() -> None:
+        await _unless_disconnected(_GoneClient(), work())  # type: ignore[arg-type]
+
+    with pytest.raises(InvalidRequest, match="client disconnected"):  # was InvalidStateError (a 500)
+        await asyncio.wait_for(run(), 10)
+    assert started.is_set() and cancelled.is_set()
