@@ -354,9 +354,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def create_app(
     name: str, *, lifespan: Lifespan | None = None, version: str = "0.1.0",
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, health_check: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """A FastAPI app for one mesh server instance called ``name``."""
+    """A FastAPI app for one mesh server instance called ``name``; ``health_check`` (when given) runs
+    on each ``GET /health`` and raises a ``GymError`` when the server can serve no more."""
     app = FastAPI(title=name, version=version, lifespan=lifespan, default_response_class=OrjsonResponse)
     app.router.route_class = BoundedJsonRoute
     install_error_handlers(app)
@@ -367,6 +368,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        if health_check is not None:
+            health_check()
         return {"status": "ok", "name": name}
 
     return app

@@ -343,18 +343,17 @@ def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig)
         return {"policy_version": engine.policy_version}
 
 
-def _install_health(app: FastAPI, worker: _Worker, name: str) -> None:
-    """``GET /health`` in place of the base app's: 503 (unavailable, naming the cause) once the
-    engine can serve no more requests, so that whoever watches health sees a dead worker."""
-    app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) != "/health"]
+def _engine_health(worker: _Worker) -> Callable[[], None]:
+    """``GET /health``'s check: 503 (unavailable, naming the cause) once the engine can serve no more
+    requests, so that whoever watches health sees a dead worker."""
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
+    def check() -> None:
         engine = worker.loaded_engine
         failure = engine.failure if engine is not None else None
         if failure is not None:
             raise Unavailable(f"the inference engine can serve no more requests: {failure}")
-        return {"status": "ok", "name": name}
+
+    return check
 
 
 def staging_dir(ctx: ServerContext[Config]) -> Path:
@@ -404,8 +403,7 @@ def create_app(ctx: ServerContext[Config], *, engine_factory: EngineFactory = lo
             worker.attach(None)
             await engine.aclose()
 
-    app = create_app_base(ctx.name, lifespan=lifespan)
-    _install_health(app, worker, ctx.name)
+    app = create_app_base(ctx.name, lifespan=lifespan, health_check=_engine_health(worker))
     _install_routes(app, worker, ctx.mesh.checkpoint)
     app.include_router(make_tokenize_router(lambda: worker.engine, ctx.settings.served_model_name))
     token = ctx.mesh.checkpoint.control_auth_token
