@@ -32,7 +32,7 @@ import functools
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Hashable
+from collections.abc import Callable, Coroutine, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,7 +52,7 @@ from nemo_gym_ckpt.checkpoint.models import (
 from nemo_gym_ckpt.checkpoint.pacer import Pacer
 from nemo_gym_ckpt.checkpoint.phases import Op, Phase, advance
 from nemo_gym_ckpt.checkpoint.pipeline import ExportPipeline
-from nemo_gym_ckpt.checkpoint.records import Scope
+from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.store import CheckpointStore, StopSignal
 from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
 from nemo_gym_ckpt.errors import (
@@ -150,6 +150,7 @@ class Participant:
         self._served = False
         self._installed = False
         self._installing = False
+        self._forgotten_while_reading: set[str] = set()
         self._restoring: asyncio.Task[Any] | None = None  # the restore job, running on after a resume
         self._waiting = 0
         self._last_report: dict[str, Any] | None = None
@@ -254,6 +255,8 @@ class Participant:
             self._check_horizon(request.deadline_ts)
             self._enter_housekeeping(request, Op.FORGET)
             self.marks.forget(request.rollout_ids)
+            if self._restoring is not None and not self._restoring.done():
+                self._forgotten_while_reading.update(request.rollout_ids)
             await self._after_restore(request.deadline_ts, "forget")
             await self._bounded(self.adapter.forget(request.rollout_ids), request.deadline_ts, "forget")
             return {"forgotten": list(request.rollout_ids)}
@@ -413,6 +416,7 @@ class Participant:
                 self.marks.check(episode.next_attempt())
             self.phase = phase
             open_ = self._open_checkpoint(request.checkpoint_id, request.deadline_ts)
+            self._forgotten_while_reading.clear()
             work = self._run_restore(open_, directory, scope)
             job = self._start_job(open_, Op.RESTORE, (directory, scope), work)
             self._restoring = job.task
@@ -423,15 +427,16 @@ class Participant:
             read = await asyncio.to_thread(self.store.read, directory, self.kind, self.instance, scope)
             self.telemetry.moved(Op.RESTORE, span, len(read.records), read.bytes_read)
         open_.stop.check()
+        records = self._still_wanted(read.records)
         open_.installing = self._installing = True  # a resume lets it finish: no second one may begin
-        attributes = {ATTR.ID: open_.checkpoint_id, ATTR.RECORDS: len(read.records)}
+        attributes = {ATTR.ID: open_.checkpoint_id, ATTR.RECORDS: len(records)}
         try:
             with self.telemetry.span("install", **attributes):
-                await self.adapter.install(read.records, scope)
+                await self.adapter.install(records, scope)
         finally:
             self._installing = False
         self._installed = True
-        restored = sorted({record.episode.next_attempt().capture_key for record in read.records})
+        restored = sorted({record.episode.next_attempt().capture_key for record in records})
         source = read.manifest.checkpoint_id
         return {"phase": Phase.RESTORED, "source_checkpoint_id": source, "restored": restored}
 
@@ -457,11 +462,20 @@ class Participant:
         if open_ is not None:
             open_.lease.renew(request.deadline_ts)
 
+    def _still_wanted(self, records: Sequence[Record]) -> list[Record]:
+        """The records read whose rollouts were neither retired nor forgotten while the read ran (the
+        install would put them back: a retire or forget does not wait for a restore still reading)."""
+        forgotten = self._forgotten_while_reading
+        return [record for record in records if self.marks.admits(record.episode.next_attempt())
+                and record.episode.rollout_id not in forgotten]
+
     async def _after_restore(self, deadline_ts: float, what: str) -> None:
-        """Wait for a restore still running (its install would put back what ``what`` frees)."""
+        """Wait for a restore that is installing (its install would put back what ``what`` frees). One
+        still reading is not waited for: ``_still_wanted`` leaves out what ``what`` freed, and a resume
+        stops it."""
         restoring = self._restoring
-        if restoring is not None and not restoring.done():
-            await self._bounded(asyncio.wait({restoring}), deadline_ts, f"{what} (waiting for the restore running)")
+        if restoring is not None and not restoring.done() and self._installing:
+            await self._bounded(asyncio.wait({restoring}), deadline_ts, f"{what} (waiting for the restore installing)")
 
     async def _bounded(self, work: Coroutine[Any, Any, T], deadline_ts: float, what: str) -> T | None:
         done, result = await wait_until(self.clock, work, deadline_ts)

@@ -18,7 +18,13 @@ import pytest
 
 from nemo_gym_ckpt.checkpoint import incremental
 from nemo_gym_ckpt.checkpoint.adapter import ExportItem
-from nemo_gym_ckpt.checkpoint.models import CommitRequest, ControlRequest, RestoreRequest, RetireRequest
+from nemo_gym_ckpt.checkpoint.models import (
+    CommitRequest,
+    ControlRequest,
+    ForgetRequest,
+    RestoreRequest,
+    RetireRequest,
+)
 from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.checkpoint.participant import READINESS_GRACE_S, REMEMBERED_IDS, Participant
 from nemo_gym_ckpt.checkpoint.records import Scope
@@ -587,6 +593,71 @@ async def test_a_retire_during_a_restore_frees_what_the_install_puts_back(root: 
     assert (await asyncio.wait_for(retire, WAIT_S)) == {"retired": ["r1-a1"]}
     await asyncio.wait_for(restore, WAIT_S)
     assert sorted(adapter.sessions) == ["r2-a1"]
+    await participant.aclose()
+
+
+class GatedReadStore(CheckpointStore):
+    """A store whose reads wait at a gate (a big checkpoint read on a loaded machine)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gate, self.reading = threading.Event(), threading.Event()
+
+    def read(self, *args: Any, **kwargs: Any) -> Any:
+        self.reading.set()
+        assert self.gate.wait(WAIT_S)
+        return super().read(*args, **kwargs)
+
+
+async def reading(root: Path, clock: FakeClock, rollouts: list[str]) -> tuple[Participant, SessionsAdapter,
+                                                                            GatedReadStore, asyncio.Task[Any]]:
+    """A fresh participant restoring ``rollouts`` from ``c1``, its read at the gate."""
+    source = SessionsAdapter()
+    writer = Participant(kind="agent", instance="a1", adapter=source, store=CheckpointStore(root),
+                         lease_grace_s=GRACE_S, clock=clock)
+    source.participant = writer
+    for turn, rollout in enumerate(rollouts):
+        source.put(RolloutIdentity(rollout), {"turn": turn})
+    await writer.prepare(control(clock, "c1"))
+    await writer.commit(commit_request(clock, "c1", root / "ck"))
+    await writer.aclose()
+    adapter, store = SessionsAdapter(), GatedReadStore(root)
+    participant = Participant(kind="agent", instance="a1", adapter=adapter, store=store, lease_grace_s=GRACE_S,
+                              clock=clock)
+    adapter.participant = participant
+    task = asyncio.create_task(participant.restore(restore_request(clock, "rx", root / "ck", rollouts)))
+    await until(store.reading.is_set)
+    return participant, adapter, store, task
+
+
+async def test_undoing_a_restore_still_reading_answers_at_once_and_leaves_the_process_fresh(
+    root: Path, clock: FakeClock
+) -> None:
+    participant, adapter, store, restore = await reading(root, clock, ["r1", "r2"])
+    retire = participant.retire(RetireRequest(checkpoint_id="rx", deadline_ts=clock.now() + 30,
+                                              episode_ids=[{"rollout_id": "r1", "attempt": 1},
+                                                           {"rollout_id": "r2", "attempt": 1}]))
+    # the coordinator's undo of a restore past its deadline: retire the next attempts, then resume
+    assert (await asyncio.wait_for(retire, 1.0)) == {"retired": ["r1-a1", "r2-a1"]}
+    await participant.resume(control(clock, "rx"))
+    store.gate.set()
+    with pytest.raises(StaleCheckpoint, match="resumed"):
+        await asyncio.wait_for(restore, WAIT_S)
+    assert participant.fresh and adapter.sessions == {}
+    await participant.aclose()
+
+
+async def test_what_is_retired_or_forgotten_while_the_restore_reads_is_not_installed(
+    root: Path, clock: FakeClock
+) -> None:
+    participant, adapter, store, restore = await reading(root, clock, ["r1", "r2", "r3"])
+    await asyncio.wait_for(participant.retire(RetireRequest(
+        checkpoint_id="rx", deadline_ts=clock.now() + 30, episode_ids=[{"rollout_id": "r1", "attempt": 1}])), 1.0)
+    await asyncio.wait_for(participant.forget(ForgetRequest(
+        checkpoint_id="rx", deadline_ts=clock.now() + 30, rollout_ids=["r2"])), 1.0)
+    store.gate.set()
+    assert (await asyncio.wait_for(restore, WAIT_S))["restored"] == ["r3-a1"]
+    assert sorted(adapter.sessions) == ["r3-a1"]
     await participant.aclose()
 
 
