@@ -225,8 +225,9 @@ async def _body_part(receive: Receive) -> Message:
     try:
         async with asyncio.timeout(BODY_PART_TIMEOUT_S):
             return await receive()
-    except TimeoutError:
-        raise RequestTimeout(f"no part of the request body arrived for {BODY_PART_TIMEOUT_S:g} s") from None
+    except TimeoutError:  # raised as Starlette's: FastAPI turns any other error reading a body into a 400
+        detail = f"no part of the request body arrived for {BODY_PART_TIMEOUT_S:g} s"
+        raise StarletteHTTPException(408, detail) from None
 
 
 def _too_large(limit: int) -> str:
@@ -312,6 +313,8 @@ async def _on_http_error(request: Request, error: Exception) -> Response:
         return OrjsonResponse(mapped.to_body(), status_code=405, headers=_allow_header(request, error))
     elif error.status_code == 413:
         mapped = PayloadTooLarge(str(error.detail))
+    elif error.status_code == 408:
+        mapped = RequestTimeout(str(error.detail))
     else:
         mapped = InvalidRequest(str(error.detail))
     return error_response(mapped)

@@ -149,6 +149,23 @@ async def test_a_body_that_stops_arriving_is_408_and_holds_no_run_slot(monkeypat
     assert after.status_code == 400  # ...and let it go at its deadline: this body is judged
 
 
+async def test_a_body_that_stops_arriving_is_408_on_a_route_whose_body_fastapi_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server_module, "BODY_PART_TIMEOUT_S", 0.3)
+    never = asyncio.Event()
+
+    async def stalled() -> Any:
+        yield b'{"input": '
+        await never.wait()
+
+    async with served("simple_agent") as http:  # its /v1/responses takes a pydantic model
+        timed_out = await asyncio.wait_for(http.post("/ng-rollout/r1/v1/responses", content=stalled(),
+                                                     headers={"content-type": "application/json"}), 10)
+    assert timed_out.status_code == 408, timed_out.text
+    assert timed_out.json()["error"]["code"] == "request_timeout"
+
+
 async def test_a_405_names_the_allowed_methods() -> None:
     async with served("inference_worker") as http:
         wrong = await http.put("/ng-control/v1/policy-version")
