@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import secrets
 import sys
@@ -368,12 +369,20 @@ def _collect_and_report(
 
 
 class _LogFile:
-    """The launcher's line sink: every server line into one file, prefixed with its name."""
+    """The launcher's line sink: every server line into one file, prefixed with its name. Opened
+    without blocking: a FIFO there with a reader is written to, one without is refused (it would
+    block the open for ever)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lock = threading.Lock()
-        self.file = path.open("a", buffering=1)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            reader = " (a FIFO that no process reads)" if error.errno == errno.ENXIO else ""
+            raise UsageError(f"cannot open the server log {path}: {error.strerror or error}{reader}") from None
+        os.set_blocking(fd, True)
+        self.file = os.fdopen(fd, "a", buffering=1)
 
     def __call__(self, name: str, line: str) -> None:
         with self.lock:
