@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import secrets
 import sys
@@ -74,7 +75,14 @@ from nemo_gym_ckpt.collect.published import (
 from nemo_gym_ckpt.collect.rows import failures_path, materialized_path, metrics_path
 from nemo_gym_ckpt.collect.tasks import default_input, read_tasks, resolve_input
 from nemo_gym_ckpt.collect.triggers import Triggers, hold_signals
-from nemo_gym_ckpt.config import TOKEN_ENV, MeshConfig, ServerConfig, ServerRef, load_config
+from nemo_gym_ckpt.config import (
+    DEFAULT_MAX_RECORD_BYTES,
+    TOKEN_ENV,
+    MeshConfig,
+    ServerConfig,
+    ServerRef,
+    load_config,
+)
 from nemo_gym_ckpt.errors import CollectFailed, UpstreamError, UsageError
 from nemo_gym_ckpt.launch.launcher import LaunchError, MeshLauncher, StopRequested
 
@@ -232,6 +240,8 @@ class CheckpointSetup:
     identity: RunIdentity
     every_s: float | None = None
     timeout_s: float = 300.0
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    """The mesh's ``checkpoint.max_record_bytes`` (the default with ``--head`` and no ``--config``)."""
 
     def check_latest(self) -> None:
         """``CheckpointRefused`` if the directory's latest checkpoint belongs to another collection,
@@ -246,7 +256,9 @@ class CheckpointSetup:
 
     def control(self, head_url: str) -> CollectionControl:
         coordinator = Coordinator(head_url, self.token, required_kinds=("model",))
-        return CollectionControl(coordinator, ControlSettings(self.directory, self.identity, self.timeout_s))
+        settings = ControlSettings(self.directory, self.identity, self.timeout_s,
+                                   max_record_bytes=self.max_record_bytes)
+        return CollectionControl(coordinator, settings)
 
 
 def run_identity(raw: Any, plan: Plan) -> RunIdentity:
@@ -368,12 +380,20 @@ def _collect_and_report(
 
 
 class _LogFile:
-    """The launcher's line sink: every server line into one file, prefixed with its name."""
+    """The launcher's line sink: every server line into one file, prefixed with its name. Opened
+    without blocking: a FIFO there with a reader is written to, one without is refused (it would
+    block the open for ever)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lock = threading.Lock()
-        self.file = path.open("a", buffering=1)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            reader = " (a FIFO that no process reads)" if error.errno == errno.ENXIO else ""
+            raise UsageError(f"cannot open the server log {path}: {error.strerror or error}{reader}") from None
+        os.set_blocking(fd, True)
+        self.file = os.fdopen(fd, "a", buffering=1)
 
     def __call__(self, name: str, line: str) -> None:
         with self.lock:
@@ -393,7 +413,7 @@ def _launch_setup(args: argparse.Namespace, mesh: MeshConfig) -> tuple[MeshConfi
     mesh = load_config(args.config, [*args.overrides, *checkpoint_overrides(mesh, directory)])
     plan = build_plan(args, mesh, environment_servers(mesh))
     setup = CheckpointSetup(directory, _token_of(mesh), run_identity(mesh.raw, plan),
-                            args.checkpoint_every_s, args.checkpoint_timeout_s)
+                            args.checkpoint_every_s, args.checkpoint_timeout_s, mesh.checkpoint.max_record_bytes)
     return mesh, setup
 
 
@@ -445,9 +465,10 @@ def _with_head(args: argparse.Namespace, mesh: MeshConfig | None) -> ExitCode:
     if args.checkpoint_dir is not None:
         listing = [{k: v for k, v in entry.items() if k != "url"} for entry in servers]
         raw = mesh.raw if mesh is not None else {"servers": listing}
+        bound = mesh.checkpoint.max_record_bytes if mesh is not None else DEFAULT_MAX_RECORD_BYTES
         checkpoint = CheckpointSetup(args.checkpoint_dir.absolute(), _head_token(args),
                                      run_identity(raw, plan), args.checkpoint_every_s,
-                                     args.checkpoint_timeout_s)
+                                     args.checkpoint_timeout_s, bound)
         checkpoint.check_latest()
     if nothing_left(plan):
         return _nothing_left(plan)

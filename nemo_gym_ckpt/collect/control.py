@@ -10,7 +10,10 @@ checkpoint directory (``collection_checkpoint``). The collector calls it:
   then logged, and ``begin`` raises the fencing's error). Answers what to dispatch: the
   continued rollouts as attempt N+1 first, then every other rollout as the attempt after the
   highest it was ever dispatched as (0 if never). A mesh that is not fresh refuses the restore
-  (``invalid_phase``): the coordinator undoes it, and those rollouts start over too.
+  (``invalid_phase``): the coordinator undoes it, and those rollouts start over too. A checkpoint
+  whose files do not read (``preflight``) is refused before its restore is sent, with the mesh
+  untouched, and the older published checkpoints are tried in turn; one the participants refuse
+  (``invalid_checkpoint_state``) is undone, and its rollouts start over.
 - ``dispatching(identity)`` before each ``/run``: one line of ``dispatched.jsonl``, written with
   one unbuffered ``write``;
 - ``finished(identity)`` / ``failed(identity)`` after each: the rollout is forgotten (in batches)
@@ -29,6 +32,7 @@ checkpoint. Every call has a deadline.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from nemo_gym_ckpt.checkpoint.coordinator import CommitResult, Coordinator, PrepareResult
+from nemo_gym_ckpt.collect.preflight import check_files
 from nemo_gym_ckpt.collect.published import (
     DISPATCH_LOG,
     CheckpointRefused,
@@ -51,7 +56,8 @@ from nemo_gym_ckpt.collect.published import (
     read_dispatched,
 )
 from nemo_gym_ckpt.collect.rows import JsonlAppender
-from nemo_gym_ckpt.errors import GymError, InvalidPhase, StaleAttempt, StorageError
+from nemo_gym_ckpt.config import DEFAULT_MAX_RECORD_BYTES
+from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidPhase, StaleAttempt, StorageError
 from nemo_gym_ckpt.identity import RolloutIdentity, parse_capture_key
 
 __all__ = ["AfterPublish", "CollectionControl", "ControlSettings", "Published", "Restored"]
@@ -75,6 +81,8 @@ class ControlSettings:
     """Each prepare waits at most this long, then is asked again with the same id."""
     forget_batch: int = 256
     forget_every_s: float = 2.0
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    """The participants' ``checkpoint.max_record_bytes``: the bound the files are read with before a restore."""
 
 
 @dataclass(frozen=True)
@@ -175,8 +183,9 @@ class CollectionControl:
     async def _restore_usable(
         self, latest: CollectionManifest | None, pending: set[str], dispatched: dict[str, int]
     ) -> tuple[CollectionManifest | None, str | None, dict[str, RolloutIdentity]]:
-        """Restore ``latest``; if the participants refuse it as unusable (``invalid_checkpoint_state``),
-        each older published checkpoint in turn. The source, the restore's id (``None``: nothing
+        """Restore ``latest``; if its files do not read (``preflight``: nothing was sent, the mesh is
+        still fresh) or the participants refuse it as unusable (``invalid_checkpoint_state``), each
+        older published checkpoint in turn. The source, the restore's id (``None``: nothing
         restored, the rollouts start over) and the continued attempts by rollout id."""
         candidates = [] if latest is None else [latest]
         while candidates:
@@ -186,6 +195,10 @@ class CollectionControl:
             scope = [e for e in checkpointed if e.rollout_id in pending
                      and (candidate is latest or e.attempt >= dispatched.get(e.rollout_id, -1))]
             if not scope:
+                continue
+            if not await self._files_read(candidate, scope):
+                if candidate is latest:
+                    candidates = self._older(candidate)
                 continue
             try:
                 restore_id, continued = await self._restore(candidate, scope)
@@ -205,6 +218,21 @@ class CollectionControl:
                 continue
             return candidate, restore_id, continued
         return latest, None, {}
+
+    async def _files_read(self, candidate: CollectionManifest, scope: list[RolloutIdentity]) -> bool:
+        """Whether every participant's files of ``candidate`` read as its restore will read them
+        (``preflight``); if not, the checkpoint is refused with nothing sent to the mesh (logged)."""
+        checkpoint = self.directory / candidate.checkpoint_id
+        try:
+            await asyncio.to_thread(check_files, checkpoint, candidate, scope,
+                                    max_record_bytes=self.settings.max_record_bytes)
+        except InvalidCheckpointState as error:
+            logger.error("checkpoint %s refused as unusable (%s: %s) before its restore was sent; it is left on "
+                         "disk, its %d unfinished rollouts start over unless an older checkpoint holds them",
+                         candidate.checkpoint_id, error.code, error.detail, len(scope))
+            self._refused.append(candidate.checkpoint_id)
+            return False
+        return True
 
     def _older(self, refused: CollectionManifest) -> list[CollectionManifest]:
         """The published checkpoints of this collection other than ``refused``, newest first."""

@@ -410,7 +410,8 @@ def check_same_run(manifest: CollectionManifest, identity: RunIdentity, director
 
 def read_dispatched(directory: Path) -> dict[str, int]:
     """The highest attempt of each rollout the dispatch log names (a torn last line is skipped);
-    ``CheckpointRefused`` naming the file and line if a complete line is not a JSON object."""
+    ``CheckpointRefused`` naming the file and line if a complete line is not a JSON object, or
+    naming the file if it is not a regular file (a FIFO is never waited on)."""
     highest: dict[str, int] = {}
     try:
         for row in read_jsonl(directory / DISPATCH_LOG, complete_lines_only=True):
@@ -419,6 +420,7 @@ def read_dispatched(directory: Path) -> dict[str, int]:
                 highest[rollout] = max(attempt, highest.get(rollout, -1))
     except ValueError as error:  # names the file and the line
         raise CheckpointRefused(f"the dispatch log is damaged: {error}") from None
-    except OSError as error:
-        raise CheckpointRefused(f"cannot read the dispatch log {directory / DISPATCH_LOG}: {error}") from None
+    except OSError as error:  # a FIFO, a device: refused before anything is read (``read_jsonl``)
+        raise CheckpointRefused(f"cannot read the dispatch log {directory / DISPATCH_LOG}: "
+                                f"{error.strerror or error}") from None
     return highest

@@ -44,6 +44,7 @@ import orjson
 
 from nemo_gym_ckpt.aggregate_metrics import aggregate_metrics
 from nemo_gym_ckpt.capture import GENERATION_LOG_PROBS, TOKEN_ARRAYS
+from nemo_gym_ckpt.checkpoint.fileops import FileOps, require_regular
 from nemo_gym_ckpt.errors import GymError
 
 __all__ = [
@@ -85,6 +86,7 @@ _UNCOMPARED = frozenset({"created_at", "_ng_attempt_index"}) | _TOKEN_ARRAYS
 TASK_INDEX, ROLLOUT_INDEX, ATTEMPT_INDEX = "_ng_task_index", "_ng_rollout_index", "_ng_attempt_index"
 AGENT_REF, ENVIRONMENT_SERVER, RESULT_TYPE = "agent_ref", "_ng_environment_server", "_ng_result_type"
 FAILURE_CLASS = "_ng_failure_class"
+_OPS = FileOps()
 
 
 def rollout_id(task_index: int, rollout_index: int) -> str:
@@ -212,37 +214,51 @@ def rollout_key(row: Mapping[str, Any]) -> RolloutKey | None:
 
 
 def read_jsonl(path: Path, *, complete_lines_only: bool = False) -> Iterator[dict[str, Any]]:
-    """The JSON-object lines of a file (none if it is absent); ``ValueError`` names a bad line.
+    """The JSON-object lines of a file (none if it is absent), read a line at a time; ``ValueError``
+    names a bad line.
 
-    With ``complete_lines_only`` a last line without its newline (a torn write) is skipped.
+    With ``complete_lines_only`` a last line without its newline (a torn write) is skipped. Only a
+    regular file is read (a symlink to one is followed): a FIFO, a device, a socket or a directory is
+    ``NotRegularFile`` (an ``OSError``), found before anything is read, so nothing waits on a FIFO
+    without a writer or reads ``/dev/zero`` without end.
     """
     try:
-        data = path.read_bytes()
+        file = _OPS.open_read(path, follow_symlinks=True)
     except FileNotFoundError:
         return
-    lines = data.split(b"\n")
-    if complete_lines_only and not data.endswith(b"\n"):
-        lines = lines[:-1]
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            row = None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}, line {number}: not a JSON object")
-        yield row
+    with file:
+        for number, line in enumerate(file, start=1):
+            if complete_lines_only and not line.endswith(b"\n"):
+                return  # only the last line can lack its newline
+            if line.strip():
+                yield _json_object(line, path, number)
+
+
+def _json_object(line: bytes, path: Path, number: int) -> dict[str, Any]:
+    try:
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        row = None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}, line {number}: not a JSON object")
+    return row
 
 
 class JsonlAppender:
-    """Appends JSON rows to a file, one ``write`` per row; cuts a torn tail off at open."""
+    """Appends JSON rows to a file, one ``write`` per row; cuts a torn tail off at open. The path
+    must be a regular file or absent (``NotRegularFile`` else, found by a non-blocking open)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        self._cut_torn_tail()
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        try:
+            require_regular(self._fd, path)
+            os.set_blocking(self._fd, True)
+            self._cut_torn_tail()
+        except BaseException:
+            self.close()
+            raise
 
     def _cut_torn_tail(self) -> None:
         size = os.fstat(self._fd).st_size

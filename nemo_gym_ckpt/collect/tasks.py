@@ -2,7 +2,9 @@
 
 ``--input`` paths are tried against the working directory, then the project root (so
 ``resources_servers/<name>/data/...`` works from anywhere); without ``--input`` the environment's
-first declared dataset is used (or its agent's, where NeMo Gym's configs declare them).
+first declared dataset is used (or its agent's, where NeMo Gym's configs declare them). The input
+must be a regular file: a FIFO or a process substitution (``--input <(cmd)``) is refused, since the
+rows are read more than once; a device is never read.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ def resolve_input(path: Path) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+        if candidate.exists():
+            raise UsageError(f"input {candidate} is not a regular file: the collector reads the task rows "
+                             f"more than once (before and after it launches the mesh); write them to a file")
     raise UsageError(f"input file {path} not found (tried {', '.join(str(c) for c in candidates)})")
 
 def read_tasks(path: Path, limit: int | None) -> list[dict[str, Any]]:
@@ -30,6 +35,8 @@ def read_tasks(path: Path, limit: int | None) -> list[dict[str, Any]]:
         tasks = list(read_jsonl(path))
     except ValueError as error:
         raise UsageError(str(error)) from None
+    except OSError as error:  # replaced by a FIFO or a device since ``resolve_input``: never read
+        raise UsageError(f"cannot read the input {path}: {error.strerror or error}") from None
     tasks = tasks[:limit] if limit else tasks
     if not tasks:
         raise UsageError(f"{path} holds no task rows")

@@ -19,6 +19,7 @@ from agents.simple_agent import app as agent_app
 from environment_servers.single_agent_turn import app as env_app
 from model_servers.inference_worker.default_model_data import make_problem
 from nemo_gym_ckpt.checkpoint.coordinator import global_config_of
+from nemo_gym_ckpt.checkpoint.fileops import NotRegularFile
 from nemo_gym_ckpt.cli import collect
 from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.collect.dispatch import HeldBack
@@ -330,6 +331,22 @@ def test_appender_cuts_a_torn_tail_and_reader_names_bad_lines(tmp_path: Path) ->
     assert list(read_jsonl(tmp_path / "absent.jsonl")) == []
     assert failures_path(Path("x/out.jsonl")) == Path("x/out_failures.jsonl")
     assert metrics_path(Path("out")) == Path("out_aggregate_metrics.json")
+
+
+@pytest.mark.timeout(10)  # before, the appender opened a FIFO and its writes blocked once its buffer filled
+def test_appender_and_reader_refuse_a_fifo_and_a_device_before_anything_blocks(tmp_path: Path) -> None:
+    fifo, device, linked = tmp_path / "fifo.jsonl", tmp_path / "device.jsonl", tmp_path / "linked.jsonl"
+    os.mkfifo(fifo)
+    device.symlink_to("/dev/zero")  # read to its end, it never ends
+    linked.symlink_to(tmp_path / "rows.jsonl")
+    for path, what in ((fifo, "a FIFO"), (device, "a character device")):
+        with pytest.raises(NotRegularFile, match=rf"not a regular file \({what}\)"):
+            JsonlAppender(path)
+        with pytest.raises(NotRegularFile, match=rf"not a regular file \({what}\)"):
+            list(read_jsonl(path))
+    with JsonlAppender(linked) as appender:  # a symlink to a regular file is the user's choice
+        appender.append({"a": 1})
+    assert list(read_jsonl(linked)) == [{"a": 1}]
 
 
 def test_summary_means_only_what_the_rollouts_added() -> None:

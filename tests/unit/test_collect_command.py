@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import orjson
@@ -157,3 +158,53 @@ def test_a_damaged_line_in_the_dispatch_log_is_one_line_and_exit_2(
     assert status == 2 and err.count("\n") == 1, err
     assert f"{directory / 'dispatched.jsonl'}, line 2: not a JSON object" in err and "Traceback" not in err
     assert not (tmp_path / "rows_servers.log").exists()  # no mesh was launched
+
+
+def not_a_regular_file(path: Path, kind: str) -> None:
+    """A FIFO (a blocking read would wait for a writer for ever) or a symlink to a character device."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/null")
+
+
+@pytest.mark.timeout(10)  # the code before this check waited on the FIFO until the timeout
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+@pytest.mark.parametrize("which", ["output", "dispatch log"])
+def test_an_output_or_dispatch_log_that_is_not_a_regular_file_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], which: str, kind: str,
+) -> None:
+    directory, output = tmp_path / "ckpt", tmp_path / "rows.jsonl"
+    directory.mkdir()
+    path = output if which == "output" else directory / "dispatched.jsonl"
+    not_a_regular_file(path, kind)
+    status = collect.main(args_for("--config", str(QUICKSTART), "--output", str(output), "--limit", "2",
+                                   "--checkpoint-dir", str(directory)))
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    what = "a FIFO" if kind == "fifo" else "a character device"
+    assert f"{path}: not a regular file ({what})" in err and "Traceback" not in err
+    assert not (tmp_path / "rows_servers.log").exists()  # no mesh was launched
+
+
+@pytest.mark.timeout(10)
+def test_an_input_that_is_a_fifo_is_refused_saying_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    os.mkfifo(tasks)  # what --input <(cmd) hands over: its rows could be read only once
+    status = collect.main(args_for("--config", str(QUICKSTART), "--output", str(tmp_path / "rows.jsonl"),
+                                   "--input", str(tasks)))
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"input {tasks} is not a regular file" in err and "write them to a file" in err
+
+
+@pytest.mark.timeout(10)  # the code before this check blocked in open() until a reader came
+def test_a_server_log_fifo_that_nobody_reads_is_refused_before_the_mesh_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    os.mkfifo(tmp_path / "rows_servers.log")
+    status = collect.main(args_for("--config", str(QUICKSTART), "--output", str(tmp_path / "rows.jsonl"),
+                                   "--limit", "1"))
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert "rows_servers.log" in err and "a FIFO that no process reads" in err

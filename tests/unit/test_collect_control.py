@@ -18,10 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from model_servers.inference_worker.default_model_data import make_problem
 from nemo_gym_ckpt.capture import without_token_arrays
+from nemo_gym_ckpt.collect import control as control_module
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings
 from nemo_gym_ckpt.collect.dispatch import Plan, Summary, run_plan
 from nemo_gym_ckpt.collect.published import (
@@ -277,8 +279,18 @@ async def test_a_failed_fencing_after_a_restore_still_resumes_the_mesh(tmp_path:
     assert phases == {"env": "idle", "agent": "idle"}  # resumed, not left restored
 
 
-async def test_a_checkpoint_the_participants_refuse_as_unusable_is_kept_and_its_rollouts_start_over(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+def damage_records(checkpoint: Path, kind: str = "agent") -> None:
+    """Replace one participant's records file of ``checkpoint`` by garbage (its own directory entry
+    only: an earlier checkpoint's records hard-linked there stay intact)."""
+    manifest_path = next((checkpoint / "gym" / kind).rglob("manifest.json"))
+    records = manifest_path.with_name(orjson.loads(manifest_path.read_bytes())["records_file"])
+    records.unlink()
+    records.write_bytes(b"garbage\n")  # invalid_checkpoint_state: sha256 and count do not match
+
+
+@pytest.mark.parametrize("seen_by", ["files check", "participants"])
+async def test_a_checkpoint_refused_as_unusable_is_kept_and_its_rollouts_start_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, seen_by: str,
 ) -> None:
     reference = await reference_rows(tmp_path)
     root, output = tmp_path / "checkpoints", tmp_path / "rollouts.jsonl"
@@ -286,8 +298,9 @@ async def test_a_checkpoint_the_participants_refuse_as_unusable_is_kept_and_its_
     await sigterm_checkpoint(root, output, directory)
     latest = find_latest(directory)
     assert latest is not None
-    records = sorted((directory / latest.checkpoint_id / "gym" / "agent").rglob("records-*.jsonl"))
-    records[0].write_bytes(b"garbage\n")  # one participant's records damaged: invalid_checkpoint_state
+    damage_records(directory / latest.checkpoint_id)
+    if seen_by == "participants":  # a refusal the files check cannot see (an adapter's, at install)
+        monkeypatch.setattr(control_module, "check_files", lambda *args, **kwargs: None)
     async with rollout_mesh("single_agent_turn", root, model()) as mesh:
         summary, ctl = await controlled_run(mesh, output, directory, Triggers())
         phases = {name: (await mesh.status(name))["phase"] for name in ("env", "agent")}
@@ -300,6 +313,54 @@ async def test_a_checkpoint_the_participants_refuse_as_unusable_is_kept_and_its_
     rows = keyed(output)
     assert {key: comparable(row) for key, row in rows.items()} == {
         key: comparable(row) for key, row in reference.items()}
-    # the next attempts the undone restore installed were retired: each starts over above them
+    # refused by the files check, nothing was sent: each starts over as the attempt after attempt 0;
+    # refused by the participants, the undo retired the next attempts: each starts over above them
+    attempt = 1 if seen_by == "files check" else 2
     assert {key: row["_ng_attempt_index"] for key, row in rows.items() if row["_ng_attempt_index"]} == {
-        (0, 0): 2, (2, 0): 2, (4, 0): 2}
+        (0, 0): attempt, (2, 0): attempt, (4, 0): attempt}
+
+
+async def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one_and_its_rollouts_continue(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    reference = await reference_rows(tmp_path)
+    root, output = tmp_path / "checkpoints", tmp_path / "rollouts.jsonl"
+    directory = root / "collection"
+    held, triggers = model(hold=HELD), Triggers()
+    published: list[str] = []
+
+    def newly_published() -> bool:
+        latest = find_latest(directory)
+        if latest is not None and latest.checkpoint_id not in published:
+            published.append(latest.checkpoint_id)
+        return bool(published)
+
+    async def checkpoint_then_stop() -> None:  # two checkpoints of the same three held rollouts
+        await request_when(triggers, SIGUSR1, lambda: sum(held.holding.values()) == 3 and len(keyed(output)) == 3)
+        await until(newly_published, "the first checkpoint published")
+        triggers.request(SIGTERM)
+
+    async with rollout_mesh("single_agent_turn", root, held) as mesh:
+        driver = asyncio.create_task(checkpoint_then_stop())
+        first, _ = await controlled_run(mesh, output, directory, triggers)
+        await driver
+    assert first.stop_checkpointed and len(first.checkpoints) == 2
+    older, newest = (p.manifest for p in first.checkpoints)
+    assert older.continued == newest.continued == sorted(HELD)
+    damage_records(directory / newest.checkpoint_id)  # LATEST's checkpoint: the agent would refuse it
+
+    fresh = model()
+    async with rollout_mesh("single_agent_turn", root, fresh) as mesh:
+        second, ctl = await controlled_run(mesh, output, directory, Triggers())
+    assert ctl.restored.refused == [newest.checkpoint_id]
+    assert ctl.restored.source is not None and ctl.restored.source.checkpoint_id == older.checkpoint_id
+    assert second.finished == 3 and second.continued == 3 and ctl.restored.restarted == []
+    assert sorted(e.capture_key for e in ctl.restored.continued) == ["0-0-a1", "2-0-a1", "4-0-a1"]
+    # continued from the older checkpoint: only the held second calls are made, none started over
+    assert sorted(str(key) for key in fresh.capture_keys()) == ["0-0-a1", "2-0-a1", "4-0-a1"]
+    rows = keyed(output)
+    assert {key: comparable(row) for key, row in rows.items()} == {
+        key: comparable(row) for key, row in reference.items()}
+    assert {key: row["_ng_attempt_index"] for key, row in rows.items() if row["_ng_attempt_index"]} == {
+        (0, 0): 1, (2, 0): 1, (4, 0): 1}
+    assert f"checkpoint {newest.checkpoint_id} refused as unusable (invalid_checkpoint_state" in caplog.text
