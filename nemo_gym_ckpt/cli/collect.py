@@ -76,7 +76,6 @@ from nemo_gym_ckpt.collect.rows import failures_path, materialized_path, metrics
 from nemo_gym_ckpt.collect.tasks import default_input, read_tasks, resolve_input
 from nemo_gym_ckpt.collect.triggers import Triggers, hold_signals
 from nemo_gym_ckpt.config import (
-    DEFAULT_MAX_RECORD_BYTES,
     TOKEN_ENV,
     MeshConfig,
     ServerConfig,
@@ -240,8 +239,10 @@ class CheckpointSetup:
     identity: RunIdentity
     every_s: float | None = None
     timeout_s: float = 300.0
-    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-    """The mesh's ``checkpoint.max_record_bytes`` (the default with ``--head`` and no ``--config``)."""
+    max_record_bytes: int | None = None
+    """The mesh's ``checkpoint.max_record_bytes``; ``None`` when it is not known (``--head`` without
+    ``--config``): the files are then not read before a restore (a bound lower than the mesh's would
+    refuse a checkpoint its participants can restore)."""
 
     def check_latest(self) -> None:
         """``CheckpointRefused`` if the directory's latest checkpoint belongs to another collection,
@@ -465,7 +466,7 @@ def _with_head(args: argparse.Namespace, mesh: MeshConfig | None) -> ExitCode:
     if args.checkpoint_dir is not None:
         listing = [{k: v for k, v in entry.items() if k != "url"} for entry in servers]
         raw = mesh.raw if mesh is not None else {"servers": listing}
-        bound = mesh.checkpoint.max_record_bytes if mesh is not None else DEFAULT_MAX_RECORD_BYTES
+        bound = mesh.checkpoint.max_record_bytes if mesh is not None else None
         checkpoint = CheckpointSetup(args.checkpoint_dir.absolute(), _head_token(args),
                                      run_identity(raw, plan), args.checkpoint_every_s,
                                      args.checkpoint_timeout_s, bound)

@@ -23,7 +23,6 @@ import pytest
 
 from model_servers.inference_worker.default_model_data import make_problem
 from nemo_gym_ckpt.capture import without_token_arrays
-from nemo_gym_ckpt.collect import control as control_module
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings
 from nemo_gym_ckpt.collect.dispatch import Plan, Summary, run_plan
 from nemo_gym_ckpt.collect.published import (
@@ -65,9 +64,11 @@ def plan(mesh: RolloutMesh, output: Path, rows: list[dict[str, Any]] = ROWS) -> 
     return Plan("env", mesh.urls["env"], rows, output, concurrency=8, rollout_timeout_s=WAIT_S * 3)
 
 
-def control(mesh: RolloutMesh, directory: Path, rows: list[dict[str, Any]] = ROWS) -> CollectionControl:
+def control(
+    mesh: RolloutMesh, directory: Path, rows: list[dict[str, Any]] = ROWS, **settings: Any
+) -> CollectionControl:
     identity = RunIdentity("c" * 64, input_digest(rows), 1)
-    return CollectionControl(mesh.coordinator(), ControlSettings(directory, identity, timeout_s=WAIT_S))
+    return CollectionControl(mesh.coordinator(), ControlSettings(directory, identity, timeout_s=WAIT_S, **settings))
 
 
 async def until(condition: Callable[[], bool], what: str) -> None:
@@ -83,9 +84,10 @@ async def request_when(triggers: Triggers, reason: str, condition: Callable[[], 
 
 
 async def controlled_run(
-    mesh: RolloutMesh, output: Path, directory: Path, triggers: Triggers, rows: list[dict[str, Any]] = ROWS
+    mesh: RolloutMesh, output: Path, directory: Path, triggers: Triggers, rows: list[dict[str, Any]] = ROWS,
+    **settings: Any,
 ) -> tuple[Summary, CollectionControl]:
-    ctl = control(mesh, directory, rows)
+    ctl = control(mesh, directory, rows, **settings)
     try:
         async with asyncio.timeout(WAIT_S * 3):
             summary = await run_plan(plan(mesh, output, rows), mesh.client, io.StringIO(), control=ctl,
@@ -290,7 +292,7 @@ def damage_records(checkpoint: Path, kind: str = "agent") -> None:
 
 @pytest.mark.parametrize("seen_by", ["files check", "participants"])
 async def test_a_checkpoint_refused_as_unusable_is_kept_and_its_rollouts_start_over(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, seen_by: str,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, seen_by: str,
 ) -> None:
     reference = await reference_rows(tmp_path)
     root, output = tmp_path / "checkpoints", tmp_path / "rollouts.jsonl"
@@ -299,10 +301,11 @@ async def test_a_checkpoint_refused_as_unusable_is_kept_and_its_rollouts_start_o
     latest = find_latest(directory)
     assert latest is not None
     damage_records(directory / latest.checkpoint_id)
-    if seen_by == "participants":  # a refusal the files check cannot see (an adapter's, at install)
-        monkeypatch.setattr(control_module, "check_files", lambda *args, **kwargs: None)
+    # by the participants: the files are not read first when the mesh's record bound is not known
+    # (``--head`` without ``--config``), as for a refusal only an adapter's install can see
+    settings = {"max_record_bytes": None} if seen_by == "participants" else {}
     async with rollout_mesh("single_agent_turn", root, model()) as mesh:
-        summary, ctl = await controlled_run(mesh, output, directory, Triggers())
+        summary, ctl = await controlled_run(mesh, output, directory, Triggers(), **settings)
         phases = {name: (await mesh.status(name))["phase"] for name in ("env", "agent")}
     assert summary.stopped_by is None and summary.finished == 3 and summary.continued == 0
     assert ctl.restored.refused == [latest.checkpoint_id] and ctl.restored.continued == []
