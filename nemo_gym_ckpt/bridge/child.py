@@ -13,8 +13,9 @@ imported from the project). ``main(instance)`` then does what NeMo Gym's launche
    module defines, or the one this project's table names), and its declaration (``declarations``);
 4. builds the app with NeMo Gym's own ``run_webserver`` on its worker path, which sets the server up
    exactly as for serving (MCP exposure, liveness routes, middleware) and hands the app back;
-5. serves ``ResourcesShell(app).build_app(checkpoint)`` with uvicorn, until SIGTERM or the death of
-   the launcher.
+5. serves ``ResourcesShell(app).build_app(checkpoint)`` with uvicorn (its ``/health`` replies carry
+   the launcher's instance token: ``launch/instance_token.py``), until SIGTERM or the death of the
+   launcher.
 
 A config problem exits with status 2 and one line naming it.
 """
@@ -37,6 +38,7 @@ from nemo_gym_ckpt.bridge.global_config import CONFIG_DICT_ENV, CONFIG_PATH_ENV,
 from nemo_gym_ckpt.config import CheckpointConfig
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.launch.child import PARENT_ENV, exit_orphaned, read_mesh_dict, watch_parent
+from nemo_gym_ckpt.launch.instance_token import read_instance_token, with_instance_token
 from nemo_gym_ckpt.resources.shell import ResourcesShell
 
 __all__ = ["ServerBlock", "main", "server_class_in", "server_folder"]
@@ -122,6 +124,7 @@ def main(instance: str) -> None:
         _prepare_process(raw, instance, folder)
         module = importlib.import_module(block.module)
         server_class = server_class_in(module, block.implementation)
+        token = read_instance_token()
     except ConfigError as error:
         logger.error("config error: %s", error)
         raise SystemExit(USAGE_EXIT) from None
@@ -130,5 +133,6 @@ def main(instance: str) -> None:
                 declaration.checkpoint_mode, declaration.checkpoint_verify)
     app = server_class.run_webserver()  # type: ignore[attr-defined]
     shell = ResourcesShell(app, instance, declaration, inner_strips_prefix=True)
-    uvicorn.run(shell.build_app(checkpoint if checkpoint.enabled else None), host=block.host, port=block.port,
+    served = with_instance_token(shell.build_app(checkpoint if checkpoint.enabled else None), token)
+    uvicorn.run(served, host=block.host, port=block.port,
                 loop="uvloop", http="httptools", log_level="warning", timeout_graceful_shutdown=5)

@@ -1,7 +1,8 @@
 """Entry point of one server process: ``python -m nemo_gym_ckpt.cli.serve <instance>``.
 
 The launcher starts it (``nemo_gym_ckpt.launch.child`` says with what); it serves the instance's app
-with uvicorn (uvloop and httptools) and exits with ``ExitCode.USAGE`` on a config error.
+with uvicorn (uvloop and httptools) and exits with ``ExitCode.USAGE`` on a config error. Its
+``/health`` replies carry the instance token the launcher gave it (``launch/instance_token.py``).
 
 With ``num_workers: N`` (N > 1) this process holds the port, forks N workers (``launch/workers.py``),
 each serving the app on the same port (``SO_REUSEPORT``), and runs the coordinator (when
@@ -29,6 +30,7 @@ from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.config import MeshConfig, ServerInstance
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.launch.child import PARENT_ENV, SERVE_MODULE, build_app, exit_orphaned, load_mesh, watch_parent
+from nemo_gym_ckpt.launch.instance_token import read_instance_token, with_instance_token
 from nemo_gym_ckpt.launch.workers import WorkerProcesses, bind_listener, reserve_port, runtime_dir
 from nemo_gym_ckpt.server import close_on_shutdown
 
@@ -77,6 +79,7 @@ def _serve(mesh: MeshConfig, instance: ServerInstance, *, worker: bool) -> None:
         watch_parent(int(os.environ[PARENT_ENV]), exit_orphaned)
     try:
         exporting = install_telemetry(mesh.telemetry, instance.name)
+        token = read_instance_token()  # the launcher knows its own process by it
         app = build_app(mesh, instance.name)
     except ConfigError as error:
         logger.error("config error: %s", error)
@@ -84,10 +87,11 @@ def _serve(mesh: MeshConfig, instance: ServerInstance, *, worker: bool) -> None:
     if exporting is not None:  # what the exporters hold goes out as the app shuts down
         close_on_shutdown(app, exporting.aclose)
     host, port = instance.settings.host, cast(int, instance.settings.port)
+    served = with_instance_token(app, token)
     if worker:
-        uvicorn.Server(uvicorn.Config(app, **_UVICORN)).run(sockets=[bind_listener(host, port)])
+        uvicorn.Server(uvicorn.Config(served, **_UVICORN)).run(sockets=[bind_listener(host, port)])
     else:
-        uvicorn.run(app, host=host, port=port, **_UVICORN)
+        uvicorn.run(served, host=host, port=port, **_UVICORN)
 
 
 def _serve_workers(mesh: MeshConfig, instance: ServerInstance) -> int:

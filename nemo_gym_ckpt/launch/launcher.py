@@ -19,6 +19,12 @@ resolved config (ports filled in) as JSON in ``NEMO_GYM_CKPT_CONFIG`` and the la
 ``NEMO_GYM_CKPT_PARENT_PID``; it runs in its own process group (a terminal's Ctrl-C reaches only
 the launcher, which stops the children in order) and exits by itself when the launcher dies.
 
+Readiness: each child process gets a fresh instance token in ``NEMO_GYM_CKPT_INSTANCE_TOKEN``
+(``launch/instance_token.py``), which its ``/health`` replies carry in a header. A server is up when
+its ``/health`` answers 200 with its name and that token; a reply without the token comes from
+another process on the port (another mesh's server of the same name, a stranger): the start fails at
+once, naming the port, instead of taking that process for its own.
+
 No orphans: a child's parent-death signal (Linux) fires when the *thread* that forked it ends, so
 every child is forked by one spawner thread that lives from ``start`` to ``stop``; callers may use
 any thread (``asyncio.to_thread`` included).
@@ -50,6 +56,8 @@ from nemo_gym_ckpt.config import NEMO_GYM_PYTHON_ENV, PROJECT_ROOT, MeshConfig, 
 from nemo_gym_ckpt.errors import LaunchError, StopRequested
 from nemo_gym_ckpt.launch.child import CONFIG_ENV, PARENT_ENV, SERVE_MODULE, bridge_command
 from nemo_gym_ckpt.launch.head import HEAD_NAME, ThreadedServer, create_head_app
+from nemo_gym_ckpt.launch.health import POLL_S, HealthReply, probe_health, read_health, wait_for_health
+from nemo_gym_ckpt.launch.instance_token import INSTANCE_TOKEN_ENV, new_token
 
 __all__ = [
     "PORT_RANGE",
@@ -71,7 +79,6 @@ PORT_RANGE_ENV = "NEMO_GYM_CKPT_PORT_RANGE"
 """Where a config sets no port range: the range free ports come from (``LOW-HIGH``), e.g. to keep
 meshes started side by side on one host (parallel test workers) out of each other's ports."""
 TAIL_LINES = 20
-POLL_S = 0.1
 REAP_TIMEOUT_S = 5.0
 
 LineSink = Callable[[str, str], None]
@@ -137,29 +144,6 @@ def _port_range(mesh: MeshConfig) -> tuple[int, int]:
     return int(low), int(high)
 
 
-# ---- health --------------------------------------------------------------------------------------
-
-
-def probe_health(http: httpx.Client, url: str, name: str | None = None) -> bool:
-    """Whether ``url/health`` answers 200 (and, with ``name``, that it is that server)."""
-    try:
-        response = http.get(f"{url}/health")
-        body = response.json() if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return False
-    return isinstance(body, dict) and (name is None or body.get("name") == name)
-
-
-def wait_for_health(url: str, *, timeout_s: float, name: str | None = None) -> None:
-    """Wait until ``url/health`` answers; ``TimeoutError`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(trust_env=False, timeout=1.0) as http:
-        while not probe_health(http, url, name):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url}/health did not answer within {timeout_s:g} s")
-            time.sleep(POLL_S)
-
-
 # ---- children ------------------------------------------------------------------------------------
 
 
@@ -173,6 +157,8 @@ class _Child:
 
     name: str
     proc: subprocess.Popen[bytes]
+    token: str
+    """The instance token this process was given (its ``/health`` replies carry it)."""
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
     started_at: float = field(default_factory=time.time)
@@ -343,13 +329,14 @@ class MeshLauncher:
         if self._spawner is None:
             self._spawner = ThreadPoolExecutor(1, thread_name_prefix="mesh-spawner")
         for name in names:
+            token = new_token()  # fresh for each process: a leftover of an earlier one is a stranger too
             proc = self._spawner.submit(
                 subprocess.Popen,
                 self._command(name),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                env=env, process_group=0,
+                env={**env, INSTANCE_TOKEN_ENV: token}, process_group=0,
             ).result()
-            child = self._children[name] = _Child(name, proc)
+            child = self._children[name] = _Child(name, proc, token)
             child.start_reader(self.on_line)
             logger.debug("started %s (pid %d) at %s", name, proc.pid, self.url_of(name))
 
@@ -373,11 +360,29 @@ class MeshLauncher:
                 self._check_running("before it was healthy")
                 if self._stop_requested:
                     raise StopRequested("stopped on request before the mesh was ready")
-                pending = {name for name in pending if not probe_health(http, self.url_of(name), name)}
+                pending = {name for name in pending if not self._is_up(http, name)}
                 if pending and time.monotonic() > deadline:
                     raise LaunchError(f"not healthy before the deadline: {', '.join(sorted(pending))}")
                 if pending:
                     time.sleep(POLL_S)
+
+    def _is_up(self, http: httpx.Client, name: str) -> bool:
+        """Whether the process started for ``name`` answers healthy; ``LaunchError`` when another does."""
+        url = self.url_of(name)
+        reply = read_health(http, url)
+        if reply is None:
+            return False
+        if not reply.from_process(self._children[name].token):
+            raise self._port_held_elsewhere(name, url, reply)
+        return reply.healthy_as(name)
+
+    def _port_held_elsewhere(self, name: str, url: str, reply: HealthReply) -> LaunchError:
+        port = self.mesh.instance(name).settings.port
+        return LaunchError(
+            f"{name}: another process answers {url}/health ({reply.describe()}, not the process "
+            f"this launch started for {name}): port {port} is taken, by another mesh or server; "
+            f"stop that one or give {name} another port"
+        )
 
     def _check_running(self, when: str) -> None:
         for child in self._children.values():

@@ -19,6 +19,8 @@ import httpx
 import pytest
 
 from nemo_gym_ckpt.config import load_config
+from nemo_gym_ckpt.launch.head import ThreadedServer
+from nemo_gym_ckpt.launch.instance_token import new_token
 from nemo_gym_ckpt.launch.launcher import (
     LaunchError,
     MeshLauncher,
@@ -28,6 +30,7 @@ from nemo_gym_ckpt.launch.launcher import (
     wait_for_health,
 )
 from nemo_gym_ckpt.launch.workers import bind_listener, reserve_port
+from nemo_gym_ckpt.server import create_app
 
 pytestmark = [
     pytest.mark.e2e,
@@ -273,6 +276,55 @@ def test_a_multi_worker_server_on_a_taken_port_fails_the_start_like_a_single_pro
     assert launcher.pids == {}
 
 
+def sm_on(port: int) -> MeshLauncher:
+    """A launcher of the one-server config with ``sm`` on ``port``."""
+    return MeshLauncher(load_config([FIXTURES / "string_match.yaml"],
+                                    ["head_server.port=0", f"sm.resources_servers.string_match.port={port}"]))
+
+
+def taken_port_message(url: str, port: int) -> str:
+    """What a start says when another process named sm answers on sm's port."""
+    return (rf"sm: another process answers {re.escape(url)}/health \(status 200 naming itself 'sm', not the "
+            rf"process this launch started for sm\): port {port} is taken, by another mesh or server; "
+            r"stop that one or give sm another port")
+
+
+def test_a_second_mesh_on_the_same_port_fails_instead_of_taking_the_first_ones_server(
+    launch_mesh: Launch,
+) -> None:
+    first = launch_mesh("string_match.yaml")
+    url, pid = first.url_of("sm"), first.pid_of("sm")
+    port = first.mesh.instance("sm").settings.port
+    assert port is not None
+    second = sm_on(port)
+    with pytest.raises(LaunchError) as caught:  # the old probe took the first mesh's sm for its own
+        second.start(ready_timeout_s=60.0)
+    assert re.fullmatch(taken_port_message(url, port), str(caught.value)), caught.value
+    assert second.pids == {}
+    assert first.pid_of("sm") == pid and first.returncode("sm") is None
+    wait_for_health(url, timeout_s=1.0, name="sm")
+
+
+def test_a_stranger_named_like_the_server_on_its_port_fails_the_start() -> None:
+    with ThreadedServer(create_app("sm"), "127.0.0.1", 0) as stranger:
+        launcher = sm_on(stranger.port)
+        with pytest.raises(LaunchError) as caught:
+            launcher.start(ready_timeout_s=60.0)
+        assert re.fullmatch(taken_port_message(stranger.url, stranger.port), str(caught.value)), caught.value
+        assert launcher.pids == {}
+
+
+def test_a_restart_does_not_take_a_stranger_on_the_freed_port_for_its_server(launch_mesh: Launch) -> None:
+    mesh = launch_mesh("string_match.yaml")
+    url = mesh.url_of("sm")
+    port = mesh.mesh.instance("sm").settings.port
+    assert port is not None and mesh.kill("sm")
+    wait_until(lambda: mesh.returncode("sm") is not None, 5.0, "sm reaped after SIGKILL")
+    with ThreadedServer(create_app("sm"), "127.0.0.1", port), pytest.raises(LaunchError) as caught:
+        mesh.restart("sm", ready_timeout_s=60.0)
+    assert re.fullmatch(taken_port_message(url, port), str(caught.value)), caught.value
+
+
 def test_a_stop_requested_before_the_servers_are_up_ends_the_start() -> None:
     launcher = MeshLauncher(load_config([FIXTURES / "string_match.yaml"], ["head_server.port=0"]))
     launcher.request_stop()  # what the run command's SIGINT/SIGTERM handler does
@@ -342,7 +394,7 @@ def test_what_a_server_started_is_swept_when_it_exits() -> None:
             "print(subprocess.Popen(sleeper, stdout=subprocess.DEVNULL).pid, flush=True)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, process_group=0)
     lines: list[str] = []
-    child = _Child("leader", proc)
+    child = _Child("leader", proc, new_token())
     child.start_reader(lambda _, line: lines.append(line))
     assert child.reap(10.0) and proc.returncode == 0
     grandchild = int(lines[0])
