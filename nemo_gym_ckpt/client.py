@@ -14,7 +14,9 @@ loopback, see docs/benchmarks.md) or ``httpx`` (httpcore). Behaviour the rest of
   such a call fails with ``Unavailable`` unless it is idempotent (httpx-aiohttp reports every aiohttp
   connection error as ``httpx.ConnectTimeout``, so the aiohttp error it wraps is what decides);
 - every call has an overall deadline, retries included, and reads at most ``max_reply_bytes`` of a
-  reply (``DEFAULT_MAX_REPLY_BYTES``, 256 MiB): a longer one is ``UpstreamError``;
+  reply (``DEFAULT_MAX_REPLY_BYTES``, 256 MiB): a longer one is ``UpstreamError``; a streamed reply
+  (``stream``, server-sent events) is read under the same deadline and total bound, uncompressed, and
+  each of its lines is at most ``max_stream_line_bytes`` (``DEFAULT_MAX_STREAM_LINE_BYTES``, 64 MiB);
 - cookies are never stored: a call sends only the cookies it is given (a session cookie of one
   rollout must never ride along on another rollout's call);
 - failures are mapped here, once: transport errors become ``Unavailable`` or ``UpstreamTimeout``,
@@ -29,7 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any, Literal
@@ -43,6 +46,7 @@ from nemo_gym_ckpt.identity import ROLLOUT_PREFIX, RolloutIdentity, current_iden
 __all__ = [
     "CONTROL_CONNECT_S",
     "DEFAULT_MAX_REPLY_BYTES",
+    "DEFAULT_MAX_STREAM_LINE_BYTES",
     "DEFAULT_TRANSPORT",
     "KEEPALIVE_S",
     "MAX_CONNECT_DOUBLINGS",
@@ -78,6 +82,7 @@ MAX_CONNECT_DOUBLINGS = 6
 """A control connect's timeout doubles after each try not made in time, at most this many times
 (0.25 s up to 16 s)."""
 UNSENT_EXTRA = 3
+"""Extra sends of a call found never sent: each may meet another closed pooled connection."""
 DEFAULT_MAX_REPLY_BYTES = 256 * 1024 * 1024
 """The most bytes of a reply a call reads (``max_reply_bytes``); a longer one is ``UpstreamError``
 (502), refused once the bound is passed, never read whole. Eight times a server's default request
@@ -86,7 +91,18 @@ accepted fits, while a runaway or hostile peer costs at most this much memory pe
 MAX_ERROR_REPLY_BYTES = 1024 * 1024
 """The most bytes read of a streamed call's error reply (``{"error": {"code", "detail"}}``, a few
 hundred bytes in practice); a longer one is ``UpstreamError``."""
-"""Extra sends of a call found never sent: each may meet another closed pooled connection."""
+DEFAULT_MAX_STREAM_LINE_BYTES = 64 * 1024 * 1024
+"""The most bytes of one line of a streamed reply (``max_stream_line_bytes``; in this mesh a
+server-sent event is one ``data:`` line); a longer one is ``UpstreamError`` (502), refused once the
+bound is passed, never read whole. The largest event the mesh sends is the inference worker's first
+chunk of a continued generation: the prompt's ids echoed (about 6.3 bytes a token) and the staged
+prefix's ids, token texts, logprobs and text offsets (about 40 bytes a token). This bound holds in
+one event a prompt at the request bound (``bounds.MAX_TOKENS`` ids, about 25 MiB) or the prefix of a
+whole million-token context (about 40 MiB), while a peer that never ends a line costs at most this
+much memory per call, a quarter of ``DEFAULT_MAX_REPLY_BYTES``."""
+_STREAM_ENCODING = "identity"
+"""What a streamed call asks for (``accept-encoding``) and takes: bytes read are bytes kept, so its
+bounds hold (a compressed body would be inflated past them by the decoder, a chunk at a time)."""
 MAX_SLOW_CONNECTS = 16
 """A control call's connects not made in time (``_SlowConnect``) are made again at most this many
 times (at once: each try waited its whole connect timeout), then the call fails with ``Unavailable``:
@@ -160,12 +176,14 @@ class MeshClient:
         backoff_s: float = 0.05,
         connect_timeout_s: float | None = None,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        max_stream_line_bytes: int = DEFAULT_MAX_STREAM_LINE_BYTES,
     ) -> None:
         """``connect_timeout_s``: a new connection not made by then is abandoned and made again
         with twice the timeout, as often as the call's deadline allows (``None``: the kernel's
-        own SYN retries). ``max_reply_bytes``: the most bytes of a reply a call reads."""
-        if max_reply_bytes < 1:
-            raise ValueError("max_reply_bytes must be >= 1")
+        own SYN retries). ``max_reply_bytes``: the most bytes of a reply a call reads, streamed or
+        not. ``max_stream_line_bytes``: the most bytes of one line of a streamed reply."""
+        if max_reply_bytes < 1 or max_stream_line_bytes < 1:
+            raise ValueError("max_reply_bytes and max_stream_line_bytes must be >= 1")
         self._transport_name = transport if isinstance(transport, str) else None
         if isinstance(transport, str):
             transport = _make_transport(transport, max_connections)
@@ -177,6 +195,7 @@ class MeshClient:
         self.backoff_s = backoff_s
         self.connect_timeout_s = connect_timeout_s
         self.max_reply_bytes = max_reply_bytes
+        self.max_stream_line_bytes = max_stream_line_bytes
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -190,7 +209,7 @@ class MeshClient:
         return MeshClient(transport=self._transport_name, max_connections=max_connections,
                           timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s,
                           connect_timeout_s=connect_timeout_s or self.connect_timeout_s,
-                          max_reply_bytes=self.max_reply_bytes)
+                          max_reply_bytes=self.max_reply_bytes, max_stream_line_bytes=self.max_stream_line_bytes)
 
     def for_control(self, max_connections: int) -> MeshClient:
         """A client for control calls: ``with_own_pool``, so they never wait behind data calls, and
@@ -328,40 +347,155 @@ class MeshClient:
         headers: Mapping[str, str] | None = None,
         identity: RolloutIdentity | None = None,
         connect_timeout_s: float | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[httpx.Response]:
         """A streaming request: the response is yielded once its headers arrive; never retried.
 
-        ``connect_timeout_s`` (default ``timeout_s``) bounds the wait for the headers and, for an error
-        status, for its whole body too (at most ``MAX_ERROR_REPLY_BYTES``), which is then raised as the
-        matching ``GymError``."""
+        ``timeout_s`` (default the client's) is the deadline of the whole call, headers and body.
+        ``connect_timeout_s`` (default ``timeout_s``, never more) bounds the wait for the headers and,
+        for an error status, for its whole body too (at most ``MAX_ERROR_REPLY_BYTES``), which is then
+        raised as the matching ``GymError``. A success body, however the caller reads it (bytes or
+        lines), comes uncompressed and is bounded: a read past the deadline is ``UpstreamTimeout``, past
+        ``max_reply_bytes`` in all or ``max_stream_line_bytes`` in one line ``UpstreamError``, a
+        transport failure ``Unavailable``; leaving the block closes the connection."""
         url = with_rollout_prefix(url, identity or current_identity())
+        call = f"{method} {url}"
         content = None if json is None else orjson.dumps(json)
-        all_headers = {"content-type": "application/json", **(headers or {})}
+        all_headers = {"content-type": "application/json", "accept-encoding": _STREAM_ENCODING, **(headers or {})}
         request = self._http.build_request(method.upper(), url, content=content, headers=all_headers)
-        limit = self.timeout_s if connect_timeout_s is None else connect_timeout_s
-        deadline = asyncio.get_running_loop().time() + limit
+        whole_s = self.timeout_s if timeout_s is None else timeout_s
+        head_s = whole_s if connect_timeout_s is None else min(connect_timeout_s, whole_s)
+        started = asyncio.get_running_loop().time()
+        response = await self._send_stream(request, started + head_s, head_s, call)
         try:
-            async with asyncio.timeout_at(deadline):
-                response = await self._http.send(request, stream=True)
-        except TimeoutError:
-            raise UpstreamTimeout(f"{method} {url}: no reply within {limit:g} s") from None
-        except httpx.TransportError as error:
-            raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
-        try:
-            if response.status_code >= 400:  # an error reply is read whole, within the same deadline
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        await _read_bounded(response, MAX_ERROR_REPLY_BYTES, f"{method} {url}")
-                except TimeoutError:
-                    raise UpstreamTimeout(
-                        f"{method} {url}: its {response.status_code} reply was not read within {limit:g} s"
-                    ) from None
-                except httpx.TransportError as error:
-                    raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
+            if response.status_code >= 400:
+                await _read_error_reply(response, started + head_s, head_s, call)
                 raise_for_error(response)
+            bounds = _StreamBounds(self.max_reply_bytes, self.max_stream_line_bytes, started + whole_s, whole_s)
+            response.stream = _BoundedBody(response, bounds, call)
             yield response
         finally:
             await response.aclose()
+
+    async def _send_stream(self, request: httpx.Request, deadline: float, limit: float, call: str) -> httpx.Response:
+        """Send a streamed call and wait for its reply's headers until ``deadline`` (loop time)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._http.send(request, stream=True)
+        except TimeoutError:
+            raise UpstreamTimeout(f"{call}: no reply within {limit:g} s") from None
+        except httpx.TransportError as error:
+            raise Unavailable(f"{call}: {type(error).__name__}: {error}") from error
+
+
+async def _read_error_reply(response: httpx.Response, deadline: float, limit: float, call: str) -> None:
+    """Read a streamed call's error reply whole, within ``deadline`` and ``MAX_ERROR_REPLY_BYTES``."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            await _read_bounded(response, MAX_ERROR_REPLY_BYTES, call)
+    except TimeoutError:
+        raise UpstreamTimeout(f"{call}: its {response.status_code} reply was not read within {limit:g} s") from None
+    except httpx.TransportError as error:
+        raise Unavailable(f"{call}: {type(error).__name__}: {error}") from error
+
+
+@dataclass(frozen=True, slots=True)
+class _StreamBounds:
+    """What a streamed success body may take: bytes in all and in one line, and when it must end."""
+
+    reply_bytes: int
+    line_bytes: int
+    deadline: float
+    """Loop time."""
+    seconds: float
+    """The call's whole deadline, for messages."""
+
+
+_LINE_BREAK = re.compile(rb"[\r\n]")
+
+
+class _BoundedBody(httpx.AsyncByteStream):
+    """A streamed reply's body as its transport yields it, refused past its ``_StreamBounds``.
+
+    It replaces the response's stream, so ``aiter_bytes`` and ``aiter_lines`` alike read through it:
+    each read waits until the deadline at most, the bytes are counted before the caller sees them
+    (a line is counted up to CR or LF, the line breaks of server-sent events), and transport errors
+    become the client's errors, as for any call."""
+
+    def __init__(self, response: httpx.Response, bounds: _StreamBounds, call: str) -> None:
+        _refuse_unbounded(response, bounds, call)
+        assert isinstance(response.stream, httpx.AsyncByteStream)  # an async client's reply
+        self._inner = response.stream
+        self._bounds = bounds
+        self._call = call
+        self._status = response.status_code
+        self._total = 0
+        self._open_line = 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        chunks = aiter(self._inner)
+        try:
+            while (chunk := await self._next(chunks)) is not None:
+                self._count(chunk)
+                yield chunk
+        finally:
+            if isinstance(chunks, AsyncGenerator):  # left early: the transport's reader is closed now
+                await chunks.aclose()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def _next(self, chunks: AsyncIterator[bytes]) -> bytes | None:
+        try:
+            async with asyncio.timeout_at(self._bounds.deadline):
+                return await anext(chunks)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise UpstreamTimeout(f"{self._call}: its stream was not read within "
+                                  f"{self._bounds.seconds:g} s") from None
+        except httpx.TimeoutException as error:
+            raise UpstreamTimeout(f"{self._call}: {type(error).__name__}") from error
+        except httpx.TransportError as error:
+            raise Unavailable(f"{self._call}: {type(error).__name__}: {error}") from error
+
+    def _count(self, chunk: bytes) -> None:
+        self._total += len(chunk)
+        if self._total > self._bounds.reply_bytes:
+            raise _longer_than_bound(self._call, f"the {self._status} reply", self._bounds.reply_bytes)
+        longest, self._open_line = _longest_line(self._open_line, chunk, self._bounds.line_bytes)
+        if longest > self._bounds.line_bytes:
+            raise _longer_than_bound(self._call, f"a line of the {self._status} reply", self._bounds.line_bytes)
+
+
+def _refuse_unbounded(response: httpx.Response, bounds: _StreamBounds, call: str) -> None:
+    """Refuse at once a streamed reply whose bounds could not hold: compressed (its decoder would
+    inflate each chunk past them) or declaring more than ``reply_bytes``."""
+    encoding = response.headers.get("content-encoding", _STREAM_ENCODING).strip().lower()
+    if encoding != _STREAM_ENCODING:
+        raise UpstreamError(f"{call}: the {response.status_code} stream came {encoding!r}-encoded; "
+                            f"streams are read only as {_STREAM_ENCODING!r}")
+    _refuse_declared(response, bounds.reply_bytes, call)
+
+
+def _longest_line(open_line: int, chunk: bytes, limit: int) -> tuple[int, int]:
+    """The longest line that ``chunk`` ends or holds and the line left open after it, in bytes, when
+    ``open_line`` bytes of a line came before it. Lines end at CR or LF; the lines wholly inside
+    ``chunk`` are measured only when they could pass ``limit``."""
+    head = _LINE_BREAK.search(chunk)
+    if head is None:
+        return open_line + len(chunk), open_line + len(chunk)
+    first = head.start()
+    last = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+    inner = 0
+    if last - first - 1 > limit:
+        inner = max(len(line) for line in _LINE_BREAK.split(chunk[first + 1 : last]))
+    tail = len(chunk) - last - 1
+    return max(open_line + first, inner, tail), tail
+
+
+def _longer_than_bound(call: str, what: str, limit: int) -> UpstreamError:
+    return UpstreamError(f"{call}: {what} is longer than the client's bound of {limit} bytes")
 
 
 def _aiohttp_error(error: BaseException) -> BaseException | None:
@@ -416,19 +550,23 @@ def _connect_timed_out(error: httpx.TransportError, cause: BaseException | None)
 async def _read_bounded(response: httpx.Response, limit: int, call: str) -> None:
     """Read ``response``'s body (decoded) into ``response.content``, refusing one longer than ``limit``
     bytes (``UpstreamError``) without reading past it; the caller closes the response."""
-    declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise UpstreamError(f"{call}: the {response.status_code} reply declares {declared} bytes, "
-                            f"past the client's bound of {limit} bytes")
+    _refuse_declared(response, limit, call)
     chunks: list[bytes] = []
     size = 0
     async for chunk in response.aiter_bytes():
         size += len(chunk)
         if size > limit:
-            raise UpstreamError(f"{call}: the {response.status_code} reply is longer than "
-                                f"the client's bound of {limit} bytes")
+            raise _longer_than_bound(call, f"the {response.status_code} reply", limit)
         chunks.append(chunk)
     response._content = b"".join(chunks)  # what ``aread`` keeps: ``content``, ``json()`` read it
+
+
+def _refuse_declared(response: httpx.Response, limit: int, call: str) -> None:
+    """Refuse a reply whose ``Content-Length`` is past ``limit`` before reading any of it."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise UpstreamError(f"{call}: the {response.status_code} reply declares {declared} bytes, "
+                            f"past the client's bound of {limit} bytes")
 
 
 def raise_for_error(response: httpx.Response) -> None:

@@ -3,6 +3,11 @@
 Every line is awaited under the caller's overall deadline, so a stalled stream ends in
 ``UpstreamTimeout`` rather than hanging. An event carrying ``{"error": ...}`` is raised as the
 matching ``GymError``; a stream that stops without ``[DONE]`` is an ``UpstreamError``.
+
+The response is one that ``MeshClient.stream`` opened: its body is bounded there, below the lines
+read here (``max_stream_line_bytes`` a line, ``max_reply_bytes`` in all, the call's deadline), so a
+worker that never ends a line or a stream fails the call with the client's ``UpstreamError`` or
+``UpstreamTimeout`` before it can grow memory without limit.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ _DONE = "[DONE]"
 
 
 async def read_sse_json(response: httpx.Response, deadline: float) -> AsyncIterator[dict[str, Any]]:
-    """The JSON objects of ``response``'s events until ``[DONE]``; ``deadline`` is loop time."""
+    """The JSON objects of ``response``'s events until ``[DONE]``; ``deadline`` is loop time.
+    ``response`` comes from ``MeshClient.stream``, which bounds each line and the whole body."""
     lines = response.aiter_lines()
     while True:
         try:

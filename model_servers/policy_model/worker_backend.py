@@ -204,7 +204,7 @@ class WorkerBackend:
         prompt_digest = sha256_of(prompt)
         deadline = asyncio.get_running_loop().time() + self._timeout_s
         body = self._body(call, prompt, prompt_digest, stream=True)
-        opened = self._client.stream("POST", self._url, json=body, connect_timeout_s=self._timeout_s)
+        opened = self._client.stream("POST", self._url, json=body, timeout_s=self._timeout_s)
         async with opened as response:
             yield StreamStarted(digest_of(prompt))
             markers = self._markers(call) + ([TOOL_CALL_OPEN] if call.parse_tool_calls else [])

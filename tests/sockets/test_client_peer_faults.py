@@ -11,9 +11,11 @@ import aiohttp
 import httpx
 import pytest
 
+from nemo_gym_ckpt.bounds import MAX_TOKENS
 from nemo_gym_ckpt.client import (
     CONTROL_CONNECT_S,
     DEFAULT_MAX_REPLY_BYTES,
+    DEFAULT_MAX_STREAM_LINE_BYTES,
     MAX_ERROR_REPLY_BYTES,
     UNSENT_EXTRA,
     MeshClient,
@@ -250,5 +252,166 @@ async def test_the_reply_bound_defaults_to_256_mib_and_is_kept_by_clients_made_f
         control = small.for_control(2)
         try:
             assert control.max_reply_bytes == 1234
+        finally:
+            await control.aclose()
+
+
+# ---- streamed success replies (server-sent events) ------------------------------------------------
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+EVENT = b'data: {"choices": [{"token_ids": [1]}]}\n\n'
+
+
+class StreamingPeer:
+    """Answers ``head`` (200, server-sent events) then the chunks of ``body`` (chunked), counting the
+    body bytes it wrote; ``closed`` is set once a write finds the connection closed by the client.
+    ``request_head`` keeps the request's headers. ``abort_after`` resets the connection after that
+    many chunks instead of ending the reply."""
+
+    def __init__(self, body: Callable[[], AsyncIterator[bytes]], head: bytes = SSE_HEAD,
+                 abort_after: int | None = None) -> None:
+        self.body, self.head, self.abort_after = body, head, abort_after
+        self.sent = 0
+        self.request_head = b""
+        self.closed = asyncio.Event()
+
+    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            self.request_head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in self.request_head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            writer.write(self.head + b"transfer-encoding: chunked\r\n\r\n")
+            await self._write_body(writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.closed.set()
+        finally:
+            writer.close()
+
+    async def _write_body(self, writer: asyncio.StreamWriter) -> None:
+        written = 0
+        async for chunk in self.body():
+            if written == self.abort_after:
+                writer.transport.abort()  # a reset in the middle of the reply
+                return
+            writer.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            self.sent += len(chunk)
+            written += 1
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+def endless_line(total: int) -> Callable[[], AsyncIterator[bytes]]:
+    """One ``data:`` line of ``total`` bytes that never ends (the reply ends after it, so that a client
+    without a line bound still returns)."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"data: "
+        for _ in range(total >> 16):
+            yield b"x" * (1 << 16)
+
+    return chunks
+
+
+def events(total: int) -> Callable[[], AsyncIterator[bytes]]:
+    """Well-formed events, ``total`` bytes of them, never ``[DONE]``."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        block = EVENT * ((1 << 16) // len(EVENT))
+        for _ in range(total // len(block)):
+            yield block
+
+    return chunks
+
+
+async def read_lines(client: MeshClient, url: str, timeout_s: float | None = None) -> list[str]:
+    async with asyncio.timeout(10):  # the test's own watchdog
+        async with client.stream("POST", f"{url}/v1/completions", json={}, timeout_s=timeout_s) as response:
+            return [line async for line in response.aiter_lines()]
+
+
+async def test_a_streamed_line_past_its_bound_is_refused_and_the_connection_closed() -> None:
+    bound = 1 << 20
+    handler = StreamingPeer(endless_line(64 * bound))
+    async with peer(handler) as url, MeshClient(max_stream_line_bytes=bound) as client:
+        with pytest.raises(UpstreamError, match=f"a line of the 200 reply is longer than the client's bound of "
+                                                f"{bound} bytes") as raised:
+            await read_lines(client, url)
+        await asyncio.wait_for(handler.closed.wait(), 5)
+    assert raised.value.status == 502
+    assert handler.sent < 8 * bound  # no more than the socket buffers past the bound
+
+
+async def test_a_stream_past_the_reply_bound_is_refused_and_the_connection_closed() -> None:
+    bound = 1 << 20
+    handler = StreamingPeer(events(64 * bound))
+    async with peer(handler) as url, MeshClient(max_reply_bytes=bound) as client:
+        with pytest.raises(UpstreamError, match=f"the 200 reply is longer than the client's bound of {bound} bytes"):
+            await read_lines(client, url)
+        await asyncio.wait_for(handler.closed.wait(), 5)
+    assert handler.sent < 8 * bound
+
+
+@pytest.mark.parametrize("line_break", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+async def test_lines_up_to_the_bound_are_read_whole_however_the_chunks_split_them(line_break: bytes) -> None:
+    bound = 4096
+    lines = [b"data: " + b"x" * (bound - 6), b"", b"data: short", b"y" * bound]
+    body = line_break.join(lines) + line_break
+
+    async def odd_chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(body), 1000):
+            yield body[start : start + 1000]
+
+    async with peer(StreamingPeer(odd_chunks)) as url, \
+            MeshClient(max_stream_line_bytes=bound, max_reply_bytes=len(body)) as client:
+        read = await read_lines(client, url)
+    assert read == [line.decode() for line in lines]
+
+
+@pytest.mark.parametrize("where", ["client", "call"])
+async def test_an_endless_slow_stream_ends_at_the_call_s_deadline(where: str) -> None:
+    async def slow_events() -> AsyncIterator[bytes]:
+        while True:  # an event every 50 ms, forever
+            yield EVENT
+            await asyncio.sleep(0.05)
+
+    handler = StreamingPeer(slow_events)
+    client_s, call_s = (0.5, None) if where == "client" else (600.0, 0.5)
+    async with peer(handler) as url, MeshClient(timeout_s=client_s) as client:
+        with pytest.raises(UpstreamTimeout, match=r"its stream was not read within 0\.5 s"):
+            await read_lines(client, url, call_s)
+        await asyncio.wait_for(handler.closed.wait(), 5)
+    assert handler.sent > 0
+
+
+async def test_a_compressed_stream_is_refused_and_only_identity_is_asked_for() -> None:
+    import gzip
+
+    async def compressed() -> AsyncIterator[bytes]:
+        yield gzip.compress(EVENT * 1000)
+
+    handler = StreamingPeer(compressed, head=SSE_HEAD + b"content-encoding: gzip\r\n")
+    async with peer(handler) as url, MeshClient() as client:
+        with pytest.raises(UpstreamError, match="'gzip'-encoded"):
+            await read_lines(client, url)
+    assert b"accept-encoding: identity\r\n" in handler.request_head.lower()
+
+
+async def test_a_stream_reset_midway_is_the_client_s_unavailable() -> None:
+    handler = StreamingPeer(events(1 << 20), abort_after=2)
+    async with peer(handler) as url, MeshClient() as client:
+        with pytest.raises(Unavailable, match="ReadError"):
+            await read_lines(client, url)
+
+
+async def test_the_stream_line_bound_defaults_to_64_mib_and_is_kept_by_clients_made_from_one() -> None:
+    # the largest event a worker sends echoes a prompt at the request bound (6-digit ids, 7 bytes each)
+    assert MAX_TOKENS * len(b"999999,") < DEFAULT_MAX_STREAM_LINE_BYTES == 64 * 1024 * 1024
+    assert DEFAULT_MAX_STREAM_LINE_BYTES < DEFAULT_MAX_REPLY_BYTES
+    async with MeshClient(max_stream_line_bytes=1234) as small:
+        control = small.for_control(2)
+        try:
+            assert control.max_stream_line_bytes == 1234
         finally:
             await control.aclose()

@@ -57,12 +57,15 @@ PolicyClient = Callable[..., AbstractAsyncContextManager[httpx.AsyncClient]]
 @pytest.fixture
 def policy_client(worker: ScriptedWorker, tokenizer_dir: Path) -> PolicyClient:
     """``async with policy_client(**settings) as http``: the policy app in process, its lifespan run,
-    talking to the scripted worker over ``httpx.ASGITransport``."""
+    talking to the scripted worker over ``httpx.ASGITransport`` (with a ``MeshClient`` made with
+    ``client_options``, when given)."""
 
     @asynccontextmanager
-    async def open_client(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+    async def open_client(
+        *, client_options: dict[str, Any] | None = None, **settings: Any
+    ) -> AsyncIterator[httpx.AsyncClient]:
         settings = {"worker": WORKER_REF, "tokenizer_path": str(tokenizer_dir), **settings}
-        mesh_client = MeshClient(transport=httpx.ASGITransport(app=worker.app))
+        mesh_client = MeshClient(transport=httpx.ASGITransport(app=worker.app), **(client_options or {}))
         app = create_app(policy_ctx(mesh_client, **settings))
         async with mesh_client, app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)

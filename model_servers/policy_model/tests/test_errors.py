@@ -210,6 +210,24 @@ async def test_worker_failure_mid_stream_is_an_error_event(
     assert "[DONE]" not in reply.text
 
 
+@pytest.mark.parametrize(("option", "bound", "what"), [("max_reply_bytes", 4096, "the 200 reply"),
+                                                       ("max_stream_line_bytes", 256, "a line of the 200 reply")])
+async def test_a_worker_stream_past_the_client_s_bounds_is_an_error_event(
+    policy_client: PolicyClient, worker: ScriptedWorker, option: str, bound: int, what: str
+) -> None:
+    """The policy model reads the worker's events through its client's bounds: a stream too long in
+    all (200 events of about 250 bytes) or one event too long (the first, echoing the prompt, is about
+    280 bytes) ends the chat stream with ``upstream_error``, never an unbounded read."""
+    worker.will("x" * 200)
+    async with policy_client(client_options={option: bound}) as http:
+        reply = await http.post("/v1/chat/completions", json={"messages": [USER], "stream": True})
+    assert reply.status_code == 200
+    assert "[DONE]" not in reply.text
+    last = orjson.loads(reply.text.split("\n\n")[-2].removeprefix("data: "))
+    assert last["error"]["code"] == "upstream_error"
+    assert f"{what} is longer than the client's bound of {bound} bytes" in last["error"]["message"]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
