@@ -5,14 +5,10 @@ The head server is the mesh's directory for a second shell and for controllers:
 - ``GET /servers``: a JSON list of ``{name, type, implementation, url}`` (docs/architecture.md
   section 4);
 - ``GET /global_config_dict_yaml``: as NeMo Gym's head answers it, a JSON *string* whose content is
-  the YAML of the resolved global config, every instance with its ``host`` and ``port``; every
-  secret is redacted (``is_secret_key``, ``redacted``): the control token, and the whole value of
-  every key named like a token, key, secret, password, credentials, authorization, auth, cookie or
-  headers (a ``true``/``false`` switch kept), however spelled (``hf-token``, ``X-Api-Key``,
-  ``apiKey``) and in the plural where the plural names credentials (``api_keys``, ``hf_tokens``; not
-  ``max_tokens``); in every other string, any of those values (of 8 characters or more; a shorter
-  one only as the whole string), the userinfo of a URL (``https://user:pass@host``) and the
-  credential after ``Bearer``. NeMo Gym's ``ServerClient`` and NeMo RL's adapter read the mesh from
+  the YAML of the resolved global config, every instance with its ``host`` and ``port``, every
+  secret redacted (``launch/redaction.py``: the control token, the whole value of every key that
+  names a credential, and such a value or a URL's ``user:password@`` inside any other string; a
+  ``host`` is never changed). NeMo Gym's ``ServerClient`` and NeMo RL's adapter read the mesh from
   it (``json.loads``, then the YAML);
 - ``GET /server_instances``: NeMo Gym's list of ``ServerInstanceDisplayConfig`` objects
   (``config_path``, ``dir_path``, ``entrypoint``, ``host``, ``name``, ``pid``, ``port``,
@@ -26,7 +22,6 @@ socket is bound before the thread starts (so port 0 picks a free port and the UR
 from __future__ import annotations
 
 import logging
-import re
 import socket
 import threading
 import time
@@ -39,18 +34,16 @@ import yaml
 from fastapi import FastAPI
 
 from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig
+from nemo_gym_ckpt.launch.redaction import redacted, secret_values
 from nemo_gym_ckpt.server import create_app
 
 __all__ = [
     "HEAD_NAME",
-    "REDACTED",
     "Processes",
     "ServerEntry",
     "ThreadedServer",
     "create_head_app",
     "global_config_yaml",
-    "is_secret_key",
-    "redacted",
     "server_entries",
     "server_instances",
 ]
@@ -61,27 +54,6 @@ logger = logging.getLogger(__name__)
 ServerEntry = dict[str, str]
 Processes = Callable[[], Mapping[str, tuple[int, float]]]
 """The running server processes: instance name -> (pid, start time in Unix seconds)."""
-REDACTED = "<redacted>"
-# A key is secret when its last word (after ``-``, ``.``, spaces and camelCase become ``_``) is one of
-# these, or a plural of ``keys``/``tokens`` after a word that makes them credentials (``api_keys``,
-# ``hf_tokens``; ``max_tokens`` and ``sort_keys`` are none).
-_SECRET_WORDS = frozenset({
-    "token", "key", "secret", "secrets", "password", "passwords", "passwd", "passphrase", "credential",
-    "credentials", "header", "headers", "authorization", "auth", "cookie", "cookies", "apikey", "apikeys",
-    "apitoken", "apitokens", "authtoken", "accesstoken", "bearer",
-})
-_PLURALS = frozenset({"keys", "tokens"})
-_CREDENTIAL_QUALIFIERS = frozenset({
-    "api", "auth", "access", "refresh", "bearer", "session", "secret", "private", "hf", "hub", "client",
-    "service", "signing", "encryption", "ssh", "bot", "personal", "user", "admin", "master",
-})
-_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
-_SEPARATORS = re.compile(r"[^a-z0-9]+")
-_MIN_EMBEDDED = 8
-"""A known secret this long or longer is redacted wherever it occurs inside a string; a shorter one
-(``EMPTY``, ``dummy``: placeholders, not credentials) only where it is the whole value."""
-_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#@\s]+@")
-_BEARER = re.compile(r"(?i)\b(bearer\s+)[a-z0-9._~+/=-]{8,}")
 DEFAULT_ENTRYPOINT = "app.py"
 
 
@@ -91,77 +63,6 @@ def server_entries(mesh: MeshConfig) -> list[ServerEntry]:
         {"name": inst.name, "type": inst.type, "implementation": inst.implementation, "url": inst.url}
         for inst in mesh.instances.values()
     ]
-
-
-def is_secret_key(key: object) -> bool:
-    """Whether a config key names a secret: ``api_key``, ``hf-token``, ``X-Api-Key``, ``api_keys``,
-    ``Authorization``, ``client_secret``, ``otlp_headers``, ``password``... (``max_tokens`` is not)."""
-    words = [word for word in _SEPARATORS.split(_CAMEL.sub("_", str(key)).lower()) if word]
-    if not words:
-        return False
-    last = words[-1]
-    if last in _SECRET_WORDS:
-        return True
-    return last in _PLURALS and len(words) > 1 and words[-2] in _CREDENTIAL_QUALIFIERS
-
-
-def redacted(value: Any, secrets: frozenset[str] = frozenset()) -> Any:
-    """``value`` with the whole value of every secret-named key (a string, a list, a mapping: all of
-    it) replaced by ``REDACTED``, and in every other string each of ``secrets``, the userinfo of a URL
-    (``https://user:pass@host``) and the credential after ``Bearer`` replaced by it (a plural like
-    ``max_tokens`` is no secret; ``token``, ``hf-token``, ``api_keys`` and ``control_auth_token`` are)."""
-    return _redacted(value, _Secrets(secrets))
-
-
-class _Secrets:
-    """Known secret strings: a pattern for those long enough to be looked for inside other strings."""
-
-    def __init__(self, secrets: frozenset[str]) -> None:
-        self.exact = frozenset(secret for secret in secrets if secret)
-        embedded = sorted((s for s in self.exact if len(s) >= _MIN_EMBEDDED), key=len, reverse=True)
-        self.pattern = re.compile("|".join(map(re.escape, embedded))) if embedded else None
-
-    def scrub(self, text: str) -> str:
-        if text in self.exact:
-            return REDACTED
-        if self.pattern is not None:
-            text = self.pattern.sub(REDACTED, text)
-        text = _URL_USERINFO.sub(lambda match: f"{match[1]}{REDACTED}@", text)
-        return _BEARER.sub(lambda match: f"{match[1]}{REDACTED}", text)
-
-
-def _redacted(value: Any, secrets: _Secrets) -> Any:
-    if isinstance(value, Mapping):
-        return {key: REDACTED if is_secret_key(key) and _holds_secret(value[key]) else _redacted(value[key], secrets)
-                for key in value}
-    if isinstance(value, list):
-        return [_redacted(item, secrets) for item in value]
-    if isinstance(value, str):
-        return secrets.scrub(value)
-    return value
-
-
-def _holds_secret(value: Any) -> bool:
-    """Anything but an unset value or a switch (``use_auth_token: true`` holds no credential)."""
-    return value is not None and not isinstance(value, bool)
-
-
-def _secret_values(value: Any, *, under_secret: bool = False) -> set[str]:
-    """Every string held under a secret-named key, however deep (so a copy of it elsewhere, whole or
-    inside a longer string, is redacted too), and the credential of a ``Scheme credential`` one."""
-    found: set[str] = set()
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            found |= _secret_values(item, under_secret=under_secret or is_secret_key(key))
-    elif isinstance(value, list):
-        for item in value:
-            found |= _secret_values(item, under_secret=under_secret)
-    elif under_secret and isinstance(value, str) and value:
-        found.add(value)
-        scheme, _, credential = value.strip().partition(" ")
-        if scheme.isalpha() and credential.strip() and " " not in credential.strip():
-            found.add(credential.strip())  # "Bearer sk-...": the credential alone is a secret too
-    return found
 
 
 def _with_addresses(mesh: MeshConfig) -> dict[str, Any]:
@@ -181,8 +82,8 @@ def global_config_yaml(mesh: MeshConfig) -> str:
     """The YAML text ``GET /global_config_dict_yaml`` carries (as a JSON string), secrets redacted."""
     raw = _with_addresses(mesh)
     token = mesh.checkpoint.control_auth_token
-    secrets = _secret_values(raw) | ({token.get_secret_value()} if token is not None else set())
-    return yaml.safe_dump(redacted(raw, frozenset(secrets - {""})), sort_keys=False, allow_unicode=False)
+    secrets = secret_values(raw) | ({token.get_secret_value()} if token is not None else set())
+    return yaml.safe_dump(redacted(raw, secrets - {""}), sort_keys=False, allow_unicode=False)
 
 
 def server_instances(mesh: MeshConfig, processes: Processes | None = None) -> list[dict[str, Any]]:

@@ -24,7 +24,8 @@ import yaml
 
 from nemo_gym_ckpt.checkpoint.coordinator import servers_in_config
 from nemo_gym_ckpt.config import PROJECT_ROOT, load_config_dict
-from nemo_gym_ckpt.launch.head import REDACTED, create_head_app
+from nemo_gym_ckpt.launch.head import create_head_app
+from nemo_gym_ckpt.launch.redaction import REDACTED
 
 pytestmark = pytest.mark.sockets
 

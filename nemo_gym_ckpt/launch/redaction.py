@@ -1,0 +1,147 @@
+"""Redacting the secrets of a config before the head server serves it.
+
+A key is *secret* (``is_secret_key``) when its last word, after ``-``, ``.``, spaces and camelCase
+become ``_``, names a credential: ``token``, ``key``, ``secret``, ``password``, ``passwd``,
+``passphrase``, ``credential``, ``authorization``, ``auth``, ``cookie``, ``headers`` (and the plurals
+and joined forms, ``apiKey``, ``api_keys``, ``hf_tokens``). A token of a tokenizer is none
+(``eos_token``, ``pad_token``, ``abstention_token``), nor is a count or a list of ids (``max_tokens``,
+``token_ids``, ``tokenizer``) or a single header (``prompt_header``).
+
+``redacted`` replaces the whole value of a secret key (a string, a list, a mapping) by ``REDACTED``,
+a ``true``/``false`` switch excepted. In every other string it replaces each known secret (what
+``secret_values`` collects: a string held directly under a secret key, or in a list held there, and
+the credential of an ``Authorization: Scheme credential`` value; one under 8 characters only where
+it is the whole string) and the userinfo of a URL that carries a password (``https://user:pw@host``;
+``git+ssh://git@host`` is kept). A ``host`` value is never changed, so discovery still finds every
+server. The work is linear in the length of the strings.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["REDACTED", "is_secret_key", "redacted", "secret_values"]
+
+REDACTED = "<redacted>"
+_SECRET_WORDS = frozenset({
+    "token", "key", "secret", "secrets", "password", "passwords", "passwd", "passphrase", "credential",
+    "credentials", "headers", "authorization", "auth", "cookie", "cookies", "apikey", "apikeys",
+    "apitoken", "apitokens", "authtoken", "accesstoken", "bearer",
+})
+_AUTHORIZATION_WORDS = frozenset({"authorization", "auth"})
+"""The last words of a key whose value may be ``Scheme credential`` (``Bearer sk-...``)."""
+_PLURALS = frozenset({"keys", "tokens"})
+_CREDENTIAL_QUALIFIERS = frozenset({
+    "api", "auth", "access", "refresh", "bearer", "session", "secret", "private", "hf", "hub", "client",
+    "service", "signing", "encryption", "ssh", "bot", "personal", "user", "admin", "master",
+})
+"""Words before ``keys``/``tokens`` that make the plural credentials (``api_keys``; not ``max_tokens``)."""
+_VOCABULARY_QUALIFIERS = frozenset({
+    "eos", "bos", "pad", "unk", "sep", "cls", "mask", "eot", "eom", "boi", "eoi", "special", "start",
+    "end", "stop", "begin", "think", "image", "video", "audio", "placeholder", "abstention",
+})
+"""Words before ``token`` that make it a token of a tokenizer's vocabulary (``eos_token``), no secret."""
+_HOST_WORD = "host"
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+_SEPARATORS = re.compile(r"[^a-z0-9]+")
+_MIN_EMBEDDED = 8
+"""A known secret this long or longer is redacted wherever it occurs inside a string; a shorter one
+(``EMPTY``, ``dummy``: placeholders, not credentials) only where it is the whole value."""
+_URL_PASSWORD = re.compile(r"(?<=://)[^/?#@:\s]*:[^/?#\s]+@")
+"""The ``user:password@`` right after a URL's ``://``: tried only where ``://`` precedes, so linear."""
+
+
+def is_secret_key(key: object) -> bool:
+    """Whether a config key names a secret: ``api_key``, ``hf-token``, ``X-Api-Key``, ``api_keys``,
+    ``Authorization``, ``client_secret``, ``otlp_headers``, ``password``... (``max_tokens``,
+    ``eos_token``, ``prompt_header`` are not)."""
+    words = _words(key)
+    if not words:
+        return False
+    last, before = words[-1], words[-2] if len(words) > 1 else ""
+    if last == "token":
+        return before not in _VOCABULARY_QUALIFIERS
+    if last in _SECRET_WORDS:
+        return True
+    return last in _PLURALS and before in _CREDENTIAL_QUALIFIERS
+
+
+def secret_values(value: Any) -> frozenset[str]:
+    """The strings held directly under a secret key anywhere in ``value`` (or in a list held there),
+    and the credential alone of an authorization value ``Scheme credential``: the strings ``redacted``
+    looks for in every other string."""
+    found: set[str] = set()
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if is_secret_key(key):
+                found |= _held_strings(item, scheme_first=_words(key)[-1] in _AUTHORIZATION_WORDS)
+            found |= secret_values(item)
+    elif isinstance(value, list):
+        for item in value:
+            found |= secret_values(item)
+    return frozenset(found)
+
+
+def redacted(value: Any, secrets: frozenset[str] = frozenset()) -> Any:
+    """``value`` with the whole value of every secret key replaced by ``REDACTED``, and in every other
+    string (a ``host`` excepted) each of ``secrets`` and the userinfo of a URL with a password."""
+    return _redacted(value, _KnownSecrets(secrets))
+
+
+def _words(key: object) -> list[str]:
+    return [word for word in _SEPARATORS.split(_CAMEL.sub("_", str(key)).lower()) if word]
+
+
+def _held_strings(value: Any, *, scheme_first: bool) -> set[str]:
+    """The non-empty strings of ``value`` or of the lists it holds (not of a mapping: its own keys
+    say which of its values are secrets)."""
+    if isinstance(value, list):
+        return set().union(*(_held_strings(item, scheme_first=scheme_first) for item in value))
+    if not isinstance(value, str) or not value:
+        return set()
+    scheme, _, credential = value.strip().partition(" ")
+    credential = credential.strip()
+    if scheme_first and scheme.isalpha() and credential and " " not in credential:
+        return {value, credential}  # "Bearer sk-...": the credential alone is a secret too
+    return {value}
+
+
+class _KnownSecrets:
+    """Known secret strings: a pattern for those long enough to be looked for inside other strings."""
+
+    def __init__(self, secrets: frozenset[str]) -> None:
+        self.exact = frozenset(secret for secret in secrets if secret)
+        embedded = sorted((s for s in self.exact if len(s) >= _MIN_EMBEDDED), key=len, reverse=True)
+        self.pattern = re.compile("|".join(map(re.escape, embedded))) if embedded else None
+
+    def scrub(self, text: str) -> str:
+        if text in self.exact:
+            return REDACTED
+        if self.pattern is not None:
+            text = self.pattern.sub(REDACTED, text)
+        return _URL_PASSWORD.sub(f"{REDACTED}@", text) if "://" in text else text
+
+
+def _redacted(value: Any, secrets: _KnownSecrets) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _redacted_item(key, value[key], secrets) for key in value}
+    if isinstance(value, list):
+        return [_redacted(item, secrets) for item in value]
+    if isinstance(value, str):
+        return secrets.scrub(value)
+    return value
+
+
+def _redacted_item(key: object, value: Any, secrets: _KnownSecrets) -> Any:
+    if is_secret_key(key) and _holds_secret(value):
+        return REDACTED
+    if isinstance(value, str) and _words(key)[-1:] == [_HOST_WORD]:
+        return value  # an address, never a secret: discovery builds each server's URL from it
+    return _redacted(value, secrets)
+
+
+def _holds_secret(value: Any) -> bool:
+    """Anything but an unset value or a switch (``use_auth_token: true`` holds no credential)."""
+    return value is not None and not isinstance(value, bool)
