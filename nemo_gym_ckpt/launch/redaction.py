@@ -11,9 +11,10 @@ and joined forms, ``apiKey``, ``api_keys``, ``hf_tokens``). A token of a tokeniz
 a ``true``/``false`` switch excepted. In every other string it replaces each known secret (what
 ``secret_values`` collects: a string held directly under a secret key, or in a list held there, and
 the credential of an ``Authorization: Scheme credential`` value; one under 8 characters only where
-it is the whole string) and the userinfo of a URL that carries a password (``https://user:pw@host``;
-``git+ssh://git@host`` is kept). A ``host`` value is never changed, so discovery still finds every
-server. The work is linear in the length of the strings.
+it is the whole string) and the userinfo of a URL that carries a password (``https://user:pw@host``)
+or a user as long as an access token (``https://ghp_...@host``; ``git+ssh://git@host`` is kept).
+A ``host`` value is never changed, so discovery still finds every server. The work is linear in the
+length of the strings.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ _SEPARATORS = re.compile(r"[^a-z0-9]+")
 _MIN_EMBEDDED = 8
 """A known secret this long or longer is redacted wherever it occurs inside a string; a shorter one
 (``EMPTY``, ``dummy``: placeholders, not credentials) only where it is the whole value."""
-_URL_PASSWORD = re.compile(r"(?<=://)[^/?#@:\s]*:[^/?#\s]+@")
-"""The ``user:password@`` right after a URL's ``://``: tried only where ``://`` precedes, so linear."""
+_URL_PASSWORD = re.compile(r"(?<=://)(?:[^/?#@:\s]*:[^/?#\s]+|[A-Za-z0-9_~.%-]{16,})@")
+"""The userinfo right after a URL's ``://`` that is a credential: ``user:password@``, or a user alone as
+long as an access token (``https://ghp_...@github.com``; ``git@`` is kept). Tried only where ``://``
+precedes, so linear."""
 
 
 def is_secret_key(key: object) -> bool:

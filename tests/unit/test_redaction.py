@@ -115,12 +115,14 @@ def test_a_password_in_a_url_is_redacted_known_or_not() -> None:
         "mirror_url": "https://svc:unknown-password@mirror.example/simple",
         "db": "see postgresql://admin:hunter2hunter2@db.example:5432/x for the rows",
         "user_only": "https://user@host.example/x",
+        "token_as_user": "https://ghp_0123456789abcdefABCDEF@github.com/o/r.git",
     }}
     assert _served(config)["urls"] == {
         "judge_base_url": f"https://{REDACTED}@judge.example/v1",
         "mirror_url": f"https://{REDACTED}@mirror.example/simple",
         "db": f"see postgresql://{REDACTED}@db.example:5432/x for the rows",
         "user_only": "https://user@host.example/x",
+        "token_as_user": f"https://{REDACTED}@github.com/o/r.git",
     }
 
 
