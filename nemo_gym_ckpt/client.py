@@ -20,7 +20,8 @@ loopback, see docs/benchmarks.md) or ``httpx`` (httpcore). Behaviour the rest of
 - cookies are never stored: a call sends only the cookies it is given (a session cookie of one
   rollout must never ride along on another rollout's call);
 - failures are mapped here, once: transport errors become ``Unavailable`` or ``UpstreamTimeout``,
-  a peer's ``{"error": ...}`` reply becomes the matching ``GymError`` class;
+  any other httpx error (a body that does not decode as its ``content-encoding`` says) ``UpstreamError``,
+  a peer's ``{"error": ...}`` reply becomes the matching ``GymError`` class: no httpx error leaves it;
 - ``reserved(n)`` is a client with a connection pool of its own (``n`` connections) for control
   calls, so they never queue behind the data calls that hold this client's connections (a client
   over a given transport, such as an in-process one, shares that transport: it has no pool).
@@ -320,12 +321,16 @@ class MeshClient:
             raise UpstreamTimeout(f"{method} {url}: {type(error).__name__}") from error
         except httpx.TransportError as error:
             raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
+        except httpx.HTTPError as error:
+            raise _unusable(f"{method} {url}", error) from error
         try:  # the reply's headers arrived: whatever fails now, the request was sent
             await _read_bounded(response, self.max_reply_bytes, f"{method} {url}")
         except httpx.TimeoutException as error:
             raise UpstreamTimeout(f"{method} {url}: {type(error).__name__}") from error
         except httpx.TransportError as error:
             raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
+        except httpx.HTTPError as error:
+            raise _unusable(f"{method} {url}", error) from error
         finally:
             await response.aclose()
         return response
@@ -386,6 +391,8 @@ class MeshClient:
             raise UpstreamTimeout(f"{call}: no reply within {limit:g} s") from None
         except httpx.TransportError as error:
             raise Unavailable(f"{call}: {type(error).__name__}: {error}") from error
+        except httpx.HTTPError as error:
+            raise _unusable(call, error) from error
 
 
 async def _read_error_reply(response: httpx.Response, deadline: float, limit: float, call: str) -> None:
@@ -397,6 +404,8 @@ async def _read_error_reply(response: httpx.Response, deadline: float, limit: fl
         raise UpstreamTimeout(f"{call}: its {response.status_code} reply was not read within {limit:g} s") from None
     except httpx.TransportError as error:
         raise Unavailable(f"{call}: {type(error).__name__}: {error}") from error
+    except httpx.HTTPError as error:
+        raise _unusable(call, error) from error
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,6 +467,8 @@ class _BoundedBody(httpx.AsyncByteStream):
             raise UpstreamTimeout(f"{self._call}: {type(error).__name__}") from error
         except httpx.TransportError as error:
             raise Unavailable(f"{self._call}: {type(error).__name__}: {error}") from error
+        except httpx.HTTPError as error:
+            raise _unusable(self._call, error) from error
 
     def _count(self, chunk: bytes) -> None:
         self._total += len(chunk)
@@ -496,6 +507,12 @@ def _longest_line(open_line: int, chunk: bytes, limit: int) -> tuple[int, int]:
 
 def _longer_than_bound(call: str, what: str, limit: int) -> UpstreamError:
     return UpstreamError(f"{call}: {what} is longer than the client's bound of {limit} bytes")
+
+
+def _unusable(call: str, error: httpx.HTTPError) -> UpstreamError:
+    """An httpx failure that is neither a timeout nor a transport's: the peer answered, but unusably
+    (``DecodingError``: a body that is not what its ``content-encoding`` says; ``TooManyRedirects``)."""
+    return UpstreamError(f"{call}: {type(error).__name__}: {error}")
 
 
 def _aiohttp_error(error: BaseException) -> BaseException | None:

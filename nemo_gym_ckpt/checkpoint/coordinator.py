@@ -20,7 +20,13 @@ fresh socket (a burst of data connections may have filled the server's listen qu
 passed in should be one kept for control calls too (``MeshClient.for_control``). Calls
 are fanned out in a task group; a participant's failure is the ``GymError`` the client mapped,
 kept per participant in the result, and raised as the same class naming the participant
-(``error.fields["result"]`` holds the result).
+(``error.fields["result"]`` holds the result). A call that fails any other way (a bug) is that
+participant's ``UpstreamError``, logged with its traceback: it never cancels the other calls.
+
+Replies are trusted only in their shape: discovery keeps a participant whose status names one of
+the four kinds and a valid instance name, once per (kind, instance); a prepare, commit or restore
+reply is checked as ``replies.py`` says (a commit's manifest must be this participant's, of this
+checkpoint), and one that fails is that participant's ``UpstreamError``, naming the field.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from typing import Any
 import orjson
 import yaml
 
+from nemo_gym_ckpt.checkpoint.participant import INSTANCE_NAME, KINDS
+from nemo_gym_ckpt.checkpoint.replies import ReplyContext, reply_problem
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
 from nemo_gym_ckpt.client import CONTROL_CONNECT_S, EncodedJson, MeshClient
@@ -69,6 +77,8 @@ DISCOVERY_TIMEOUT_S = 60.0
 CONFIG_ROUTE = "/global_config_dict_yaml"
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 RETIRE_BATCH = 1024
+MAX_FAILURE_CHARS = 500
+"""The most characters of an unexpected exception's text kept in the error a participant's outcome holds."""
 PREPARE_STAGES: tuple[tuple[str, ...], ...] = (("environment",), ("model",), ("agent",), ("resources",))
 RESUME_STAGES: tuple[tuple[str, ...], ...] = tuple(reversed(PREPARE_STAGES))
 RETIRE_STAGES: tuple[tuple[str, ...], ...] = (("environment",), ("agent",), ("model", "resources"))
@@ -134,7 +144,8 @@ class PrepareResult(StagedResult):
 
     def restarts(self) -> set[str]:
         """Capture keys of every restart episode, over all participants (never capped)."""
-        return {key for reply in self.replies().values() for key in reply["report"]["restarts"]}
+        reports = [reply["report"] for reply in self.replies().values()]
+        return {key for report in reports if report is not None for key in report["restarts"]}
 
     def continued(self, episodes: Iterable[RolloutIdentity]) -> list[RolloutIdentity]:
         """The given in-flight episodes that continue from this checkpoint (the commit scope)."""
@@ -249,6 +260,7 @@ class Coordinator:
                 raise type(item)(f"discovery: {item.detail}") from item
             if item is not None:
                 found.append(item)
+        _refuse_twins([ref for ref, _ in found])
         return found
 
     async def _status_of(self, server: dict[str, str]) -> _Found | GymError | None:
@@ -260,8 +272,11 @@ class Coordinator:
             return None
         except GymError as error:
             return type(error)(f"{server['name']}: {error.detail}")
-        if not (isinstance(reply, dict) and all(isinstance(reply.get(k), str) for k in ("kind", "instance"))):
-            return UpstreamError(f"{server['name']}: checkpoint status is not a participant status")
+        except Exception as error:  # noqa: BLE001 - one the client did not map (a bug): discovery fails plainly
+            return _unexpected_failure("status", server["name"], error)
+        problem = _status_problem(reply)
+        if problem is not None:
+            return UpstreamError(f"{server['name']}: checkpoint status is not a participant status: {problem}")
         return ParticipantRef(server["name"], reply["kind"], reply["instance"], url), reply
 
     # ---- operations -------------------------------------------------------------------------
@@ -275,7 +290,7 @@ class Coordinator:
                     outcomes = await self._fan_out(await self._in(stage), "prepare", body, deadline_ts)
                 result.outcomes.extend(outcomes)
                 _raise_first(result)
-                if not all(o.reply is not None and o.reply["report"]["ready"] for o in outcomes):
+                if not all(o.reply is not None and o.reply["phase"] == "prepared" for o in outcomes):
                     result.not_ready_stage = stage[0]
                     break
         return result
@@ -381,9 +396,10 @@ class Coordinator:
         encoded = EncodedJson(orjson.dumps(body))  # once, whatever the number of participants
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(self._call(p, op, encoded, deadline_ts)) for p in participants]
-        return [task.result() for task in tasks]
+        return [_checked(task.result(), op, body["checkpoint_id"]) for task in tasks]
 
     async def _call(self, participant: ParticipantRef, op: str, body: EncodedJson, deadline_ts: float) -> Outcome:
+        """One participant's outcome: never raises (but for cancellation), so it cancels no other call."""
         timeout_s = max(deadline_ts - time.time(), 0.0) + CALL_GRACE_S
         try:
             reply = await self.client.post_json(
@@ -392,6 +408,8 @@ class Coordinator:
             )
         except GymError as error:
             return Outcome(participant, error=error)
+        except Exception as error:  # noqa: BLE001 - one the client did not map (a bug): this participant's alone
+            return Outcome(participant, error=_unexpected_failure(op, participant.name, error))
         if not isinstance(reply, dict):
             return Outcome(participant, error=UpstreamError(f"{op} reply is not a JSON object"))
         return Outcome(participant, reply=reply)
@@ -408,6 +426,46 @@ def _raise_first(result: StagedResult) -> None:
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
         raise type(first.error)(f"{result.op} on {first.participant.name}: {first.error.detail}{more}",
                                 result=result) from first.error
+
+
+def _checked(outcome: Outcome, op: str, checkpoint_id: str) -> Outcome:
+    """``outcome``, or the participant's ``UpstreamError`` when its reply is not of ``op``'s shape."""
+    ref = outcome.participant
+    if outcome.reply is None:
+        return outcome
+    problem = reply_problem(op, outcome.reply, ReplyContext(ref.kind, ref.instance, checkpoint_id))
+    if problem is None:
+        return outcome
+    return Outcome(ref, error=UpstreamError(f"{op} reply of {ref.name}: {problem}"))
+
+
+def _unexpected_failure(op: str, name: str, error: Exception) -> UpstreamError:
+    logger.error("%s on %s failed with %s", op, name, type(error).__name__, exc_info=error)
+    text = str(error)
+    if len(text) > MAX_FAILURE_CHARS:
+        text = f"{text[:MAX_FAILURE_CHARS]}... ({len(text)} characters)"
+    return UpstreamError(f"{op} failed with {type(error).__name__}: {text}")
+
+
+def _status_problem(reply: Any) -> str | None:
+    """What keeps a ``/status`` reply from naming a participant, or ``None``."""
+    if not (isinstance(reply, dict) and all(isinstance(reply.get(k), str) for k in ("kind", "instance"))):
+        return "no string kind and instance"
+    if reply["kind"] not in KINDS:
+        return f"kind {reply['kind'][:64]!r} is none of {', '.join(KINDS)}"
+    if not INSTANCE_NAME.fullmatch(reply["instance"]):
+        return f"instance {reply['instance'][:64]!r} is not an instance name"
+    return None
+
+
+def _refuse_twins(participants: Sequence[ParticipantRef]) -> None:
+    """Two servers answering as the same participant (kind and instance) would share its directory."""
+    seen: dict[tuple[str, str], ParticipantRef] = {}
+    for ref in participants:
+        first = seen.setdefault((ref.kind, ref.instance), ref)
+        if first is not ref:
+            raise UpstreamError(f"discovery: {first.name} ({first.url}) and {ref.name} ({ref.url}) both answer "
+                                f"as {ref.kind} {ref.instance!r}; each participant must be listed once")
 
 
 def global_config_of(content: bytes) -> Any:

@@ -67,7 +67,7 @@ from nemo_gym_ckpt.errors import (
 )
 from nemo_gym_ckpt.identity import RolloutIdentity
 
-__all__ = ["DEFAULT_MAX_DEADLINE_S", "KINDS", "REMEMBERED_IDS", "SETTLE_REST_S", "Participant"]
+__all__ = ["DEFAULT_MAX_DEADLINE_S", "INSTANCE_NAME", "KINDS", "REMEMBERED_IDS", "SETTLE_REST_S", "Participant"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,7 +86,8 @@ SETTLE_REST_S = 0.001
 """The rest before each step of the index made after a resume (a step: ``INDEX_STEP`` records, about
 0.3 ms of CPU in process): it takes at most about half a core."""
 _DONE = object()
-_INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+INSTANCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A participant's instance name (docs/protocol.md section 1): its directory name in a checkpoint."""
 Work = Coroutine[Any, Any, dict[str, Any]]
 
 
@@ -131,7 +132,7 @@ class Participant:
         """``collector``: held off from a checkpoint's opening to its close (``collector_pause.py``)."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        if not _INSTANCE.fullmatch(instance):
+        if not INSTANCE_NAME.fullmatch(instance):
             raise ValueError(f"instance name {instance!r} is not a safe directory name")
         if lease_grace_s <= 0 or max_deadline_s <= 0:
             raise ValueError("lease_grace_s and max_deadline_s must be > 0")

@@ -9,6 +9,7 @@ import orjson
 import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
+from starlette.responses import Response
 
 from model_servers.policy_model.sse_reader import read_sse_json
 from nemo_gym_ckpt.client import MeshClient, with_rollout_prefix
@@ -195,3 +196,28 @@ async def test_errors_are_mapped_once() -> None:
             await client.get_json("http://t/text", idempotent=False)
         raw = await client.request("POST", "http://t/stale", check=False)
     assert raw.status_code == 409
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_reply_that_does_not_decode_as_its_encoding_says_is_an_upstream_error(encoding: str) -> None:
+    """httpx's ``DecodingError`` is no transport error: mapped like the others, it never leaves the client."""
+    app = create_app("probe")
+
+    def garbled(status: int) -> Response:
+        return Response(b'{"value": 1}', status_code=status, media_type="application/json",
+                        headers={"content-encoding": encoding})
+
+    @app.post("/garbled")
+    async def garbled_reply() -> Response:
+        return garbled(200)
+
+    @app.post("/garbled-error")
+    async def garbled_error() -> Response:
+        return garbled(500)
+
+    async with client_for(app) as client:
+        with pytest.raises(UpstreamError, match="POST http://t/garbled: DecodingError"):
+            await client.post_json("http://t/garbled", idempotent=True)
+        with pytest.raises(UpstreamError, match="POST http://t/garbled-error: DecodingError"):
+            async with client.stream("POST", "http://t/garbled-error"):
+                pass

@@ -46,11 +46,15 @@ STAGE = {  # the stage of each kind, per op (docs/protocol.md section 5)
 }
 
 
+Answer = Exception | ASGIApp
+"""How a participant answers an op instead of its own route: an error, or a misbehaving handler."""
+
+
 class Recorder:
-    """Logs each control POST a participant receives, and can answer one op with an error."""
+    """Logs each control POST a participant receives, and can answer one op its own way (``Answer``)."""
 
     def __init__(
-        self, app: ASGIApp, name: str, log: list[tuple[str, str]], fail: dict[str, Exception]
+        self, app: ASGIApp, name: str, log: list[tuple[str, str]], fail: dict[str, Answer]
     ) -> None:
         self.app, self.name, self.log, self.fail = app, name, log, fail
 
@@ -60,7 +64,9 @@ class Recorder:
             op = path.rsplit("/", 1)[-1]
             self.log.append((self.name, op))
             if op in self.fail:
-                await error_response(self.fail[op])(scope, receive, send)  # type: ignore[arg-type]
+                answer = self.fail[op]
+                handler = error_response(answer) if isinstance(answer, Exception) else answer
+                await handler(scope, receive, send)  # type: ignore[arg-type]
                 return
         await self.app(scope, receive, send)
 
@@ -70,7 +76,7 @@ class Mesh:
     config: CheckpointConfig
     servers: dict[str, MinimalServer] = field(default_factory=dict)
     log: list[tuple[str, str]] = field(default_factory=list)
-    fail: dict[str, dict[str, Exception]] = field(default_factory=dict)
+    fail: dict[str, dict[str, Answer]] = field(default_factory=dict)
 
     def kind_of(self, name: str) -> str:
         return self.servers[name].participant.kind  # type: ignore[union-attr]
@@ -311,7 +317,8 @@ async def test_every_commit_body_carries_stop_as_upstreams_does() -> None:
 
     async def commit(request: Request) -> dict[str, Any]:
         bodies.append(await request.json())
-        return {"phase": "committed", "manifest": {}, "episode_ids": []}
+        manifest = {"kind": "model", "instance": "p1", "checkpoint_id": bodies[-1]["checkpoint_id"], "record_count": 0}
+        return {"phase": "committed", "manifest": manifest, "episode_ids": []}
 
     participant.add_api_route("/ng-control/v1/checkpoint/status", status, methods=["GET"])
     participant.add_api_route("/ng-control/v1/checkpoint/commit", commit, methods=["POST"])
