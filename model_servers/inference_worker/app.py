@@ -17,6 +17,10 @@ Routes (all also reachable under ``/ng-rollout/<capture_key>/``):
   mounted only with checkpointing enabled (``hold_routes``, ``generation_hold``).
 - ``GET /health`` (from the base app).
 
+A completion is admitted only while the worker holds fewer than ``max_batch_size +
+max_waiting_requests`` of them; the next is refused up front with 429 ``capacity_exceeded`` and
+``Retry-After`` (``admission``).
+
 The engine is loaded in the app's lifespan (``transformers`` on the CPU by default, ``vllm`` on a GPU);
 torch and transformers are imported only then, so loading a config that names this app stays fast.
 """
@@ -35,7 +39,9 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
+from model_servers.inference_worker.admission import DEFAULT_MAX_WAITING, Admission, Held
 from model_servers.inference_worker.chat_completions import ChatCompletionRequest, ChatView
 from model_servers.inference_worker.chat_prompt import chat_prompt
 from model_servers.inference_worker.completions import (
@@ -78,6 +84,10 @@ class Config(ServerConfig):
     model_path: Path | None = None
     served_model_name: str = Field("nemo-gym-ckpt-tiny", min_length=1)
     max_batch_size: int = Field(64, ge=1)
+    # completions admitted beyond the max_batch_size being generated (they wait for a row); the next
+    # is refused up front: 429 capacity_exceeded, Retry-After overload_retry_after_s; null: no limit
+    max_waiting_requests: int | None = Field(DEFAULT_MAX_WAITING, ge=0, le=10_000_000)
+    overload_retry_after_s: float = Field(1.0, ge=1.0, le=60.0)
     max_model_len: int | None = Field(None, ge=2)
     policy_version: int = Field(0, ge=0, le=MAX_INT64)
     seed: int = 0
@@ -157,6 +167,9 @@ class _Worker:
         self._engine: Engine | None = None
         self._requests = itertools.count()
         self.started_at = int(time.time())
+        waiting = settings.max_waiting_requests
+        self.admission = Admission(None if waiting is None else settings.max_batch_size + waiting,
+                                   settings.overload_retry_after_s)
 
     @property
     def engine(self) -> Engine:
@@ -253,6 +266,21 @@ async def _stream_chat(engine: Engine, job: GenerationJob, view: ChatView) -> As
     yield sse_event("[DONE]")
 
 
+class _HeldStream(StreamingResponse):
+    """A streamed reply that keeps its completion's place in the worker until it ends, however it
+    ends (its generator may never start when the client is gone before the first byte)."""
+
+    def __init__(self, content: AsyncIterator[bytes], held: Held) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._held = held
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._held.release()
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -297,11 +325,12 @@ def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig)
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response | dict[str, Any]:
         engine = worker.engine
-        job = await worker.job(body)
-        if job.builder.plan.stream:
-            return StreamingResponse(_stream(engine, job), media_type="text/event-stream")
-        await _unless_disconnected(request, _collect(engine, job))
-        return job.builder.response()
+        with worker.admission.hold() as held:
+            job = await worker.job(body)
+            if job.builder.plan.stream:
+                return _HeldStream(_stream(engine, job), held.pass_on())
+            await _unless_disconnected(request, _collect(engine, job))
+            return job.builder.response()
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | dict[str, Any]:
@@ -309,20 +338,20 @@ def _install_routes(app: FastAPI, worker: _Worker, checkpoint: CheckpointConfig)
         if body.model is not None and body.model != served:
             raise NotFound(f"model {body.model!r} is not served here; this worker serves {served!r}")
         engine = worker.engine
-        options = body.template()
-        prompt = await asyncio.to_thread(
-            chat_prompt, engine.tokenizer, body.messages, options, required_prefix=body.required_prefix_token_ids,
-            add_special_tokens=body.add_special_tokens,
-        )
-        # a prompt too long for a CompletionRequest (over MAX_TOKENS ids) gets the same 400 as one
-        # that is only too long for the context, not a validation error (500) out of completion()
-        check_prompt_fits(len(prompt.ids), engine.context_length)
-        job = await worker.job(body.completion(prompt))
-        view = ChatView(body, prompt)
-        if body.stream:
-            return StreamingResponse(_stream_chat(engine, job, view), media_type="text/event-stream")
-        await _unless_disconnected(request, _collect(engine, job))
-        return view.response(job.builder)
+        with worker.admission.hold() as held:
+            prompt = await asyncio.to_thread(
+                chat_prompt, engine.tokenizer, body.messages, body.template(),
+                required_prefix=body.required_prefix_token_ids, add_special_tokens=body.add_special_tokens,
+            )
+            # a prompt too long for a CompletionRequest (over MAX_TOKENS ids) gets the same 400 as one
+            # that is only too long for the context, not a validation error (500) out of completion()
+            check_prompt_fits(len(prompt.ids), engine.context_length)
+            job = await worker.job(body.completion(prompt))
+            view = ChatView(body, prompt)
+            if body.stream:
+                return _HeldStream(_stream_chat(engine, job, view), held.pass_on())
+            await _unless_disconnected(request, _collect(engine, job))
+            return view.response(job.builder)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

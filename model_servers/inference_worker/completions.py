@@ -8,6 +8,12 @@ logprobs, stop handling and streaming deltas.
 Stop rules: a stop token (EOS or one of ``stop_token_ids``) is kept in ``token_ids`` and logprobs
 but not in ``text``; a stop string ends generation and is cut from ``text``, while ``token_ids``
 run up to and including the token that completed it.
+
+Cost per token: the text is decoded incrementally (``detokenizer``) and stop strings are searched
+only where a new match can be: the characters a token changed, and the ``len(longest stop) - 1``
+before them (an earlier match would have ended the generation already). A reply of ``n`` tokens is
+built in time linear in ``n``; the text is exactly what decoding all the ids and searching all the
+text at every token gives.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from model_servers.inference_worker.cut_models import ContinuationRef, ModelCall
+from model_servers.inference_worker.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from model_servers.inference_worker.engine import Engine, EngineTokenizer, GenerationRequest, TokenStep
 from nemo_gym_ckpt.bounds import MAX_TEXT, MAX_TOKEN_ID, MAX_TOKENS, Name, Seed
 from nemo_gym_ckpt.errors import InternalError, InvalidRequest, NotFound
@@ -241,12 +248,29 @@ class CompletionBuilder:
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)
-    text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     last_step_finish: str | None = None  # the engine's finish reason of the last token taken
-    _text_ids: list[int] = field(default_factory=list)
+    _detokenizer: IncrementalDetokenizer = field(init=False, repr=False)
+    _stop_at: int | None = None  # a stop string began here: the text ends before it
     _sent: _Cursor = field(default_factory=_Cursor)
+
+    def __post_init__(self) -> None:
+        self._detokenizer = IncrementalDetokenizer(self.tokenizer,
+                                                   skip_special_tokens=self.plan.skip_special_tokens)
+
+    @property
+    def text(self) -> str:
+        """The choice's text (read whole, it is joined: once, for the reply)."""
+        text = self._detokenizer.text
+        return text if self._stop_at is None else text[: self._stop_at]
+
+    def _text_length(self) -> int:
+        return len(self._detokenizer) if self._stop_at is None else self._stop_at
+
+    def _text_from(self, start: int) -> str:
+        """``text[start:]``, in time proportional to its length."""
+        return self._detokenizer.text_from(start)[: max(0, self._text_length() - start)]
 
     # ---- accumulation ----------------------------------------------------------------------------
 
@@ -257,14 +281,12 @@ class CompletionBuilder:
         self.token_ids.append(step.token_id)
         self.token_logprobs.append(step.logprob)
         self.last_step_finish = step.finish_reason
-        self.text_offsets.append(len(self.text))
+        self.text_offsets.append(self._text_length())
         if step.finish_reason == "stop":
             eos = self.tokenizer.eos_token_id
             user_stop = step.token_id in self.plan.generation.stop_token_ids
             return self._finish("stop", step.token_id if user_stop or step.token_id != eos else None)
-        self._text_ids.append(step.token_id)
-        self.text = self.tokenizer.decode(self._text_ids, skip_special_tokens=self.plan.skip_special_tokens)
-        if self._cut_stop_string():
+        if self._cut_stop_string(self._detokenizer.add(step.token_id)):
             return True
         if step.finish_reason == "length":
             return self._finish("length", None)
@@ -275,19 +297,26 @@ class CompletionBuilder:
         if self.finish_reason is None:
             raise InternalError("the engine ended a generation without a finish reason")
 
-    def _cut_stop_string(self) -> bool:
-        hits = [(self.text.find(s), s) for s in self.plan.stop_strings]
-        found = [(index, s) for index, s in hits if index >= 0]
+    def _cut_stop_string(self, unchanged: int) -> bool:
+        """End at the earliest stop string (the least string among those at the same index); only a
+        match that reaches past the first ``unchanged`` characters can be new."""
+        stops = self.plan.stop_strings
+        if not stops:
+            return False
+        start = max(0, unchanged - max(len(s) for s in stops) + 1)
+        tail = self._detokenizer.text_from(start)
+        found = [(index, s) for index, s in ((tail.find(s), s) for s in stops) if index >= 0]
         if not found:
             return False
         index, stop = min(found)
-        self.text = self.text[:index]
+        self._stop_at = start + index
         return self._finish("stop", stop)
 
     def _finish(self, reason: str, stop_reason: int | str | None) -> bool:
         self.finish_reason = reason
         self.stop_reason = stop_reason
-        self.text_offsets = [min(offset, len(self.text)) for offset in self.text_offsets]
+        length = self._text_length()
+        self.text_offsets = [min(offset, length) for offset in self.text_offsets]
         return True
 
     # ---- rendering -------------------------------------------------------------------------------
@@ -339,12 +368,14 @@ class CompletionBuilder:
         character) is held back until it cannot; the finishing chunk carries the rest and usage.
         """
         finished = self.finish_reason is not None
-        safe = len(self.text) if finished else self._safe_text_length()
+        unsent = self._text_from(self._sent.text)
+        sendable = len(unsent) if finished else self._safe_length(unsent)
+        safe = self._sent.text + sendable
         start = self._sent.tokens
-        if not finished and start == len(self.token_ids) and safe <= self._sent.text:
+        if not finished and start == len(self.token_ids) and not sendable:
             return None
         choice: dict[str, Any] = {
-            "index": 0, "text": self.text[self._sent.text : safe] if safe > self._sent.text else "",
+            "index": 0, "text": unsent[:sendable],
             "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
             "logprobs": self._logprobs(start),
         }
@@ -354,12 +385,14 @@ class CompletionBuilder:
                 choice["prompt_token_ids"] = list(self.plan.generation.prompt_token_ids)
         if start == 0 or finished:
             choice["seed"] = self.plan.generation.seed
-        self._sent = _Cursor(max(self._sent.text, safe), len(self.token_ids))
+        self._sent = _Cursor(safe, len(self.token_ids))
         return self._envelope(choice, self.usage() if finished else None)
 
-    def _safe_text_length(self) -> int:
+    def _safe_length(self, unsent: str) -> int:
+        """How much of ``unsent`` (the text after what was sent) cannot become part of a stop string
+        or of a character still incomplete."""
         hold = max((len(s) for s in self.plan.stop_strings), default=1) - 1
-        safe = len(self.text) - hold
-        while safe > 0 and self.text[safe - 1] == "\ufffd":
+        safe = len(unsent) - hold
+        while safe > 0 and unsent[safe - 1] == REPLACEMENT_CHAR:
             safe -= 1
         return max(safe, 0)

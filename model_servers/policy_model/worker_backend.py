@@ -10,15 +10,22 @@ text reply could drop or alter. Content ends at the eos text or a stop string.
 A call that comes without a seed but with a ``seed_scope`` (a rollout-scoped call while
 checkpointing is on) is sent with ``ids.call_seed(rollout id, prompt digest)``, so the same call
 made again by the rollout's next attempt samples the same tokens.
+
+A worker that holds all the completions it may (``max_waiting_requests``) refuses the call up
+front (429 ``capacity_exceeded``: nothing of it exists there); the very same request is sent again
+after the reply's ``Retry-After``, as the collector sends a refused ``/run`` again, until the call's
+deadline (``request_timeout_s``, one for all the tries) leaves no room for another wait: a call of a
+rollout that has started is not failed for want of the worker's capacity, only for want of time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -39,11 +46,13 @@ from model_servers.policy_model.text_cut import ContentStreamer, cut_at_markers
 from model_servers.policy_model.token_splice import known_prefix, prompt_ids
 from model_servers.policy_model.tool_calls import TOOL_CALL_OPEN, ParsedTurn, parse_turn
 from nemo_gym_ckpt.client import MeshClient, decode_json
-from nemo_gym_ckpt.errors import InternalError, InvalidRequest, UpstreamError
+from nemo_gym_ckpt.errors import InternalError, InvalidRequest, Overloaded, UpstreamError
 
 __all__ = ["WorkerBackend"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class _WorkerLogprobs(BaseModel):
@@ -193,7 +202,9 @@ class WorkerBackend:
         prompt = self._prompt(call)
         prompt_digest = sha256_of(prompt)
         body = self._body(call, prompt, prompt_digest, stream=False)
-        response = await self._client.request("POST", self._url, json=body, timeout_s=self._timeout_s)
+        deadline = asyncio.get_running_loop().time() + self._timeout_s
+        response = await _admitted(
+            lambda left_s: self._client.request("POST", self._url, json=body, timeout_s=left_s), deadline)
         choice, policy_version = _choice_of(decode_json(response), "completion")
         generated = _Generated()
         generated.add(choice, policy_version, prompt)
@@ -204,8 +215,9 @@ class WorkerBackend:
         prompt_digest = sha256_of(prompt)
         deadline = asyncio.get_running_loop().time() + self._timeout_s
         body = self._body(call, prompt, prompt_digest, stream=True)
-        opened = self._client.stream("POST", self._url, json=body, timeout_s=self._timeout_s)
-        async with opened as response:
+        async with contextlib.AsyncExitStack() as stack:
+            response = await _admitted(lambda left_s: stack.enter_async_context(
+                self._client.stream("POST", self._url, json=body, timeout_s=left_s)), deadline)
             yield StreamStarted(digest_of(prompt))
             markers = self._markers(call) + ([TOOL_CALL_OPEN] if call.parse_tool_calls else [])
             streamer = ContentStreamer(markers)
@@ -220,6 +232,21 @@ class WorkerBackend:
         if rest:
             yield TextDelta(rest)
         yield result
+
+
+async def _admitted(send: Callable[[float], Awaitable[T]], deadline: float) -> T:
+    """``send(seconds left)``, sent again after the ``Retry-After`` of each up-front refusal
+    (``Overloaded``) while that wait ends before ``deadline``; a refusal it does not is raised."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            return await send(deadline - loop.time())
+        except Overloaded as refused:
+            if loop.time() + refused.retry_after_s >= deadline:
+                raise
+            logger.info("the inference worker refused a call up front (%s); sending it again in %g s",
+                        refused.detail, refused.retry_after_s)
+            await asyncio.sleep(refused.retry_after_s)
 
 
 def _seed(call: ChatCall, prompt_digest: str) -> int | None:
