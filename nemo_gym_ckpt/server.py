@@ -45,6 +45,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from nemo_gym_ckpt.canonical import MAX_JSON_LEVELS, nested
 from nemo_gym_ckpt.errors import (
     GymError,
     InternalError,
@@ -140,15 +141,18 @@ def _int64(text: str) -> int:
     return value
 
 
-def refuse_unencodable(value: Any, what: str = "the request body") -> Any:
-    """``value``, read from JSON, if the mesh can write it again; else 400: JSON nested deeper than
-    orjson writes (254 levels; its reader takes 1,024) or text with a lone surrogate (the standard
-    library's reader takes it) would fail later, when a digest or a call encodes it."""
+def refuse_unencodable(
+    value: Any, what: str = "the request body", *, levels: int = 0, refusal: type[GymError] = InvalidRequest
+) -> Any:
+    """``value``, read from JSON, if the mesh can write it again, nested ``levels`` levels deeper
+    (what will wrap it); else ``refusal`` (400 by default): JSON nested deeper than orjson writes
+    (``MAX_JSON_LEVELS``; its reader takes 1,024) or text with a lone surrogate (the standard library's
+    reader takes it) would fail later, when a digest, a call or a record encodes it."""
     try:
-        orjson.dumps(value)
+        orjson.dumps(nested(value, levels))
     except orjson.JSONEncodeError as error:
-        raise InvalidRequest(f"{what} cannot be written again as JSON ({error}): at most 254 levels of "
-                             "nesting, and text of valid Unicode") from None
+        raise refusal(f"{what} cannot be written again as JSON ({error}): at most "
+                      f"{MAX_JSON_LEVELS - levels} levels of nesting, and text of valid Unicode") from None
     return value
 
 

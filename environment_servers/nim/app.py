@@ -28,18 +28,23 @@ the agent with the same activation index and the same conversation, and the oppo
 same dice. Records strip the token arrays of the agent's outputs in the transcript; ``act`` and
 ``return`` take them back from the agent first (``AgentClient.refilled``, when the state notes the
 agent sent some), so the conversation sent again and the row equal an uninterrupted run's. An
-episode whose agent says ``x-ng-checkpoint-restart: 1`` is a restart.
+episode whose agent says ``x-ng-checkpoint-restart: 1`` is a restart. A restore checks each
+record's state first (``check_state``): from ``act`` on it must hold the game (as ``NimGame.to_json``
+writes it; not over yet for ``act``), the transcript (a list of objects), ``input_items``,
+``activation``, ``usage`` and ``last_response``; a record that does not is ``invalid_checkpoint_state``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI
 from pydantic import Field
 
 from environment_servers.nim.game import NimGame, NimRules, parse_move
+from nemo_gym_ckpt.bounds import MAX_INT64
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment.base import (
@@ -57,7 +62,7 @@ from nemo_gym_ckpt.responses import add_usage, last_message_text, normalize_inpu
 from nemo_gym_ckpt.server import close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base
 
-__all__ = ["Config", "Nim", "NimTask", "create_app"]
+__all__ = ["Config", "Nim", "NimTask", "check_state", "create_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,26 @@ def _observation(text: str) -> dict[str, Any]:
     return {"type": "message", "role": "user", "content": text}
 
 
+def check_state(next_step: str | None, state: Mapping[str, Any]) -> None:
+    """What the steps from ``next_step`` on read (``ValueError`` naming what is missing or wrong):
+    nothing before ``start``, the game and the conversation after it."""
+    if next_step == "start":
+        return
+    game = NimGame.from_json(state.get("game"))
+    if next_step == "act" and game.over:
+        raise ValueError("the game is over, yet its next step is act")
+    transcript, start = state.get("transcript"), state.get("input_items")
+    if not isinstance(transcript, list) or not all(isinstance(item, dict) for item in transcript):
+        raise ValueError("transcript must be a list of objects")
+    if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= len(transcript):
+        raise ValueError(f"input_items must be an int from 0 to the transcript's length, got {start!r}")
+    activation = state.get("activation")
+    if not isinstance(activation, int) or isinstance(activation, bool) or not 0 <= activation <= MAX_INT64:
+        raise ValueError(f"activation must be an int >= 0, got {activation!r}")
+    if "usage" not in state or not isinstance(state.get("last_response", ()), dict | None):
+        raise ValueError("usage must be there, last_response an object or null")
+
+
 class Nim:
     """The steps of one game, bound to this server's agent client and settings."""
 
@@ -89,7 +114,7 @@ class Nim:
                 Step("close_agent", self.close_agent, close_step_mode, stage="agent"),
                 Step("return", self.finish, "replay"),
             ],
-            cleanup=self.cleanup,
+            cleanup=self.cleanup, check_state=check_state,
         )
 
     async def start(self, episode: Episode) -> str:

@@ -8,20 +8,23 @@ generator whose whole state is one integer, seeded from the task row, so the gam
 a small JSON object that can be saved between steps and continued exactly.
 
 An answer that names no legal move counts as an invalid action: the pile is unchanged and the agent
-is asked again; ``max_invalid`` of them lose the game.
+is asked again; ``max_invalid`` of them lose the game. A number of more than ``MAX_MOVE_DIGITS``
+digits names no move (no legal move is that long, and the game's state keeps only 64-bit integers).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["NimGame", "NimRules", "SplitMix64", "parse_move"]
+__all__ = ["MAX_MOVE_DIGITS", "NimGame", "NimRules", "SplitMix64", "parse_move"]
 
 _MASK = (1 << 64) - 1
 _LAST_INT = re.compile(r"-?\d+")
+MAX_MOVE_DIGITS = 9
+"""The longest number read as a move; a longer one names none (an invalid action)."""
 
 
 class SplitMix64:
@@ -65,11 +68,35 @@ class NimRules(BaseModel):
 
 
 def parse_move(text: str | None) -> int | None:
-    """The move an answer names: its last integer ("I take 2." -> 2), or None."""
+    """The move an answer names: its last integer ("I take 2." -> 2), or None (also when that
+    integer has more than ``MAX_MOVE_DIGITS`` digits)."""
     if not text:
         return None
     found = _LAST_INT.findall(text)
-    return int(found[-1]) if found else None
+    if not found or len(found[-1].lstrip("-")) > MAX_MOVE_DIGITS:
+        return None
+    return int(found[-1])
+
+
+class _Move(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    player: Literal["agent", "opponent"]
+    take: int | None = Field(ge=-(10**MAX_MOVE_DIGITS), le=10**MAX_MOVE_DIGITS)
+    valid: bool
+
+
+class _GameState(BaseModel):
+    """What ``NimGame.to_json`` writes, read back strictly (a restored boundary's game)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    rules: NimRules
+    pile: int = Field(ge=0, le=1000)
+    rng_state: int = Field(ge=0, le=_MASK)
+    moves: list[_Move] = Field(max_length=100_000)
+    invalid: int = Field(ge=0, le=1000)
+    winner: Literal["agent", "opponent"] | None
 
 
 class NimGame:
@@ -93,9 +120,11 @@ class NimGame:
                 "moves": self.moves, "invalid": self.invalid, "winner": self.winner}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> NimGame:
-        return cls(NimRules.model_validate(data["rules"]), data["pile"], data["rng_state"],
-                   list(data["moves"]), data["invalid"], data["winner"])
+    def from_json(cls, data: Any) -> NimGame:
+        """The game ``to_json`` wrote; ``ValueError`` (pydantic's) when ``data`` is not one."""
+        game = _GameState.model_validate(data)
+        return cls(game.rules, game.pile, game.rng_state, [move.model_dump() for move in game.moves],
+                   game.invalid, game.winner)
 
     @property
     def over(self) -> bool:

@@ -32,7 +32,10 @@ session may be closed by then: the refill needs none), and the row equals an uni
 token arrays included. The response and the verdict are kept without their echoes of the requests
 they answered (``nemo_gym_ckpt.echoes``), and put back from the row when needed. The episode is a
 restart when the seed reply says ``x-ng-checkpoint-restart: 1`` (a restart-only resources server)
-or the agent does (a restart-only agent).
+or the agent does (a restart-only agent). A restore checks each record's state first
+(``check_state``): it must hold what the steps from its next step on read (``resources`` with its
+cookies, ``response`` with its output items, ``verdict`` with a numeric reward; ``STATE_NEEDS``); a
+record that does not is ``invalid_checkpoint_state``.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from nemo_gym_ckpt.identity import naming_the_attempt
 from nemo_gym_ckpt.server import close_on_shutdown
 from nemo_gym_ckpt.server import create_app as create_app_base
 
-__all__ = ["Config", "SingleAgentTurn", "create_app", "verify_mode"]
+__all__ = ["STATE_NEEDS", "Config", "SingleAgentTurn", "check_state", "create_app", "verify_mode"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,57 @@ class Config(EnvironmentConfig):
 def verify_mode(state: Mapping[str, Any]) -> StepMode:
     """The verify step's mode: what the resources server announced at seed time (default wait)."""
     return "replay" if state.get("resources", {}).get("verify_mode") == "replay" else "wait"
+
+
+STATE_NEEDS: Mapping[str, tuple[str, ...]] = {
+    "seed": (),
+    "invoke_agent": ("resources",),
+    "close_agent": ("resources", "response"),
+    "verify": ("resources", "response"),
+    "close_session": ("resources", "response", "verdict"),
+    "return": ("response", "verdict"),
+}
+"""The state keys the steps from each step on read before they write them."""
+
+
+def check_state(next_step: str | None, state: Mapping[str, Any]) -> None:
+    """Whether the steps from ``next_step`` on find what they read (``ValueError`` naming what not)."""
+    missing = [key for key in STATE_NEEDS.get(next_step or "", ()) if key not in state]
+    if missing:
+        raise ValueError(f"the steps from {next_step} on read {missing}, which it lacks")
+    for key in ("response" + _ECHOES, "verdict" + _ECHOES):
+        echoed = state.get(key, [])
+        if not isinstance(echoed, list) or not all(isinstance(name, str) for name in echoed):
+            raise ValueError(f"{key} must be a list of strings")
+    if "resources" in state:
+        _check_resources(state["resources"])
+    if "response" in state:
+        _check_response(state["response"], "output" in state.get("response" + _ECHOES, []))
+    if "verdict" in state:
+        _check_verdict(state["verdict"])
+
+
+def _check_resources(resources: Any) -> None:
+    cookies = resources.get("cookies") if isinstance(resources, dict) else None
+    if not isinstance(cookies, dict) or not all(isinstance(value, str) for value in cookies.values()):
+        raise ValueError("resources must be an object whose cookies are an object of strings")
+
+
+def _check_response(response: Any, output_echoed: bool) -> None:
+    if not isinstance(response, dict):
+        raise ValueError("response must be an object")
+    output = response.get("output")
+    if output_echoed:  # the request's, put back when read
+        return
+    if not isinstance(output, list) or not all(isinstance(item, dict) for item in output):
+        raise ValueError("response's output must be a list of objects")
+
+
+def _check_verdict(verdict: Any) -> None:
+    reward = verdict.get("reward") if isinstance(verdict, dict) else None
+    if not isinstance(reward, int | float) or isinstance(reward, bool):
+        raise ValueError("verdict must be an object with a numeric reward")
+
 
 
 class SingleAgentTurn:
@@ -99,7 +153,7 @@ class SingleAgentTurn:
                 Step("close_session", self.close_session, "replay", stage="cleanup"),
                 Step("return", self.finish, "replay"),
             ],
-            cleanup=self.cleanup,
+            cleanup=self.cleanup, check_state=check_state,
         )
 
     async def _resources(self, episode: Episode, path: str, body: Any, **kwargs: Any) -> Any:

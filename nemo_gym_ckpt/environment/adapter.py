@@ -25,10 +25,11 @@ task:
   boundary's record is encoded once, when the episode reaches it (before and after every step), so
   a commit's capture is a lookup per episode, also the first commit after a burst of starts, in one
   loop (``export_at_once``);
-- **restore**: each record is checked (fields, digest, boundary, its next step in the program) and
-  installed, all or nothing, as an ``Installed`` boundary of the next attempt. The controller's
-  ``/run`` of that attempt with the same task row continues from it (another row:
-  ``invalid_checkpoint_state``). Until then, and while the episode has not moved past it, the
+- **restore**: each record is checked (fields, digest, boundary, its next step in the program, its
+  state writable in a record again and holding what the steps from its next step on read:
+  ``Program.check_state``) and installed, all or nothing, as an ``Installed`` boundary of the next
+  attempt. The controller's ``/run`` of that attempt with the same task row continues from it
+  (another row: ``invalid_checkpoint_state``). Until then, and while the episode has not moved past it, the
   record it came from is exported again byte for byte;
 - **retire**: cancels the attempts' tasks (their ``/run`` answers ``stale_attempt``), waits for
   their cleanup to end and frees them; installed boundaries of those attempts are dropped.
@@ -54,6 +55,7 @@ from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = [
     "RECORD_KEYS",
+    "RECORD_LEVELS",
     "CheckpointFreeClock",
     "EpisodesAdapter",
     "Installed",
@@ -63,6 +65,8 @@ __all__ = [
 ]
 
 RECORD_KEYS = frozenset({"episode_id", "task_digest", "boundary"})
+RECORD_LEVELS = 2
+"""Levels a record wraps a boundary's state in: ``{"boundary": {"state": ...}}``."""
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
@@ -304,7 +308,7 @@ class EpisodesAdapter:
             return await run_episode(
                 self.program, live.episode, hooks=self,
                 budget=StepBudget(self.limits.episode_timeout_s, clock=self.budget_clock),
-                cleanup_timeout_s=self.limits.cleanup_timeout_s,
+                cleanup_timeout_s=self.limits.cleanup_timeout_s, record_levels=RECORD_LEVELS,
             )
         finally:
             if self.live.get(live.key) is live:
@@ -435,12 +439,27 @@ class EpisodesAdapter:
         digest = data["task_digest"]
         if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
             raise InvalidCheckpointState(f"record of {key}: task_digest is not a SHA-256 hex digest")
-        boundary = None if data["boundary"] is None else Boundary.from_json(data["boundary"])
+        boundary = None if data["boundary"] is None else self._boundary_of(key, data["boundary"])
+        return Installed(record.episode.next_attempt(), digest, boundary, record)
+
+    def _boundary_of(self, key: str, data: Any) -> Boundary:
+        """A record's boundary, if the program can go on from it (``InvalidCheckpointState`` naming
+        the record otherwise): well formed, its state writable in a record again, its next step one
+        of the program's, and its state holding what the steps from there on read."""
+        try:
+            boundary = Boundary.from_json(data, RECORD_LEVELS)
+        except InvalidCheckpointState as error:
+            raise InvalidCheckpointState(f"record of {key}: {error.detail}") from None
         steps = self.program.steps
-        if boundary is not None and boundary.next_step is not None and boundary.next_step not in steps:
+        if boundary.next_step is not None and boundary.next_step not in steps:
             raise InvalidCheckpointState(f"record of {key}: boundary names step {boundary.next_step!r}, "
                                          f"not one of {list(self.program.steps)}")
-        return Installed(record.episode.next_attempt(), digest, boundary, record)
+        try:
+            self.program.check_state(boundary.next_step, data["state"])
+        except (ValueError, TypeError) as error:
+            raise InvalidCheckpointState(f"record of {key}: the state of its boundary (next step "
+                                         f"{boundary.next_step!r}) does not fit this program: {error}") from None
+        return boundary
 
     # ---- retire, forget ---------------------------------------------------------------------
 

@@ -16,11 +16,16 @@ it is ``mount_run``: no control route, no waiting.
 
 ``POST /run`` (called under ``/ng-rollout/<capture_key>/``) takes a task row, runs one episode of
 the program for the request's rollout identity and answers the final state's ``result`` (the
-rollout row). A row that fails validation is a 400 before any step runs; a failed step answers its
-error, named after the step. A ``/run`` without a rollout prefix runs under a fresh ``anon-...`` id.
+rollout row). A row that fails validation is a 400 before any step runs, and so is a row nested too
+deep for the episode to keep (``run_levels``: the state wraps it in one level, a record in two
+more); a failed step answers its error, named after the step. A ``/run`` without a rollout prefix
+runs under a fresh ``anon-...`` id; a second ``/run`` of a capture key while one runs is a 400,
+checkpointing on or off (two episodes would share the agent's session of that key).
 
 ``AgentClient`` makes the two agent calls of an episode: ``invoke`` (``POST /v1/responses`` with the
-``x-ng-agent-activation`` header and the resources cookies passed explicitly) and ``close``. A
+``x-ng-agent-activation`` header and the resources cookies passed explicitly; an answer that is no
+Responses object, whose output items are not all objects, or that cannot be written as JSON again is
+``upstream_error``) and ``close``. A
 reply carrying ``x-ng-checkpoint-restart: 1`` comes from a restart-only agent: ``AgentReply.restart``
 says so, and the client remembers it (``restart_only``) so later episodes are restarts from their
 first step.
@@ -56,10 +61,11 @@ from nemo_gym_ckpt.checkpoint.mount import mount_checkpointing
 from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
-from nemo_gym_ckpt.environment.adapter import EpisodesAdapter, RunLimits
+from nemo_gym_ckpt.environment.adapter import RECORD_LEVELS, EpisodesAdapter, RunLimits
 from nemo_gym_ckpt.environment.capacity import DEFAULT_MAX_ROLLOUTS, RolloutCapacity
 from nemo_gym_ckpt.environment.episode import (
     NO_HOOKS,
+    RESULT_LEVELS,
     Episode,
     EpisodeHooks,
     Program,
@@ -101,6 +107,7 @@ __all__ = [
     "note_token_arrays",
     "read_run",
     "read_task",
+    "run_levels",
     "serve_run",
     "task_row_of",
 ]
@@ -189,14 +196,27 @@ class EpisodeTask(BaseModel):
         return value
 
 
-def _json_object(raw: bytes, what: str) -> dict[str, Any]:
+def run_levels(*, checkpointing: bool) -> int:
+    """Levels an episode wraps a ``/run`` row in: the final state's ``result`` (one), and with
+    checkpointing on the record around each boundary's state (two more). A row that cannot be
+    written that much deeper is refused up front."""
+    return RESULT_LEVELS + (RECORD_LEVELS if checkpointing else 0)
+
+
+def _loaded_object(raw: bytes, what: str) -> dict[str, Any]:
+    """The JSON object of a body, not yet checked to be writable again."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as error:
         raise InvalidRequest(f"request body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise InvalidRequest(f"{what} is a JSON object")
-    return cast(dict[str, Any], refuse_unencodable(data, what))
+    return data
+
+
+def _writable(data: dict[str, Any], what: str, levels: int = 0) -> dict[str, Any]:
+    """``data`` if it can be written as JSON ``levels`` levels deeper (``InvalidRequest`` otherwise)."""
+    return cast(dict[str, Any], refuse_unencodable(data, what, levels=levels))
 
 
 def _check_task(data: dict[str, Any], model: type[EpisodeTask], where: str = "task row") -> None:
@@ -210,7 +230,7 @@ def _check_task(data: dict[str, Any], model: type[EpisodeTask], where: str = "ta
 
 def read_task(raw: bytes, model: type[EpisodeTask]) -> dict[str, Any]:
     """Validate a task row; answers the row as sent (``InvalidRequest`` when it is not one)."""
-    data = _json_object(raw, "a task row")
+    data = _writable(_loaded_object(raw, "a task row"), "a task row")
     _check_task(data, model)
     return data
 
@@ -225,19 +245,21 @@ class RunRequest:
     """NeMo Gym's ``TaskId`` when the request was an episode request ``{episode_id, task}``."""
 
 
-def read_run(raw: bytes, model: type[EpisodeTask]) -> RunRequest:
+def read_run(raw: bytes, model: type[EpisodeTask], levels: int = RESULT_LEVELS) -> RunRequest:
     """A ``/run`` body: a task row (NeMo Gym's dispatch keys read as its identity; the attempt's keys left
     out of the task, the task and rollout index kept for the verifier) or NeMo Gym's episode request;
-    the identity joined with the ``/ng-rollout/`` prefix."""
-    data = _json_object(raw, "a /run body")
+    the identity joined with the ``/ng-rollout/`` prefix. The task row must be writable as JSON
+    ``levels`` levels deeper (``run_levels``: what the episode wraps it in)."""
+    data = _loaded_object(raw, "a /run body")
     if set(data) == EPISODE_REQUEST_KEYS:
-        return _episode_request(data, model)
+        return _episode_request(_writable(data, "a /run body"), model, levels)
+    _writable(data, "a /run row", levels)  # its attempt keys are numbers: as deep as the task
     task = without_attempt_keys(data)
     _check_task(task, model)
     return RunRequest(request_identity(identity_of_row(data)), task)
 
 
-def _episode_request(data: dict[str, Any], model: type[EpisodeTask]) -> RunRequest:
+def _episode_request(data: dict[str, Any], model: type[EpisodeTask], levels: int) -> RunRequest:
     identity = identity_of_episode_id(data["episode_id"])
     task = data["task"]
     if not isinstance(task, dict) or set(task) != {"task_id", "task_input"}:
@@ -247,6 +269,7 @@ def _episode_request(data: dict[str, Any], model: type[EpisodeTask]) -> RunReque
             or not all(isinstance(value, str) for value in task_id.values())):
         raise InvalidRequest("task.task_id is {taskset, task_id}, two strings")
     row = task_row_of(task["task_input"])
+    _writable(row, "the row of task.task_input", levels)
     _check_task(row, model, "task.task_input")
     return RunRequest(request_identity(identity), row, dict(task_id))
 
@@ -299,10 +322,13 @@ Runner = Callable[[RolloutIdentity | None, dict[str, Any]], Awaitable[Mapping[st
 """Runs one episode for an identity and a task row; answers its final state."""
 
 
-async def serve_run(request: Request, task_model: type[EpisodeTask], program: Program, runner: Runner) -> Any:
+async def serve_run(
+    request: Request, task_model: type[EpisodeTask], program: Program, runner: Runner, levels: int = RESULT_LEVELS
+) -> Any:
     """One ``/run``: a row's reply is the rollout row; an episode request's is a ``BaseEpisodeResponse``
-    (a failed episode answers 200 with its ``failure``; a body that is no request is still a 400)."""
-    run = read_run(await request.body(), task_model)
+    (a failed episode answers 200 with its ``failure``; a body that is no request is still a 400).
+    ``levels``: what the episode wraps the row in (``run_levels``)."""
+    run = read_run(await request.body(), task_model, levels)
     if run.task_id is None:  # the collector stamps its dispatch keys on the row itself
         return OrjsonResponse(without_dispatch_keys(_result(await runner(run.identity, run.task))))
     try:
@@ -321,21 +347,30 @@ def mount_run(
     hooks: EpisodeHooks = NO_HOOKS,
 ) -> None:
     """Mount ``POST /run``: one episode of ``program`` per call, answering its ``result``; and
-    ``POST /aggregate_metrics``."""
+    ``POST /aggregate_metrics``. A second ``/run`` of a capture key while one runs is refused (400),
+    as with checkpointing on: the agent and the model keep one session per capture key."""
 
     capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s)
+    running: set[str] = set()
 
     async def runner(identity: RolloutIdentity | None, task: dict[str, Any]) -> Mapping[str, Any]:
         identity = identity or RolloutIdentity(f"anon-{uuid.uuid4().hex[:16]}")
-        episode = Episode.start(identity, task, program)
-        return await run_episode(
-            program, episode, hooks=hooks, budget=StepBudget(settings.default_episode_timeout_seconds),
-            cleanup_timeout_s=settings.cleanup_timeout_seconds,
-        )
+        key = identity.capture_key
+        if key in running:
+            raise InvalidRequest(f"episode {key} is already running; wait for it or dispatch another rollout")
+        running.add(key)
+        try:
+            return await run_episode(
+                program, Episode.start(identity, task, program), hooks=hooks,
+                budget=StepBudget(settings.default_episode_timeout_seconds),
+                cleanup_timeout_s=settings.cleanup_timeout_seconds,
+            )
+        finally:
+            running.discard(key)
 
     async def run(request: Request) -> Any:
         with capacity.admitted():
-            return await serve_run(request, task_model, program, runner)
+            return await serve_run(request, task_model, program, runner, run_levels(checkpointing=False))
 
     app.add_api_route("/run", run, methods=["POST"], openapi_extra=declare_body(task_model))
     mount_aggregate_metrics(app)
@@ -373,11 +408,23 @@ def mount_environment(
 
     async def run(request: Request) -> Any:
         with capacity.admitted():
-            return await serve_run(request, task_model, program, adapter.run)
+            return await serve_run(request, task_model, program, adapter.run, run_levels(checkpointing=True))
 
     app.add_api_route("/run", run, methods=["POST"], openapi_extra=declare_body(task_model))
     mount_aggregate_metrics(app)
     return adapter
+
+
+def _responses_object(response: Any, activation: int) -> dict[str, Any]:
+    """An activation's answer if it is a Responses object the episode can keep: its output a list of
+    objects, the whole writable as JSON again; ``UpstreamError`` otherwise."""
+    output = response.get("output") if isinstance(response, dict) else None
+    if not isinstance(output, list):
+        raise UpstreamError(f"agent activation {activation} answered no Responses object")
+    if not all(isinstance(item, dict) for item in output):
+        raise UpstreamError(f"agent activation {activation} answered output items that are not all objects")
+    return cast(dict[str, Any], refuse_unencodable(response, f"agent activation {activation}'s answer",
+                                                   refusal=UpstreamError))
 
 
 def cookies_of(response: httpx.Response) -> dict[str, str]:
@@ -420,9 +467,7 @@ class AgentClient:
             "POST", f"{self.url}/v1/responses", json=dict(body), cookies=cookies, identity=identity,
             headers={ACTIVATION_HEADER: str(activation)}, timeout_s=self.settings.agent_timeout_s,
         )
-        response = decode_json(reply)
-        if not isinstance(response, dict) or not isinstance(response.get("output"), list):
-            raise UpstreamError(f"agent activation {activation} answered no Responses object")
+        response = _responses_object(decode_json(reply), activation)
         restart = reply.headers.get(RESTART_HEADER) == "1"
         self.restart_only = self.restart_only or restart
         return AgentReply(response, {**cookies, **cookies_of(reply)}, restart,

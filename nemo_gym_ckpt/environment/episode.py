@@ -35,6 +35,14 @@ capture fields (``nemo_gym_ckpt.capture``) wherever they appear in the boundary'
 in memory keeps them, so an episode that goes on in the same process loses nothing, while one
 restored from a record continues without the token arrays of its earlier turns.
 
+What an episode keeps must stay writable as JSON: ``run_episode`` takes ``record_levels``, the
+levels whatever keeps its boundaries wraps a state in (a record: two), and a step that leaves a state
+that cannot be written that deep (data from a peer nested too deep) fails as ``upstream_error``
+naming the step. The final state's ``result`` holds the task row's fields one level below the state
+(``RESULT_LEVELS``), which is how deep a ``/run`` row may be is derived (``environment.base``).
+A restored boundary is read with the same bound, and ``Program.check_state`` (the program's own
+check, if it has one) says whether its state holds what the steps from its next step on read.
+
 A step that learns its episode cannot be captured (a restart-only resources server or agent,
 docs/protocol.md section 7) calls ``episode.mark_restart()``; the mark is sticky and checkpointing
 then leaves the episode alone (it never parks and is never exported).
@@ -52,13 +60,16 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-from nemo_gym_ckpt.canonical import canonical_json
+from nemo_gym_ckpt.bounds import MAX_INT64
+from nemo_gym_ckpt.canonical import canonical_json, canonical_json_within
 from nemo_gym_ckpt.capture import without_token_arrays
 from nemo_gym_ckpt.checkpoint.clock import Clock
 from nemo_gym_ckpt.errors import (
     GymError,
     InternalError,
     InvalidCheckpointState,
+    Overloaded,
+    Unavailable,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -67,6 +78,7 @@ from nemo_gym_ckpt.identity import RolloutIdentity
 __all__ = [
     "MONOTONIC_CLOCK",
     "NO_HOOKS",
+    "RESULT_LEVELS",
     "STEP_MODES",
     "Action",
     "Boundary",
@@ -75,6 +87,7 @@ __all__ = [
     "FailureStage",
     "MonotonicClock",
     "Program",
+    "StateCheck",
     "Step",
     "StepBudget",
     "StepMode",
@@ -89,6 +102,9 @@ StepMode = Literal["wait", "replay"]
 STEP_MODES: tuple[StepMode, ...] = ("wait", "replay")
 FailureStage = Literal["admission", "seed", "agent", "verification", "cleanup"]
 """Where an episode failed, in NeMo Gym's words (its ``EpisodeFailure.stage``)."""
+
+RESULT_LEVELS = 1
+"""Levels the final state wraps the task row's fields in: ``{"result": {**row, ...}}``."""
 
 Action = Callable[["Episode"], Awaitable[str | None]]
 """A step's work: reads ``episode.task``, changes ``episode.state``, answers the next step's name."""
@@ -121,6 +137,9 @@ class Step:
 
 
 Cleanup = Callable[["Episode"], Awaitable[None]]
+StateCheck = Callable[[str | None, Mapping[str, Any]], None]
+"""A program's check of a restored boundary: its next step (None: finished) and its state; raises
+``ValueError`` naming what the steps from there on would read and the state lacks."""
 
 
 @dataclass(frozen=True)
@@ -130,14 +149,27 @@ class Program:
     steps: Mapping[str, Step]
     first: str
     cleanup: Cleanup | None = None
+    state_check: StateCheck | None = None
 
     @classmethod
-    def of(cls, steps: Sequence[Step], *, cleanup: Cleanup | None = None) -> Program:
+    def of(
+        cls, steps: Sequence[Step], *, cleanup: Cleanup | None = None, check_state: StateCheck | None = None
+    ) -> Program:
         """A program whose first step is the first of ``steps``; names must be unique."""
         by_name = {step.name: step for step in steps}
         if not steps or len(by_name) != len(steps):
             raise ValueError(f"a program needs steps with unique names, got {[s.name for s in steps]}")
-        return cls(by_name, steps[0].name, cleanup)
+        return cls(by_name, steps[0].name, cleanup, check_state)
+
+    def check_state(self, next_step: str | None, state: Mapping[str, Any]) -> None:
+        """Whether an episode can go on from a restored boundary: ``ValueError`` naming what is
+        wrong. A finished one (``next_step`` None) must hold its ``result`` (what ``/run`` answers);
+        one with steps left, what the program's own check asks (nothing without one)."""
+        if next_step is None:
+            if not isinstance(state.get("result"), dict):
+                raise ValueError("a finished episode's state holds its result, an object")
+        elif self.state_check is not None:
+            self.state_check(next_step, state)
 
     def step(self, name: str) -> Step:
         try:
@@ -161,12 +193,10 @@ class Boundary:
     def start(cls, first: str, state: Mapping[str, Any] | None = None) -> Boundary:
         return cls(0, first, canonical_json(dict(state or {})))
 
-    def advance(self, next_step: str | None, state: Mapping[str, Any]) -> Boundary:
-        try:
-            frozen = canonical_json(state)
-        except TypeError as error:
-            raise InternalError(f"episode state is not JSON data: {error}") from None
-        return Boundary(self.index + 1, next_step, frozen)
+    def advance(self, next_step: str | None, state: Mapping[str, Any], levels: int = 0) -> Boundary:
+        """The boundary after one more step; ``orjson.JSONEncodeError`` when ``state`` cannot be
+        written as JSON ``levels`` levels deeper (what keeps it wraps it in those)."""
+        return Boundary(self.index + 1, next_step, canonical_json_within(state, levels))
 
     def state(self) -> dict[str, Any]:
         """A fresh, independent copy of the saved state."""
@@ -180,16 +210,21 @@ class Boundary:
         return {"index": self.index, "next_step": self.next_step, "state": self.state()}
 
     @classmethod
-    def from_json(cls, data: Any) -> Boundary:
-        """Read a saved boundary; ``InvalidCheckpointState`` if it is malformed."""
+    def from_json(cls, data: Any, levels: int = 0) -> Boundary:
+        """Read a saved boundary; ``InvalidCheckpointState`` if it is malformed, its index past 64
+        bits, or its state cannot be written as JSON again ``levels`` levels deeper (in a record)."""
         if not isinstance(data, Mapping) or set(data) != {"index", "next_step", "state"}:
             raise InvalidCheckpointState("a boundary is {index, next_step, state}")
         index, next_step, state = data["index"], data["next_step"], data["state"]
-        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-            raise InvalidCheckpointState(f"boundary index must be an int >= 0, got {index!r}")
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= MAX_INT64:
+            raise InvalidCheckpointState(f"boundary index must be an int from 0 to {MAX_INT64}, got {index!r}")
         if not (next_step is None or isinstance(next_step, str)) or not isinstance(state, Mapping):
             raise InvalidCheckpointState("boundary next_step must be a string or null, state an object")
-        return cls(index, next_step, canonical_json(state))
+        try:
+            frozen = canonical_json_within(state, levels)
+        except orjson.JSONEncodeError as error:
+            raise InvalidCheckpointState(f"boundary state cannot be written again as JSON ({error})") from None
+        return cls(index, next_step, frozen)
 
 
 @dataclass(eq=False)
@@ -324,13 +359,28 @@ async def _expire(timer: asyncio.Timeout, clock: Clock, deadline: float) -> None
 def step_error(step: str, error: GymError) -> GymError:
     """The error a failed step answers: the cause's class, its detail prefixed with the step.
 
-    A peer's 500 is the peer's bug, so it is passed on as ``upstream_error``, not as our own 500.
+    A peer's 500 is the peer's bug, so it is passed on as ``upstream_error``, not as our own 500. A
+    peer's 429 (``capacity_exceeded``: busy) is passed on as ``unavailable`` (503), never as our own
+    429, which says that nothing started: this episode did, and its request must not be sent again
+    as if it had not (docs/protocol.md, the error table).
     """
+    if isinstance(error, Overloaded):
+        return Unavailable(f"step {step} failed: a peer was busy after the episode started "
+                           f"({error.code}): {error.detail}", step=step)
     cls = UpstreamError if isinstance(error, InternalError) else type(error)
     return cls(f"step {step} failed: {error.detail}", step=step)
 
 
-async def _run_step(episode: Episode, step: Step, budget: StepBudget) -> None:
+def _unwritable_state(step: Step, error: orjson.JSONEncodeError) -> GymError:
+    """The error of a step that left a state that cannot be written: a value of a type JSON has not
+    is the program's bug; anything else (nesting too deep) came from a peer's answer."""
+    if "not JSON serializable" in str(error):
+        return InternalError(f"step {step.name} left a state that is not JSON data: {error}", step=step.name)
+    return UpstreamError(f"step {step.name} failed: what a peer answered left a state that cannot be "
+                         f"written as JSON ({error})", step=step.name)
+
+
+async def _run_step(episode: Episode, step: Step, budget: StepBudget, record_levels: int) -> None:
     episode.state = episode.boundary.state()
     episode.current_mode = step.mode_for(episode.state)
     episode.current = step
@@ -358,7 +408,10 @@ async def _run_step(episode: Episode, step: Step, budget: StepBudget) -> None:
         episode.current = None
         episode.current_mode = None
         episode.changed()
-    episode.boundary = episode.boundary.advance(next_step, episode.state)
+    try:
+        episode.boundary = episode.boundary.advance(next_step, episode.state, record_levels)
+    except orjson.JSONEncodeError as error:
+        raise _unwritable_state(step, error) from None
 
 
 async def _clean_up(program: Program, episode: Episode, timeout_s: float) -> None:
@@ -378,11 +431,13 @@ async def run_episode(
     hooks: EpisodeHooks = NO_HOOKS,
     budget: StepBudget | None = None,
     cleanup_timeout_s: float = 30.0,
+    record_levels: int = 0,
 ) -> dict[str, Any]:
     """Run ``episode`` from its boundary to the end and answer the final state.
 
     A step that fails raises its error (named after the step, see ``step_error``); on failure or
-    cancellation the program's cleanup runs first, bounded by ``cleanup_timeout_s``.
+    cancellation the program's cleanup runs first, bounded by ``cleanup_timeout_s``. Each boundary's
+    state must be writable as JSON ``record_levels`` levels deeper (what records it wraps it in).
     """
     budget = budget or StepBudget(None)
     finished = False
@@ -390,7 +445,7 @@ async def run_episode(
         while (name := episode.boundary.next_step) is not None:
             step = program.step(name)
             await hooks.entering(episode, step)
-            await _run_step(episode, step, budget)
+            await _run_step(episode, step, budget, record_levels)
             await hooks.at_boundary(episode)
         finished = True
     finally:

@@ -14,6 +14,7 @@ from nemo_gym_ckpt.environment.episode import (
     Step,
     StepBudget,
     run_episode,
+    step_error,
     task_digest,
     without_token_arrays,
 )
@@ -21,6 +22,8 @@ from nemo_gym_ckpt.errors import (
     InternalError,
     InvalidCheckpointState,
     InvalidRequest,
+    Overloaded,
+    Unavailable,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -325,3 +328,54 @@ def test_a_restart_mark_is_sticky() -> None:
     episode.mark_restart()
     episode.mark_restart()
     assert episode.restart is True
+
+
+def _deep(levels: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(levels - 1):
+        value = {"d": value}
+    return value  # ``levels`` levels of JSON
+
+
+def _keeping(levels: int) -> Program:
+    """One step that keeps an answer ``levels`` levels deep under the state (a peer's, say)."""
+
+    async def keep(episode: Episode) -> None:
+        episode.state["answer"] = _deep(levels)
+        return None
+
+    return Program.of([Step("keep", keep, "replay")])
+
+
+@pytest.mark.parametrize(("levels", "record_levels"), [(254, 0), (252, 2)])
+async def test_a_state_too_deep_to_keep_fails_its_step_as_an_upstream_error(levels: int, record_levels: int) -> None:
+    """254 levels under the state is one more than the state can hold (500 before); 252 fits the
+    state but not a record (two more levels): the record's encoding failed later, as a 500."""
+    program = _keeping(levels - 1)
+    assert (await run_episode(program, Episode.start(RID, TASK, program), record_levels=record_levels))["answer"]
+    program = _keeping(levels)
+    with pytest.raises(UpstreamError, match=r"step keep failed: .*cannot be written as JSON") as raised:
+        await run_episode(program, Episode.start(RID, TASK, program), record_levels=record_levels)
+    assert raised.value.fields["step"] == "keep"
+
+
+def test_a_saved_boundary_is_refused_when_it_cannot_be_written_again() -> None:
+    with pytest.raises(InvalidCheckpointState, match="index"):
+        Boundary.from_json({"index": 2**63, "next_step": None, "state": {}})
+    assert Boundary.from_json({"index": 2**63 - 1, "next_step": "x", "state": _deep(252)}, 2).index == 2**63 - 1
+    with pytest.raises(InvalidCheckpointState, match="written again"):
+        Boundary.from_json({"index": 1, "next_step": "x", "state": _deep(253)}, 2)
+
+
+def test_a_peer_busy_inside_a_step_is_unavailable_never_a_refusal_up_front() -> None:
+    error = step_error("act", Overloaded("busy", retry_after_s=30))
+    assert type(error) is Unavailable and error.status == 503 and error.fields["step"] == "act"
+    assert error.headers() == {} and "busy" in error.detail
+
+
+def test_a_finished_boundary_must_hold_its_result() -> None:
+    program = _keeping(1)
+    program.check_state("keep", {})  # no check of its own: any state
+    program.check_state(None, {"result": {}})
+    with pytest.raises(ValueError, match="result"):
+        program.check_state(None, {})

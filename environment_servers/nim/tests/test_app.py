@@ -170,3 +170,15 @@ async def test_activations_are_numbered_from_one_and_the_session_closed() -> Non
     assert [activation for _, activation in seen] == [str(n) for n in range(1, result["activations"] + 1)]
     assert {key for key, _ in seen} == {"5-2"} and closed == ["5-2"]
     await built.aclose()
+
+
+@pytest.mark.parametrize("number", ["123456789012345678901", "9" * 5000])
+async def test_a_move_too_long_to_be_one_is_an_invalid_action(number: str) -> None:
+    """21 digits made the state unwritable (500), 5,000 raised from int() (500): both name no move."""
+    built, model = build_mesh()
+    built.build("nim", nim_app.create_app)
+    model.policy = lambda body: [message(f"I take {number}.")]
+    reply = await run(built, task(max_invalid=2))
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["invalid_actions"] == 2 and reply.json()["winner"] == "opponent"
+    await built.aclose()

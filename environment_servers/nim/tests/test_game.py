@@ -72,7 +72,9 @@ def test_invalid_moves_are_counted_and_lose_at_the_limit() -> None:
 
 @pytest.mark.parametrize(
     ("text", "move"), [("I take 2.", 2), ("3", 3), ("from 7 I take 1", 1), ("none", None), (None, None),
-                       ("take -1", -1)],
+                       ("take -1", -1), ("I take 123456789.", 123456789), ("I take 1234567890.", None),
+                       ("I take 123456789012345678901.", None), ("I take " + "9" * 5000, None),
+                       ("I take 0000000003", None)],
 )
 def test_parse_move_reads_the_last_integer(text: str | None, move: int | None) -> None:
     assert parse_move(text) == move
@@ -85,3 +87,13 @@ def test_parse_move_reads_the_last_integer(text: str | None, move: int | None) -
 def test_bad_rules_are_refused(rules: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         NimRules.model_validate(rules)
+
+
+@pytest.mark.parametrize(
+    "change", [{"pile": "7"}, {"pile": -1}, {"rng_state": 2**64}, {"moves": [1]}, {"winner": "nobody"},
+               {"invalid": None}, {"extra": 1}, {"moves": [{"player": "agent", "take": 10**20, "valid": False}]}],
+)
+def test_a_game_that_to_json_did_not_write_is_refused(change: dict[str, object]) -> None:
+    data = {**NimGame.new(NimRules(stones=7)).to_json(), **change}
+    with pytest.raises(ValueError):
+        NimGame.from_json(data)

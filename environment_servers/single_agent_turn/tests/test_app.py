@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from agents.simple_agent import app as agent_app
 from environment_servers.single_agent_turn import app as env_app
@@ -227,7 +228,10 @@ async def test_the_agent_gets_activation_1_the_params_and_the_resources_cookies(
 @pytest.mark.parametrize(
     ("agent", "status", "code"),
     [(ContractAgent(status=500), 502, "upstream_error"), (ContractAgent(answer={"no": "output"}), 502,
-                                                            "upstream_error")],
+                                                            "upstream_error"),
+     (ContractAgent(answer={"output": [1]}), 502, "upstream_error"),
+     (ContractAgent(answer={"output": [None]}), 502, "upstream_error"),
+     (ContractAgent(answer={"output": ["text"]}), 502, "upstream_error")],
 )
 async def test_a_broken_agent_is_an_upstream_error_and_still_closed(
     agent: ContractAgent, status: int, code: str
@@ -300,3 +304,27 @@ async def test_replies_are_kept_without_their_echoes_and_the_row_is_whole_again(
     assert again == result  # the row a rollout answers is its final boundary's state (canonical JSON)
     assert again["responses_create_params"] == task["responses_create_params"] and again["response"]["tools"] == TOOLS
     assert set(episode.state) & {"verdict", "response", "verdict_echoes", "response_echoes"} == set()
+
+
+async def test_an_agent_busy_after_the_seed_is_unavailable_not_a_refusal_up_front() -> None:
+    """The agent's 429 came after the seed step ran: answering our own 429 would have the collector
+    send the same attempt again as if nothing had started."""
+    built, _ = build_mesh()
+    agent = create_app("simple_agent")
+
+    @agent.post("/v1/responses")
+    async def busy() -> Any:
+        return JSONResponse({"error": {"code": "capacity_exceeded", "detail": "busy"}}, status_code=429,
+                            headers={"retry-after": "30"})
+
+    @agent.post("/close")
+    async def close() -> dict[str, bool]:
+        return {"closed": True}
+
+    built.serve("simple_agent", agent)
+    built.build("env", env_app.create_app)
+    reply = await run(built, row(PROBLEMS[0]))
+    assert (reply.status_code, reply.json()["error"]["code"]) == (503, "unavailable")
+    assert "retry-after" not in reply.headers
+    assert reply.json()["error"]["detail"].startswith("step invoke_agent failed: a peer was busy")
+    await built.aclose()

@@ -10,6 +10,7 @@ the next attempt, with the same rows as an uninterrupted run and no model or too
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -132,6 +133,53 @@ async def test_on_a_run_needs_a_rollout_identity(implementation: str, root: Path
         bad = await pt.client.post("/ng-rollout/r1/run", json={"no": "params"})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
         assert stack.server.activations == [] and (await extras(pt))["episodes"] == 0
+
+
+def nested_dicts(levels: int) -> dict[str, Any]:
+    """A JSON object ``levels + 1`` levels deep."""
+    value: dict[str, Any] = {}
+    for _ in range(levels):
+        value = {"d": value}
+    return value
+
+
+@pytest.mark.parametrize("implementation", ENVIRONMENTS)
+@pytest.mark.parametrize(("enabled", "deepest"), [(True, 249), (False, 251)])
+async def test_a_row_too_deep_for_the_episode_to_keep_is_refused_up_front(
+    implementation: str, enabled: bool, deepest: int, root: Path, clock: FakeClock
+) -> None:
+    """The state wraps a row in one level (its result), a record in two more: a row that fits the
+    254 levels of the body but not those was run to its end and answered 500."""
+    gate = GateAgent()
+    gate.gates.everything = True
+    async with started(implementation, root, clock, enabled=enabled, gate=gate) as (_, pt):
+        for levels in (deepest, deepest + 1):  # the row is levels + 2 deep
+            reply = await pt.client.post(f"/ng-rollout/deep{levels}/run",
+                                         json=env_row(implementation, payload=nested_dicts(levels)))
+            if levels == deepest:
+                assert reply.status_code == 200, reply.text
+            else:
+                assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_request", reply.text
+                assert f"at most {deepest + 2} levels" in reply.json()["error"]["detail"]
+        assert [key for key, _ in gate.activations] == [f"deep{deepest}"]  # the refused row started nothing
+
+
+async def test_off_a_second_run_of_a_running_capture_key_is_refused(root: Path, clock: FakeClock) -> None:
+    """docs/protocol.md's error table: 400 whether checkpointing is on or off (both runs shared the
+    agent's session of the key: two activations 1, two closes)."""
+    gate = GateAgent()
+    async with started("single_agent_turn", root, clock, enabled=False, gate=gate) as (_, pt):
+        first = start_run(pt, "dup", env_row("single_agent_turn"))
+        await until(lambda: ("dup", "1") in gate.activations, "the first run is live")
+        reply = await pt.client.post("/ng-rollout/dup/run", json=env_row("single_agent_turn"))
+        assert reply.status_code == 400 and "already running" in reply.json()["error"]["detail"]
+        gate.gates.everything = True
+        for event in gate.gates.events.values():
+            event.set()
+        assert (await asyncio.wait_for(first, WAIT_S)).status_code == 200
+        assert gate.activations.count(("dup", "1")) == 1 and gate.closed.count("dup") == 1
+        again = await pt.client.post("/ng-rollout/dup/run", json=env_row("single_agent_turn"))
+        assert again.status_code == 200, again.text  # the key is free once its run ended
 
 
 # ---- parking ----------------------------------------------------------------------------------
@@ -680,6 +728,14 @@ async def test_a_rerun_with_another_task_row_is_refused(root: Path) -> None:
           "boundary": {"index": 1, "next_step": "nowhere", "state": {}}}, "nowhere"),
         ({"episode_id": {"rollout_id": "r", "attempt": 0}, "task_digest": "0" * 64,
           "boundary": {"index": -1, "next_step": "act", "state": {}}}, "index"),
+        ({"episode_id": {"rollout_id": "r", "attempt": 0}, "task_digest": "0" * 64,
+          "boundary": {"index": 2**64 - 1, "next_step": "act", "state": {}}}, "index"),
+        ({"episode_id": {"rollout_id": "r", "attempt": 0}, "task_digest": "0" * 64,
+          "boundary": {"index": 1, "next_step": "start", "state": nested_dicts(299)}}, "written again"),
+        ({"episode_id": {"rollout_id": "r", "attempt": 0}, "task_digest": "0" * 64,
+          "boundary": {"index": 1, "next_step": "act", "state": {}}}, "record of r: the state"),
+        ({"episode_id": {"rollout_id": "r", "attempt": 0}, "task_digest": "0" * 64,
+          "boundary": {"index": 4, "next_step": None, "state": {}}}, "result"),
     ],
 )
 async def test_a_malformed_record_is_refused_and_nothing_is_installed(
@@ -701,9 +757,55 @@ def write_env_checkpoint(root: Path, records: list[dict[str, Any]]) -> Path:
     from nemo_gym_ckpt.checkpoint.store import StopSignal
 
     writer = CheckpointStore(root).open_writer(directory, "environment", "env", StopSignal())
-    writer.write_lines([orjson.dumps(record) for record in records])
+    writer.write_lines([_record_line(record) for record in records])
     writer.finish("environment", "env", "written")
     return directory
 
 
+def _record_line(record: dict[str, Any]) -> bytes:
+    """The line of a record; one nested deeper than orjson writes (it reads 1,024) by the standard library."""
+    try:
+        return orjson.dumps(record)
+    except orjson.JSONEncodeError:
+        return json.dumps(record, separators=(",", ":")).encode()
+
+
 MakeParticipant = Callable[[], AbstractAsyncContextManager[ParticipantUnderTest]]
+
+
+@pytest.mark.parametrize(("levels", "installed"), [(251, 1), (252, 0)])
+async def test_a_restored_state_must_fit_in_a_record_again(
+    levels: int, installed: int, root: Path, clock: FakeClock
+) -> None:
+    """A record holds a state two levels down: one deeper than 252 levels installed, and the first
+    record of the episode (or an export) failed later, as a 500."""
+    record = {"episode_id": {"rollout_id": "r", "attempt": 0}, "task_digest": "0" * 64,
+              "boundary": {"index": 1, "next_step": "start", "state": nested_dicts(levels)}}
+    directory = write_env_checkpoint(root, [record])
+    async with started("nim", root, clock) as (_, pt):
+        reply = await pt.client.post("/ng-control/v1/checkpoint/restore", headers=AUTH, json={
+            "checkpoint_id": "c", "deadline_ts": clock.now() + 30, "checkpoint_dir": str(directory),
+            "episode_ids": [{"rollout_id": "r"}]})
+        assert reply.status_code == (200 if installed else 422), reply.text
+        assert (await extras(pt))["installed"] == installed
+
+
+@pytest.mark.parametrize(("implementation", "next_step"), [
+    ("nim", "act"), ("nim", "close_agent"), ("nim", "return"),
+    ("single_agent_turn", "invoke_agent"), ("single_agent_turn", "close_agent"), ("single_agent_turn", "verify"),
+    ("single_agent_turn", "close_session"), ("single_agent_turn", "return"),
+])
+async def test_a_restored_state_lacking_what_its_steps_read_is_refused(
+    implementation: str, next_step: str, root: Path, clock: FakeClock
+) -> None:
+    """Digest, count, fields and next step right, the state empty: installed, and the /run of the
+    next attempt raised KeyError (500) at the first key its step read."""
+    row = env_row(implementation)
+    record = {"episode_id": {"rollout_id": "r", "attempt": 0}, "task_digest": task_digest(row),
+              "boundary": {"index": 1, "next_step": next_step, "state": {}}}
+    directory = write_env_checkpoint(root, [record])
+    async with started(implementation, root, clock) as (_, pt):
+        error = await Control(pt).refused("invalid_checkpoint_state", "restore", checkpoint_id="c",
+                                          checkpoint_dir=str(directory), episode_ids=[{"rollout_id": "r"}])
+        assert error["detail"].startswith("record of r: the state of its boundary")
+        assert (await extras(pt))["installed"] == 0
