@@ -13,7 +13,10 @@ imported from the project). ``main(instance)`` then does what NeMo Gym's launche
    module defines, or the one this project's table names), and its declaration (``declarations``);
 4. builds the app with NeMo Gym's own ``run_webserver`` on its worker path, which sets the server up
    exactly as for serving (MCP exposure, liveness routes, middleware) and hands the app back;
-5. serves ``ResourcesShell(app).build_app(checkpoint)`` with uvicorn (its ``/health`` replies carry
+5. exports its telemetry as the mesh's ``telemetry:`` block says (``checkpoint/otlp.py``; where NeMo
+   Gym's environment lacks the SDK, one warning and no export), the final flush chained into the
+   server's shutdown;
+6. serves ``ResourcesShell(app).build_app(checkpoint)`` with uvicorn (its ``/health`` replies carry
    the launcher's instance token: ``launch/instance_token.py``), until SIGTERM or the death of the
    launcher.
 
@@ -35,9 +38,16 @@ import uvicorn
 
 from nemo_gym_ckpt.bridge.declarations import NEMO_GYM_VERIFIERS, declaration_of
 from nemo_gym_ckpt.bridge.global_config import CONFIG_DICT_ENV, CONFIG_PATH_ENV, WORKER_ENV, nemo_gym_config_yaml
-from nemo_gym_ckpt.config import CheckpointConfig
+from nemo_gym_ckpt.checkpoint.otlp import install_telemetry
+from nemo_gym_ckpt.config import CheckpointConfig, TelemetryConfig
 from nemo_gym_ckpt.errors import ConfigError
-from nemo_gym_ckpt.launch.child import PARENT_ENV, exit_orphaned, read_mesh_dict, watch_parent
+from nemo_gym_ckpt.launch.child import (
+    PARENT_ENV,
+    exit_orphaned,
+    flush_telemetry_at_shutdown,
+    read_mesh_dict,
+    watch_parent,
+)
 from nemo_gym_ckpt.launch.instance_token import read_instance_token, with_instance_token
 from nemo_gym_ckpt.resources.shell import ResourcesShell
 
@@ -120,6 +130,7 @@ def main(instance: str) -> None:
         raw = read_mesh_dict()
         block = ServerBlock(raw, instance)
         checkpoint = CheckpointConfig.model_validate(raw.get("checkpoint") or {})
+        telemetry = TelemetryConfig.model_validate(raw.get("telemetry") or {})
         folder = server_folder(block.implementation, block.entrypoint)
         _prepare_process(raw, instance, folder)
         module = importlib.import_module(block.module)
@@ -131,7 +142,8 @@ def main(instance: str) -> None:
     declaration = declaration_of(server_class, module.__name__)
     logger.info("%s: NeMo Gym's %s.%s, declared %s / %s", instance, module.__name__, server_class.__name__,
                 declaration.checkpoint_mode, declaration.checkpoint_verify)
-    app = server_class.run_webserver()  # type: ignore[attr-defined]
+    exporting = install_telemetry(telemetry, instance, sdk_required=False)  # NeMo Gym's env may lack the SDK
+    app = flush_telemetry_at_shutdown(server_class.run_webserver(), exporting)  # type: ignore[attr-defined]
     shell = ResourcesShell(app, instance, declaration, inner_strips_prefix=True)
     served = with_instance_token(shell.build_app(checkpoint if checkpoint.enabled else None), token)
     uvicorn.run(served, host=block.host, port=block.port,

@@ -485,15 +485,22 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError("--checkpoint-every-s and --token need --checkpoint-dir")
 
 
+def _with_mesh_or_head(args: argparse.Namespace, mesh: MeshConfig | None) -> ExitCode:
+    if args.head or mesh is None:
+        return _with_head(args, mesh)
+    return _with_launched_mesh(args, mesh)
+
+
 def main(args: argparse.Namespace) -> ExitCode:
     try:
         _check_flags(args)
         mesh = load_config(args.config, args.overrides) if args.config else None
-        if mesh is not None:  # the SDK providers flush at exit by themselves
-            install_telemetry(mesh.telemetry, "collector")
-        if args.head or mesh is None:
-            return _with_head(args, mesh)
-        return _with_launched_mesh(args, mesh)
+        exporting = install_telemetry(mesh.telemetry, "collector") if mesh is not None else None
+        try:
+            return _with_mesh_or_head(args, mesh)
+        finally:
+            if exporting is not None:  # the final flush, bounded: a hung OTLP endpoint never holds the exit
+                exporting.shutdown()
     except (UsageError, CollectFailed) as error:
         print(f"{PROG}: {error}", file=sys.stderr)
         return exit_code_for(error)

@@ -29,10 +29,17 @@ from nemo_gym_ckpt.checkpoint.worker_hub import COORDINATOR_ENV, start_coordinat
 from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.config import MeshConfig, ServerInstance
 from nemo_gym_ckpt.errors import ConfigError
-from nemo_gym_ckpt.launch.child import PARENT_ENV, SERVE_MODULE, build_app, exit_orphaned, load_mesh, watch_parent
+from nemo_gym_ckpt.launch.child import (
+    PARENT_ENV,
+    SERVE_MODULE,
+    build_app,
+    exit_orphaned,
+    flush_telemetry_at_shutdown,
+    load_mesh,
+    watch_parent,
+)
 from nemo_gym_ckpt.launch.instance_token import read_instance_token, with_instance_token
 from nemo_gym_ckpt.launch.workers import WorkerProcesses, bind_listener, reserve_port, runtime_dir
-from nemo_gym_ckpt.server import close_on_shutdown
 
 __all__ = ["KIND_OF_TYPE", "SERVER_KEEPALIVE_S", "main"]
 
@@ -80,12 +87,10 @@ def _serve(mesh: MeshConfig, instance: ServerInstance, *, worker: bool) -> None:
     try:
         exporting = install_telemetry(mesh.telemetry, instance.name)
         token = read_instance_token()  # the launcher knows its own process by it
-        app = build_app(mesh, instance.name)
+        app = flush_telemetry_at_shutdown(build_app(mesh, instance.name), exporting)
     except ConfigError as error:
         logger.error("config error: %s", error)
         raise SystemExit(ExitCode.USAGE) from None
-    if exporting is not None:  # what the exporters hold goes out as the app shuts down
-        close_on_shutdown(app, exporting.aclose)
     host, port = instance.settings.host, cast(int, instance.settings.port)
     served = with_instance_token(app, token)
     if worker:

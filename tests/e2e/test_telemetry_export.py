@@ -1,9 +1,12 @@
 """The config's ``telemetry:`` block turns on OTLP export in every server process: a real server,
 launched from YAML, sends its checkpoint spans and metrics over OTLP/HTTP to a collector on
-127.0.0.1; the ``checkpoint`` span group is opt-in; off, the SDK is never imported."""
+127.0.0.1; the ``checkpoint`` span group is opt-in; off, the SDK is never imported. A NeMo Gym
+server in the mesh (NeMo Gym's environment, our shell) exports too, and a hung endpoint never costs
+a server its graceful stop."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -15,14 +18,24 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
-from nemo_gym_ckpt.config import load_config
+from nemo_gym_ckpt.config import NEMO_GYM_PYTHON_ENV, load_config
 from nemo_gym_ckpt.launch.launcher import MeshLauncher
 from nemo_gym_ckpt.testing.waits import until
+from tests.support.hung_endpoint import hung_endpoint
+from tests.support.nemo_gym_env import nemo_gym_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "string_match.yaml"
 TOKEN = "telemetry-test-token"
+NEMO_GYM_STRING_MATCH = """
+ng_sm:
+  resources_servers:
+    string_match:
+      entrypoint: app.py
+      package: nemo_gym
+      domain: knowledge
+"""
 EXPORT_WAIT_S = 30.0
 
 
@@ -76,13 +89,14 @@ async def _checkpoint_once(launcher: MeshLauncher, root: Path) -> None:
         await coordinator.resume("otel-1", deadline_ts=deadline)
 
 
-def _launched(endpoint: str, root: Path, span_groups: str) -> MeshLauncher:
+def _launched(endpoint: str, root: Path, span_groups: str, *configs: Path,
+              env: dict[str, str] | None = None) -> MeshLauncher:
     overrides = [
         "head_server.port=0", "+checkpoint.enabled=true", f"+checkpoint.control_auth_token={TOKEN}",
         f"+checkpoint.root={root}", "+telemetry.enabled=true", f"+telemetry.span_groups={span_groups}",
         f"+telemetry.otlp_endpoint={endpoint}", "+telemetry.metrics_export_interval_s=0.5",
     ]
-    launcher = MeshLauncher(load_config([FIXTURE], overrides))
+    launcher = MeshLauncher(load_config([FIXTURE, *configs], overrides), env=env)
     launcher.start(ready_timeout_s=120.0)
     return launcher
 
@@ -124,3 +138,33 @@ def test_telemetry_off_imports_no_sdk() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+async def test_a_hung_otlp_endpoint_does_not_hold_a_servers_stop(tmp_path: Path) -> None:
+    """The final flush gives up at its deadline, below the launcher's stop grace: no SIGKILL."""
+    with hung_endpoint() as endpoint:
+        launcher = _launched(endpoint, tmp_path, "default,checkpoint")
+        try:
+            await _checkpoint_once(launcher, tmp_path)  # spans and metrics the exporters still hold
+        finally:
+            launcher.stop()
+    assert launcher.killed == []
+
+
+async def test_a_nemo_gym_server_in_the_mesh_exports_its_checkpoint_telemetry(
+    collector: tuple[str, Received], tmp_path: Path
+) -> None:
+    """NeMo Gym's string_match, run in NeMo Gym's environment inside our shell, exports as ours do."""
+    endpoint, received = collector
+    bridged = tmp_path / "ng_sm.yaml"
+    bridged.write_text(NEMO_GYM_STRING_MATCH)
+    env = {**os.environ, NEMO_GYM_PYTHON_ENV: nemo_gym_python()}
+    launcher = _launched(endpoint, tmp_path, "default,checkpoint", bridged, env=env)
+    try:
+        await _checkpoint_once(launcher, tmp_path)
+        await until(lambda: b"ng_sm" in received.bodies("/v1/metrics"),
+                    "the NeMo Gym server's checkpoint metrics exported", timeout_s=EXPORT_WAIT_S)
+    finally:
+        launcher.stop()
+    traces = received.bodies("/v1/traces")
+    assert b"ng_sm" in traces and b"gym.checkpoint.prepare" in traces
