@@ -10,7 +10,9 @@ what is left of the bad line as its reply.
 The child leads a process group of its own: ``close`` kills the whole group (whatever the code
 started with it) and reaps the child. Only ``close`` reaps it: until then the child, or its zombie,
 holds its pid, which is the group's id, so the kernel cannot hand that id to another group and the
-kill reaches this group alone, even when the child died long before.
+kill reaches this group alone, even when the child died long before. The child also holds the read
+end of a lifeline pipe whose write end only this process holds: when this process dies, however it
+dies, the child's watcher kills the group (``child.py``).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ logger = logging.getLogger(__name__)
 class Interpreter:
     """A live child interpreter; start one with ``await Interpreter.start(max_output_chars)``."""
 
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], lifeline: int) -> None:
         self._process = process
+        self._lifeline: int | None = lifeline  # the write end; closed by close
         self._reader = asyncio.StreamReader(limit=READ_LIMIT)
         self._reading: asyncio.ReadTransport | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -51,7 +54,7 @@ class Interpreter:
 
     @classmethod
     async def start(cls, max_output_chars: int) -> Interpreter:
-        interpreter = cls(_spawn(max_output_chars))
+        interpreter = cls(*_spawn(max_output_chars))
         try:
             await interpreter._connect()
         except BaseException:
@@ -139,7 +142,7 @@ class Interpreter:
         self._disconnect()
 
     def _disconnect(self) -> None:
-        """Close both pipes to the child (dropping what it never read); once."""
+        """Close both pipes to the child (dropping what it never read) and the lifeline; once."""
         if self._writer is not None:
             if not self._writer.transport.is_closing():  # it closes itself once the child is gone
                 self._writer.transport.abort()
@@ -150,6 +153,9 @@ class Interpreter:
         for pipe in (self._process.stdin, self._process.stdout):  # not yet a transport's, if start failed
             if pipe is not None:
                 pipe.close()
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
 
     async def _reap(self) -> None:
         """Wait for the killed child to exit and reap it, for at most ``REAP_TIMEOUT_S``."""
@@ -163,12 +169,21 @@ class Interpreter:
             pause = min(2 * pause, longest)
 
 
-def _spawn(max_output_chars: int) -> subprocess.Popen[bytes]:
-    """A new child in a session of its own."""
-    return subprocess.Popen(
-        [sys.executable, "-I", "-S", str(CHILD), str(max_output_chars)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
+def _spawn(max_output_chars: int) -> tuple[subprocess.Popen[bytes], int]:
+    """A new child in a session of its own, and the write end of its lifeline."""
+    lifeline, held = os.pipe()  # both close on exec: only the child gets the read end (pass_fds)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(CHILD), str(max_output_chars), str(lifeline)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            start_new_session=True, pass_fds=(lifeline,),
+        )
+    except BaseException:
+        os.close(held)
+        raise
+    finally:
+        os.close(lifeline)
+    return process, held
 
 
 def _utf8(text: str) -> str:

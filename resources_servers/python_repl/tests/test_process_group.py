@@ -1,4 +1,4 @@
-"""``close`` kills what the code of a dead interpreter left running, and no group but its own."""
+"""The interpreter's process group dies with its server, and ``close`` kills no group but its own."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from resources_servers.python_repl.interpreter import Interpreter
+from resources_servers.python_repl.interpreter import CHILD, Interpreter
 
 pytestmark = [
     pytest.mark.unit,
@@ -24,6 +24,18 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[3]
 SPAWN = "import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\np.pid"
+SERVER = """\
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+from resources_servers.python_repl.interpreter import Interpreter
+async def main():
+    interpreter = await Interpreter.start(1000)
+    child = (await interpreter.run(sys.argv[2], 30))["output"].strip()
+    print(interpreter.pid, child, flush=True)
+    await interpreter.run(sys.argv[3], 600)  # busy, as in a long tool call
+asyncio.run(main())
+"""
+"""A server of one interpreter: it prints the interpreter's pid and its code's child's, then runs a long call."""
 
 
 def _state(pid: int) -> str:
@@ -58,6 +70,13 @@ def _gone(pid: int, within_s: float = 5.0) -> bool:
     return True
 
 
+def _wait_for(path: Path, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {within_s} s"
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def _killed_at_exit(pids: list[int]) -> Iterator[None]:
     """SIGKILL what a failed test leaked."""
@@ -67,6 +86,42 @@ def _killed_at_exit(pids: list[int]) -> Iterator[None]:
         for pid in pids:
             if _state(pid) not in ("gone", "Z"):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("kill", ["its process group (MeshLauncher.kill_all)", "itself alone (the OOM killer)"])
+def test_a_sigkilled_server_takes_its_busy_interpreter_and_what_it_started_along(
+    tmp_path: Path, kill: str
+) -> None:
+    busy = tmp_path / "busy"
+    code = f"open({str(busy)!r}, 'w').close()\nimport time\ntime.sleep(300)"
+    leaked: list[int] = []
+    with _killed_at_exit(leaked):
+        with subprocess.Popen([sys.executable, "-c", SERVER, str(ROOT), SPAWN, code],
+                              stdout=subprocess.PIPE, text=True, process_group=0) as server:
+            try:
+                assert server.stdout is not None
+                leaked += map(int, server.stdout.readline().split())
+                _wait_for(busy)
+            finally:
+                if kill.startswith("its process group"):
+                    os.killpg(server.pid, signal.SIGKILL)
+                else:
+                    server.kill()
+        interpreter, child = leaked
+        assert (_gone(interpreter), _gone(child)) == (True, True)
+
+
+def test_an_interpreter_whose_server_died_before_it_started_kills_itself() -> None:
+    lifeline, held = os.pipe()
+    os.close(held)  # the server is gone: the lifeline is at end of file from the start
+    with subprocess.Popen([sys.executable, "-I", "-S", str(CHILD), "100", str(lifeline)], pass_fds=(lifeline,),
+                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True) as orphan:
+        os.close(lifeline)
+        try:
+            assert orphan.wait(timeout=10) == -signal.SIGKILL  # stdin stays open: no exit of its own
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(orphan.pid, signal.SIGKILL)
 
 
 async def test_close_kills_what_the_code_of_a_dead_interpreter_started_and_leaves_nothing() -> None:
