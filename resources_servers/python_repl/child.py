@@ -1,12 +1,22 @@
 """The child process of one python_repl session: a persistent interpreter spoken to in JSON lines.
 
-Run as ``python -I -S child.py <max_output_chars>``. Each request line is ``{"code": str, "id": int}``;
+Run as ``python -I -S child.py <max_output_chars> <lifeline fd>``, leading a process group of its own.
+Each request line is ``{"code": str, "id": int}``;
 each reply line is ``{"output": str, "error": str | null, "id": int}``: what the code printed (stdout
 and stderr) and the values of its expression statements, shown as an interactive interpreter shows
 them, and the last line of the traceback when it raised, each cut at ``max_output_chars``, and the
 request's ``id``. Variables, imports and functions persist between
 requests. The protocol runs over private copies of fds 0 and 1: the code's own stdin and stdout
 are /dev/null and a buffer, so nothing it does can garble a reply. Standard library only.
+
+The lifeline is the read end of a pipe whose only write end the server holds: it reaches end of
+file when the server closes this interpreter or dies, however it dies (a SIGKILL, the OOM killer).
+At start the child leaves a watcher in its process group (``WATCHER``, a ``/bin/sh`` that is no
+child of this process, so the code never sees it) that then SIGKILLs the whole group: this
+interpreter, busy or not, and what its code started. A separate process, not a thread, so that it
+acts while the code holds the GIL in a long C call, and so that the code's ``os.fork`` finds a
+single-threaded process. If the server died before the watcher started, the pipe is already at end
+of file and the group dies at once.
 """
 
 from __future__ import annotations
@@ -22,6 +32,10 @@ import traceback
 from typing import Any
 
 FILENAME = "<session>"
+WATCHER = "(trap '' HUP INT QUIT TERM; read -r _ <&3; kill -s KILL 0) &"
+"""Run by ``sh -c`` with the lifeline as fd 3: in the background (the shell exits, so the watcher is
+no child of the interpreter), deaf to the signals the code may send its group, it waits for end of
+file on the lifeline, then SIGKILLs its process group."""
 
 
 class Console(code.InteractiveInterpreter):
@@ -103,8 +117,21 @@ def _run_source(console: Console, source: str) -> None:
         console.error = f"SystemExit: {stop.code} (ignored: the interpreter keeps running)"
 
 
+def watch_lifeline(lifeline: int) -> None:
+    """Leave ``WATCHER`` running in this process group, then close ``lifeline`` here."""
+    actions = [
+        (os.POSIX_SPAWN_DUP2, lifeline, 3),
+        (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),  # never the protocol's pipes
+        (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+    ]
+    shell = os.posix_spawn("/bin/sh", ["sh", "-c", WATCHER], {}, file_actions=actions)
+    os.waitpid(shell, 0)  # the shell exits once the watcher runs in the background
+    os.close(lifeline)
+
+
 def main() -> None:
     limit = int(sys.argv[1])
+    watch_lifeline(int(sys.argv[2]))  # first: fds 3 and 4 below are then the protocol's, as always
     requests = os.fdopen(os.dup(0), "r", encoding="utf-8")
     replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
     null = os.open(os.devnull, os.O_RDWR)
