@@ -449,12 +449,16 @@ class MeshConfig:
 
 def load_config(paths: Sequence[str | Path], overrides: Sequence[str] = ()) -> MeshConfig:
     """Read the files (and their ``config_paths``), apply overrides and directives, interpolate, validate."""
-    raw, origins = read_sources(paths, overrides)
-    variables = _variables(raw, origins)
-    resolved = resolve_interpolations(raw, origins)
-    for name in variables:
-        del resolved[name]
-    return build_mesh(resolved, origins)
+    try:
+        raw, origins = read_sources(paths, overrides)
+        variables = _variables(raw, origins)
+        resolved = resolve_interpolations(raw, origins)
+        for name in variables:
+            del resolved[name]
+        return build_mesh(resolved, origins)
+    except RecursionError:  # each file is at most MAX_DEPTH deep; blocks copied into each other may be deeper
+        raise ConfigError("nested too deeply to read (_inherit_from or _copy of blocks that nest copies "
+                          "of each other)") from None
 
 
 def load_config_dict(raw: Mapping[str, Any]) -> MeshConfig:
@@ -498,8 +502,8 @@ def _refuse_top_level_key(key: str, value: Any, origins: Mapping[tuple[str, ...]
 def build_mesh(raw: dict[str, Any], origins: Mapping[tuple[str, ...], str]) -> MeshConfig:
     _refuse_missing(raw, origins, ())
     default_host = _default_host(raw, origins)
-    head = _validate(HeadServerConfig, {"host": default_host, **(raw.get(HEAD_SERVER) or {})}, (HEAD_SERVER,),
-                     origins)
+    head_block = _settings_block(raw.get(HEAD_SERVER), (HEAD_SERVER,), origins)
+    head = _validate(HeadServerConfig, {"host": default_host, **head_block}, (HEAD_SERVER,), origins)
     checkpoint = _validate(CheckpointConfig, raw.get(CHECKPOINT) or {}, (CHECKPOINT,), origins)
     ports = _validate(PortsConfig, {key: raw[key] for key in PORT_KEYS if key in raw}, (), origins)
     telemetry = _validate(TelemetryConfig, raw.get(TELEMETRY) or {}, (TELEMETRY,), origins)
@@ -524,6 +528,16 @@ def _default_host(raw: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]
         raise ConfigError(f"expected a host name, got {host!r}", file=origin_of(origins, ("default_host",)),
                           key="default_host")
     return host
+
+
+def _settings_block(value: Any, path: tuple[str, ...], origins: Mapping[tuple[str, ...], str]) -> dict[str, Any]:
+    """A block of settings: a mapping, or nothing (no settings)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"expected a mapping of settings, got a {type(value).__name__}: {value!r:.60}",
+                          file=origin_of(origins, path), key=".".join(path))
+    return value
 
 
 def _refuse_missing(node: Any, origins: Mapping[tuple[str, ...], str], path: tuple[str, ...]) -> None:
@@ -557,7 +571,7 @@ def _build_instance(
         raise ConfigError("expected exactly one implementation block", file=file, key=f"{name}.{server_type}")
     implementation, settings = next(iter(impls.items()))
     path = (name, server_type, implementation)
-    settings = {"host": default_host, **(settings or {})}
+    settings = {"host": default_host, **_settings_block(settings, path, origins)}
     _refuse_old_refs(settings, path, origins)
     config_class: type[ServerConfig]
     if "package" in settings:

@@ -17,6 +17,13 @@ each key (``Origins``), in NeMo Gym's order (docs/architecture.md section 3):
 that value or the default when there is none, and ``${oc.env:VAR}`` / ``${oc.env:VAR,default}`` by
 the environment. Every error is a ``ConfigError`` naming the file and
 the key.
+
+Bounds: each file and override is read by ``config_yaml`` (size, nesting, aliases); an override's
+key has at most ``MAX_DEPTH`` parts; directives and interpolation build at most
+``MAX_EXPANDED_VALUES`` values by copying blocks (``${a.b}`` of a mapping, ``_copy``,
+``_inherit_from``) and ``MAX_EXPANDED_CHARS`` characters of strings (copied, or made by
+interpolation), so a few lines that name each other ten times over are refused instead of growing
+without end.
 """
 
 from __future__ import annotations
@@ -29,11 +36,14 @@ from typing import Any, NoReturn
 
 import yaml
 
+from nemo_gym_ckpt.config_yaml import MAX_DEPTH, YamlRefused, load_yaml, read_yaml_file
 from nemo_gym_ckpt.errors import ConfigError
 
 __all__ = [
     "COMMAND_LINE",
     "CONFIG_PATHS",
+    "MAX_EXPANDED_CHARS",
+    "MAX_EXPANDED_VALUES",
     "PROJECT_ROOT",
     "Origins",
     "deep_copy",
@@ -57,6 +67,10 @@ ENVIRONMENTS_TYPE = "environment_servers"
 _DIRECTIVE_STRING = re.compile(r"\$\{(inherit_from|copy):([^${}]+)\}")
 _INTERPOLATION = re.compile(r"\$\{([^${}]+)\}")
 _RESOLVER = re.compile(r"([A-Za-z_][\w.]*):")
+MAX_EXPANDED_VALUES = 100_000
+"""Values that directives, and apart from them interpolation, may build by copying blocks."""
+MAX_EXPANDED_CHARS = 16 << 20
+"""Characters of the strings that directives, and apart from them interpolation, may copy or make."""
 
 Path_ = tuple[str, ...]
 Origins = dict[Path_, str]
@@ -131,9 +145,11 @@ def _config_path_list(value: Any, file: str) -> list[str]:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml_file(path)
     except OSError as error:
         raise ConfigError(f"cannot read: {error.strerror}", file=str(path)) from None
+    except YamlRefused as error:
+        raise ConfigError(str(error), file=str(path)) from None
     except yaml.YAMLError as error:
         raise ConfigError(f"not valid YAML: {error}".replace("\n", " "), file=str(path)) from None
     if data is None:
@@ -175,7 +191,12 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[Path_, Any]]:
         key, eq, text = item.removeprefix("++").removeprefix("+").partition("=")
         if not eq or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} is not key=value", file=COMMAND_LINE)
-        parsed.append((tuple(key.split(".")), _yaml_scalar(text)))
+        if key.count(".") >= MAX_DEPTH:
+            raise ConfigError(f"override key {key[:80]!r}...: more than {MAX_DEPTH} parts", file=COMMAND_LINE)
+        try:
+            parsed.append((tuple(key.split(".")), _yaml_scalar(text)))
+        except YamlRefused as error:
+            raise ConfigError(f"override {key}: {error}", file=COMMAND_LINE) from None
     return parsed
 
 
@@ -195,8 +216,9 @@ def _set_path(tree: dict[str, Any], path: Path_, value: Any, origins: Origins) -
 
 
 def _yaml_scalar(text: str) -> Any:
+    """The YAML value of ``text``, or ``text`` itself if it is not YAML (``YamlRefused`` past the bounds)."""
     try:
-        return yaml.safe_load(text) if text else ""
+        return load_yaml(text) if text else ""
     except yaml.YAMLError:
         return text
 
@@ -212,6 +234,7 @@ class _Directives:
         self.origins = origins
         self.active: list[Path_] = []
         self.moves: dict[Path_, list[Path_]] = {}
+        self.copies = _Copies()
 
     def apply(self) -> dict[str, Any]:
         result: dict[str, Any] = self.expand(self.frozen, ())
@@ -221,6 +244,8 @@ class _Directives:
         return result
 
     def expand(self, value: Any, path: Path_) -> Any:
+        if self.active:  # a copy of the value, inside a block that a directive copies
+            self.spend(value, path)
         directive = self.directive_of(value, path)
         if directive is None:
             if isinstance(value, dict):
@@ -307,6 +332,12 @@ class _Directives:
                           "environment server uses", (*ref_path, "name"))
             ref["name"] = targets[0]
 
+    def spend(self, copied: Any, path: Path_) -> None:
+        too_much = self.copies.add(copied)
+        if too_much:
+            self.fail(f"{INHERIT_FROM} and {COPY} copy {too_much} (blocks that copy others, "
+                      "over and over): refused", path)
+
     def fail(self, message: str, path: Path_) -> NoReturn:
         raise ConfigError(message, file=origin_of(self.origins, path), key=".".join(path))
 
@@ -382,8 +413,11 @@ class _Resolver:
         self.root = root
         self.origins = origins
         self.active: list[Path_] = []
+        self.copies = _Copies()
 
     def value(self, value: Any, path: Path_) -> Any:
+        if self.active:  # a copy of the value, for an interpolation
+            self.spend(value, path)
         if isinstance(value, dict):
             return {k: self.value(v, (*path, str(k))) for k, v in value.items()}
         if isinstance(value, list):
@@ -405,13 +439,13 @@ class _Resolver:
             value = os.environ.get(name.strip())
             if value is None and not comma:
                 self.fail(f"environment variable {name.strip()} is not set", path)
-            return value if value is not None else _yaml_scalar(default.strip())
+            return value if value is not None else self.default(default, path)
         if expr.startswith("oc.select:"):
             key, comma, default = expr[len("oc.select:") :].partition(",")
             found = self.lookup(tuple(key.strip().split(".")), path, missing_ok=True)
             if found is not None:
                 return found
-            return _yaml_scalar(default.strip()) if comma else None
+            return self.default(default, path) if comma else None
         resolver = _RESOLVER.match(expr)
         if resolver:
             self.fail(f"unknown resolver {resolver[1]!r} in ${{{expr}}} (known: oc.env, oc.select; inherit_from "
@@ -439,8 +473,40 @@ class _Resolver:
         finally:
             self.active.pop()
 
+    def default(self, text: str, path: Path_) -> Any:
+        try:
+            return _yaml_scalar(text.strip())
+        except YamlRefused as error:
+            self.fail(f"the default value: {error}", path)
+
+    def spend(self, copied: Any, path: Path_) -> None:
+        too_much = self.copies.add(copied)
+        if too_much:
+            self.fail(f"interpolation copies {too_much} (values that name others, over and over): "
+                      "refused", path)
+
     def fail(self, message: str, path: Path_) -> NoReturn:
         raise ConfigError(message, file=origin_of(self.origins, path), key=".".join(path))
+
+
+class _Copies:
+    """The values and string characters copied so far (by directives, or by interpolation), one at a time."""
+
+    def __init__(self) -> None:
+        self.values = 0
+        self.chars = 0
+
+    def add(self, copied: Any) -> str | None:
+        """Count one value copied (a container counts one: its items are counted as they are copied);
+        what is too much, once the total is past a bound."""
+        self.values += 1
+        if isinstance(copied, str):
+            self.chars += len(copied)
+        if self.values > MAX_EXPANDED_VALUES:
+            return f"more than {MAX_EXPANDED_VALUES:,} values in all"
+        if self.chars > MAX_EXPANDED_CHARS:
+            return f"more than {MAX_EXPANDED_CHARS >> 20} MiB of text in all"
+        return None
 
 
 def origin_of(origins: Mapping[Path_, str], path: Sequence[str]) -> str | None:

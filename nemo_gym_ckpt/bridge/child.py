@@ -4,11 +4,13 @@ The launcher starts it with ``nemo_gym_ckpt.launch.child.bridge_command`` (only 
 imported from the project). ``main(instance)`` then does what NeMo Gym's launcher and its
 ``run_webserver`` would, and serves the result inside the participant shell:
 
-1. reads the mesh config (``NEMO_GYM_CKPT_CONFIG``), the instance's block and the ``checkpoint`` block;
+1. reads the mesh config (the file ``NEMO_GYM_CKPT_CONFIG_FILE`` names), the instance's block and
+   the ``checkpoint`` block;
 2. finds the server's folder, ``resources_servers/<implementation>/`` of the installed ``nemo_gym``
    distribution, makes it the working directory and puts it first on the module path and in
    ``PYTHONPATH`` (NeMo Gym's servers import their sibling modules, and so do the processes they
-   start), and sets ``NEMO_GYM_CONFIG_DICT`` / ``NEMO_GYM_CONFIG_PATH`` (``global_config``);
+   start), and sets ``NEMO_GYM_CONFIG_DICT`` / ``NEMO_GYM_CONFIG_PATH`` (``global_config``; a config
+   over Linux's bound on one environment string, 128 KiB, is refused);
 3. imports the entrypoint and finds the server class (the one ``SimpleResourcesServer`` subclass the
    module defines, or the one this project's table names), and its declaration (``declarations``);
 4. builds the app with NeMo Gym's own ``run_webserver`` on its worker path, which sets the server up
@@ -37,7 +39,12 @@ from typing import Any
 import uvicorn
 
 from nemo_gym_ckpt.bridge.declarations import NEMO_GYM_VERIFIERS, declaration_of
-from nemo_gym_ckpt.bridge.global_config import CONFIG_DICT_ENV, CONFIG_PATH_ENV, WORKER_ENV, nemo_gym_config_yaml
+from nemo_gym_ckpt.bridge.global_config import (
+    CONFIG_DICT_ENV,
+    CONFIG_PATH_ENV,
+    WORKER_ENV,
+    nemo_gym_config_env_value,
+)
 from nemo_gym_ckpt.checkpoint.otlp import install_telemetry
 from nemo_gym_ckpt.config import CheckpointConfig, TelemetryConfig
 from nemo_gym_ckpt.errors import ConfigError
@@ -112,10 +119,11 @@ def server_class_in(module: ModuleType, implementation: str) -> type:
 
 
 def _prepare_process(raw: dict[str, Any], instance: str, folder: Path) -> None:
+    config_dict = nemo_gym_config_env_value(raw)
     os.chdir(folder)
     sys.path.insert(0, str(folder))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(folder), os.environ.get("PYTHONPATH"))))
-    os.environ[CONFIG_DICT_ENV] = nemo_gym_config_yaml(raw)
+    os.environ[CONFIG_DICT_ENV] = config_dict
     os.environ[CONFIG_PATH_ENV] = instance
     os.environ[WORKER_ENV] = "1"
 

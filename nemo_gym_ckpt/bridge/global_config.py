@@ -15,6 +15,12 @@ instance gets its ``host`` (this mesh's default, 127.0.0.1, where it sets none).
 
 The ``checkpoint`` block stays out: it is this mesh's, and it holds the control token. Strings
 that contain ``${`` are escaped (the YAML is parsed by OmegaConf, which would interpolate them).
+
+NeMo Gym reads that config from the environment, and Linux caps one environment string
+(``NAME=value``) at ``MAX_ENV_STRING_BYTES`` (128 KiB, ``MAX_ARG_STRLEN``): past it, every program
+the server's process started would fail (``E2BIG``), and NeMo Gym's own launcher could not start
+the server at all. ``nemo_gym_config_env_value`` refuses such a config (a ``ConfigError`` with its
+size) instead.
 """
 
 from __future__ import annotations
@@ -24,12 +30,16 @@ from typing import Any
 
 import yaml
 
+from nemo_gym_ckpt.errors import ConfigError
+
 __all__ = [
     "CONFIG_DICT_ENV",
     "CONFIG_PATH_ENV",
+    "MAX_ENV_STRING_BYTES",
     "OUR_KEYS",
     "WORKER_ENV",
     "nemo_gym_config",
+    "nemo_gym_config_env_value",
     "nemo_gym_config_yaml",
 ]
 
@@ -39,6 +49,8 @@ WORKER_ENV = "IS_NEMO_GYM_FASTAPI_WORKER"
 """Set in the server's process: NeMo Gym then builds the app and hands it back instead of serving it
 (its path for uvicorn workers), so that the shell can serve it."""
 OUR_KEYS = ("package", "python")
+MAX_ENV_STRING_BYTES = 128 << 10
+"""Linux's ``MAX_ARG_STRLEN``: the bytes of one environment string, ``NAME=value`` and its NUL."""
 DEFAULT_HOST = "127.0.0.1"
 _MESH_ONLY_KEYS = ("checkpoint",)
 
@@ -58,6 +70,19 @@ def nemo_gym_config(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def nemo_gym_config_yaml(raw: Mapping[str, Any]) -> str:
     return yaml.safe_dump(nemo_gym_config(raw), sort_keys=False)
+
+
+def nemo_gym_config_env_value(raw: Mapping[str, Any]) -> str:
+    """``nemo_gym_config_yaml(raw)``, refused when ``CONFIG_DICT_ENV=<it>`` is over Linux's bound."""
+    text = nemo_gym_config_yaml(raw)
+    size = len(CONFIG_DICT_ENV) + 1 + len(text.encode()) + 1
+    if size > MAX_ENV_STRING_BYTES:
+        raise ConfigError(
+            f"NeMo Gym's servers read the mesh config from the environment variable {CONFIG_DICT_ENV}, and "
+            f"here it would be {size:,} bytes: Linux caps one environment string at {MAX_ENV_STRING_BYTES:,} "
+            "(MAX_ARG_STRLEN), past which every program the server started would fail (E2BIG); make the "
+            "mesh config smaller (its longest values, such as a long prompt)")
+    return text
 
 
 def _as_nemo_gym_block(block: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """One server child of the launcher: what it is given, how it builds its app, how it dies with its parent.
 
 The launcher starts ``python -m nemo_gym_ckpt.cli.serve <instance>`` (``SERVE_MODULE``) with the
-resolved mesh config (ports assigned) as JSON in ``CONFIG_ENV`` and its own pid in ``PARENT_ENV``.
+path of the resolved mesh config (ports assigned, a private JSON file: ``launch/config_file.py``) in
+``CONFIG_FILE_ENV`` and its own pid in ``PARENT_ENV``.
 An instance of NeMo Gym's own servers runs in NeMo Gym's Python environment instead:
 ``<its python> -c BRIDGE_BOOT <project root> <instance>`` (``bridge_command``), which imports only
 ``nemo_gym_ckpt`` from the project (the project's own server folders would shadow NeMo Gym's of the
@@ -26,18 +27,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-import orjson
 from fastapi import FastAPI
 
 from nemo_gym_ckpt.checkpoint.otlp import Exporting
 from nemo_gym_ckpt.config import MeshConfig, load_config_dict
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import ConfigError
+from nemo_gym_ckpt.launch.config_file import CONFIG_FILE_ENV, read_config_file
 from nemo_gym_ckpt.server import close_on_shutdown, set_max_body_bytes
 
 __all__ = [
     "BRIDGE_BOOT",
-    "CONFIG_ENV",
+    "CONFIG_FILE_ENV",
     "ORPHAN_GRACE_S",
     "PARENT_ENV",
     "SERVE_MODULE",
@@ -50,7 +51,6 @@ __all__ = [
     "watch_parent",
 ]
 
-CONFIG_ENV = "NEMO_GYM_CKPT_CONFIG"
 PARENT_ENV = "NEMO_GYM_CKPT_PARENT_PID"
 SERVE_MODULE = "nemo_gym_ckpt.cli.serve"
 ORPHAN_GRACE_S = 5.0
@@ -116,17 +116,11 @@ def exit_orphaned(grace_s: float = ORPHAN_GRACE_S) -> None:
 
 
 def read_mesh_dict() -> dict[str, Any]:
-    """The resolved mesh config the launcher put in ``CONFIG_ENV``, as a dict (not validated)."""
-    text = os.environ.get(CONFIG_ENV)
-    if text is None:
-        raise ConfigError(f"{CONFIG_ENV} is not set: start servers with 'nemo-gym-ckpt run CONFIG'")
-    try:
-        raw = orjson.loads(text)
-    except orjson.JSONDecodeError as error:
-        raise ConfigError(f"{CONFIG_ENV} is not valid JSON: {error}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{CONFIG_ENV} holds no mapping")
-    return raw
+    """The resolved mesh config in the file the launcher named in ``CONFIG_FILE_ENV`` (not validated)."""
+    path = os.environ.get(CONFIG_FILE_ENV)
+    if not path:
+        raise ConfigError(f"{CONFIG_FILE_ENV} is not set: start servers with 'nemo-gym-ckpt run CONFIG'")
+    return read_config_file(path)
 
 
 def load_mesh() -> MeshConfig:

@@ -15,7 +15,8 @@ Ports: instances without a port get a free one on their host (probe-bind in the 
 ``port_range_low``-``port_range_high``; where the config sets neither, ``$NEMO_GYM_CKPT_PORT_RANGE``
 (``LOW-HIGH``) or else 10001-20000; never the head port, another instance's or one of
 ``disallowed_ports``). Each child is ``python -m nemo_gym_ckpt.cli.serve <instance>`` with the
-resolved config (ports filled in) as JSON in ``NEMO_GYM_CKPT_CONFIG`` and the launcher's pid in
+path of the resolved config (ports filled in; a private JSON file, ``launch/config_file.py``,
+removed at stop) in ``NEMO_GYM_CKPT_CONFIG_FILE`` and the launcher's pid in
 ``NEMO_GYM_CKPT_PARENT_PID``; it runs in its own process group (a terminal's Ctrl-C reaches only
 the launcher, which stops the children in order) and exits by itself when the launcher dies.
 
@@ -50,11 +51,11 @@ from types import TracebackType
 from typing import IO
 
 import httpx
-import orjson
 
 from nemo_gym_ckpt.config import NEMO_GYM_PYTHON_ENV, PROJECT_ROOT, MeshConfig, NemoGymServerConfig
 from nemo_gym_ckpt.errors import LaunchError, StopRequested
-from nemo_gym_ckpt.launch.child import CONFIG_ENV, PARENT_ENV, SERVE_MODULE, bridge_command
+from nemo_gym_ckpt.launch.child import PARENT_ENV, SERVE_MODULE, bridge_command
+from nemo_gym_ckpt.launch.config_file import CONFIG_FILE_ENV, ConfigFile
 from nemo_gym_ckpt.launch.head import HEAD_NAME, ThreadedServer, create_head_app
 from nemo_gym_ckpt.launch.health import POLL_S, HealthReply, probe_health, read_health, wait_for_health
 from nemo_gym_ckpt.launch.instance_token import INSTANCE_TOKEN_ENV, new_token
@@ -239,6 +240,7 @@ class MeshLauncher:
         self._children: dict[str, _Child] = {}
         self._spawner: ThreadPoolExecutor | None = None
         self._stop_requested = False
+        self._config_file = ConfigFile()
         self.killed: list[str] = []
         """The servers the last ``stop`` had to SIGKILL."""
 
@@ -319,7 +321,7 @@ class MeshLauncher:
 
     def _child_env(self) -> dict[str, str]:
         env = dict(self.env)
-        env[CONFIG_ENV] = orjson.dumps(self.mesh.raw, option=orjson.OPT_NON_STR_KEYS).decode()
+        env[CONFIG_FILE_ENV] = str(self._config_file.write(self.mesh.raw))
         env[PARENT_ENV] = str(os.getpid())
         env["PYTHONUNBUFFERED"] = "1"
         return env
@@ -472,6 +474,7 @@ class MeshLauncher:
         if self._head is not None:
             self._head.stop()
             self._head = None
+        self._config_file.remove()
         self._resolved = None
         self._stop_requested = False
         return [child.name for child in running]

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -419,4 +420,29 @@ def test_a_server_process_without_a_config_exits_2_with_one_line() -> None:
     done = subprocess.run([sys.executable, "-m", "nemo_gym_ckpt.cli.serve", "sm"], env=env,
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and "NEMO_GYM_CKPT_CONFIG is not set" in done.stderr
+    assert done.stderr.count("\n") == 1 and "NEMO_GYM_CKPT_CONFIG_FILE is not set" in done.stderr
+
+
+def test_a_server_process_whose_config_file_is_gone_exits_2_with_one_line(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("NEMO_GYM_CKPT_")}
+    gone = tmp_path / "mesh.json"
+    done = subprocess.run([sys.executable, "-m", "nemo_gym_ckpt.cli.serve", "sm"],
+                          env={**env, "NEMO_GYM_CKPT_CONFIG_FILE": str(gone)},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and f"cannot read the mesh config {gone}" in done.stderr
+
+
+# ---- the config handed to the servers ------------------------------------------------------------
+
+
+def test_a_config_longer_than_one_environment_string_starts(launch_mesh: Launch) -> None:
+    """Linux caps one environment string at 128 KiB: a config passed in one failed every start (E2BIG)."""
+    prompt = "x" * (200 << 10)
+    mesh = launch_mesh("string_match.yaml", overrides=[f"sm.resources_servers.string_match.description={prompt}"])
+    wait_for_health(mesh.url_of("sm"), timeout_s=1.0, name="sm")
+    handed = list(Path(tempfile.gettempdir()).glob(f"ngc-mesh-config-{os.getpid()}-*/mesh.json"))
+    assert len(handed) == 1 and oct(handed[0].stat().st_mode & 0o777) == "0o600"
+    assert prompt in handed[0].read_text()
+    mesh.stop()
+    assert not handed[0].parent.exists()

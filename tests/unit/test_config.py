@@ -349,6 +349,14 @@ ERROR_CASES = {
         "head_server: {port: 99999}\ntool:\n  resources_servers:\n    fake_tool: {answer: a}\n",
         [], "head_server.port", "65535",
     ),
+    "a head server that is not a mapping": (
+        "head_server: localhost\ntool:\n  resources_servers:\n    fake_tool: {answer: a}\n",
+        [], "head_server", "expected a mapping of settings, got a str: 'localhost'",
+    ),
+    "settings that are a list": (
+        "tool:\n  resources_servers:\n    fake_tool: [answer, a]\n",
+        [], "tool.resources_servers.fake_tool", "expected a mapping of settings, got a list",
+    ),
     "checkpointing without a token": (
         "checkpoint: {enabled: true}\ntool:\n  resources_servers:\n    fake_tool: {answer: a}\n",
         [], "checkpoint", "control_auth_token is required",
