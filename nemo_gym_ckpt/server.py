@@ -19,7 +19,9 @@ Every request body is capped (``BodyLimitMiddleware``: 413 ``payload_too_large``
 limit has arrived, or at once when ``Content-Length`` says so; ``DEFAULT_MAX_BODY_BYTES``, set per
 server with ``set_max_body_bytes`` from its ``max_body_bytes`` setting), and must keep arriving (408
 ``request_timeout`` after ``BODY_PART_TIMEOUT_S`` without a part); a client that disconnects before its
-body is read is no error of the server's (logged at debug level). A 405 names the allowed
+body is read is no error of the server's (logged at debug level). A reader of bodies outside the
+middleware (the resources shell, around a server that is not ours) keeps the same rules with
+``refuse_declared_length`` and ``next_body_part``. A 405 names the allowed
 methods in ``Allow``. The OpenAPI document declares, on every operation, the structured error
 replies (``ErrorBody``) instead of FastAPI's default 422, and the body of each route that reads it
 itself (``declare_body``).
@@ -70,9 +72,12 @@ __all__ = [
     "declare_body",
     "error_response",
     "install_error_handlers",
+    "next_body_part",
+    "refuse_declared_length",
     "refuse_unencodable",
     "set_max_body_bytes",
     "sse_event",
+    "too_large",
 ]
 
 logger = logging.getLogger(__name__)
@@ -204,9 +209,10 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         limit = self.limit.max_bytes
-        declared = _content_length(scope)
-        if declared is not None and declared > limit:
-            await error_response(PayloadTooLarge(_too_large(limit)))(scope, receive, send)
+        try:
+            refuse_declared_length(scope, limit)
+        except PayloadTooLarge as error:
+            await error_response(error)(scope, receive, send)
             return
         received, complete = 0, False
 
@@ -219,22 +225,38 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise StarletteHTTPException(413, _too_large(limit))
+                    raise StarletteHTTPException(413, too_large(limit))
             return message
 
         await self.app(scope, counted, send)
 
 
-async def _body_part(receive: Receive) -> Message:
+async def next_body_part(receive: Receive) -> Message:
+    """The next ASGI message of a request, or 408 ``RequestTimeout`` when none arrives for
+    ``BODY_PART_TIMEOUT_S`` (for a reader of a body outside FastAPI's routes: the resources shell)."""
     try:
         async with asyncio.timeout(BODY_PART_TIMEOUT_S):
             return await receive()
-    except TimeoutError:  # raised as Starlette's: FastAPI turns any other error reading a body into a 400
-        detail = f"no part of the request body arrived for {BODY_PART_TIMEOUT_S:g} s"
-        raise StarletteHTTPException(408, detail) from None
+    except TimeoutError:
+        raise RequestTimeout(f"no part of the request body arrived for {BODY_PART_TIMEOUT_S:g} s") from None
 
 
-def _too_large(limit: int) -> str:
+async def _body_part(receive: Receive) -> Message:
+    try:
+        return await next_body_part(receive)
+    except RequestTimeout as error:  # raised as Starlette's: FastAPI turns any other error reading a body into a 400
+        raise StarletteHTTPException(408, error.detail) from None
+
+
+def refuse_declared_length(scope: Scope, limit: int) -> None:
+    """413 ``PayloadTooLarge`` at once when the request's ``Content-Length`` is over ``limit`` bytes."""
+    declared = _content_length(scope)
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(too_large(limit))
+
+
+def too_large(limit: int) -> str:
+    """The detail of a 413 for a body over ``limit`` bytes."""
     return f"request bodies are limited to {limit} bytes (max_body_bytes)"
 
 

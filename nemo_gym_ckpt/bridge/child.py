@@ -18,8 +18,10 @@ imported from the project). ``main(instance)`` then does what NeMo Gym's launche
 5. exports its telemetry as the mesh's ``telemetry:`` block says (``checkpoint/otlp.py``; where NeMo
    Gym's environment lacks the SDK, one warning and no export), the final flush chained into the
    server's shutdown;
-6. serves ``ResourcesShell(app).build_app(checkpoint)`` with uvicorn (its ``/health`` replies carry
-   the launcher's instance token: ``launch/instance_token.py``), until SIGTERM or the death of the
+6. serves ``ResourcesShell(app).build_app(checkpoint)`` (request bodies capped at the block's
+   ``max_body_bytes``) with uvicorn, with the settings our own servers run with
+   (``launch.child.UVICORN_SETTINGS``: a 60 s keep-alive among them); its ``/health`` replies carry
+   the launcher's instance token (``launch/instance_token.py``), until SIGTERM or the death of the
    launcher.
 
 A config problem exits with status 2 and one line naming it.
@@ -37,6 +39,7 @@ from types import ModuleType
 from typing import Any
 
 import uvicorn
+from pydantic import ValidationError
 
 from nemo_gym_ckpt.bridge.declarations import NEMO_GYM_VERIFIERS, declaration_of
 from nemo_gym_ckpt.bridge.global_config import (
@@ -46,10 +49,11 @@ from nemo_gym_ckpt.bridge.global_config import (
     nemo_gym_config_env_value,
 )
 from nemo_gym_ckpt.checkpoint.otlp import install_telemetry
-from nemo_gym_ckpt.config import CheckpointConfig, TelemetryConfig
+from nemo_gym_ckpt.config import CheckpointConfig, NemoGymServerConfig, TelemetryConfig
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.launch.child import (
     PARENT_ENV,
+    UVICORN_SETTINGS,
     exit_orphaned,
     flush_telemetry_at_shutdown,
     read_mesh_dict,
@@ -66,7 +70,7 @@ TYPE_KEY = "resources_servers"
 
 
 class ServerBlock:
-    """The instance's block of the mesh config: implementation, entrypoint, host and port."""
+    """The instance's block of the mesh config: implementation, entrypoint, host, port and body limit."""
 
     def __init__(self, raw: dict[str, Any], instance: str) -> None:
         block = raw.get(instance)
@@ -83,11 +87,20 @@ class ServerBlock:
         if not isinstance(port, int) or isinstance(port, bool):
             raise ConfigError("the launcher gives every server a port; this one has none", key=instance)
         self.port = port
+        self.max_body_bytes = _max_body_bytes(self.settings, instance)
 
     @property
     def module(self) -> str:
         parts = PurePosixPath(self.entrypoint).with_suffix("").parts
         return ".".join((TYPE_KEY, self.implementation, *parts))
+
+
+def _max_body_bytes(settings: dict[str, Any], instance: str) -> int:
+    """The block's ``max_body_bytes``, checked as the launcher checked the whole block."""
+    try:
+        return NemoGymServerConfig.model_validate(settings).max_body_bytes
+    except ValidationError as error:
+        raise ConfigError(f"invalid server block: {error.errors()[0]['msg']}", key=instance) from None
 
 
 def server_folder(implementation: str, entrypoint: str) -> Path:
@@ -153,6 +166,5 @@ def main(instance: str) -> None:
     exporting = install_telemetry(telemetry, instance, sdk_required=False)  # NeMo Gym's env may lack the SDK
     app = flush_telemetry_at_shutdown(server_class.run_webserver(), exporting)  # type: ignore[attr-defined]
     shell = ResourcesShell(app, instance, declaration, inner_strips_prefix=True)
-    served = with_instance_token(shell.build_app(checkpoint if checkpoint.enabled else None), token)
-    uvicorn.run(served, host=block.host, port=block.port,
-                loop="uvloop", http="httptools", log_level="warning", timeout_graceful_shutdown=5)
+    served = shell.build_app(checkpoint if checkpoint.enabled else None, max_body_bytes=block.max_body_bytes)
+    uvicorn.run(with_instance_token(served, token), host=block.host, port=block.port, **UVICORN_SETTINGS)

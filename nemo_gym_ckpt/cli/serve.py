@@ -20,7 +20,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import uvicorn
 
@@ -32,6 +32,7 @@ from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.launch.child import (
     PARENT_ENV,
     SERVE_MODULE,
+    UVICORN_SETTINGS,
     build_app,
     exit_orphaned,
     flush_telemetry_at_shutdown,
@@ -41,26 +42,12 @@ from nemo_gym_ckpt.launch.child import (
 from nemo_gym_ckpt.launch.instance_token import read_instance_token, with_instance_token
 from nemo_gym_ckpt.launch.workers import WorkerProcesses, bind_listener, reserve_port, runtime_dir
 
-__all__ = ["KIND_OF_TYPE", "SERVER_KEEPALIVE_S", "main"]
-
-SERVER_KEEPALIVE_S = 60
+__all__ = ["KIND_OF_TYPE", "main"]
 
 logger = logging.getLogger(__name__)
 
 KIND_OF_TYPE = {"environment_servers": "environment", "responses_api_agents": "agent",
                 "resources_servers": "resources", "responses_api_models": "model"}
-
-
-_UVICORN: dict[str, Any] = {
-    "loop": "uvloop",
-    "http": "httptools",
-    "log_level": "warning",
-    "timeout_graceful_shutdown": 5,
-    # The mesh client drops an idle pooled connection after KEEPALIVE_S (2 s); a server that
-    # closed idle ones after uvicorn's 5 s left a starved client (an event loop seconds late on
-    # 2 busy cores) reusing connections already closed: the scale bench lost rollouts that way.
-    "timeout_keep_alive": SERVER_KEEPALIVE_S,
-}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,9 +81,9 @@ def _serve(mesh: MeshConfig, instance: ServerInstance, *, worker: bool) -> None:
     host, port = instance.settings.host, cast(int, instance.settings.port)
     served = with_instance_token(app, token)
     if worker:
-        uvicorn.Server(uvicorn.Config(served, **_UVICORN)).run(sockets=[bind_listener(host, port)])
+        uvicorn.Server(uvicorn.Config(served, **UVICORN_SETTINGS)).run(sockets=[bind_listener(host, port)])
     else:
-        uvicorn.run(served, host=host, port=port, **_UVICORN)
+        uvicorn.run(served, host=host, port=port, **UVICORN_SETTINGS)
 
 
 def _serve_workers(mesh: MeshConfig, instance: ServerInstance) -> int:

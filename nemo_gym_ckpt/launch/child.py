@@ -10,7 +10,8 @@ same names) and hands over to ``nemo_gym_ckpt.bridge.child``.
 ``load_mesh`` reads the config back, ``build_app`` asks the instance's ``app`` module for its FastAPI
 app. A child exits by itself when its parent dies: a ``PR_SET_PDEATHSIG`` on Linux and a watchdog on
 the parent pid everywhere; if a graceful shutdown does not end the process within
-``ORPHAN_GRACE_S``, the watchdog kills it.
+``ORPHAN_GRACE_S``, the watchdog kills it. Every child, ours or a bridged NeMo Gym server, runs
+uvicorn with ``UVICORN_SETTINGS`` (among them a keep-alive of ``SERVER_KEEPALIVE_S``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ __all__ = [
     "CONFIG_FILE_ENV",
     "ORPHAN_GRACE_S",
     "PARENT_ENV",
+    "SERVER_KEEPALIVE_S",
     "SERVE_MODULE",
+    "UVICORN_SETTINGS",
     "bridge_command",
     "build_app",
     "exit_orphaned",
@@ -66,6 +69,19 @@ from nemo_gym_ckpt.bridge.child import main
 main(instance)
 """
 """What a NeMo Gym server's process runs first: ``nemo_gym_ckpt`` alone from the project root."""
+SERVER_KEEPALIVE_S = 60
+"""How long a server keeps an idle connection open (uvicorn's ``timeout_keep_alive``)."""
+UVICORN_SETTINGS: dict[str, Any] = {
+    "loop": "uvloop",
+    "http": "httptools",
+    "log_level": "warning",
+    "timeout_graceful_shutdown": 5,
+    # The mesh client drops an idle pooled connection after KEEPALIVE_S (2 s); a server that
+    # closed idle ones after uvicorn's 5 s left a starved client (an event loop seconds late on
+    # 2 busy cores) reusing connections already closed: the scale bench lost rollouts that way.
+    "timeout_keep_alive": SERVER_KEEPALIVE_S,
+}
+"""How every server child runs uvicorn (``cli/serve.py`` for ours, ``bridge/child.py`` for NeMo Gym's)."""
 _PR_SET_PDEATHSIG = 1
 logger = logging.getLogger(__name__)
 

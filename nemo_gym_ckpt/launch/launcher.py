@@ -44,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -81,9 +81,13 @@ PORT_RANGE_ENV = "NEMO_GYM_CKPT_PORT_RANGE"
 meshes started side by side on one host (parallel test workers) out of each other's ports."""
 TAIL_LINES = 20
 REAP_TIMEOUT_S = 5.0
+MAX_LINE_BYTES = 64 * 1024
+"""The longest line of a child's output the launcher keeps; the rest of a longer one is dropped."""
+CUT_MARKER = f" [line cut at {MAX_LINE_BYTES} bytes, the rest dropped]"
 
 LineSink = Callable[[str, str], None]
-"""Receives ``(instance, line)`` for every line a child writes to stdout or stderr."""
+"""Receives ``(instance, line)`` for every line a child writes to stdout or stderr (at most
+``MAX_LINE_BYTES`` of each, then ``CUT_MARKER``)."""
 
 
 # ---- ports ---------------------------------------------------------------------------------------
@@ -174,8 +178,7 @@ class _Child:
 
     def _read(self, stream: IO[bytes], sink: LineSink) -> None:
         with stream:
-            for raw in iter(stream.readline, b""):
-                line = raw.decode(errors="replace").rstrip("\r\n")
+            for line in _bounded_lines(stream):
                 self.tail.append(line)
                 sink(self.name, line)
 
@@ -213,6 +216,20 @@ class _Child:
         error = LaunchError(f"{self.name} exited with status {self.proc.returncode} {when}: {last}")
         error.add_note(f"last lines of {self.name}:\n" + "\n".join(self.tail))
         return error
+
+
+def _bounded_lines(stream: IO[bytes]) -> Iterator[str]:
+    """The lines of ``stream``, each cut at ``MAX_LINE_BYTES`` (marked with ``CUT_MARKER``) as soon as
+    that much of it has come; the rest of a cut line is read and dropped, never held."""
+    dropping = False
+    while chunk := stream.readline(MAX_LINE_BYTES + 1):
+        ends = chunk.endswith(b"\n")
+        if dropping:
+            dropping = not ends
+            continue
+        text = chunk[:MAX_LINE_BYTES].decode(errors="replace").rstrip("\r\n")
+        dropping = len(chunk) > MAX_LINE_BYTES and not ends  # shorter without a newline: the output's end
+        yield text + CUT_MARKER if dropping else text
 
 
 # ---- the launcher --------------------------------------------------------------------------------

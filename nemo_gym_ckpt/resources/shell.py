@@ -21,8 +21,13 @@ style resources server has. The shell:
   carrying the cookie of a session of another attempt is ``stale_attempt``;
 - puts the declaration headers on every seed reply (``x-ng-checkpoint-verify``, and
   ``x-ng-checkpoint-restart: 1`` for restart-only servers);
-- turns every error reply of the server (its 404, its 422 validation errors, its 409 and 503) into
-  ``{"error": {"code", "detail"}}`` with our classes, as our own servers answer;
+- reads every ``POST`` body itself, before admission, as our own servers do (a client stalled
+  mid-body is never in flight and never holds a prepare): at most ``max_body_bytes`` (413, at once
+  when ``Content-Length`` says so), each part within ``BODY_PART_TIMEOUT_S`` (408), and a non-empty
+  body that is not JSON the mesh reads and writes again is 400 (form bodies go to the server unread);
+- turns every error reply of the server (its 404, its 422 validation errors, its 408, 409, 429 and
+  503) into ``{"error": {"code", "detail"}}`` with our classes, as our own servers answer (a 429
+  keeps its ``Retry-After``, within 1 to 60 s);
 - runs the server's own lifespan inside its own.
 
 With checkpointing off there is no control route and no admission; the health route, the headers
@@ -56,8 +61,10 @@ from nemo_gym_ckpt.errors import (
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
+    Overloaded,
     PayloadTooLarge,
     RequestConflict,
+    RequestTimeout,
     StaleAttempt,
     Unauthorized,
     Unavailable,
@@ -75,15 +82,25 @@ from nemo_gym_ckpt.resources.adapter import (
     Route,
 )
 from nemo_gym_ckpt.resources.sessions import Session, SessionTable, session_cookie_name
-from nemo_gym_ckpt.server import create_app, error_response
+from nemo_gym_ckpt.server import (
+    DEFAULT_MAX_BODY_BYTES,
+    create_app,
+    error_response,
+    next_body_part,
+    refuse_declared_length,
+    refuse_unencodable,
+    too_large,
+)
 
-__all__ = ["MAX_SHELL_BODY_BYTES", "Declaration", "ResourcesShell", "mapped_error", "route_of"]
+__all__ = ["Declaration", "ResourcesShell", "mapped_error", "route_of"]
 
-MAX_SHELL_BODY_BYTES = 16 * 1024 * 1024
-"""The largest seed or close body the shell reads (it needs their session id); larger is 413."""
 MAX_ERROR_BODY_BYTES = 64 * 1024
 """How much of a server's error reply the shell reads to build its detail (the rest is dropped)."""
 DETAIL_CHARS = 2000
+MAX_RETRY_AFTER_S = 60
+"""The longest ``Retry-After`` passed on from a server's 429 (docs/protocol.md: 1 to 60 seconds)."""
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+"""Bodies a server reads as a form, not as JSON: these go to it unread."""
 UNADMITTED_POSTS = frozenset({"/aggregate_metrics"})
 ROUTES: dict[str, Route] = {"/seed_session": "seed", "/verify": "verify", "/close_session": "close"}
 _COOKIE_VALUE = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -119,15 +136,27 @@ def route_of(method: str, path: str) -> Route | None:
 
 _BY_STATUS: dict[int, type[GymError]] = {
     400: InvalidRequest, 401: Unauthorized, 403: Unauthorized, 404: NotFound, 405: MethodNotAllowed,
-    409: RequestConflict, 413: PayloadTooLarge, 422: InvalidRequest, 502: UpstreamError, 503: Unavailable,
-    504: UpstreamTimeout,
+    408: RequestTimeout, 409: RequestConflict, 413: PayloadTooLarge, 422: InvalidRequest, 429: Overloaded,
+    502: UpstreamError, 503: Unavailable, 504: UpstreamTimeout,
 }
 
 
-def mapped_error(status: int, body: bytes) -> GymError:
-    """Our error for a wrapped server's error reply (its status and body)."""
+def mapped_error(status: int, body: bytes, retry_after: str | None = None) -> GymError:
+    """Our error for a wrapped server's error reply (its status, body and ``Retry-After`` header)."""
     cls = _BY_STATUS.get(status) or (InvalidRequest if status < 500 else InternalError)
-    return cls(f"{_detail_of(body)} (the server answered {status})")
+    detail = f"{_detail_of(body)} (the server answered {status})"
+    seconds = _retry_after_s(retry_after)
+    if cls is Overloaded and seconds is not None:
+        return Overloaded(detail, retry_after_s=seconds)
+    return cls(detail)
+
+
+def _retry_after_s(value: str | None) -> int | None:
+    """A ``Retry-After`` in seconds, within 1 to ``MAX_RETRY_AFTER_S`` (an HTTP date or garbage: none)."""
+    text = (value or "").strip()
+    if not text.isdigit() or len(text) > 6:
+        return None
+    return min(max(int(text), 1), MAX_RETRY_AFTER_S)
 
 
 def _detail_of(body: bytes) -> str:
@@ -168,6 +197,7 @@ class ResourcesShell:
         self.sessions = SessionTable()
         self.cookie_name = session_cookie_name(name)
         self.checkpoint: ResourcesAdapter | None = None
+        self.max_body_bytes = DEFAULT_MAX_BODY_BYTES
 
     @property
     def checkpoint_mode(self) -> CheckpointMode:
@@ -199,9 +229,12 @@ class ResourcesShell:
             headers.append((RESTART_HEADER.encode(), b"1"))
         return headers
 
-    def build_app(self, checkpoint: CheckpointConfig | None, *, clock: Clock = SYSTEM_CLOCK) -> ASGIApp:
-        """The shell's ASGI app: our health and control routes, the server behind them."""
-        outer = create_app(self.name, lifespan=self._lifespan)
+    def build_app(self, checkpoint: CheckpointConfig | None, *, clock: Clock = SYSTEM_CLOCK,
+                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ASGIApp:
+        """The shell's ASGI app: our health and control routes, the server behind them; a request
+        body over ``max_body_bytes`` is 413, to the server as to our routes."""
+        outer = create_app(self.name, lifespan=self._lifespan, max_body_bytes=max_body_bytes)
+        self.max_body_bytes = max_body_bytes
         adapter = ResourcesAdapter(self)
         if checkpoint is not None:
             participant = mount_checkpointing(outer, checkpoint, adapter, kind="resources", instance=self.name,
@@ -223,13 +256,14 @@ class ResourcesShell:
         inner_scope = scope if self.inner_strips_prefix else dict(scope, path=path, raw_path=path.encode())
         reply = _Reply(self, send, route, identity)
         try:
+            # the body is read (bounded, with a deadline per part) before admission: a client that
+            # stalls mid-body is never counted in flight, and never holds a checkpoint's prepare
+            body = await self._read_post_body(scope, receive) if scope["method"] == "POST" else None
             async with self._entered(route, identity):
                 cookie = _cookie(scope, self.cookie_name)
                 if route is not None:
                     self._check_session(cookie, identity)
-                if scope["method"] == "POST":
-                    body = await _read_body(receive)
-                    _refuse_non_finite_numbers(body)
+                if body is not None:
                     receive = _replay(body, receive)
                     if route == "seed":
                         reply.session_id = _session_id_in(body)
@@ -243,6 +277,15 @@ class ResourcesShell:
             if reply.started:
                 raise
             await error_response(error)(scope, receive, send)
+
+    async def _read_post_body(self, scope: Scope, receive: Receive) -> bytes:
+        """A POST's whole body, within the body limit and the per-part deadline, refused unless
+        the server could read it and the mesh write it again (``_refuse_unreadable_json``)."""
+        refuse_declared_length(scope, self.max_body_bytes)
+        body = await _read_body(receive, self.max_body_bytes)
+        if not _is_form(scope):
+            _refuse_unreadable_json(body)
+        return body
 
     def _entered(self, route: Route | None, identity: RolloutIdentity | None) -> AbstractAsyncContextManager[Any]:
         if route is None or self.checkpoint is None:
@@ -303,6 +346,7 @@ class _Reply:
         self.session_id: str | None = None
         self.started = False
         self.error_status: int | None = None
+        self.error_retry_after: str | None = None
         self.error_body = bytearray()
         self.error_done = False
 
@@ -320,6 +364,7 @@ class _Reply:
         status = int(message["status"])
         if status >= 400:
             self.error_status = status  # held back: finish() answers it in our shape
+            self.error_retry_after = _header(message, b"retry-after")
             return
         self.started = True
         if 200 <= status < 300 and self.route == "seed":
@@ -336,7 +381,15 @@ class _Reply:
         if self.error_status is None or self.started:
             return
         self.started = True
-        await error_response(mapped_error(self.error_status, bytes(self.error_body)))(scope, receive, self._send)
+        error = mapped_error(self.error_status, bytes(self.error_body), self.error_retry_after)
+        await error_response(error)(scope, receive, self._send)
+
+
+def _header(message: Message, name: bytes) -> str | None:
+    for key, value in message.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
 
 
 def _cookie(scope: Scope, name: str) -> str | None:
@@ -360,28 +413,55 @@ def _session_id_in(body: bytes) -> str | None:
     return value if isinstance(value, str) and SESSION_ID.fullmatch(value) else None
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    """The request body: 413 past ``limit`` bytes, 408 when a part is ``BODY_PART_TIMEOUT_S`` late, 400
+    when the client leaves before its end (a cut body never reaches the server)."""
     body = bytearray()
     while True:
-        message = await receive()
+        message = await next_body_part(receive)
         if message["type"] != "http.request":
-            return bytes(body)
+            raise InvalidRequest("the client disconnected before its request body was read")
         body += message.get("body", b"")
-        if len(body) > MAX_SHELL_BODY_BYTES:
-            raise PayloadTooLarge(f"request body over {MAX_SHELL_BODY_BYTES} bytes")
+        if len(body) > limit:
+            raise PayloadTooLarge(too_large(limit))
         if not message.get("more_body", False):
             return bytes(body)
 
 
-def _refuse_non_finite_numbers(body: bytes) -> None:
-    """A JSON body with a number no double holds (``1e999``) or a ``NaN``/``Infinity`` is refused here:
-    NeMo Gym's servers parse it to a float they then cannot write back (a 500 from their validation
-    error reply). Any other body goes on as it came, and the server judges it."""
+def _is_form(scope: Scope) -> bool:
+    for key, value in scope.get("headers", ()):
+        if key == b"content-type":
+            return value.decode("latin-1").split(";")[0].strip().lower() in FORM_TYPES
+    return False
+
+
+def _refuse_unreadable_json(body: bytes) -> None:
+    """400 for a non-empty body that is not JSON the mesh can read and write again.
+
+    NeMo Gym's servers read a body with the standard library, which takes what no other part of the
+    mesh can handle (JSON nested 1,000 levels deep, a lone surrogate, ``NaN`` or ``1e999``), and
+    then fail with a 500 (a ``RecursionError``, or an error reply they cannot encode). Refused:
+    what orjson cannot read (invalid JSON, ``NaN``/``Infinity``, a number no double holds, nesting
+    past 1,024 levels, text that is not Unicode) and what ``refuse_unencodable`` refuses (nesting past
+    254 levels). The encodings the standard library detects (a UTF-8 byte order mark, UTF-16, UTF-32)
+    are read as it reads them; an empty body goes on as it came, and the server judges it.
+    """
+    if not body:
+        return
     try:
-        orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        if "infinity" in str(error).lower() or re.search(rb"\b(NaN|-?Infinity)\b", body):
-            raise InvalidRequest(f"the body holds a number that is not finite: {error}") from None
+        value = orjson.loads(_as_utf8(body))
+    except (orjson.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InvalidRequest(f"the request body is not JSON the mesh can read ({error})") from None
+    refuse_unencodable(value)
+
+
+def _as_utf8(body: bytes) -> bytes | str:
+    """``body`` as orjson reads it: UTF-8 without a byte order mark (else text, decoded as
+    ``json.loads`` decodes bytes; a lone surrogate stays one, for orjson to refuse)."""
+    encoding = json.detect_encoding(body)
+    if encoding == "utf-8":
+        return body
+    return body.decode(encoding, "surrogatepass")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

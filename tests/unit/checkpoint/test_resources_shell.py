@@ -10,9 +10,14 @@ Checked: the conformance suite; the declaration headers, the cookie and the memb
 exports under NeMo Gym's session id; replay verifies never block a prepare, wait verifies and tool
 calls do; seed, tool and verify calls wait while a checkpoint is open (GETs never); a restart-only
 declaration never closes admission; a cookie of another attempt is
-``stale_attempt``; the server's errors in our shape; retire frees a session only after its request
-in flight ended; checkpointing off mounts nothing and admits everything; an exported declaration
-is refused; the server's lifespan runs inside the shell's.
+``stale_attempt``; the server's errors in our shape (its 408 and 429 as ours, ``Retry-After`` kept);
+retire frees a session only after its request in flight ended; checkpointing off mounts nothing and
+admits everything; an exported declaration is refused; the server's lifespan runs inside the shell's.
+Bodies: read before admission, so a client stalled mid-body is never in flight, never holds a
+prepare, and gets 408 after ``BODY_PART_TIMEOUT_S`` (a body cut by its client leaving never reaches
+the server); a ``Content-Length`` over ``max_body_bytes`` is 413 before anything is read; a body
+the mesh cannot read or write again (nesting, a lone surrogate, ``NaN``) is 400 and never reaches
+the server, while an empty body, a form, a byte order mark or UTF-16 JSON reach it as they came.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import orjson
 import pytest
 from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict
+from starlette.types import ASGIApp, Message
 
+from nemo_gym_ckpt import server
 from nemo_gym_ckpt.config import CheckpointConfig
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.resources.shell import Declaration, ResourcesShell
@@ -75,6 +82,7 @@ class Inner:
     gates: dict[str, asyncio.Event] = field(default_factory=dict)
     waiting: list[str] = field(default_factory=list)
     lifespan: list[str] = field(default_factory=list)
+    raw_bodies: list[bytes] = field(default_factory=list)
 
     async def gate(self, what: str, row: dict[str, Any]) -> None:
         key = row.get("hold")
@@ -111,6 +119,11 @@ class Inner:
                 raise HTTPException(status_code=409, detail="cohort already evaluating")
             if body.expected_answer == "unavailable":
                 raise HTTPException(status_code=503, detail="cohort did not collect")
+            if body.expected_answer.startswith("busy-"):  # busy-<its Retry-After>
+                retry_after = body.expected_answer.removeprefix("busy-")
+                raise HTTPException(status_code=429, detail="judge busy", headers={"Retry-After": retry_after})
+            if body.expected_answer == "slow":
+                raise HTTPException(status_code=408, detail="its own body deadline")
             text = body.response["output"][0]["content"][0]["text"]
             return {**row, "reward": 1.0 if body.expected_answer in text else 0.0}
 
@@ -119,6 +132,12 @@ class Inner:
             row = await request.json()
             await self.gate("tool", row)
             return {"rewards": [3.0, 3.0]}
+
+        @app.post("/raw")
+        async def raw(request: Request) -> dict[str, Any]:
+            body = await request.body()
+            self.raw_bodies.append(body)
+            return {"bytes": len(body)}
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -136,6 +155,7 @@ class Running:
     inner: Inner
     client: httpx.AsyncClient
     control: Control
+    app: ASGIApp
 
     async def seed(self, key: str, body: dict[str, Any] | None = None) -> httpx.Response:
         reply = await self.client.post(f"/ng-rollout/{key}/seed_session", json=body or {"task": key})
@@ -154,18 +174,19 @@ class Running:
 
 
 @asynccontextmanager
-async def running(root: Path, clock: FakeClock, declaration: Declaration = STATELESS_REPLAY,
-                  *, enabled: bool = True) -> AsyncIterator[Running]:
+async def running(root: Path, clock: FakeClock, declaration: Declaration = STATELESS_REPLAY, *, enabled: bool = True,
+                  max_body_bytes: int | None = None) -> AsyncIterator[Running]:
     inner = Inner()
     shell = ResourcesShell(inner.app(), NAME, declaration)
     checkpoint = CheckpointConfig(enabled=True, control_auth_token=TOKEN, root=root, lease_grace_seconds=GRACE_S)
-    app = shell.build_app(checkpoint if enabled else None, clock=clock)
+    limit = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
+    app = shell.build_app(checkpoint if enabled else None, clock=clock, **limit)
     jar = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))  # cookies are passed explicitly, as agents do
     async with shell_lifespan(app), httpx.AsyncClient(
         transport=httpx.ASGITransport(app), base_url="http://ng", cookies=jar
     ) as client:
         pt = ParticipantUnderTest(client, TOKEN, root, now=clock.now, advance_clock=clock.advance)
-        yield Running(shell, inner, client, Control(pt))
+        yield Running(shell, inner, client, Control(pt), app)
     assert inner.lifespan == ["started", "stopped"]
 
 
@@ -196,6 +217,44 @@ class ShellHooks:
             return
         await self.on.release(key)
         assert (await asyncio.wait_for(self.pending.pop(key), WAIT_S)).status_code == 200
+
+
+class StalledClient:
+    """A POST driven message by message: the first part of its body, then nothing until ``hang_up``."""
+
+    def __init__(self, app: ASGIApp, path: str, first_part: bytes = b'{"hold": ',
+                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        self.sent: list[Message] = []
+        self.asked_for_more = asyncio.Event()
+        self.gone = asyncio.Event()
+        self._first: bytes | None = first_part
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"host", b"ng"), (b"content-type", b"application/json"), *headers],
+                 "client": ("127.0.0.1", 40000), "server": ("ng", 80)}
+        self.call = asyncio.ensure_future(app(scope, self._receive, self._send))
+
+    async def _receive(self) -> Message:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return {"type": "http.request", "body": first, "more_body": True}
+        self.asked_for_more.set()
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def _send(self, message: Message) -> None:
+        self.sent.append(message)
+
+    async def hang_up(self) -> None:
+        self.gone.set()
+        await asyncio.wait_for(self.call, WAIT_S)
+
+    async def reply(self) -> tuple[int, dict[str, Any]]:
+        """The status and body the shell answered (waited for, up to ``WAIT_S``)."""
+        await asyncio.wait_for(self.call, WAIT_S)
+        status = next(message["status"] for message in self.sent if message["type"] == "http.response.start")
+        body = b"".join(message.get("body", b"") for message in self.sent if message["type"] == "http.response.body")
+        return status, orjson.loads(body)
 
 
 def records(root: Path, directory: str, committed: dict[str, Any]) -> list[dict[str, Any]]:
@@ -323,11 +382,97 @@ async def test_the_servers_errors_come_in_our_shape(root: Path, clock: FakeClock
             (await on.verify("r1", expected_answer="conflict"), 409, "request_conflict"),
             (await on.verify("r1", expected_answer="unavailable"), 503, "unavailable"),
             (await on.client.post("/ng-rollout//verify", json={}), 400, "invalid_request"),
+            (await on.verify("r1", expected_answer="busy-7"), 429, "capacity_exceeded"),
+            (await on.verify("r1", expected_answer="busy-3600"), 429, "capacity_exceeded"),
+            (await on.verify("r1", expected_answer="busy-soon"), 429, "capacity_exceeded"),
+            (await on.verify("r1", expected_answer="slow"), 408, "request_timeout"),
         ]
         for reply, status, code in cases:
             assert (reply.status_code, reply.json()["error"]["code"]) == (status, code), reply.text
         assert "response" in cases[1][0].json()["error"]["detail"]
         assert "cohort did not collect" in cases[6][0].json()["error"]["detail"]
+        # a 429's Retry-After passed on, within the protocol's 1 to 60 s (one that is no number: 1 s)
+        assert [reply.headers.get("retry-after") for reply, _, _ in cases[8:11]] == ["7", "60", "1"]
+
+
+async def test_a_client_stalled_mid_body_holds_no_prepare_and_gets_a_408(
+        root: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with running(root, clock, Declaration("stateless", "wait")) as on:
+        stalled = StalledClient(on.app, "/ng-rollout/r1/raw", first_part=b"{}")
+        await asyncio.wait_for(stalled.asked_for_more.wait(), WAIT_S)
+        # its body is read before admission: not in flight, so nothing blocks the prepare
+        try:
+            prepared = await asyncio.wait_for(on.control.ok("prepare", checkpoint_id="c1"), WAIT_S)
+        except TimeoutError:
+            raise AssertionError("the prepare waited on a request whose body never came") from None
+        assert prepared["report"]["ready"] is True
+        assert prepared["report"]["counts"] == {"sessions": 0, "in_flight": 0, "blocking": 0}
+        await on.control.ok("resume", checkpoint_id="c1")
+        await stalled.hang_up()
+        assert on.inner.raw_bodies == []  # a body cut by its client's leaving never reaches the server
+
+        monkeypatch.setattr(server, "BODY_PART_TIMEOUT_S", 0.05)
+        status, body = await StalledClient(on.app, "/ng-rollout/r2/compare").reply()
+        assert (status, body["error"]["code"]) == (408, "request_timeout"), body
+        assert "0.05 s" in body["error"]["detail"]
+
+
+async def test_a_declared_length_over_the_limit_is_a_413_before_anything_is_read(
+        root: Path, clock: FakeClock) -> None:
+    async with running(root, clock) as on:
+        length = str(server.DEFAULT_MAX_BODY_BYTES + 1).encode()
+        declared = StalledClient(on.app, "/ng-rollout/r1/raw", headers=((b"content-length", length),))
+        try:
+            status, body = await declared.reply()
+        except TimeoutError:
+            raise AssertionError("the shell waited for a body its Content-Length refuses") from None
+        assert (status, body["error"]["code"]) == (413, "payload_too_large"), body
+        assert not declared.asked_for_more.is_set() and on.inner.raw_bodies == []
+
+
+async def test_the_body_limit_is_the_one_the_shell_is_built_with(root: Path, clock: FakeClock) -> None:
+    async with running(root, clock, max_body_bytes=4096) as on:
+        sent = await on.client.post("/ng-rollout/r1/raw", content=b'{"pad": "%s"}' % (b"x" * 5000),
+                                    headers={"content-type": "application/json", "transfer-encoding": "chunked"})
+        assert (sent.status_code, sent.json()["error"]["code"]) == (413, "payload_too_large"), sent.text
+        fits = await on.client.post("/ng-rollout/r1/raw", json={"pad": "x" * 3000})
+        assert fits.json() == {"bytes": len(fits.request.content)} and len(on.inner.raw_bodies) == 1
+
+
+UNREADABLE = {
+    "nested 5,000 deep": b'{"a":' * 5000 + b"1" + b"}" * 5000,
+    "nested 300 deep": b'{"a": ' + b"[" * 300 + b"]" * 300 + b"}",
+    "a lone surrogate escaped": b'{"expected_answer": "\\ud800"}',
+    "a lone surrogate in UTF-8": b'{"expected_answer": "\xed\xa0\x80"}',
+    "NaN": b'{"score": NaN}',
+    "not JSON": b"{nope",
+    "only spaces": b"   ",
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNREADABLE))
+async def test_a_body_the_mesh_cannot_read_or_write_again_is_a_400_the_server_never_sees(
+        root: Path, clock: FakeClock, case: str) -> None:
+    async with running(root, clock) as on:
+        reply = await on.client.post("/ng-rollout/r1/raw", content=UNREADABLE[case],
+                                     headers={"content-type": "application/json"})
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_request", reply.text
+        assert on.inner.raw_bodies == []
+
+
+async def test_bodies_a_server_reads_otherwise_reach_it_as_they_came(root: Path, clock: FakeClock) -> None:
+    passing = [
+        (b"", "application/json"),
+        (b"a=1&b=%7B", "application/x-www-form-urlencoded"),
+        (b"\xef\xbb\xbf" + b'{"a": 1}', "application/json"),  # a UTF-8 byte order mark
+        ('{"a": "\u00e9"}'.encode("utf-16"), "application/json"),
+        (b'{"big": 123456789012345678901234567890}', "application/json"),  # NeMo Gym reads it exactly
+    ]
+    async with running(root, clock) as on:
+        for content, content_type in passing:
+            reply = await on.client.post("/ng-rollout/r1/raw", content=content, headers={"content-type": content_type})
+            assert reply.json() == {"bytes": len(content)}, (content, reply.text)
+        assert on.inner.raw_bodies == [content for content, _ in passing]
 
 
 async def test_retire_frees_a_session_only_after_its_request_in_flight_ended(root: Path, clock: FakeClock) -> None:
