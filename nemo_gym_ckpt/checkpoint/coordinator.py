@@ -47,6 +47,7 @@ from nemo_gym_ckpt.checkpoint.replies import ReplyContext, reply_problem
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
 from nemo_gym_ckpt.client import CONTROL_CONNECT_S, EncodedJson, MeshClient
+from nemo_gym_ckpt.config_yaml import YamlRefused, load_yaml
 from nemo_gym_ckpt.errors import GymError, NotFound, Unavailable, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity
 
@@ -476,8 +477,8 @@ def global_config_of(content: bytes) -> Any:
         text = orjson.loads(content)
         if not isinstance(text, str):
             raise UpstreamError(f"the head's {CONFIG_ROUTE} is not a JSON string")
-        return yaml.safe_load(text)
-    except (orjson.JSONDecodeError, yaml.YAMLError) as error:
+        return load_yaml(text)
+    except (orjson.JSONDecodeError, yaml.YAMLError, YamlRefused) as error:
         raise UpstreamError(f"the head's {CONFIG_ROUTE} is not a JSON string of YAML: {error}") from None
 
 

@@ -34,7 +34,7 @@ from nemo_gym_ckpt.collect.rows import (
 )
 from nemo_gym_ckpt.collect.tasks import read_tasks, resolve_input
 from nemo_gym_ckpt.config import PROJECT_ROOT, DatasetConfig, ServerConfig, ServerRef, load_config
-from nemo_gym_ckpt.errors import StopRequested
+from nemo_gym_ckpt.errors import StopRequested, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.launch.head import global_config_yaml
 from nemo_gym_ckpt.launch.launcher import MeshLauncher
@@ -484,3 +484,10 @@ def test_a_signal_while_the_mesh_starts_stops_it_by_name_and_restores_the_handle
     assert collect._start(cast(MeshLauncher, launcher), 1.0, Path("log"), None) == ExitCode.INTERRUPTED
     assert launcher.stop_requested and f"stopped by {signum.name} before" in capsys.readouterr().err
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_a_head_config_reply_that_expands_past_the_bounds_is_an_upstream_error() -> None:
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + level)}: &{chr(98 + level)} [{', '.join([f'*{chr(97 + level)}'] * 10)}]\n" for level in range(6))
+    with pytest.raises(UpstreamError, match="not a JSON string of YAML"):
+        global_config_of(orjson.dumps(bomb))  # 10**7 values from a few hundred bytes
