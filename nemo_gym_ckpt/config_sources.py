@@ -21,9 +21,9 @@ the key.
 Bounds: each file and override is read by ``config_yaml`` (size, nesting, aliases); an override's
 key has at most ``MAX_DEPTH`` parts; directives and interpolation build at most
 ``MAX_EXPANDED_VALUES`` values by copying blocks (``${a.b}`` of a mapping, ``_copy``,
-``_inherit_from``) and ``MAX_EXPANDED_CHARS`` characters of strings (copied, or made by
-interpolation), so a few lines that name each other ten times over are refused instead of growing
-without end.
+``_inherit_from``) and ``MAX_EXPANDED_CHARS`` characters of strings made by interpolation inside
+text (a whole string copied is the same object: no cost), so a few lines that name each other ten
+times over are refused instead of growing without end.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ _RESOLVER = re.compile(r"([A-Za-z_][\w.]*):")
 MAX_EXPANDED_VALUES = 100_000
 """Values that directives, and apart from them interpolation, may build by copying blocks."""
 MAX_EXPANDED_CHARS = 16 << 20
-"""Characters of the strings that directives, and apart from them interpolation, may copy or make."""
+"""Characters of the strings that interpolation inside text (``a${x}b``) may build, in all."""
 
 Path_ = tuple[str, ...]
 Origins = dict[Path_, str]
@@ -430,7 +430,13 @@ class _Resolver:
         whole = _INTERPOLATION.fullmatch(text)
         if whole:
             return self.expression(whole[1], path)
-        return _INTERPOLATION.sub(lambda m: str(self.expression(m[1], path)), text)
+        if _INTERPOLATION.search(text) is None:
+            return text
+        built = _INTERPOLATION.sub(lambda m: str(self.expression(m[1], path)), text)
+        too_much = self.copies.built(built)
+        if too_much:
+            self.fail(f"interpolation builds {too_much} (text that names others, over and over): refused", path)
+        return built
 
     def expression(self, expr: str, path: Path_) -> Any:
         expr = expr.strip()
@@ -490,7 +496,9 @@ class _Resolver:
 
 
 class _Copies:
-    """The values and string characters copied so far (by directives, or by interpolation), one at a time."""
+    """The values copied so far (by directives, or by interpolation), one at a time, and the characters
+    of the strings that interpolation inside text built. A whole string copied is not counted as text:
+    the copy is the same string object, it costs no memory."""
 
     def __init__(self) -> None:
         self.values = 0
@@ -500,10 +508,13 @@ class _Copies:
         """Count one value copied (a container counts one: its items are counted as they are copied);
         what is too much, once the total is past a bound."""
         self.values += 1
-        if isinstance(copied, str):
-            self.chars += len(copied)
         if self.values > MAX_EXPANDED_VALUES:
             return f"more than {MAX_EXPANDED_VALUES:,} values in all"
+        return None
+
+    def built(self, text: str) -> str | None:
+        """Count a string built by interpolation inside text; what is too much, past the bound."""
+        self.chars += len(text)
         if self.chars > MAX_EXPANDED_CHARS:
             return f"more than {MAX_EXPANDED_CHARS >> 20} MiB of text in all"
         return None

@@ -142,7 +142,7 @@ def test_a_string_that_interpolation_grows_tenfold_a_level_is_refused(write: Wri
     path = write("strings.yaml", "\n".join(lines) + "\n" + server)
     error = refusal([path])  # 100 MB of text before
     assert error.file == path
-    assert f"interpolation copies more than {MAX_EXPANDED_CHARS >> 20} MiB of text" in str(error)
+    assert f"interpolation builds more than {MAX_EXPANDED_CHARS >> 20} MiB of text" in str(error)
 
 
 def test_copies_nested_past_the_recursion_limit_are_one_config_error(write: Write) -> None:
@@ -154,3 +154,11 @@ def test_copies_nested_past_the_recursion_limit_are_one_config_error(write: Writ
     path = write("nested_copies.yaml", "\n".join(lines) + "\n" + server)
     error = refusal([path])
     assert "nested too deeply" in str(error)
+
+
+def test_a_long_string_that_many_values_name_whole_is_no_copy_and_loads(write: Write) -> None:
+    prompt = "p" * 900_000  # 20 names of it, each naming the last: 18 MB counted as text, one string held
+    names = "\n".join(f"n{i}: '${{{f'n{i - 1}' if i else 'shared'}}}'" for i in range(20))
+    server = SERVER.replace("domain: knowledge", "description: '${n19}'")
+    path = write("shared.yaml", f"shared: '{prompt}'\n{names}\n{server}")
+    assert load_config([path]).raw["sm"]["resources_servers"]["string_match"]["description"] == prompt
