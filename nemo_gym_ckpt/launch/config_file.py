@@ -9,16 +9,22 @@ server process reads it once at start (``read_config_file``): a file that is gon
 stopped and removed it) or cannot be read is a ``ConfigError`` naming it.
 
 The file is not fsynced: it matters only while its launcher runs. The directory is removed when the
-mesh stops; its name carries the launcher's pid, so one left by a launcher that was SIGKILLed is
-removed by the next launcher on the host.
+mesh stops. While its launcher runs, the launcher holds an exclusive ``flock`` on the directory's
+``LOCK_NAME`` file; a directory whose lock a later launcher can take (its launcher is gone, however it
+died: the kernel drops the lock with the process) is removed by that launcher. A lock, not a pid:
+launchers in other pid namespaces (containers) sharing this temporary directory see each other's
+locks but not each other's pids. A directory gone while its launcher still runs (a temporary-file
+cleaner) is made again at the next write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +39,10 @@ CONFIG_FILE_ENV = "NEMO_GYM_CKPT_CONFIG_FILE"
 MAX_CONFIG_FILE_BYTES = 64 << 20
 """The bound on the resolved config as JSON (config files are at most 4 MiB each, copies bounded)."""
 FILE_NAME = "mesh.json"
+LOCK_NAME = "launcher.lock"
+_UNLOCKED_GRACE_S = 3600.0
+"""A directory without its lock file (a launcher killed between making it and locking it) is left
+this long before a sweep removes it."""
 _PREFIX = "ngc-mesh-config-"
 _NEW_PRIVATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
@@ -42,13 +52,20 @@ class ConfigFile:
 
     def __init__(self) -> None:
         self.directory: Path | None = None
+        self._lock_fd: int | None = None
 
     def write(self, raw: Mapping[str, Any]) -> Path:
         """Write ``raw`` (replacing what was there whole) and return the file's path."""
         data = _encoded(raw)
-        if self.directory is None:
-            _remove_stale_directories()
-            self.directory = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
+        try:
+            return self._write(data)
+        except OSError as error:
+            raise LaunchError(f"cannot write the mesh config for the servers: {error}") from None
+
+    def _write(self, data: bytes) -> Path:
+        if self.directory is None or not self.directory.is_dir():
+            self._make_directory()
+        assert self.directory is not None
         path = self.directory / FILE_NAME
         temp = path.with_suffix(".tmp")
         fd = os.open(temp, _NEW_PRIVATE, 0o600)
@@ -62,10 +79,22 @@ class ConfigFile:
             raise
         return path
 
+    def _make_directory(self) -> None:
+        """A new private directory, locked for as long as this launcher runs (``remove`` unlocks)."""
+        self.remove()
+        _remove_stale_directories()
+        directory = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
+        fd = os.open(directory / LOCK_NAME, _NEW_PRIVATE, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new, so no one else holds it
+        self.directory, self._lock_fd = directory, fd
+
     def remove(self) -> None:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def _encoded(raw: Mapping[str, Any]) -> bytes:
@@ -80,21 +109,28 @@ def _encoded(raw: Mapping[str, Any]) -> bytes:
 
 
 def _remove_stale_directories() -> None:
-    """The directories of launchers that are gone (a SIGKILLed one cannot remove its own)."""
-    for stale in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*"):
-        pid = stale.name.removeprefix(_PREFIX).partition("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
+    """The directories of launchers that are gone (a SIGKILLed one cannot remove its own): those whose
+    lock can be taken, and those never locked that are older than ``_UNLOCKED_GRACE_S``."""
+    for directory in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*"):
+        with contextlib.suppress(OSError):  # another user's, or removed meanwhile: not ours to judge
+            _remove_if_stale(directory)
 
 
-def _alive(pid: int) -> bool:
+def _remove_if_stale(directory: Path) -> None:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
+        fd = os.open(directory / LOCK_NAME, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        if time.time() - directory.stat().st_mtime > _UNLOCKED_GRACE_S:
+            shutil.rmtree(directory, ignore_errors=True)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # its launcher runs
+        shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 def read_config_file(path: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ past that cap with its size."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -39,7 +40,8 @@ def test_the_config_is_written_whole_to_a_private_file_and_read_back() -> None:
         assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
         assert read_config_file(str(path)) == RAW
         assert handoff.write({"other": 1}) == path and read_config_file(str(path)) == {"other": 1}
-        assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+        names = sorted(p.name for p in path.parent.iterdir())
+        assert names == sorted([path.name, config_file.LOCK_NAME])  # no temporary file left
     finally:
         handoff.remove()
     assert not path.parent.exists()
@@ -68,18 +70,50 @@ def test_a_config_over_the_bound_is_refused_by_the_launcher(monkeypatch: pytest.
         ConfigFile().write(RAW)
 
 
+_DIES_HOLDING_ITS_DIRECTORY = (
+    "import os, sys; from nemo_gym_ckpt.launch.config_file import ConfigFile; "
+    "print(ConfigFile().write({'a': 1}).parent, flush=True); os._exit(0)"  # as if SIGKILLed: no remove
+)
+
+
 def test_the_directory_of_a_launcher_that_is_gone_is_removed_by_the_next(private_tmp: Path) -> None:
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True, timeout=30)
-    stale = private_tmp / f"ngc-mesh-config-{gone.stdout.strip()}-abc"
-    live = private_tmp / f"ngc-mesh-config-{os.getpid()}-def"
-    for directory in (stale, live):
-        directory.mkdir()
-        (directory / "mesh.json").write_text("{}")
+    died = subprocess.run([sys.executable, "-c", _DIES_HOLDING_ITS_DIRECTORY], capture_output=True, text=True,
+                          check=True, timeout=60, env={**os.environ, "TMPDIR": str(private_tmp)})
+    stale = Path(died.stdout.strip())
+    assert stale.parent == private_tmp and stale.exists()
+    running = ConfigFile()
+    live = running.write(RAW).parent
+    assert not stale.exists()  # its launcher is gone: its lock with it
     handoff = ConfigFile()
     handoff.write(RAW)
     handoff.remove()
-    assert not stale.exists() and live.exists()
+    assert live.exists()  # this one's launcher runs
+    running.remove()
+
+
+def test_a_running_launchers_directory_is_kept_whatever_pid_its_name_carries(private_tmp: Path) -> None:
+    """A launcher in another pid namespace (a container sharing the temporary directory) has a pid
+    that means nothing here: its lock, not its pid, says it runs."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True, timeout=30).stdout.strip()
+    running = ConfigFile()
+    own = running.write(RAW).parent
+    elsewhere = own.with_name(f"ngc-mesh-config-{dead}-elsewhere")
+    own.rename(elsewhere)  # what a launcher of another pid namespace would have made
+    handoff = ConfigFile()
+    handoff.write(RAW)
+    handoff.remove()
+    assert elsewhere.exists()
+    running.remove()
+
+
+def test_a_directory_removed_while_its_launcher_runs_is_made_again(private_tmp: Path) -> None:
+    handoff = ConfigFile()
+    first = handoff.write(RAW)
+    shutil.rmtree(first.parent)  # a temporary-file cleaner, say
+    again = handoff.write(RAW)
+    assert read_config_file(str(again)) == RAW
+    handoff.remove()
 
 
 # ---- NeMo Gym's servers read it from one environment variable: refused past Linux's cap ----------
