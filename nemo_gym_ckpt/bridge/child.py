@@ -48,14 +48,13 @@ from nemo_gym_ckpt.bridge.global_config import (
     WORKER_ENV,
     nemo_gym_config_env_value,
 )
-from nemo_gym_ckpt.checkpoint.otlp import install_telemetry
+from nemo_gym_ckpt.checkpoint.otlp import flush_telemetry_at_shutdown, install_telemetry
 from nemo_gym_ckpt.config import CheckpointConfig, NemoGymServerConfig, TelemetryConfig
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.launch.child import (
     PARENT_ENV,
     UVICORN_SETTINGS,
     exit_orphaned,
-    flush_telemetry_at_shutdown,
     read_mesh_dict,
     watch_parent,
 )

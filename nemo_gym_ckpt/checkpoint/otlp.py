@@ -27,13 +27,22 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from fastapi import FastAPI
 from opentelemetry import metrics, trace
 
 from nemo_gym_ckpt.checkpoint.telemetry import open_span_groups
 from nemo_gym_ckpt.config import TelemetryConfig
 from nemo_gym_ckpt.errors import ConfigError
+from nemo_gym_ckpt.server import close_on_shutdown
 
-__all__ = ["EXPORT_TIMEOUT_S", "EXTRA", "SHUTDOWN_DEADLINE_S", "Exporting", "install_telemetry"]
+__all__ = [
+    "EXPORT_TIMEOUT_S",
+    "EXTRA",
+    "SHUTDOWN_DEADLINE_S",
+    "Exporting",
+    "flush_telemetry_at_shutdown",
+    "install_telemetry",
+]
 
 EXTRA = "otel"
 """The optional extra that brings the SDK and the OTLP exporter: ``pip install 'nemo-gym-ckpt[otel]'``."""
@@ -181,3 +190,9 @@ def _missing_sdk(config: TelemetryConfig) -> str | None:
         except ImportError as error:
             return str(error)
     return None
+
+
+def flush_telemetry_at_shutdown(app: FastAPI, exporting: Exporting | None) -> FastAPI:
+    """``app`` with the exporters' final flush chained into its shutdown (``Exporting.aclose``: bounded,
+    so a hung OTLP endpoint never holds the server's stop); ``app`` as it is when telemetry is off."""
+    return app if exporting is None else close_on_shutdown(app, exporting.aclose)

@@ -24,7 +24,7 @@ from typing import cast
 
 import uvicorn
 
-from nemo_gym_ckpt.checkpoint.otlp import Exporting, install_telemetry
+from nemo_gym_ckpt.checkpoint.otlp import Exporting, flush_telemetry_at_shutdown, install_telemetry
 from nemo_gym_ckpt.checkpoint.worker_hub import COORDINATOR_ENV, start_coordinator
 from nemo_gym_ckpt.cli.exit_codes import ExitCode
 from nemo_gym_ckpt.config import MeshConfig, ServerInstance
@@ -35,7 +35,6 @@ from nemo_gym_ckpt.launch.child import (
     UVICORN_SETTINGS,
     build_app,
     exit_orphaned,
-    flush_telemetry_at_shutdown,
     load_mesh,
     watch_parent,
 )

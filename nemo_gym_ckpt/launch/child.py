@@ -30,7 +30,6 @@ from typing import Any, cast
 
 from fastapi import FastAPI
 
-from nemo_gym_ckpt.checkpoint.otlp import Exporting
 from nemo_gym_ckpt.config import MeshConfig, load_config_dict
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import ConfigError
@@ -48,7 +47,6 @@ __all__ = [
     "bridge_command",
     "build_app",
     "exit_orphaned",
-    "flush_telemetry_at_shutdown",
     "load_mesh",
     "read_mesh_dict",
     "watch_parent",
@@ -95,12 +93,6 @@ def build_app(mesh: MeshConfig, name: str) -> FastAPI:
     if hasattr(app.state, "body_limit"):  # an app of nemo_gym_ckpt.server.create_app
         set_max_body_bytes(app, instance.settings.max_body_bytes)
     return close_on_shutdown(app, ctx.aclose)  # our servers close it already; a server of yours may not
-
-
-def flush_telemetry_at_shutdown(app: FastAPI, exporting: Exporting | None) -> FastAPI:
-    """``app`` with the exporters' final flush chained into its shutdown (``Exporting.aclose``: bounded,
-    so a hung OTLP endpoint never holds the server's stop); ``app`` as it is when telemetry is off."""
-    return app if exporting is None else close_on_shutdown(app, exporting.aclose)
 
 
 def bridge_command(python: str, root: Path, instance: str) -> list[str]:
