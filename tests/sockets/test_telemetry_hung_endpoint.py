@@ -67,7 +67,8 @@ def test_the_final_flush_gives_up_at_its_deadline(endpoint: str) -> None:
     done = _run_case(endpoint, "shutdown")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "gave up", done.stdout
-    assert "gave up flushing traces and metrics" in done.stderr, done.stderr[-2000:]
+    # the traces' flush is stuck; the metrics' own shutdown is told the deadline and may end by itself
+    assert "telemetry: gave up flushing traces" in done.stderr, done.stderr[-2000:]
 
 
 def test_a_process_that_never_shut_telemetry_down_exits_at_once(endpoint: str) -> None:
