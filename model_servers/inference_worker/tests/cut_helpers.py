@@ -126,12 +126,19 @@ async def complete_under(http: httpx.AsyncClient, capture_key: str, body: dict[s
 
 
 class GatedEngine(Engine):
-    """``inner`` behind the engine interface; each token waits for the gate while it is closed."""
+    """``inner`` behind the engine interface; each token waits for the gate while it is closed.
 
-    def __init__(self, inner: Engine) -> None:
+    With ``apart`` each generation waits on a gate of its own (``release_nth``), so a test decides
+    which generation a token goes to; otherwise all share one gate and a token goes to whichever
+    generation asks first.
+    """
+
+    def __init__(self, inner: Engine, *, apart: bool = False) -> None:
         super().__init__(policy_version=inner.policy_version)
         self.inner = inner
         self.gate = asyncio.Semaphore(0)
+        self.apart = apart
+        self.own_gates: list[asyncio.Semaphore] = []
         self.open = False
         self.admitted: list[GenerationRequest] = []
 
@@ -153,19 +160,36 @@ class GatedEngine(Engine):
         for _ in range(tokens):
             self.gate.release()
 
+    def release_nth(self, index: int, tokens: int) -> None:
+        """Let ``tokens`` more tokens of the ``index``-th admitted generation through (``apart``)."""
+        for _ in range(tokens):
+            self.own_gates[index].release()
+
+    async def until_admitted(self, count: int) -> None:
+        """Until ``count`` generations reached the engine (bounded)."""
+        async with asyncio.timeout(WAIT_S):
+            while len(self.admitted) < count:
+                await asyncio.sleep(0.005)
+
     def open_gate(self) -> None:
         """Let every further token through."""
         self.open = True
         self.release(1_000_000)
+        for gate in self.own_gates:
+            gate.release()  # the one token a waiting generation asks for; the next ones pass open
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenStep, None]:
+        gate = self.gate
+        if self.apart:
+            gate = asyncio.Semaphore(0)
+            self.own_gates.append(gate)
         self.admitted.append(request)
         steps = self.inner.generate(request)
         try:
             async for step in steps:
                 if not self.open:
                     async with asyncio.timeout(WAIT_S):
-                        await self.gate.acquire()
+                        await gate.acquire()
                 yield step
         finally:
             await steps.aclose()

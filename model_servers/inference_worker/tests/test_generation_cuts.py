@@ -94,11 +94,14 @@ async def test_a_finished_generation_is_cut_as_a_terminal_completion(
 async def test_tickets_without_a_cuttable_generation_are_durable_failures(
     worker_client: WorkerClient, tmp_path: Path
 ) -> None:
-    engine = GatedEngine(ScriptedEngine.from_text("abcdefghijkl"))
+    engine = GatedEngine(ScriptedEngine.from_text("abcdefghijkl"), apart=True)
     async with worker_client(engine, checkpoint=True, staging_dir=str(tmp_path)) as http:
         constrained = start_under(http, "r1", {**BODY, "model_call": model_call("mc_c", constrained=True)})
+        await engine.until_admitted(1)
         waiting = start_under(http, "r2", {**BODY, "model_call": model_call("mc_w")})
-        engine.release(2)
+        await engine.until_admitted(2)
+        engine.release_nth(0, 1)  # one token each (a shared gate let the first take both)
+        engine.release_nth(1, 1)
         await until_tokens(http, "mc_c", 1)
         await until_tokens(http, "mc_w", 1)
         body = cut_body("c1", ("t-none", "r3", 0, "mc_nobody"), ("t-other", "r9", 0, "mc_w"),
