@@ -1,11 +1,15 @@
 """Redacting the secrets of a config before the head server serves it.
 
 A key is *secret* (``is_secret_key``) when its last word, after ``-``, ``.``, spaces and camelCase
-become ``_``, names a credential: ``token``, ``key``, ``secret``, ``password``, ``passwd``,
-``passphrase``, ``credential``, ``authorization``, ``auth``, ``cookie``, ``headers`` (and the plurals
-and joined forms, ``apiKey``, ``api_keys``, ``hf_tokens``). A token of a tokenizer is none
-(``eos_token``, ``pad_token``, ``abstention_token``), nor is a count or a list of ids (``max_tokens``,
-``token_ids``, ``tokenizer``) or a single header (``prompt_header``).
+become ``_``, names a credential: ``token``, ``secret``, ``password``, ``passwd``, ``passphrase``,
+``credential``, ``authorization``, ``auth``, ``cookie``, ``headers`` (and the plurals and joined
+forms, ``apikey``, ``hf_tokens``). A token of a tokenizer is none (``eos_token``, ``pad_token``,
+``abstention_token``), nor is a count or a list of ids (``max_tokens``, ``token_ids``,
+``tokenizer``) or a single header (``prompt_header``). ``key`` is secret alone, and ``key`` or
+``keys`` after a word that makes it a credential (``api_key``, ``X-Api-Key``, ``secret_key``,
+``AWS_SECRET_ACCESS_KEY``, ``private_key``, ``api_keys``) or names a service that issues one
+(``hf_key``, ``openai_key``, ``wandb_key``); any other ``*_key`` names a field, a column or a
+setting (``answer_key``, ``label_key``, ``sort_key``, ``primary_key``) and is served as it is.
 
 ``redacted`` replaces the whole value of a secret key (a string, a list, a mapping) by ``REDACTED``,
 a ``true``/``false`` switch excepted. In every other string it replaces each known secret (what
@@ -27,18 +31,27 @@ __all__ = ["REDACTED", "is_secret_key", "redacted", "secret_values"]
 
 REDACTED = "<redacted>"
 _SECRET_WORDS = frozenset({
-    "token", "key", "secret", "secrets", "password", "passwords", "passwd", "passphrase", "credential",
+    "token", "secret", "secrets", "password", "passwords", "passwd", "passphrase", "credential",
     "credentials", "headers", "authorization", "auth", "cookie", "cookies", "apikey", "apikeys",
-    "apitoken", "apitokens", "authtoken", "accesstoken", "bearer",
+    "apitoken", "apitokens", "authtoken", "accesstoken", "bearer", "secretkey", "accesskey", "privatekey",
 })
 _AUTHORIZATION_WORDS = frozenset({"authorization", "auth"})
 """The last words of a key whose value may be ``Scheme credential`` (``Bearer sk-...``)."""
-_PLURALS = frozenset({"keys", "tokens"})
+_QUALIFIED_WORDS = frozenset({"key", "keys", "tokens"})
+"""Last words that name a credential only after a word that says so (``api_key``, ``hf_tokens``)."""
 _CREDENTIAL_QUALIFIERS = frozenset({
     "api", "auth", "access", "refresh", "bearer", "session", "secret", "private", "hf", "hub", "client",
-    "service", "signing", "encryption", "ssh", "bot", "personal", "user", "admin", "master",
+    "service", "signing", "encryption", "ssh", "bot", "personal", "user", "admin", "master", "license",
+    "subscription", "hmac", "jwt", "account", "deploy", "gpg", "pgp",
 })
-"""Words before ``keys``/``tokens`` that make the plural credentials (``api_keys``; not ``max_tokens``)."""
+_KEY_ISSUERS = frozenset({
+    "openai", "anthropic", "azure", "aws", "gcp", "google", "gemini", "cohere", "mistral", "groq", "together",
+    "wandb", "ngc", "nvidia", "nvapi", "huggingface", "github", "gitlab", "slack",
+})
+"""Services whose name before ``key`` means their credential (``openai_key``, ``wandb_key``)."""
+_KEY_QUALIFIERS = _CREDENTIAL_QUALIFIERS | _KEY_ISSUERS
+"""Words before ``key``/``keys``/``tokens`` that make them credentials (``api_key``, ``api_keys``,
+``openai_key``; not ``answer_key``, ``max_tokens``)."""
 _VOCABULARY_QUALIFIERS = frozenset({
     "eos", "bos", "pad", "unk", "sep", "cls", "mask", "eot", "eom", "boi", "eoi", "special", "start",
     "end", "stop", "begin", "think", "image", "video", "audio", "placeholder", "abstention",
@@ -59,16 +72,18 @@ precedes, so linear."""
 def is_secret_key(key: object) -> bool:
     """Whether a config key names a secret: ``api_key``, ``hf-token``, ``X-Api-Key``, ``api_keys``,
     ``Authorization``, ``client_secret``, ``otlp_headers``, ``password``... (``max_tokens``,
-    ``eos_token``, ``prompt_header`` are not)."""
+    ``eos_token``, ``prompt_header``, ``answer_key`` are not)."""
     words = _words(key)
     if not words:
         return False
     last, before = words[-1], words[-2] if len(words) > 1 else ""
     if last == "token":
         return before not in _VOCABULARY_QUALIFIERS
+    if last == "key" and not before:
+        return True  # a bare ``key``: nothing says it is anything but a credential
     if last in _SECRET_WORDS:
         return True
-    return last in _PLURALS and before in _CREDENTIAL_QUALIFIERS
+    return last in _QUALIFIED_WORDS and before in _KEY_QUALIFIERS
 
 
 def secret_values(value: Any) -> frozenset[str]:

@@ -94,6 +94,26 @@ def test_every_secret_key_of_the_old_redaction_and_the_new_spellings_are_redacte
     assert all(is_secret_key(key) for key in ("X-Api-Key", "Authorization", "Proxy-Authorization", "Cookie"))
 
 
+def test_a_key_that_names_a_field_is_served_and_its_value_is_kept_in_other_strings() -> None:
+    block = {
+        "answer_key": "expected_answer", "label_key": "gold_label_column", "sort_key": "problem_id",
+        "primary_key": "task_identifier", "input_key": "question",
+        "prompt": "Compare the reply with the expected_answer column; ties go by problem_id.",
+    }
+    assert _served({"verifier": dict(block)})["verifier"] == block
+    assert not any(is_secret_key(key) for key in ("answer_key", "answerKey", "label-key", "cache_key", "keys"))
+
+
+def test_keys_named_for_a_credential_or_its_issuer_stay_redacted() -> None:
+    secrets = {
+        "access_key": "AKIA" + "A" * 16, "AWS_SECRET_ACCESS_KEY": "w" * 40, "private_key": "-----BEGIN " + "x" * 30,
+        "ssh_key": "ssh-ed25519 " + "y" * 30, "openai_key": "sk-" + "o" * 30, "wandb_key": "z" * 40,
+        "X-Api-Key": "xk-" + "m" * 30, "client-key": "ck-" + "n" * 30, "secretkey": "j" * 30,
+    }
+    got = _served({"block": {**secrets, "note": f"the key is {secrets['openai_key']}"}})
+    assert got["block"] == {**dict.fromkeys(secrets, REDACTED), "note": f"the key is {REDACTED}"}
+
+
 def test_an_authorization_headers_credential_is_redacted_wherever_it_is_copied() -> None:
     config = {
         "model": {"default_headers": {"Authorization": f"Bearer {HEADER_TOKEN}", "Accept": "text/plain"},
