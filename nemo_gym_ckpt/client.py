@@ -59,6 +59,7 @@ __all__ = [
     "TransportName",
     "decode_json",
     "raise_for_error",
+    "retry_after_seconds",
     "with_rollout_prefix",
 ]
 
@@ -596,12 +597,13 @@ def raise_for_error(response: httpx.Response) -> None:
         body = None
     error = error_from_body(response.status_code, body)
     if isinstance(error, Overloaded):
-        error.fields["retry_after_s"] = _retry_after(response.headers.get("retry-after"))
+        error.fields["retry_after_s"] = retry_after_seconds(response.headers.get("retry-after"))
     raise error
 
 
-def _retry_after(value: str | None) -> float:
-    """A ``Retry-After`` in seconds, bounded to 1-60 (1 when missing or not a number)."""
+def retry_after_seconds(value: str | None) -> float:
+    """A peer's ``Retry-After`` in seconds, bounded to 1-60 (1 when missing or not a number of
+    seconds: an HTTP date is not read)."""
     try:
         seconds = float(value) if value is not None else 1.0
     except ValueError:

@@ -22,13 +22,21 @@ it), with the token fields stripped from the messages. Without token capture a c
   renders history differently), they cannot be kept: the chat path runs on the server's tokenization
   and a warning says so.
 
-Streaming is served by replaying the finished reply. Without token ids, the ledger digests are
+All the upstream requests of one call (tokenizations and the generation) share one deadline,
+``request_timeout_s``. An upstream 429 (a rate limit: nothing of the request was started) is sent
+again after its ``Retry-After`` (bounded to 1-60 s, 1 s when missing or not a number) while that
+wait ends within the deadline, as worker mode does (``resend.admitted``); one the deadline leaves
+no room for is answered 429 ``capacity_exceeded`` with a ``Retry-After``, never 502.
+
+Streaming is served by replaying the finished reply (every upstream request is made before the
+stream starts, so a 429 is never met after it). Without token ids, the ledger digests are
 those of the messages sent and of the reply, and a derived seed (``ChatCall.seed_scope``) comes
 from the messages' digest.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator
 from typing import Any, TypeVar
@@ -48,6 +56,7 @@ from model_servers.policy_model.generation import (
     ToolCall,
 )
 from model_servers.policy_model.ids import call_seed, digest_of, object_id, sha256_of
+from model_servers.policy_model.resend import admitted
 from model_servers.policy_model.token_splice import known_prefix
 from model_servers.policy_model.tool_calls import ParsedTurn, parse_turn
 from model_servers.policy_model.upstream_replies import (
@@ -60,14 +69,23 @@ from model_servers.policy_model.upstream_replies import (
     completion_ids,
     parsed,
 )
-from nemo_gym_ckpt.client import MeshClient
-from nemo_gym_ckpt.errors import GymError, InvalidRequest, Unavailable, UpstreamError, UpstreamTimeout
+from nemo_gym_ckpt.client import MeshClient, retry_after_seconds
+from nemo_gym_ckpt.errors import (
+    GymError,
+    InvalidRequest,
+    Overloaded,
+    Unavailable,
+    UpstreamError,
+    UpstreamTimeout,
+)
 
 __all__ = ["UpstreamBackend"]
 
 logger = logging.getLogger(__name__)
 
 _CLIENT_FAULT = frozenset({400, 413, 422})
+_TOO_MANY_REQUESTS = 429
+_UPSTREAM = "the upstream model server"
 #: What a chat asks for to get token ids back from vLLM (as NeMo Gym's vllm_model asks).
 VLLM_TOKEN_REQUEST = {"logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True,
                       "return_token_ids": True}
@@ -97,14 +115,22 @@ class UpstreamBackend:
     async def start(self) -> None:
         """Nothing to load: the external server renders and tokenizes."""
 
-    async def _post(self, url: str, body: dict[str, Any], model: type[Reply], what: str) -> Reply:
+    def _deadline(self) -> float:
+        """The deadline of a call's upstream requests, their resends included (event-loop time)."""
+        return asyncio.get_running_loop().time() + self._timeout_s
+
+    async def _post(self, url: str, body: dict[str, Any], model: type[Reply], what: str, deadline: float) -> Reply:
+        """One upstream request, sent again after each 429 while the deadline leaves room to wait."""
+        response = await admitted(lambda left_s: self._send(url, body, left_s), deadline, _UPSTREAM)
+        return parsed(model, response, what)
+
+    async def _send(self, url: str, body: dict[str, Any], timeout_s: float) -> httpx.Response:
         response = await self._client.request(
-            "POST", url, json=body, headers=self._headers, rollout_prefix=False, check=False,
-            timeout_s=self._timeout_s,
+            "POST", url, json=body, headers=self._headers, rollout_prefix=False, check=False, timeout_s=timeout_s,
         )
         if response.status_code >= 400:
             raise _upstream_error(response)
-        return parsed(model, response, what)
+        return response
 
     # ---- bodies ----------------------------------------------------------------------------------
 
@@ -133,67 +159,72 @@ class UpstreamBackend:
 
     # ---- the server's tokenizer ------------------------------------------------------------------
 
-    async def _tokenize_chat(self, call: ChatCall, messages: list[dict[str, Any]]) -> list[int]:
+    async def _tokenize_chat(self, call: ChatCall, messages: list[dict[str, Any]], deadline: float) -> list[int]:
         body: dict[str, Any] = {"model": self._model, "messages": messages}
         if call.tools:
             body["tools"] = call.tools
-        return (await self._post(f"{self._root}/tokenize", body, TokenizeReply, "tokenization")).tokens
+        return (await self._post(f"{self._root}/tokenize", body, TokenizeReply, "tokenization", deadline)).tokens
 
-    async def _tokenize_text(self, text: str) -> list[int]:
+    async def _tokenize_text(self, text: str, deadline: float) -> list[int]:
         body = {"model": self._model, "prompt": text, "add_special_tokens": False}
-        return (await self._post(f"{self._root}/tokenize", body, TokenizeReply, "tokenization")).tokens
+        return (await self._post(f"{self._root}/tokenize", body, TokenizeReply, "tokenization", deadline)).tokens
 
-    async def _detokenize(self, ids: list[int]) -> str:
+    async def _detokenize(self, ids: list[int], deadline: float) -> str:
         body = {"model": self._model, "tokens": ids}
-        return (await self._post(f"{self._root}/detokenize", body, DetokenizeReply, "detokenization")).prompt
+        reply = await self._post(f"{self._root}/detokenize", body, DetokenizeReply, "detokenization", deadline)
+        return reply.prompt
 
-    async def _spliced(self, known: list[int], tokenized: list[int]) -> list[int] | None:
+    async def _spliced(self, known: list[int], tokenized: list[int], deadline: float) -> list[int] | None:
         """The known ids, then the server's ids of the rendered text after theirs; None if their text
         does not start the rendered prompt."""
-        known_text, text = await self._detokenize(known), await self._detokenize(tokenized)
+        known_text, text = await self._detokenize(known, deadline), await self._detokenize(tokenized, deadline)
         if not text.startswith(known_text):
             return None
         rest = text[len(known_text) :]
-        return [*known, *(await self._tokenize_text(rest) if rest else [])]
+        return [*known, *(await self._tokenize_text(rest, deadline) if rest else [])]
 
     # ---- calls -----------------------------------------------------------------------------------
 
     async def complete(self, call: ChatCall) -> ChatResult:
         messages = self._messages(call)
+        deadline = self._deadline()
         candidates = _known_candidates(call) if call.want_tokens else []
         if not candidates:
-            return await self._chat(call, messages, None, None)
-        tokenized = await self._tokenize_chat(call, messages)
+            return await self._chat(call, messages, None, None, deadline)
+        tokenized = await self._tokenize_chat(call, messages, deadline)
         kept = next((ids for ids in candidates if tokenized[: len(ids)] == ids), None)
         if kept is not None:
-            return await self._chat(call, messages, tokenized, kept)
+            return await self._chat(call, messages, tokenized, kept, deadline)
         for known in candidates:
-            spliced = await self._spliced(known, tokenized)
+            spliced = await self._spliced(known, tokenized, deadline)
             if spliced is not None:
-                return await self._completion(call, messages, spliced)
+                return await self._completion(call, messages, spliced, deadline)
         logger.warning("known token ids (%s) do not decode to the start of the rendered prompt; generating from "
                        "the upstream server's tokenization", ", ".join(str(len(ids)) for ids in candidates))
-        return await self._chat(call, messages, tokenized, None)
+        return await self._chat(call, messages, tokenized, None, deadline)
 
     async def _chat(
         self, call: ChatCall, messages: list[dict[str, Any]], tokenized: list[int] | None, kept: list[int] | None,
+        deadline: float,
     ) -> ChatResult:
         reply = await self._post(f"{self._base}/chat/completions", self._chat_body(call, messages), ChatReply,
-                                 "chat completion")
+                                 "chat completion", deadline)
         capture = None
         if call.want_tokens:
             capture = chat_capture(reply, tokenized)
             if capture is None:
-                capture = chat_capture(reply, await self._tokenize_chat(call, messages))
+                capture = chat_capture(reply, await self._tokenize_chat(call, messages, deadline))
             assert capture is not None
             if kept is not None and capture.prompt_token_ids[: len(kept)] != kept:
                 raise UpstreamError("the upstream model server tokenized the known ids of earlier turns again")
         return _chat_result(reply, capture, messages)
 
-    async def _completion(self, call: ChatCall, messages: list[dict[str, Any]], prompt: list[int]) -> ChatResult:
+    async def _completion(
+        self, call: ChatCall, messages: list[dict[str, Any]], prompt: list[int], deadline: float,
+    ) -> ChatResult:
         body = {**self._sampling(call, messages), "prompt": prompt, "logprobs": 0, "return_token_ids": True,
                 "return_tokens_as_token_ids": True}
-        reply = await self._post(f"{self._base}/completions", body, CompletionReply, "completion")
+        reply = await self._post(f"{self._base}/completions", body, CompletionReply, "completion", deadline)
         choice = reply.choices[0]
         if choice.prompt_token_ids is not None and choice.prompt_token_ids != prompt:
             raise UpstreamError("the upstream model server answered for a prompt other than the one sent")
@@ -225,7 +256,9 @@ def _known_candidates(call: ChatCall) -> list[list[int]]:
 
 
 def _upstream_error(response: httpx.Response) -> GymError:
-    detail = f"the upstream model server answered {response.status_code}: {_error_message(response)}"
+    detail = f"{_UPSTREAM} answered {response.status_code}: {_error_message(response)}"
+    if response.status_code == _TOO_MANY_REQUESTS:  # a rate limit: nothing of the request started
+        return Overloaded(detail, retry_after_s=retry_after_seconds(response.headers.get("retry-after")))
     if response.status_code in _CLIENT_FAULT:
         return InvalidRequest(detail)
     if response.status_code == 503:

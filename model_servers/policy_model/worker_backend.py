@@ -14,8 +14,9 @@ made again by the rollout's next attempt samples the same tokens.
 A worker that holds all the completions it may (``max_waiting_requests``) refuses the call up
 front (429 ``capacity_exceeded``: nothing of it exists there); the very same request is sent again
 after the reply's ``Retry-After``, as the collector sends a refused ``/run`` again, until the call's
-deadline (``request_timeout_s``, one for all the tries) leaves no room for another wait: a call of a
-rollout that has started is not failed for want of the worker's capacity, only for want of time.
+deadline (``request_timeout_s``, one for all the tries) leaves no room for another wait
+(``resend.admitted``): a call of a rollout that has started is not failed for want of the
+worker's capacity, only for want of time.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
@@ -41,18 +42,19 @@ from model_servers.policy_model.generation import (
     ToolCall,
 )
 from model_servers.policy_model.ids import call_seed, digest_of, object_id, sha256_of
+from model_servers.policy_model.resend import admitted
 from model_servers.policy_model.sse_reader import read_sse_json
 from model_servers.policy_model.text_cut import ContentStreamer, cut_at_markers
 from model_servers.policy_model.token_splice import known_prefix, prompt_ids
 from model_servers.policy_model.tool_calls import TOOL_CALL_OPEN, ParsedTurn, parse_turn
 from nemo_gym_ckpt.client import MeshClient, decode_json
-from nemo_gym_ckpt.errors import InternalError, InvalidRequest, Overloaded, UpstreamError
+from nemo_gym_ckpt.errors import InternalError, InvalidRequest, UpstreamError
 
 __all__ = ["WorkerBackend"]
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+_WORKER = "the inference worker"
 
 
 class _WorkerLogprobs(BaseModel):
@@ -203,8 +205,8 @@ class WorkerBackend:
         prompt_digest = sha256_of(prompt)
         body = self._body(call, prompt, prompt_digest, stream=False)
         deadline = asyncio.get_running_loop().time() + self._timeout_s
-        response = await _admitted(
-            lambda left_s: self._client.request("POST", self._url, json=body, timeout_s=left_s), deadline)
+        response = await admitted(
+            lambda left_s: self._client.request("POST", self._url, json=body, timeout_s=left_s), deadline, _WORKER)
         choice, policy_version = _choice_of(decode_json(response), "completion")
         generated = _Generated()
         generated.add(choice, policy_version, prompt)
@@ -216,8 +218,8 @@ class WorkerBackend:
         deadline = asyncio.get_running_loop().time() + self._timeout_s
         body = self._body(call, prompt, prompt_digest, stream=True)
         async with contextlib.AsyncExitStack() as stack:
-            response = await _admitted(lambda left_s: stack.enter_async_context(
-                self._client.stream("POST", self._url, json=body, timeout_s=left_s)), deadline)
+            response = await admitted(lambda left_s: stack.enter_async_context(
+                self._client.stream("POST", self._url, json=body, timeout_s=left_s)), deadline, _WORKER)
             yield StreamStarted(digest_of(prompt))
             markers = self._markers(call) + ([TOOL_CALL_OPEN] if call.parse_tool_calls else [])
             streamer = ContentStreamer(markers)
@@ -232,21 +234,6 @@ class WorkerBackend:
         if rest:
             yield TextDelta(rest)
         yield result
-
-
-async def _admitted(send: Callable[[float], Awaitable[T]], deadline: float) -> T:
-    """``send(seconds left)``, sent again after the ``Retry-After`` of each up-front refusal
-    (``Overloaded``) while that wait ends before ``deadline``; a refusal it does not is raised."""
-    loop = asyncio.get_running_loop()
-    while True:
-        try:
-            return await send(deadline - loop.time())
-        except Overloaded as refused:
-            if loop.time() + refused.retry_after_s >= deadline:
-                raise
-            logger.info("the inference worker refused a call up front (%s); sending it again in %g s",
-                        refused.detail, refused.retry_after_s)
-            await asyncio.sleep(refused.retry_after_s)
 
 
 def _seed(call: ChatCall, prompt_digest: str) -> int | None:
