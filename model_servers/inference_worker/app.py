@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from model_servers.inference_worker.admission import DEFAULT_MAX_WAITING, Admission, Held
+from model_servers.inference_worker.admission import DEFAULT_MAX_WAITING, Admission
 from model_servers.inference_worker.chat_completions import ChatCompletionRequest, ChatView
 from model_servers.inference_worker.chat_prompt import chat_prompt
 from model_servers.inference_worker.completions import (
@@ -68,6 +68,7 @@ from nemo_gym_ckpt.errors import GymError, InvalidRequest, NotFound, Unavailable
 from nemo_gym_ckpt.identity import current_identity
 from nemo_gym_ckpt.server import close_on_shutdown, sse_event
 from nemo_gym_ckpt.server import create_app as create_app_base
+from nemo_gym_ckpt.slots import Slot
 
 __all__ = ["Config", "EngineFactory", "PolicyVersionBody", "create_app", "load_engine", "staging_dir"]
 
@@ -270,7 +271,7 @@ class _HeldStream(StreamingResponse):
     """A streamed reply that keeps its completion's place in the worker until it ends, however it
     ends (its generator may never start when the client is gone before the first byte)."""
 
-    def __init__(self, content: AsyncIterator[bytes], held: Held) -> None:
+    def __init__(self, content: AsyncIterator[bytes], held: Slot) -> None:
         super().__init__(content, media_type="text/event-stream")
         self._held = held
 

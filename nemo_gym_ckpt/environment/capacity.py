@@ -7,40 +7,34 @@ and a rollout that fails midway is lost work. So an environment runs at most
 ``max_rollouts_in_flight`` ``/run`` calls at once and refuses the next one with 429
 ``capacity_exceeded`` and ``Retry-After``, before it reads the body: no state exists anywhere for a
 refused rollout, and the caller sends the very same request again later (the collector does).
-``None`` lifts the limit.
+``None`` lifts the limit. The count and its slots are the library's (``nemo_gym_ckpt/slots.py``),
+shared with the inference worker's admission; what is the environment's own is the bound's name and
+the refusal's words.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-from nemo_gym_ckpt.errors import Overloaded
+from nemo_gym_ckpt.slots import Slot, Slots
 
 __all__ = ["DEFAULT_MAX_ROLLOUTS", "RolloutCapacity"]
 
 DEFAULT_MAX_ROLLOUTS = 4096
 
 
-class RolloutCapacity:
+class RolloutCapacity(Slots):
     """Counts the ``/run`` calls in flight; ``admitted`` refuses one past the limit."""
 
     def __init__(self, limit: int | None, retry_after_s: float = 1.0) -> None:
-        if limit is not None and limit < 1:
-            raise ValueError("max_rollouts_in_flight must be >= 1 (or null: no limit)")
-        self.limit = limit
-        self.retry_after_s = retry_after_s
-        self.in_flight = 0
-        self.refused = 0
+        super().__init__(
+            limit, retry_after_s, limit_name="max_rollouts_in_flight",
+            refusal=f"this environment runs {limit} rollouts at once (max_rollouts_in_flight); "
+                    "nothing was started: send it again later",
+        )
 
-    @contextmanager
-    def admitted(self) -> Iterator[None]:
-        if self.limit is not None and self.in_flight >= self.limit:
-            self.refused += 1
-            raise Overloaded(f"this environment runs {self.limit} rollouts at once (max_rollouts_in_flight); "
-                             "nothing was started: send it again later", retry_after_s=self.retry_after_s)
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
+    @property
+    def in_flight(self) -> int:
+        return self.held
+
+    def admitted(self) -> Slot:
+        """A ``/run`` call's slot, for a ``with`` block: given back when the call is done."""
+        return self.take()

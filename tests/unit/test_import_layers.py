@@ -25,7 +25,7 @@ SERVER_FOLDERS = ("model_servers", "agents", "environment_servers", "resources_s
 FIRST_PARTY = (LIBRARY, *SERVER_FOLDERS, "tests")
 GROUND = frozenset(
     {"errors", "identity", "config", "config_sources", "config_yaml", "client", "server", "context", "capture",
-     "canonical", "responses", "echoes", "bounds",
+     "canonical", "responses", "echoes", "bounds", "slots",
      "aggregate_metrics"}
 )
 
