@@ -9,7 +9,9 @@ forms, ``apikey``, ``hf_tokens``). A token of a tokenizer is none (``eos_token``
 ``keys`` after a word that makes it a credential (``api_key``, ``X-Api-Key``, ``secret_key``,
 ``AWS_SECRET_ACCESS_KEY``, ``private_key``, ``api_keys``) or names a service that issues one
 (``hf_key``, ``openai_key``, ``wandb_key``); any other ``*_key`` names a field, a column or a
-setting (``answer_key``, ``label_key``, ``sort_key``, ``primary_key``) and is served as it is.
+setting (``answer_key``, ``label_key``, ``sort_key``, ``primary_key``) and is served as it is,
+unless its value has a credential's shape (one word of 20 or more characters holding letters and
+digits: ``foo_key: sk-...``), which is redacted like a secret key's.
 
 ``redacted`` replaces the whole value of a secret key (a string, a list, a mapping) by ``REDACTED``,
 a ``true``/``false`` switch excepted. In every other string it replaces each known secret (what
@@ -58,6 +60,9 @@ _VOCABULARY_QUALIFIERS = frozenset({
 })
 """Words before ``token`` that make it a token of a tokenizer's vocabulary (``eos_token``), no secret."""
 _HOST_WORD = "host"
+_CREDENTIAL_SHAPE = re.compile(r"(?=\S*[A-Za-z])(?=\S*[0-9])\S{20,}")
+"""A value a ``*_key`` of no credential word is still redacted for: one word of 20 or more characters
+with letters and digits (an access token's shape; ``expected_answer``, ``problem_id`` are not)."""
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _SEPARATORS = re.compile(r"[^a-z0-9]+")
 _MIN_EMBEDDED = 8
@@ -86,6 +91,18 @@ def is_secret_key(key: object) -> bool:
     return last in _QUALIFIED_WORDS and before in _KEY_QUALIFIERS
 
 
+def _is_secret_item(key: object, value: Any) -> bool:
+    """Whether ``key: value`` holds a secret: a secret key, or a field's ``*_key`` whose value has a
+    credential's shape."""
+    if is_secret_key(key):
+        return True
+    words = _words(key)
+    if len(words) < 2 or words[-1] not in ("key", "keys"):
+        return False
+    strings = _held_strings(value, scheme_first=False)
+    return any(_CREDENTIAL_SHAPE.fullmatch(text.strip()) for text in strings)
+
+
 def secret_values(value: Any) -> frozenset[str]:
     """The strings held directly under a secret key anywhere in ``value`` (or in a list held there),
     and the credential alone of an authorization value ``Scheme credential``: the strings ``redacted``
@@ -93,7 +110,7 @@ def secret_values(value: Any) -> frozenset[str]:
     found: set[str] = set()
     if isinstance(value, Mapping):
         for key, item in value.items():
-            if is_secret_key(key):
+            if _is_secret_item(key, item):
                 found |= _held_strings(item, scheme_first=_words(key)[-1] in _AUTHORIZATION_WORDS)
             found |= secret_values(item)
     elif isinstance(value, list):
@@ -153,7 +170,7 @@ def _redacted(value: Any, secrets: _KnownSecrets) -> Any:
 
 
 def _redacted_item(key: object, value: Any, secrets: _KnownSecrets) -> Any:
-    if is_secret_key(key) and _holds_secret(value):
+    if _is_secret_item(key, value) and _holds_secret(value):
         return REDACTED
     if isinstance(value, str) and _words(key)[-1:] == [_HOST_WORD]:
         return value  # an address, never a secret: discovery builds each server's URL from it
