@@ -19,9 +19,11 @@ loopback, see docs/benchmarks.md) or ``httpx`` (httpcore). Behaviour the rest of
   each of its lines is at most ``max_stream_line_bytes`` (``DEFAULT_MAX_STREAM_LINE_BYTES``, 64 MiB);
 - cookies are never stored: a call sends only the cookies it is given (a session cookie of one
   rollout must never ride along on another rollout's call);
-- failures are mapped here, once: transport errors become ``Unavailable`` or ``UpstreamTimeout``,
-  any other httpx error (a body that does not decode as its ``content-encoding`` says) ``UpstreamError``,
-  a peer's ``{"error": ...}`` reply becomes the matching ``GymError`` class: no httpx error leaves it;
+- failures are mapped here, once (``_client_error``), the same wherever the client meets them (sending,
+  reading a reply, opening or reading a stream): a connection not made or lost and any other transport
+  failure become ``Unavailable``, a read, write or pool timeout ``UpstreamTimeout``, any other httpx
+  error (a body that does not decode as its ``content-encoding`` says) ``UpstreamError``; a peer's
+  ``{"error": ...}`` reply becomes the matching ``GymError`` class: no httpx error leaves the client;
 - ``reserved(n)`` is a client with a connection pool of its own (``n`` connections) for control
   calls, so they never queue behind the data calls that hold this client's connections (a client
   over a given transport, such as an in-process one, shares that transport: it has no pool).
@@ -36,12 +38,20 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
+from types import TracebackType
 from typing import Any, Literal
 
 import httpx
 import orjson
 
-from nemo_gym_ckpt.errors import Overloaded, Unavailable, UpstreamError, UpstreamTimeout, error_from_body
+from nemo_gym_ckpt.errors import (
+    Overloaded,
+    PeerError,
+    Unavailable,
+    UpstreamError,
+    UpstreamTimeout,
+    error_from_body,
+)
 from nemo_gym_ckpt.identity import ROLLOUT_PREFIX, RolloutIdentity, current_identity
 
 __all__ = [
@@ -308,33 +318,30 @@ class MeshClient:
         request = self._http.build_request(method, url, content=content, headers=headers, timeout=timeout)
         if cookies:
             request.headers["cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
+        call = f"{method} {url}"
+        async with _AsClientErrors(call):
+            response = await self._send_unless_unsent(request, call, timeout)  # read below, within its bound
+            try:  # the reply's headers arrived: whatever fails now, the request was sent
+                await _read_bounded(response, self.max_reply_bytes, call)
+            finally:
+                await response.aclose()
+        return response
+
+    async def _send_unless_unsent(
+        self, request: httpx.Request, call: str, timeout: httpx.Timeout | None,
+    ) -> httpx.Response:
+        """Send ``request`` and wait for its reply's headers. A connect failure that proves the request
+        never went out is ``_NotSent`` (``_SlowConnect`` when not made within ``timeout``), so it may be
+        sent again; every other failure is left to ``_AsClientErrors``."""
         try:
-            response = await self._http.send(request, stream=True)  # read below, within its bound
+            return await self._http.send(request, stream=True)
         except (httpx.ConnectTimeout, httpx.ConnectError) as error:
             cause = _aiohttp_error(error)
-            name = type(cause or error).__name__
             if not _never_sent(cause):  # the peer may have the whole request: never "not sent"
-                raise Unavailable(f"{method} {url}: {name}: {error}") from error
+                raise
             if timeout is not None and _connect_timed_out(error, cause):
-                raise _SlowConnect(f"{method} {url}: no connection within {timeout.connect:g} s") from error
-            raise _NotSent(f"{method} {url}: {name}: {error}") from error
-        except httpx.TimeoutException as error:
-            raise UpstreamTimeout(f"{method} {url}: {type(error).__name__}") from error
-        except httpx.TransportError as error:
-            raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
-        except httpx.HTTPError as error:
-            raise _unusable(f"{method} {url}", error) from error
-        try:  # the reply's headers arrived: whatever fails now, the request was sent
-            await _read_bounded(response, self.max_reply_bytes, f"{method} {url}")
-        except httpx.TimeoutException as error:
-            raise UpstreamTimeout(f"{method} {url}: {type(error).__name__}") from error
-        except httpx.TransportError as error:
-            raise Unavailable(f"{method} {url}: {type(error).__name__}: {error}") from error
-        except httpx.HTTPError as error:
-            raise _unusable(f"{method} {url}", error) from error
-        finally:
-            await response.aclose()
-        return response
+                raise _SlowConnect(f"{call}: no connection within {timeout.connect:g} s") from error
+            raise _NotSent(_failure_text(call, error)) from error
 
     async def post_json(self, url: str, json: Any = None, **kwargs: Any) -> Any:
         """POST and decode the JSON reply (errors raised as ``GymError``)."""
@@ -385,28 +392,65 @@ class MeshClient:
 
     async def _send_stream(self, request: httpx.Request, deadline: float, limit: float, call: str) -> httpx.Response:
         """Send a streamed call and wait for its reply's headers until ``deadline`` (loop time)."""
-        try:
-            async with asyncio.timeout_at(deadline):
-                return await self._http.send(request, stream=True)
-        except TimeoutError:
-            raise UpstreamTimeout(f"{call}: no reply within {limit:g} s") from None
-        except httpx.TransportError as error:
-            raise Unavailable(f"{call}: {type(error).__name__}: {error}") from error
-        except httpx.HTTPError as error:
-            raise _unusable(call, error) from error
+        async with _AsClientErrors(call, deadline, f"no reply within {limit:g} s"):
+            response = await self._http.send(request, stream=True)
+        return response
 
 
 async def _read_error_reply(response: httpx.Response, deadline: float, limit: float, call: str) -> None:
     """Read a streamed call's error reply whole, within ``deadline`` and ``MAX_ERROR_REPLY_BYTES``."""
-    try:
-        async with asyncio.timeout_at(deadline):
-            await _read_bounded(response, MAX_ERROR_REPLY_BYTES, call)
-    except TimeoutError:
-        raise UpstreamTimeout(f"{call}: its {response.status_code} reply was not read within {limit:g} s") from None
-    except httpx.TransportError as error:
-        raise Unavailable(f"{call}: {type(error).__name__}: {error}") from error
-    except httpx.HTTPError as error:
-        raise _unusable(call, error) from error
+    async with _AsClientErrors(call, deadline, f"its {response.status_code} reply was not read within {limit:g} s"):
+        await _read_bounded(response, MAX_ERROR_REPLY_BYTES, call)
+
+
+class _AsClientErrors:
+    """A block whose httpx failures are raised as the client's errors (``_client_error``); with a
+    ``deadline`` (loop time) it runs within it, and past it is ``UpstreamTimeout`` (``late`` says what
+    was late). A class, not a generator: it wraps each chunk a stream reads."""
+
+    __slots__ = ("_call", "_late", "_timeout")
+
+    def __init__(self, call: str, deadline: float | None = None, late: str = "") -> None:
+        self._call, self._late = call, late
+        self._timeout = None if deadline is None else asyncio.timeout_at(deadline)
+
+    async def __aenter__(self) -> None:
+        if self._timeout is not None:
+            await self._timeout.__aenter__()
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                        traceback: TracebackType | None) -> None:
+        if self._timeout is not None:
+            try:
+                await self._timeout.__aexit__(kind, error, traceback)
+            except TimeoutError as late:  # the deadline passed: the block was cancelled
+                error = late
+            if isinstance(error, TimeoutError):
+                raise UpstreamTimeout(f"{self._call}: {self._late}") from None
+        if isinstance(error, httpx.HTTPError):
+            raise _client_error(self._call, error) from error
+
+
+def _client_error(call: str, error: httpx.HTTPError) -> PeerError:
+    """The client's error for an httpx failure, wherever the client meets it: the one mapping.
+
+    A connection not made or lost (``ConnectError``, ``ConnectTimeout``: httpx-aiohttp reports every
+    aiohttp connection error as the latter) and any other transport failure is ``Unavailable``; a
+    read, write or pool timeout is ``UpstreamTimeout``; any other httpx error is ``UpstreamError``: the
+    peer answered, but unusably (``DecodingError``: a body that is not what its ``content-encoding``
+    says; ``TooManyRedirects``)."""
+    if isinstance(error, httpx.TimeoutException) and not isinstance(error, httpx.ConnectTimeout):
+        return UpstreamTimeout(f"{call}: {type(error).__name__}")
+    if isinstance(error, httpx.TransportError):
+        return Unavailable(_failure_text(call, error))
+    return UpstreamError(f"{call}: {type(error).__name__}: {error}")
+
+
+def _failure_text(call: str, error: httpx.TransportError) -> str:
+    """A transport failure's detail; a connection failure is named by the aiohttp error behind it, if
+    any (httpx-aiohttp's ``ConnectTimeout`` may stand for a disconnect or a reset)."""
+    cause = _aiohttp_error(error) if isinstance(error, httpx.ConnectTimeout | httpx.ConnectError) else None
+    return f"{call}: {type(cause or error).__name__}: {error}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,6 +482,7 @@ class _BoundedBody(httpx.AsyncByteStream):
         self._inner = response.stream
         self._bounds = bounds
         self._call = call
+        self._late = f"its stream was not read within {bounds.seconds:g} s"
         self._status = response.status_code
         self._total = 0
         self._open_line = 0
@@ -456,20 +501,9 @@ class _BoundedBody(httpx.AsyncByteStream):
         await self._inner.aclose()
 
     async def _next(self, chunks: AsyncIterator[bytes]) -> bytes | None:
-        try:
-            async with asyncio.timeout_at(self._bounds.deadline):
-                return await anext(chunks)
-        except StopAsyncIteration:
-            return None
-        except TimeoutError:
-            raise UpstreamTimeout(f"{self._call}: its stream was not read within "
-                                  f"{self._bounds.seconds:g} s") from None
-        except httpx.TimeoutException as error:
-            raise UpstreamTimeout(f"{self._call}: {type(error).__name__}") from error
-        except httpx.TransportError as error:
-            raise Unavailable(f"{self._call}: {type(error).__name__}: {error}") from error
-        except httpx.HTTPError as error:
-            raise _unusable(self._call, error) from error
+        async with _AsClientErrors(self._call, self._bounds.deadline, self._late):
+            chunk = await anext(chunks, None)
+        return chunk
 
     def _count(self, chunk: bytes) -> None:
         self._total += len(chunk)
@@ -508,12 +542,6 @@ def _longest_line(open_line: int, chunk: bytes, limit: int) -> tuple[int, int]:
 
 def _longer_than_bound(call: str, what: str, limit: int) -> UpstreamError:
     return UpstreamError(f"{call}: {what} is longer than the client's bound of {limit} bytes")
-
-
-def _unusable(call: str, error: httpx.HTTPError) -> UpstreamError:
-    """An httpx failure that is neither a timeout nor a transport's: the peer answered, but unusably
-    (``DecodingError``: a body that is not what its ``content-encoding`` says; ``TooManyRedirects``)."""
-    return UpstreamError(f"{call}: {type(error).__name__}: {error}")
 
 
 def _aiohttp_error(error: BaseException) -> BaseException | None:
