@@ -262,6 +262,8 @@ class MeshClient:
         all_headers = {"content-type": "application/json"} if content is not None else {}
         all_headers.update(headers or {})
         deadline_s = self.timeout_s if timeout_s is None else timeout_s
+        if deadline_s <= 0:  # a caller's one deadline already spent (an earlier call of it took all)
+            raise UpstreamTimeout(f"{method} {url} was not sent: its call's deadline had passed")
         try:
             async with asyncio.timeout(deadline_s):
                 response = await self._send_with_retries(method, url, content, all_headers, cookies, retry)

@@ -118,3 +118,13 @@ def _causes(error: BaseException) -> list[BaseException]:
         chain.append(link)
         link = link.__cause__
     return chain
+
+
+async def test_a_call_whose_deadline_has_passed_says_so_and_never_reaches_the_peer() -> None:
+    reached: list[httpx.Request] = []
+    transport = httpx.MockTransport(lambda request: reached.append(request) or httpx.Response(200, json={}))
+    async with MeshClient(transport=transport, backoff_s=0.0, retries=0) as client:
+        with pytest.raises(UpstreamTimeout) as raised:
+            await client.request("POST", URL, json={}, timeout_s=-1.5)
+    assert raised.value.detail == f"{CALL} was not sent: its call's deadline had passed"
+    assert reached == []
