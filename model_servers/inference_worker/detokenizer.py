@@ -22,13 +22,17 @@ SentencePiece's metaspace and byte fallback, WordPiece, characters, transformers
 spaces (``tests/test_incremental_text.py`` compares them with decoding all the ids). A run of ids
 whose text keeps ending in U+FFFD (bytes that never form a character) stays in the window, and
 costs as before.
+
+The inference worker builds its replies' text with it (``completions``), and the policy model its
+streamed content (``model_servers/policy_model/text_cut.py``): anything with a tokenizer's
+``decode`` (``TokenDecoder``) will do.
 """
 
 from __future__ import annotations
 
 from collections import deque
-
-from model_servers.inference_worker.engine import EngineTokenizer
+from collections.abc import Sequence
+from typing import Protocol
 
 __all__ = [
     "CONTEXT_CHARS",
@@ -37,6 +41,7 @@ __all__ = [
     "RECENT_CHARS",
     "REPLACEMENT_CHAR",
     "IncrementalDetokenizer",
+    "TokenDecoder",
 ]
 
 #: Settled ids decoded again with each new one, as the decoder's context: at least this many...
@@ -54,6 +59,12 @@ RECENT_CHARS = 4096
 KEPT_CHARS = 1024
 
 
+class TokenDecoder(Protocol):
+    """What the detokenizer needs of a tokenizer: the text of a list of ids."""
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool) -> str: ...
+
+
 class IncrementalDetokenizer:
     """The text ``tokenizer.decode(ids, skip_special_tokens=...)`` of the ids given to ``add``.
 
@@ -61,7 +72,7 @@ class IncrementalDetokenizer:
     ``text_from`` near the end (``KEPT_CHARS``) cost what they return, not the length of the text.
     """
 
-    def __init__(self, tokenizer: EngineTokenizer, *, skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: TokenDecoder, *, skip_special_tokens: bool) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = []

@@ -57,8 +57,9 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tokenizer.decode(list(ids), skip_special_tokens=False))
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``; special tokens are kept unless asked otherwise."""
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
 
 def _token_text(value: Any) -> str | None:

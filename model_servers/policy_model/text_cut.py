@@ -5,26 +5,37 @@ includes the stop token in its ids) or a caller's stop string. While streaming, 
 released only when it cannot turn out to be part of a marker or of a tool-call block: text from
 the first ``<tool_call>`` on waits for the final parse, and a tail that could still grow into a
 marker (``<|en`` before ``<|end|>``), or an incomplete UTF-8 character, is held back.
+
+A stream costs time linear in its length: its text is decoded incrementally (the inference
+worker's ``IncrementalDetokenizer``), and each chunk looks only at the characters it may have
+changed (markers are searched from ``len(longest marker) - 1`` before them) and at those not yet
+sent. The deltas are exactly those of decoding all the ids and reading all the text at every chunk.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["ContentStreamer", "cut_at_markers"]
+from model_servers.inference_worker.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, TokenDecoder
 
-_REPLACEMENT = "\ufffd"
+__all__ = ["ContentStreamer", "cut_at_markers"]
 
 
 def cut_at_markers(text: str, markers: Sequence[str]) -> str:
     """``text`` up to the earliest occurrence of any non-empty marker."""
-    cut = len(text)
-    for marker in markers:
-        if marker:
-            found = text.find(marker)
-            if 0 <= found < cut:
-                cut = found
-    return text[:cut]
+    found = _earliest_marker(text, markers)
+    return text if found is None else text[:found]
+
+
+def _earliest_marker(text: str, markers: Sequence[str]) -> int | None:
+    """Where the earliest non-empty marker begins in ``text`` (``None``: nowhere)."""
+    found = [index for index in (text.find(marker) for marker in markers if marker) if index >= 0]
+    return min(found, default=None)
+
+
+def _common_prefix_length(first: str, second: str) -> int:
+    size = min(len(first), len(second))
+    return next((index for index in range(size) if first[index] != second[index]), size)
 
 
 def _held_tail(text: str, markers: Sequence[str]) -> int:
@@ -39,29 +50,89 @@ def _held_tail(text: str, markers: Sequence[str]) -> int:
 
 
 class ContentStreamer:
-    """Turns the growing decoded text of one generation into content deltas that never retract."""
+    """Turns the ids of one generation, chunk by chunk, into content deltas that never retract.
 
-    def __init__(self, markers: Sequence[str]) -> None:
+    Each delta is what the content seen whole (the text of all the ids so far, cut at the earliest
+    marker, less a tail that may become a marker, less trailing U+FFFD) adds to what was sent, or
+    nothing when that content no longer starts with what was sent.
+    """
+
+    def __init__(self, tokenizer: TokenDecoder, markers: Sequence[str]) -> None:
+        self._text = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
         self._markers = [marker for marker in markers if marker]
-        self.emitted = ""
+        self._longest = max((len(marker) for marker in self._markers), default=1)
+        self._cut: int | None = None  # where the earliest marker begins in the text
+        self._visible = 0  # where the visible text (before its U+FFFD are stripped) ended last chunk
+        self._sent: list[str] = []  # the deltas sent
+        self._sent_length = 0
+        self._agree = 0  # the length of the common prefix of the text and the sent content
 
-    def feed(self, text: str) -> str:
-        """The new safe content given the whole decoded text so far ("" if nothing new)."""
-        return self._advance(self._safe(text))
+    @property
+    def emitted(self) -> str:
+        """All the content sent so far."""
+        if len(self._sent) > 1:
+            self._sent[:] = ["".join(self._sent)]
+        return "".join(self._sent)
+
+    def add(self, ids: Sequence[int]) -> str:
+        """Take one chunk's ids; returns the new safe content ("" if nothing new)."""
+        if not ids:
+            return ""
+        unchanged = min([self._text.add(token_id) for token_id in ids])
+        self._compare_sent(unchanged)
+        visible = self._visible_end(unchanged)
+        if visible == self._visible and visible <= unchanged:  # the same visible text as last chunk
+            return ""
+        self._visible = visible
+        return self._advance(visible)
 
     def finish(self, content: str) -> str:
-        """The rest of the final content after everything already emitted."""
-        return self._advance(content)
-
-    def _safe(self, text: str) -> str:
-        visible = cut_at_markers(text, self._markers)
-        if len(visible) == len(text):
-            visible = visible[: len(visible) - _held_tail(visible, self._markers)]
-        return visible.rstrip(_REPLACEMENT)
-
-    def _advance(self, visible: str) -> str:
-        if not visible.startswith(self.emitted):
+        """The rest of the final content after everything already sent."""
+        sent = self.emitted
+        if not content.startswith(sent):
             return ""
-        delta = visible[len(self.emitted) :]
-        self.emitted = visible
+        delta = content[len(sent) :]
+        self._sent[:] = [content]
+        self._sent_length = self._agree = len(content)
+        return delta
+
+    def _compare_sent(self, unchanged: int) -> None:
+        """Keep ``_agree`` for the new text, whose first ``unchanged`` characters are the old ones'."""
+        if self._agree < unchanged or unchanged >= self._sent_length:
+            return  # a difference within the unchanged text stays; a sent content within it still agrees
+        size = self._sent_length - unchanged
+        text = self._text.text_from(unchanged)[:size]
+        self._agree = unchanged + _common_prefix_length(text, self._sent_suffix(size))
+
+    def _sent_suffix(self, size: int) -> str:
+        """The last ``size`` characters of the sent content."""
+        parts: list[str] = []
+        for piece in reversed(self._sent):
+            if size <= 0:
+                break
+            parts.append(piece[-size:])
+            size -= len(piece)
+        return "".join(reversed(parts))
+
+    def _visible_end(self, unchanged: int) -> int:
+        """Where the text is cut: at the earliest marker, else before a tail that may become one."""
+        start = max(0, unchanged - self._longest + 1)  # a marker found now ends past ``unchanged``
+        if self._cut is None or self._cut >= start:
+            found = _earliest_marker(self._text.text_from(start), self._markers)
+            self._cut = None if found is None else start + found
+        if self._cut is not None:
+            return self._cut
+        length = len(self._text)
+        end = self._text.text_from(max(0, length - self._longest + 1))
+        return length - _held_tail(end, self._markers)
+
+    def _advance(self, visible: int) -> str:
+        """Send the visible text past what was sent, less trailing U+FFFD, if it starts with it."""
+        if self._agree < self._sent_length or visible <= self._sent_length:
+            return ""
+        delta = self._text.text_from(self._sent_length)[: visible - self._sent_length].rstrip(REPLACEMENT_CHAR)
+        if delta:
+            self._sent.append(delta)
+            self._sent_length += len(delta)
+            self._agree = self._sent_length
         return delta

@@ -5,7 +5,9 @@ The prompt is rendered with the model's chat template and sent to the worker's
 the caller sent back, or after a restore those the ledger restored from the token sidecar).
 The worker answers the generated ids (the eos token included) and their logprobs; this server
 decodes them itself, keeping special tokens, because the tool-call tags are added tokens that a
-text reply could drop or alter. Content ends at the eos text or a stop string.
+text reply could drop or alter. Content ends at the eos text or a stop string. A stream's text is
+decoded as its ids come (``text_cut.ContentStreamer``), a few ids per token, not all of them again
+at every chunk.
 
 A call that comes without a seed but with a ``seed_scope`` (a rollout-scoped call while
 checkpointing is on) is sent with ``ids.call_seed(rollout id, prompt digest)``, so the same call
@@ -222,11 +224,12 @@ class WorkerBackend:
                 self._client.stream("POST", self._url, json=body, timeout_s=left_s)), deadline, _WORKER)
             yield StreamStarted(digest_of(prompt))
             markers = self._markers(call) + ([TOOL_CALL_OPEN] if call.parse_tool_calls else [])
-            streamer = ContentStreamer(markers)
+            streamer = ContentStreamer(self.format, markers)
             generated = _Generated()
             async for event in read_sse_json(response, deadline):
-                generated.add(*_choice_of(event, "stream chunk"), prompt)
-                delta = streamer.feed(self.format.decode(generated.ids))
+                choice, policy_version = _choice_of(event, "stream chunk")
+                generated.add(choice, policy_version, prompt)
+                delta = streamer.add(choice.token_ids)
                 if delta:
                     yield TextDelta(delta)
         result = self._result(call, prompt, prompt_digest, generated)

@@ -1,8 +1,8 @@
 """A scripted inference worker: the worker's ``/v1/completions`` contract, with chosen outputs.
 
 Each call takes the next scripted reply (``default`` once the script is empty): text to
-"generate" (one id per character, the eos token appended unless the script says the model ran
-on), or an error to answer. It honours ``max_tokens`` (cut, ``finish_reason: "length"``), answers
+"generate" (one id per character, or the ids scripted; the eos token appended unless the script
+says the model ran on), or an error to answer. It honours ``max_tokens`` (cut, ``finish_reason: "length"``), answers
 token ids, logprobs and the prompt ids, streams one SSE chunk per token, and records every request
 body and rollout capture key. A reply may signal ``started`` when the call reaches the worker and
 wait for ``gate`` (a generation in flight): a whole reply before it answers, a stream after its
@@ -44,6 +44,7 @@ GATE_S = 10.0
 class Generate:
     text: str
     eos: bool = True
+    token_ids: tuple[int, ...] | None = None  # these ids instead of one per character of ``text``
     error_after: int | None = None  # streaming: send this many tokens, then an error event
     started: asyncio.Event | None = None  # set when the call reaches the worker
     gate: asyncio.Event | None = None  # generation waits for it (a stream: after its first token)
@@ -190,7 +191,10 @@ class ScriptedWorker:
     def _generation(self, reply: Generate, max_tokens: int) -> tuple[list[int], str]:
         # one id per character, tags included: the same text as a fresh encoding (which would merge
         # each tag into one id) but other ids, as a model may produce; re-tokenizing them would show
-        ids = [self.fmt.encode(char)[0] for char in reply.text]
+        if reply.token_ids is not None:
+            ids = list(reply.token_ids)
+        else:
+            ids = [self.fmt.encode(char)[0] for char in reply.text]
         ids += [self.fmt.encode(self.fmt.eos_text)[0]] if reply.eos else []
         if len(ids) > max_tokens:
             return ids[:max_tokens], "length"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from model_servers.policy_model.text_cut import ContentStreamer, cut_at_markers
+from model_servers.policy_model.text_cut import cut_at_markers
 from model_servers.policy_model.tool_calls import ParsedCall, parse_turn
 
 pytestmark = pytest.mark.unit
@@ -64,34 +64,3 @@ def test_cut_at_the_earliest_marker() -> None:
     assert cut_at_markers("abc<|end|>", [END]) == "abc"
     assert cut_at_markers("one STOP two<|end|>", [END, "STOP"]) == "one "
     assert cut_at_markers("plain", [END, ""]) == "plain"
-
-
-def test_streamer_holds_back_what_could_become_a_marker() -> None:
-    streamer = ContentStreamer([END, CALL_OPEN])
-    assert streamer.feed("Hel") == "Hel"
-    assert streamer.feed("Hello <|e") == "lo "  # "<|e" might be the start of <|end|>
-    assert streamer.feed("Hello <|ex") == "<|ex"  # it was not
-    assert streamer.feed("Hello <|ex<|end|>") == ""
-    assert streamer.finish("Hello <|ex") == ""
-    assert streamer.emitted == "Hello <|ex"
-
-
-def test_streamer_stops_at_a_tool_call_and_finishes_with_the_parsed_content() -> None:
-    streamer = ContentStreamer([END, CALL_OPEN])
-    assert streamer.feed("Sure<tool_") == "Sure"
-    assert streamer.feed('Sure<tool_call>{"name"') == ""
-    assert streamer.finish("Sure, after") == ", after"
-    assert streamer.emitted == "Sure, after"
-
-
-def test_streamer_holds_an_incomplete_character() -> None:
-    streamer = ContentStreamer([END])
-    assert streamer.feed("caf\ufffd") == "caf"
-    assert streamer.feed("café") == "é"
-
-
-def test_streamer_never_retracts() -> None:
-    streamer = ContentStreamer([END])
-    assert streamer.feed("abc") == "abc"
-    assert streamer.finish("xyz") == ""
-    assert streamer.emitted == "abc"
