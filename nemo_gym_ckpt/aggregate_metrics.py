@@ -20,10 +20,17 @@ of NeMo Gym's model:
 - ``perf_summary``: ``None`` (this mesh has no per-rollout ``ng_perf`` records).
 
 A numeric field is a top-level key not starting with ``_`` whose value is a finite number (a boolean
-counts as 0 or 1), or a number in ``response.usage``. Standard deviations are sample deviations
-(n - 1); one value has none, except that a group where no field has two values reports 0 for the
-fields every rollout carries (NeMo Gym's rule). Rows with ``mask_sample: true`` are left out of
-every statistic and counted under ``coverage/...`` keys instead.
+counts as 0 or 1; an integer past the float range is left out, like ``inf``), or a number in
+``response.usage``. Standard deviations are sample deviations (n - 1); one value has none, except
+that a group where no field has two values reports 0 for the fields every rollout carries (NeMo
+Gym's rule). Rows with ``mask_sample: true`` are left out of every statistic and counted under
+``coverage/...`` keys instead.
+
+Values near the float limit never make it fail: means, medians and quantiles are taken so that they
+cannot overflow (the mean of ``[1e308, 1e308]`` is ``1e308``), and a statistic whose value is past
+the float range (the standard deviation of ``[1.7e308, -1.7e308]``, the interval built on it) is
+``None``. NeMo Gym's pandas statistics overflow to ``inf`` there, which its JSON reply carries as
+``null``: the same keys, with a finite mean where one exists.
 
 ``mount_aggregate_metrics(app)`` serves it: ``POST /aggregate_metrics`` with NeMo Gym's body
 ``{"verify_responses": [row, ...]}`` (at most ``MAX_VERIFY_RESPONSES`` rows; anything else is 400).
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -67,13 +75,14 @@ _NOT_METRICS = frozenset({TASK_INDEX, ROLLOUT_INDEX, "_ng_attempt_index", "sampl
                           "num_repeats", "token_usage_version"})
 
 Numbers = dict[str, float | int]
+Stats = dict[str, float | int | None]
 
 
 def _number(value: Any) -> float | int | None:
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int):
-        return value
+        return value if abs(value) <= sys.float_info.max else None
     if isinstance(value, float) and math.isfinite(value):
         return value
     return None
@@ -122,32 +131,64 @@ def _columns(rows: Iterable[Numbers]) -> list[str]:
     return list(seen)
 
 
+def _mean(values: Sequence[float | int]) -> float:
+    """The mean; finite for any finite values (``fmean``'s running sum overflows near the float limit)."""
+    try:
+        return statistics.fmean(values)
+    except OverflowError:
+        return math.fsum(value / len(values) for value in values)
+
+
+def _median(values: Sequence[float | int]) -> float | int:
+    """The median; finite for any finite values (the two middle ones halved first if their sum overflows)."""
+    median = statistics.median(values)
+    if math.isfinite(median):
+        return median
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle - 1] / 2 + ordered[middle] / 2
+
+
+def _stdev(values: Sequence[float | int]) -> float:
+    """The sample standard deviation (n - 1); ``inf`` when it is past the float range."""
+    try:
+        return statistics.stdev(values)
+    except OverflowError:
+        return math.inf
+
+
 def _sample_std(values: Sequence[float | int]) -> float | None:
-    return statistics.stdev(values) if len(values) > 1 else None
+    return _stdev(values) if len(values) > 1 else None
 
 
-def _describe(rows: Sequence[Numbers]) -> dict[str, Any]:
+def _reported(stats: Mapping[str, float | int | None]) -> Stats:
+    """``stats`` with every statistic that is not a finite float (past the float range) as ``None``."""
+    return {name: None if isinstance(value, float) and not math.isfinite(value) else value
+            for name, value in stats.items()}
+
+
+def _describe(rows: Sequence[Numbers]) -> Stats:
     """``<stat>/<field>`` for every field of ``rows`` (NeMo Gym's per-group description)."""
     columns = _columns(rows)
     values = {column: [row[column] for row in rows if column in row] for column in columns}
     stds = {column: _sample_std(values[column]) for column in columns}
     if all(std is None for std in stds.values()):
         stds = {column: 0.0 if len(values[column]) == len(rows) else None for column in columns}
-    described: dict[str, Any] = {}
+    described: dict[str, float | int | None] = {}
     for stat in _BASIC_STATS:
         for column in columns:
             data = values[column]
             if stat == "mean":
-                described[f"mean/{column}"] = statistics.fmean(data)
+                described[f"mean/{column}"] = _mean(data)
             elif stat == "max":
                 described[f"max/{column}"] = max(data)
             elif stat == "min":
                 described[f"min/{column}"] = min(data)
             elif stat == "median":
-                described[f"median/{column}"] = statistics.median(data)
+                described[f"median/{column}"] = _median(data)
             elif stds[column] is not None:
                 described[f"std/{column}"] = stds[column]
-    return described
+    return _reported(described)
 
 
 def _quantile(values: Sequence[float | int], q: float) -> float:
@@ -156,7 +197,11 @@ def _quantile(values: Sequence[float | int], q: float) -> float:
     position = q * (len(ordered) - 1)
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
-    return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
+    fraction = position - low
+    value = float(ordered[low] + (ordered[high] - ordered[low]) * fraction)
+    if math.isfinite(value):
+        return value
+    return float(ordered[low] * (1 - fraction) + ordered[high] * fraction)  # the difference overflowed
 
 
 def _beta_fraction(a: float, b: float, x: float) -> float:
@@ -242,18 +287,18 @@ def _repeat_level(rows: Sequence[tuple[int, int, Numbers]]) -> list[dict[str, An
     return entries
 
 
-def _spread_stats(column: str, data: Sequence[float | int]) -> dict[str, float]:
+def _spread_stats(column: str, data: Sequence[float | int]) -> Stats:
     n = len(data)
-    mean = statistics.fmean(data)
-    std = statistics.stdev(data) if n > 1 else 0.0
+    mean = _mean(data)
+    std = _stdev(data) if n > 1 else 0.0
     sem = std / math.sqrt(n)
-    stats = {f"mean/{column}": mean, f"median/{column}": float(statistics.median(data)), f"std/{column}": std,
+    stats = {f"mean/{column}": mean, f"median/{column}": float(_median(data)), f"std/{column}": std,
              f"sem/{column}": sem, f"min/{column}": float(min(data)), f"max/{column}": float(max(data)),
              f"p25/{column}": _quantile(data, 0.25), f"p75/{column}": _quantile(data, 0.75)}
     interval = _interval(mean, sem, n)
     if interval is not None:
         stats[f"ci_low_95/{column}"], stats[f"ci_high_95/{column}"] = interval
-    return stats
+    return _reported(stats)
 
 
 def _repeat_aggregated(name: str) -> bool:
@@ -261,7 +306,7 @@ def _repeat_aggregated(name: str) -> bool:
             and not name.endswith(_NOT_REPEAT_AGGREGATED_SUFFIXES) and "_across_repeats/" not in name)
 
 
-def _across_repeats(repeat_level: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+def _across_repeats(repeat_level: Sequence[Mapping[str, Any]]) -> Stats:
     """Each per-repeat estimate (``mean/<f>``) summarized across the repeats."""
     columns = _columns({key: 0 for key, value in entry.items()
                         if _repeat_aggregated(key) and _number(value) is not None} for entry in repeat_level)
@@ -269,17 +314,17 @@ def _across_repeats(repeat_level: Sequence[Mapping[str, Any]]) -> dict[str, floa
     for column in columns:
         data = [entry[column] for entry in repeat_level if _number(entry.get(column)) is not None]
         n = len(data)
-        mean = statistics.fmean(data)
-        std = statistics.stdev(data) if n > 1 else 0.0
+        mean = _mean(data)
+        std = _stdev(data) if n > 1 else 0.0
         spread = std / math.sqrt(n)
         found.update({f"mean_across_repeats/{column}": mean,
-                      f"median_across_repeats/{column}": float(statistics.median(data)),
+                      f"median_across_repeats/{column}": float(_median(data)),
                       f"std_across_repeats/{column}": std, f"min_across_repeats/{column}": float(min(data)),
                       f"max_across_repeats/{column}": float(max(data)), f"se_across_repeats/{column}": spread})
         interval = _interval(mean, spread, n)
         if interval is not None:
             found[f"ci_low_95_across_repeats/{column}"], found[f"ci_high_95_across_repeats/{column}"] = interval
-    return found
+    return _reported(found)
 
 
 def _coverage(every: Sequence[Mapping[str, Any]], scored: Sequence[Mapping[str, Any]]) -> dict[str, int]:

@@ -7,6 +7,12 @@ grade that overruns its deadline gets its worker killed and replaced, and comes 
 ``"timeout"``; a worker that dies mid-grade comes back as ``"worker_died"``. The server never
 waits longer than the deadline for one grade, and a stuck input never outlives it.
 
+A grade waits for its worker's reply on the event loop itself (a reader on the pipe and an asyncio
+deadline), not in a thread: waits queued behind a thread pool smaller than ``workers`` would start
+their deadlines late. A worker that died while idle (the OOM killer, a stray ``SIGKILL``) is replaced
+before it is handed a grade; if the grade still cannot be sent to it (it died just then), a new
+worker takes the grade once more.
+
 A worker's start (a new interpreter importing ``math_verify`` and sympy: seconds on a busy machine)
 is not charged to a grade: a new worker says it is ready once its imports are done, and only then
 gets a grade and its deadline. A worker not ready within ``START_TIMEOUT_S`` is killed and its grade
@@ -78,6 +84,31 @@ def _serve(conn: Connection, grade: GradeFn, warm_up: WarmUp) -> None:
             conn.send(grade(*job))
 
 
+class _NotDelivered(Exception):
+    """The grade could not be sent: the worker was already gone."""
+
+
+async def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether ``fd`` becomes readable within ``timeout_s`` (a reply on a worker's pipe, the end of a
+    dead worker's pipe, an exited process's sentinel). Waits on the event loop, holding no thread."""
+    loop = asyncio.get_running_loop()
+    signalled = loop.create_future()
+
+    def wake() -> None:
+        if not signalled.done():
+            signalled.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await signalled
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+
+
 class _Worker:
     """One worker process and the parent's end of its pipe."""
 
@@ -95,24 +126,30 @@ class _Worker:
         """Whether the worker has finished its warm-up, waiting up to ``timeout_s`` for a new one."""
         if not self.warmed:
             try:
-                self.warmed = await asyncio.to_thread(self.conn.poll, timeout_s) and self.conn.recv() == _READY
-            except EOFError:
+                self.warmed = await _readable(self.conn.fileno(), timeout_s) and self.conn.recv() == _READY
+            except (EOFError, OSError):
                 return False
         return self.warmed
 
     async def grade(self, expected: str, text: str, timeout_s: float) -> Grade:
-        self.conn.send((expected, text))
-        if not await asyncio.to_thread(self.conn.poll, timeout_s):
+        """The worker's grade; raises ``_NotDelivered`` when the worker was gone before it got the job."""
+        try:
+            self.conn.send((expected, text))
+        except OSError as error:
+            raise _NotDelivered from error
+        if not await _readable(self.conn.fileno(), timeout_s):
             return Grade("timeout")
         try:
             correct, extracted = self.conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             return Grade("worker_died")
         return Grade("ok", correct, extracted)
 
     async def stop(self) -> None:
+        """Kill the worker and reap it once it has exited (up to 5 s), holding no thread meanwhile."""
         self.process.kill()
-        await asyncio.to_thread(self.process.join, 5.0)
+        if await _readable(self.process.sentinel, 5.0):
+            self.process.join(1.0)  # it has exited: this only collects its status
         self.conn.close()
 
 
@@ -131,17 +168,34 @@ class GraderPool:
 
     async def grade(self, expected: str, text: str) -> Grade:
         async with self._slots:
-            worker = self._idle.pop() if self._idle else _Worker(self._grade, self._warm_up)
-            self._busy.add(worker)
-            result: Grade | None = None
-            try:
-                if not await worker.ready(self.start_timeout_s):
-                    return Grade("worker_died")
-                result = await worker.grade(expected, text, self.timeout_s)
-                return result
-            finally:
-                self._busy.discard(worker)
-                await self._release(worker, healthy=result is not None and result.status == "ok")
+            for _ in range(2):  # a worker that died between our look at it and the send: once more
+                try:
+                    return await self._grade_on_a_worker(expected, text)
+                except _NotDelivered:
+                    continue
+            return Grade("worker_died")
+
+    async def _grade_on_a_worker(self, expected: str, text: str) -> Grade:
+        worker = await self._take_worker()
+        self._busy.add(worker)
+        result: Grade | None = None
+        try:
+            if not await worker.ready(self.start_timeout_s):
+                return Grade("worker_died")
+            result = await worker.grade(expected, text, self.timeout_s)
+            return result
+        finally:
+            self._busy.discard(worker)
+            await self._release(worker, healthy=result is not None and result.status == "ok")
+
+    async def _take_worker(self) -> _Worker:
+        """An idle worker that is still alive (dead ones are reaped), else a new one."""
+        while self._idle:
+            worker = self._idle.pop()
+            if worker.process.is_alive():
+                return worker
+            await worker.stop()
+        return _Worker(self._grade, self._warm_up)
 
     async def _release(self, worker: _Worker, healthy: bool) -> None:
         if healthy:

@@ -6,7 +6,8 @@
   else as ``boxed``), ``last_line`` (the last non-empty line), ``full_response`` (all of it).
 - ``grade``: case-sensitive, the stripped strings must be equal; otherwise 1.0 when the two agree
   after any one of these normalisations, in order: Unicode NFKC + one pair of outer quotes removed
-  + lower case + trailing ``.!?`` removed; then as numbers (``$``, ``\\$``, ``\\%`` dropped); then
+  + lower case + trailing ``.!?`` removed; then as numbers (``$``, ``\\$``, ``\\%`` dropped; a number a
+  float cannot hold, past its range or below its normal range, by its exact decimal value); then
   digit-group commas removed; then LaTeX text commands, math delimiters and ``$`` removed; else
   0.98 when both read as numbers (``$ £ € % ,`` dropped) within about 1% of each other.
   NeMo Gym's grader knows more (lists, US states, units): docs/nemo-gym.md lists what this one lacks.
@@ -14,9 +15,12 @@
 
 from __future__ import annotations
 
+import math
 import re
+import sys
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
 __all__ = ["ExtractionMode", "assistant_text", "extract", "grade"]
@@ -156,11 +160,30 @@ def _same(text: str) -> str:
 
 
 def _as_number(text: str) -> str:
+    """``text`` as a float's string; as its exact decimal value when a float cannot hold it."""
     cleaned = text.replace("\\%", "").replace("\\$", "").replace("$", "").strip()
     try:
-        return str(float(cleaned))
+        value = float(cleaned)
     except ValueError:
         return text
+    if sys.float_info.min <= abs(value) < math.inf or math.isnan(value):
+        return str(value)
+    return _past_float_range(cleaned) or str(value)
+
+
+def _past_float_range(number: str) -> str | None:
+    """The exact value of a finite, non-zero ``number`` that a float turns into ``inf``, 0 or a
+    subnormal (``1e400``, ``1e-400``): its digits without trailing zeros and its exponent, a form no
+    float's string takes (the number itself where even a decimal cannot hold its exponent); else None."""
+    try:
+        exact = Decimal(number)
+    except InvalidOperation:
+        return number.strip()
+    if not exact.is_finite() or exact.is_zero():
+        return None
+    sign, digits, exponent = exact.as_tuple()
+    significant = "".join(map(str, digits)).rstrip("0")
+    return f"{'-' if sign else ''}{significant}e{int(exponent) + len(digits) - len(significant)}"
 
 
 def _without_digit_groups(text: str) -> str:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -33,6 +35,13 @@ def crash(expected: str, text: str) -> tuple[bool, str | None]:
 
 def same(expected: str, text: str) -> tuple[bool, str | None]:
     """A grade function that answers at once (runs in the spawned worker)."""
+    return expected == text, text
+
+
+def stuck_on_stuck(expected: str, text: str) -> tuple[bool, str | None]:
+    """A grade function that never answers ``"stuck"`` and answers anything else at once."""
+    while text == "stuck":
+        time.sleep(3600)
     return expected == text, text
 
 
@@ -108,6 +117,57 @@ async def test_a_dead_worker_is_replaced() -> None:
         assert (await pool.grade("1", "1")).status == "worker_died"
         assert pool.live_workers == 0
         assert (await pool.grade("1", "1")).status == "worker_died"
+    finally:
+        await pool.aclose()
+
+
+async def test_a_worker_that_died_while_idle_is_replaced_and_the_answer_graded() -> None:
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=same)
+    try:
+        assert await pool.grade("7", "7") == Grade("ok", True, "7")
+        idle = pool._idle[0].process
+        idle.kill()  # the OOM killer, a stray SIGKILL
+        idle.join(5.0)
+        assert await pool.grade("8", "8") == Grade("ok", True, "8")
+        assert pool.live_workers == 1
+    finally:
+        await pool.aclose()
+
+
+async def test_a_grade_that_cannot_be_sent_is_graded_on_a_new_worker() -> None:
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=same)
+    try:
+        assert await pool.grade("7", "7") == Grade("ok", True, "7")
+        idle = pool._idle[0].process
+        idle.kill()
+        idle.join(5.0)
+        idle.is_alive = lambda: True  # type: ignore[method-assign]  # it dies just after we look
+        assert await pool.grade("8", "8") == Grade("ok", True, "8")
+        assert pool.live_workers == 1
+    finally:
+        await pool.aclose()
+
+
+async def test_grades_beyond_the_loops_thread_pool_wait_on_their_own() -> None:
+    """More grades in flight than the event loop's default executor has threads: a stuck grade's
+    wait must not hold up another grade's (the waits used to run in that executor, one per thread,
+    so the stuck one's deadline ran out before the next grade's wait even started)."""
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
+    timeout_s = 10.0
+    pool = GraderPool(workers=2, timeout_s=timeout_s, grade=stuck_on_stuck)
+    try:
+        assert await asyncio.gather(pool.grade("1", "1"), pool.grade("2", "2")) == [Grade("ok", True, "1"),
+                                                                                    Grade("ok", True, "2")]
+        stuck = asyncio.create_task(pool.grade("1", "stuck"))
+        await asyncio.sleep(0)  # the stuck grade is sent and its wait begun
+        quick = asyncio.create_task(pool.grade("3", "3"))
+        done, _ = await asyncio.wait({stuck, quick}, timeout=2 * timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {quick}
+        assert quick.result() == Grade("ok", True, "3")
+        assert pool.live_workers == 2  # the stuck grade is still waiting within its deadline
+        stuck.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stuck
     finally:
         await pool.aclose()
 

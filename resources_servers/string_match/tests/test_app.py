@@ -242,3 +242,26 @@ def test_extraction_and_grading_are_linear_on_adversarial_text(adversarial: str,
 )
 def test_text_wrappers_around_the_whole_box_are_removed(text: str, answer: str | None) -> None:
     assert extract(text, "boxed") == answer
+
+
+@pytest.mark.parametrize(
+    ("got", "expected", "score"),
+    [
+        ("1e400", "2e400", 0.0),  # a float makes both inf
+        ("1e400", "-1e400", 0.0),
+        ("1e400", "inf", 0.0),
+        ("1e400", "10e399", 1.0),  # the same number
+        ("1.5E400", "15e399", 1.0),
+        ("$1e400", "1e400", 1.0),
+        ("1e9999999999999999999", "2e9999999999999999999", 0.0),  # past a decimal's exponent: as written
+        ("inf", "Infinity", 1.0),
+        ("1e-400", "-1e-400", 0.98),  # a float makes both 0: not equal now, only near (as 1e-12, -1e-12 are)
+        ("2.5", "2.50", 1.0),
+    ],
+)
+def test_numbers_a_float_cannot_hold_keep_their_value(got: str, expected: str, score: float) -> None:
+    assert grade(got, expected, case_sensitive=False) == score
+
+
+async def test_different_huge_boxed_numbers_are_wrong(client: httpx.AsyncClient) -> None:
+    assert await nemo_gym_verdict(client, said("\\boxed{1e400}"), "2e400", "boxed") == (0.0, "1e400")
