@@ -108,7 +108,7 @@ from nemo_gym_ckpt.resources.adapter import (
 from nemo_gym_ckpt.resources.mcp import McpExposure, McpTool
 from nemo_gym_ckpt.resources.sessions import Session, SessionTable, session_cookie_name
 from nemo_gym_ckpt.responses import last_message_text
-from nemo_gym_ckpt.server import OrjsonResponse, create_app, declare_body
+from nemo_gym_ckpt.server import OrjsonResponse, create_app, declare_body, refuse_unencodable
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -304,13 +304,20 @@ def _tool_spec(name: str, func: Callable[..., Awaitable[Any]], owner: str) -> To
 _M = TypeVar("_M", bound=BaseModel)
 
 
-async def _read_body(request: Request) -> dict[str, Any]:
-    """The request's JSON object (an empty body reads as ``{}``)."""
+async def _read_json(request: Request) -> Any:
+    """The request's JSON (an empty body reads as ``{}``), refused (400) unless the mesh can write it
+    again: a reply echoes it (``/verify``), a record or a call may carry it."""
     raw = await request.body()
     try:
         data = orjson.loads(raw) if raw.strip() else {}
     except orjson.JSONDecodeError as error:
         raise InvalidRequest(f"request body is not valid JSON: {error}") from None
+    return refuse_unencodable(data)
+
+
+async def _read_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object (``_read_json``)."""
+    data = await _read_json(request)
     if not isinstance(data, dict):
         raise InvalidRequest("the request body is a JSON object")
     return data
@@ -324,12 +331,7 @@ def _validated(model: type[_M], data: Any) -> _M:
 
 
 async def _read_model(request: Request, model: type[_M]) -> _M:
-    raw = await request.body()
-    try:
-        data = orjson.loads(raw) if raw.strip() else {}
-    except orjson.JSONDecodeError as error:
-        raise InvalidRequest(f"request body is not valid JSON: {error}") from None
-    return _validated(model, data)
+    return _validated(model, await _read_json(request))
 
 
 def _validation_detail(error: ValidationError) -> str:

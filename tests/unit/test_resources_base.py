@@ -40,6 +40,10 @@ class Empty(ToolArgs):
     pass
 
 
+class Kept(ToolArgs):
+    value: Any
+
+
 class CounterTask(TaskRow):
     start: int = 0
 
@@ -74,6 +78,11 @@ class Counter(ResourcesServer[ServerConfig]):
         if args.title == "stale":
             raise StaleCheckpoint("a domain error from a tool")
         return {"title": args.title, "body": args.body}
+
+    @tool
+    async def keep(self, args: Kept) -> Any:
+        """Echo a JSON value."""
+        return args.value
 
     async def verify(self, task: CounterVerify, session: Session) -> CounterVerdict:
         count = int(session.state["count"])
@@ -140,6 +149,36 @@ async def test_verify_echoes_only_what_was_sent(client: httpx.AsyncClient) -> No
     client.cookies.clear()
     body = (await client.post("/verify", json=row, headers=cookie)).json()
     assert body == {**row, "reward": 0.0, "count": 0, "seen_by": None}
+
+
+def nested(value: Any, levels: int) -> Any:
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+DEEP = nested(1, 300)  # orjson reads it (1,024 levels), no part of the mesh writes it (254)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/seed_session", {"start": 1, "deep": DEEP}),
+    ("/verify", {"target": 0, "response": {"output": []}, "deep": DEEP}),
+    ("/verify", {"target": 0, "response": {"output": [{"type": "message", "content": DEEP}]}}),
+    ("/keep", {"value": DEEP}),
+    ("/close_session", {"resources_session_id": "s1", "episode_id": {"rollout_id": DEEP}}),
+])
+async def test_a_body_nested_deeper_than_the_mesh_writes_is_a_400_on_every_route(
+    client: httpx.AsyncClient, server: Counter, path: str, body: dict[str, Any]
+) -> None:
+    """Refused when read, as every JSON route of the mesh refuses it: ``/verify`` echoed it into a
+    reply no encoder could write (a 500), a seed kept it, a tool passed it on."""
+    seeded = await client.post("/seed_session", json={})
+    client.cookies.clear()
+    cookie = {"cookie": f"ng_session_ctr={seeded.json()['resources_session_id']}"}
+    reply = await client.post(path, json=body, headers=cookie)
+    assert (reply.status_code, reply.json()["error"]["code"]) == (400, "invalid_request"), reply.text
+    assert "cannot be written again as JSON" in reply.json()["error"]["detail"]
+    assert len(server.sessions) == 1  # nothing opened, nothing closed
 
 
 def test_tool_definitions_are_openai_function_tools(server: Counter) -> None:
