@@ -9,7 +9,9 @@ open, a retired attempt is refused ``stale_attempt``, it blocks a prepare while 
 ``tools/call`` runs the same method, with the same session, as ``POST /<tool>``, so the session
 state a checkpoint exports is the same either way. A tool's result is the text of one ``text``
 content item, the same JSON text ``POST /<tool>`` answers; a refused call (bad arguments, a session
-of another attempt) is an MCP error result ``<code>: <detail>``.
+of another attempt) is an MCP error result ``<code>: <detail>``. The body of a ``POST`` is read
+before admission, as a tool call's is, and a body that is not JSON the mesh can read and write again
+(nested past 254 levels, for one) is 400 ``invalid_request`` before MCP sees it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from nemo_gym_ckpt.errors import GymError, InvalidRequest
 from nemo_gym_ckpt.identity import CURRENT_IDENTITY, RolloutIdentity
+from nemo_gym_ckpt.server import refuse_unreadable_json, replayed_body
 
 __all__ = ["MCP_PATH", "McpExposure", "McpTool", "ToolCall"]
 
@@ -104,6 +107,10 @@ class _Endpoint:
         self.exposure = exposure
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] == "POST":  # read before admission, as a tool call's body is
+            body = await Request(scope, receive).body()
+            refuse_unreadable_json(body)  # the mcp package reads it with the standard library
+            receive = replayed_body(body, receive)
         async with self.exposure.admitted():
             await self.exposure.manager.handle_request(scope, receive, send)
 

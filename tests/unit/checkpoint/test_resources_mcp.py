@@ -182,6 +182,22 @@ async def test_the_exported_state_is_the_same_over_mcp_and_over_http(root: Path,
     assert states["h"] == states["m"] == {"items": {"b": "2", "c": "3"}}
 
 
+@pytest.mark.parametrize("levels", [300, 1100])
+async def test_an_mcp_body_the_mesh_cannot_read_and_write_again_is_a_400(
+    root: Path, clock: FakeClock, levels: int
+) -> None:
+    """The mcp package reads a body with the standard library: past 254 levels it answered a JSON-RPC
+    error (no part of the mesh could write the call again), past about 1,000 a 500 (RecursionError)."""
+    call = {**TOOLS_CALL, "params": {"name": "kv_set", "arguments": {"key": "k", "value": "v"}, "_meta": {"deep": 0}}}
+    body = orjson.dumps(call).replace(b'"deep":0', b'"deep":' + b"[" * levels + b"1" + b"]" * levels)
+    async with running(root, clock) as on:
+        cookie = await on.seed("r1")
+        reply = await on.client.post("/ng-rollout/r1/mcp", content=body,
+                                     headers={**cookie, **MCP_HEADERS, "content-type": "application/json"})
+        assert (reply.status_code, reply.json()["error"]["code"]) == (400, "invalid_request"), reply.text
+        assert on.server.sessions.get(cookie["cookie"].split("=")[1]).state["items"] == {}  # never called
+
+
 async def test_without_the_setting_there_is_no_mcp_route(root: Path, clock: FakeClock) -> None:
     async with running(root, clock, mcp=False) as on:
         reply = await on.client.post("/ng-rollout/r1/mcp", json={})
