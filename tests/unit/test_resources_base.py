@@ -126,6 +126,33 @@ async def test_sessions_keep_state_and_identity(client: httpx.AsyncClient, serve
     assert (body["reward"], body["count"], body["seen_by"]) == (1.0, 7, "r7-a2")
 
 
+async def test_a_session_of_another_episode_is_refused_on_every_route(
+    client: httpx.AsyncClient, server: Counter
+) -> None:
+    """A request's episode (its prefix, else what its body names) must own the cookie's session, for
+    a tool call, ``/verify`` and ``/close_session`` alike: a close dropped the other episode's
+    session (and left its own open), a verify graded the other episode's state."""
+    ra = (await client.post("/ng-rollout/ra/seed_session", json={"start": 1})).json()["resources_session_id"]
+    rb = (await client.post("/ng-rollout/rb/seed_session", json={})).json()["resources_session_id"]
+    client.cookies.clear()
+    ra_cookie = {"cookie": f"ng_session_ctr={ra}"}
+    row = {"target": 1, "response": {"output": []}}
+    refused = [
+        await client.post("/ng-rollout/rb/bump", json={}, headers=ra_cookie),
+        await client.post("/ng-rollout/rb/verify", json=row, headers=ra_cookie),
+        await client.post("/verify", json={**row, "_ng_rollout_id": "rb"}, headers=ra_cookie),
+        await client.post("/ng-rollout/rb/close_session", json={}, headers=ra_cookie),
+        await client.post("/ng-rollout/ra-a1/close_session", json={}, headers=ra_cookie),  # another attempt
+        await client.post("/close_session", json={"resources_session_id": rb, "episode_id": {"rollout_id": "rb"}},
+                          headers=ra_cookie),
+    ]
+    codes = [(reply.status_code, reply.json().get("error", {}).get("code")) for reply in refused]
+    assert codes == [(409, "stale_attempt")] * 6
+    assert {s.session_id: s.state for s in server.sessions} == {ra: {"count": 1}, rb: {"count": 0}}
+    closed = await client.post("/ng-rollout/ra/close_session", json={}, headers=ra_cookie)
+    assert closed.json() == {"resources_session_id": ra} and [s.session_id for s in server.sessions] == [rb]
+
+
 async def test_a_stateless_tool_needs_no_session(client: httpx.AsyncClient) -> None:
     reply = await client.post("/jot", json={"title": "t"})
     assert reply.json() == {"title": "t", "body": ""}
