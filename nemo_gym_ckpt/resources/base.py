@@ -491,8 +491,8 @@ class ResourcesServer(Generic[_C]):
             app.add_api_route(f"/{spec.name}", self._tool_route(spec), methods=["POST"],
                               openapi_extra=declare_body(spec.args_model))
         if getattr(self.settings, "expose_tools_over_mcp", False):
-            def admitted() -> AbstractAsyncContextManager[Any]:
-                return self._entered("tool", request_identity(None))
+            def admitted(request: Request) -> AbstractAsyncContextManager[Any]:
+                return self._entered("tool", self._identity(request))
 
             McpExposure(self.ctx.name, self._mcp_tools(), self._mcp_call, admitted).mount(app)
         adapter = ResourcesAdapter(self)

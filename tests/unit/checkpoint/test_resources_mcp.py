@@ -124,6 +124,27 @@ async def test_an_mcp_call_waits_while_a_checkpoint_is_open(root: Path, clock: F
             assert not result.isError and json.loads(text_of(result))["value"] == "late"
 
 
+async def test_an_mcp_call_without_a_prefix_is_admitted_under_its_sessions_rollout(
+    root: Path, clock: FakeClock
+) -> None:
+    """NeMo Gym's callers send no ``/ng-rollout/`` prefix: an HTTP tool call then runs under its session
+    cookie's rollout, and so does an MCP call (it was 400 ``rollout_id_required``)."""
+    async with running(root, clock) as on:
+        cookie = await on.seed("r1")
+        headers = {**cookie, **MCP_HEADERS}
+        set_k = {**TOOLS_CALL, "params": {"name": "kv_set", "arguments": {"key": "k", "value": "v"}}}
+        reply = await on.client.post("/mcp", json=set_k, headers=headers)
+        assert reply.status_code == 200 and not reply.json()["result"]["isError"], reply.text
+        assert (await on.client.post("/kv_get", json={"key": "k"}, headers=cookie)).json()["value"] == "v"
+        await on.control.ok("prepare", checkpoint_id="c1")
+        call = asyncio.create_task(on.client.post("/mcp", json=TOOLS_CALL, headers=headers))
+        await until(lambda: on.server.checkpoint.participant.status()["waiting_requests"] == 1)
+        assert not call.done()  # admitted as r1's tool call: it waits for the resume
+        await on.control.ok("resume", checkpoint_id="c1")
+        waited = await asyncio.wait_for(call, WAIT_S)
+        assert json.loads(waited.json()["result"]["content"][0]["text"]) == {"key": "k", "value": "v", "found": True}
+
+
 async def test_an_mcp_call_in_flight_blocks_a_prepare_like_an_http_call(root: Path, clock: FakeClock) -> None:
     async with running(root, clock) as on:
         cookie = await on.seed("r1")
