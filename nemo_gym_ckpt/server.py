@@ -21,10 +21,12 @@ server with ``set_max_body_bytes`` from its ``max_body_bytes`` setting), and mus
 ``request_timeout`` after ``BODY_PART_TIMEOUT_S`` without a part); a client that disconnects before its
 body is read is no error of the server's (logged at debug level). A reader of bodies outside the
 middleware (the resources shell, around a server that is not ours) keeps the same rules with
-``refuse_declared_length`` and ``next_body_part``. A 405 names the allowed
-methods in ``Allow``. The OpenAPI document declares, on every operation, the structured error
-replies (``ErrorBody``) instead of FastAPI's default 422, and the body of each route that reads it
-itself (``declare_body``).
+``refuse_declared_length`` and ``next_body_part``. A body handed on to a reader that parses it with
+the standard library (the shell's server, the ``mcp`` package) is first refused when that reader
+would take what the mesh cannot handle (``refuse_unreadable_json``), then replayed to it
+(``replayed_body``). A 405 names the allowed methods in ``Allow``. The OpenAPI document declares, on
+every operation, the structured error replies (``ErrorBody``) instead of FastAPI's default 422, and
+the body of each route that reads it itself (``declare_body``).
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ __all__ = [
     "next_body_part",
     "refuse_declared_length",
     "refuse_unencodable",
+    "refuse_unreadable_json",
+    "replayed_body",
     "set_max_body_bytes",
     "sse_event",
     "too_large",
@@ -159,6 +163,50 @@ def refuse_unencodable(
         raise refusal(f"{what} cannot be written again as JSON ({error}): at most "
                       f"{MAX_JSON_LEVELS - levels} levels of nesting, and text of valid Unicode") from None
     return value
+
+
+def refuse_unreadable_json(body: bytes) -> None:
+    """400 for a non-empty body that is not JSON the mesh can read and write again, for a reader of
+    bodies that parses them with the standard library (NeMo Gym's servers, the ``mcp`` package).
+
+    The standard library takes what no other part of the mesh can handle (JSON nested 1,000 levels
+    deep, a lone surrogate, ``NaN`` or ``1e999``), and its readers then fail with a 500 (a
+    ``RecursionError``, or an error reply they cannot encode). Refused: what orjson cannot read
+    (invalid JSON, ``NaN``/``Infinity``, a number no double holds, nesting past 1,024 levels, text
+    that is not Unicode) and what ``refuse_unencodable`` refuses (nesting past 254 levels). The
+    encodings the standard library detects (a UTF-8 byte order mark, UTF-16, UTF-32) are read as it
+    reads them; an empty body goes on as it came, for the reader to judge.
+    """
+    if not body:
+        return
+    try:
+        value = orjson.loads(_as_utf8(body))
+    except (orjson.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InvalidRequest(f"the request body is not JSON the mesh can read ({error})") from None
+    refuse_unencodable(value)
+
+
+def _as_utf8(body: bytes) -> bytes | str:
+    """``body`` as orjson reads it: UTF-8 without a byte order mark (else text, decoded as
+    ``json.loads`` decodes bytes; a lone surrogate stays one, for orjson to refuse)."""
+    encoding = json.detect_encoding(body)
+    if encoding == "utf-8":
+        return body
+    return body.decode(encoding, "surrogatepass")
+
+
+def replayed_body(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives the body read already, then what the client sends next (disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 class _BoundedJsonRequest(Request):

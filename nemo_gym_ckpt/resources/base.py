@@ -39,7 +39,8 @@ Routes (all also under ``/ng-rollout/<capture_key>/``):
 - ``GET /tools``: the OpenAI function-tool definitions (Responses API shape; ``?shape=chat`` for
   the Chat Completions shape);
 - ``POST /close_session`` with ``{}`` or NeMo Gym's ``{resources_session_id, episode_id}``: drops the
-  session the cookie (else the body) names and answers ``{"resources_session_id"}`` (idempotent).
+  session the cookie (else the body) names and answers ``{"resources_session_id"}`` (idempotent); a
+  session of another episode than the request's is refused, as for a tool call.
 - ``POST /mcp``: the tools over MCP, when the settings (a ``ResourcesConfig``) say
   ``expose_tools_over_mcp: true`` (``nemo_gym_ckpt.resources.mcp``: covered like HTTP tool calls).
 
@@ -48,8 +49,9 @@ schema is the tool's ``parameters``), ``verify``'s and ``initial_state``'s is a 
 A method that also takes ``session: Session`` needs a live session: a call without the session
 cookie, or with an unknown one, is a 400. Only servers that keep state (``checkpoint_mode`` other
 than ``stateless``) keep a session table; a stateless server still hands out a cookie so agents
-treat every server alike. A session remembers the rollout identity it was opened under, and a call
-under another attempt of the same session is refused (409 ``stale_attempt``).
+treat every server alike. A session remembers the rollout identity it was opened under, and a tool
+call, ``/verify`` or ``/close_session`` that uses it under another rollout or attempt (its prefix,
+else what its body names) is refused (409 ``stale_attempt``).
 
 Checkpointing (docs/protocol.md section 7; ``docs/participants.md``, "Resources servers"). With the
 mesh's ``checkpoint:`` block enabled, ``build_app`` mounts a participant (``ResourcesAdapter``):
@@ -90,7 +92,6 @@ from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import ConfigError, InvalidRequest, StaleAttempt
 from nemo_gym_ckpt.identity import (
     RolloutIdentity,
-    current_identity,
     identity_of_episode_id,
     identity_of_row,
     request_identity,
@@ -108,7 +109,7 @@ from nemo_gym_ckpt.resources.adapter import (
 from nemo_gym_ckpt.resources.mcp import McpExposure, McpTool
 from nemo_gym_ckpt.resources.sessions import Session, SessionTable, session_cookie_name
 from nemo_gym_ckpt.responses import last_message_text
-from nemo_gym_ckpt.server import OrjsonResponse, create_app, declare_body
+from nemo_gym_ckpt.server import OrjsonResponse, create_app, declare_body, refuse_unencodable
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -304,13 +305,20 @@ def _tool_spec(name: str, func: Callable[..., Awaitable[Any]], owner: str) -> To
 _M = TypeVar("_M", bound=BaseModel)
 
 
-async def _read_body(request: Request) -> dict[str, Any]:
-    """The request's JSON object (an empty body reads as ``{}``)."""
+async def _read_json(request: Request) -> Any:
+    """The request's JSON (an empty body reads as ``{}``), refused (400) unless the mesh can write it
+    again: a reply echoes it (``/verify``), a record or a call may carry it."""
     raw = await request.body()
     try:
         data = orjson.loads(raw) if raw.strip() else {}
     except orjson.JSONDecodeError as error:
         raise InvalidRequest(f"request body is not valid JSON: {error}") from None
+    return refuse_unencodable(data)
+
+
+async def _read_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object (``_read_json``)."""
+    data = await _read_json(request)
     if not isinstance(data, dict):
         raise InvalidRequest("the request body is a JSON object")
     return data
@@ -324,12 +332,7 @@ def _validated(model: type[_M], data: Any) -> _M:
 
 
 async def _read_model(request: Request, model: type[_M]) -> _M:
-    raw = await request.body()
-    try:
-        data = orjson.loads(raw) if raw.strip() else {}
-    except orjson.JSONDecodeError as error:
-        raise InvalidRequest(f"request body is not valid JSON: {error}") from None
-    return _validated(model, data)
+    return _validated(model, await _read_json(request))
 
 
 def _validation_detail(error: ValidationError) -> str:
@@ -488,8 +491,8 @@ class ResourcesServer(Generic[_C]):
             app.add_api_route(f"/{spec.name}", self._tool_route(spec), methods=["POST"],
                               openapi_extra=declare_body(spec.args_model))
         if getattr(self.settings, "expose_tools_over_mcp", False):
-            def admitted() -> AbstractAsyncContextManager[Any]:
-                return self._entered("tool", request_identity(None))
+            def admitted(request: Request) -> AbstractAsyncContextManager[Any]:
+                return self._entered("tool", self._identity(request))
 
             McpExposure(self.ctx.name, self._mcp_tools(), self._mcp_call, admitted).mount(app)
         adapter = ResourcesAdapter(self)
@@ -558,8 +561,9 @@ class ResourcesServer(Generic[_C]):
         signature = self.verify_signature
         body = await _read_body(request)
         task = _validated(signature.model, without_dispatch_keys(body))
-        async with self._entered("verify", self._identity(request, identity_of_row(body))):
-            args = (task, self._session(request)) if signature.takes_session else (task,)
+        identity = self._identity(request, identity_of_row(body))
+        async with self._entered("verify", identity):
+            args = (task, self._session(request, identity)) if signature.takes_session else (task,)
             verdict = await signature.func(self, *args)
         row = task.model_dump(mode="json", exclude_unset=True)
         return OrjsonResponse({**row, **verdict.model_dump(mode="json")})
@@ -571,6 +575,9 @@ class ResourcesServer(Generic[_C]):
         named = identity_of_episode_id(close.episode_id) if close.episode_id is not None else None
         identity = self._identity(request, named)
         async with self._entered("close", identity):
+            session = self.sessions.find(session_id)
+            if session is not None:
+                _refuse_another_episode(session, identity)
             if not await self.drop_session(session_id) and self.checkpoint is not None and identity is not None:
                 await self.checkpoint.close_elsewhere(identity)  # another worker of this server may hold it
         if session_id:
@@ -587,9 +594,10 @@ class ResourcesServer(Generic[_C]):
 
         async def call_tool(request: Request) -> Response:
             args = await _read_model(request, spec.args_model)
-            async with self._entered("tool", self._identity(request)):
+            identity = self._identity(request)
+            async with self._entered("tool", identity):
                 if spec.takes_session:
-                    return _tool_output(await method(args, self._session(request)))
+                    return _tool_output(await method(args, self._session(request, identity)))
                 return _tool_output(await method(args))
 
         call_tool.__name__ = f"tool_{spec.name}"
@@ -608,20 +616,26 @@ class ResourcesServer(Generic[_C]):
             raise InvalidRequest(_validation_detail(error)) from None
         method = getattr(self, spec.name)
         if spec.takes_session:
-            return await method(args, self._session(request))
+            return await method(args, self._session(request, self._identity(request)))
         return await method(args)
 
-    def _session(self, request: Request) -> Session:
-        """The request's session (by cookie), refusing calls from another attempt of its rollout."""
+    def _session(self, request: Request, identity: RolloutIdentity | None) -> Session:
+        """The request's session (by cookie), refused when it belongs to another episode than the
+        ``identity`` the request was admitted under."""
         session = self.sessions.get(request.cookies.get(self.cookie_name))
-        identity = current_identity()
-        if identity is not None and session.identity is not None and identity != session.identity:
-            raise StaleAttempt(
-                f"session {session.session_id} belongs to rollout {session.identity.capture_key}, "
-                f"not {identity.capture_key}"
-            )
+        _refuse_another_episode(session, identity)
         session.restored = None  # touched: its next export is fresh, under its current attempt
         return session
+
+
+def _refuse_another_episode(session: Session, identity: RolloutIdentity | None) -> None:
+    """``StaleAttempt`` (409) when a request of ``identity`` uses a session opened under another
+    rollout or attempt (a session or a request without identity belongs to anyone)."""
+    if identity is not None and session.identity is not None and identity != session.identity:
+        raise StaleAttempt(
+            f"session {session.session_id} belongs to rollout {session.identity.capture_key}, "
+            f"not {identity.capture_key}"
+        )
 
 
 def _seed_signature(cls: type[ResourcesServer[Any]]) -> _Signature:

@@ -4,12 +4,15 @@ A server whose settings say ``expose_tools_over_mcp: true`` (NeMo Gym's key) ans
 ``initialize``, ``tools/list`` and ``tools/call`` at ``/mcp`` (also under ``/ng-rollout/<key>/``),
 with JSON replies and no MCP session of its own (stateless mode: the resources session is the one
 the seed opened, found by its cookie as for an HTTP tool call). A call is covered exactly like an
-HTTP tool call: the whole MCP request is admitted as a tool call (it waits while a checkpoint is
-open, a retired attempt is refused ``stale_attempt``, it blocks a prepare while it runs), and
-``tools/call`` runs the same method, with the same session, as ``POST /<tool>``, so the session
-state a checkpoint exports is the same either way. A tool's result is the text of one ``text``
+HTTP tool call: the whole MCP request is admitted as a tool call, under the same rollout (its
+``/ng-rollout/`` prefix, else its session cookie's: NeMo Gym's callers send no prefix), so it waits
+while a checkpoint is open, a retired attempt is refused ``stale_attempt``, it blocks a prepare
+while it runs; and ``tools/call`` runs the same method, with the same session, as ``POST /<tool>``,
+so the session state a checkpoint exports is the same either way. A tool's result is the text of one ``text``
 content item, the same JSON text ``POST /<tool>`` answers; a refused call (bad arguments, a session
-of another attempt) is an MCP error result ``<code>: <detail>``.
+of another attempt) is an MCP error result ``<code>: <detail>``. The body of a ``POST`` is read
+before admission, as a tool call's is, and a body that is not JSON the mesh can read and write again
+(nested past 254 levels, for one) is 400 ``invalid_request`` before MCP sees it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from nemo_gym_ckpt.errors import GymError, InvalidRequest
 from nemo_gym_ckpt.identity import CURRENT_IDENTITY, RolloutIdentity
+from nemo_gym_ckpt.server import refuse_unreadable_json, replayed_body
 
 __all__ = ["MCP_PATH", "McpExposure", "McpTool", "ToolCall"]
 
@@ -48,7 +52,8 @@ class McpTool:
 
 ToolCall = Callable[[str, dict[str, Any], Request], Awaitable[Any]]
 """Runs one tool for one request (its cookies find the session): the tool's JSON result."""
-Admission = Callable[[], AbstractAsyncContextManager[Any]]
+Admission = Callable[[Request], AbstractAsyncContextManager[Any]]
+"""Admits one MCP request as a tool call, under the rollout its prefix names, else its session cookie's."""
 
 
 class McpExposure:
@@ -104,7 +109,12 @@ class _Endpoint:
         self.exposure = exposure
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with self.exposure.admitted():
+        request = Request(scope, receive)
+        if scope["method"] == "POST":  # read before admission, as a tool call's body is
+            body = await request.body()
+            refuse_unreadable_json(body)  # the mcp package reads it with the standard library
+            receive = replayed_body(body, receive)
+        async with self.exposure.admitted(request):
             await self.exposure.manager.handle_request(scope, receive, send)
 
 

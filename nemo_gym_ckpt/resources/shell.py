@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import orjson
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -88,7 +87,8 @@ from nemo_gym_ckpt.server import (
     error_response,
     next_body_part,
     refuse_declared_length,
-    refuse_unencodable,
+    refuse_unreadable_json,
+    replayed_body,
     too_large,
 )
 
@@ -264,7 +264,7 @@ class ResourcesShell:
                 if route is not None:
                     self._check_session(cookie, identity)
                 if body is not None:
-                    receive = _replay(body, receive)
+                    receive = replayed_body(body, receive)
                     if route == "seed":
                         reply.session_id = _session_id_in(body)
                 if route in ("verify", "close"):
@@ -280,11 +280,11 @@ class ResourcesShell:
 
     async def _read_post_body(self, scope: Scope, receive: Receive) -> bytes:
         """A POST's whole body, within the body limit and the per-part deadline, refused unless
-        the server could read it and the mesh write it again (``_refuse_unreadable_json``)."""
+        the server could read it and the mesh write it again (``refuse_unreadable_json``)."""
         refuse_declared_length(scope, self.max_body_bytes)
         body = await _read_body(receive, self.max_body_bytes)
         if not _is_form(scope):
-            _refuse_unreadable_json(body)
+            refuse_unreadable_json(body)
         return body
 
     def _entered(self, route: Route | None, identity: RolloutIdentity | None) -> AbstractAsyncContextManager[Any]:
@@ -433,49 +433,6 @@ def _is_form(scope: Scope) -> bool:
         if key == b"content-type":
             return value.decode("latin-1").split(";")[0].strip().lower() in FORM_TYPES
     return False
-
-
-def _refuse_unreadable_json(body: bytes) -> None:
-    """400 for a non-empty body that is not JSON the mesh can read and write again.
-
-    NeMo Gym's servers read a body with the standard library, which takes what no other part of the
-    mesh can handle (JSON nested 1,000 levels deep, a lone surrogate, ``NaN`` or ``1e999``), and
-    then fail with a 500 (a ``RecursionError``, or an error reply they cannot encode). Refused:
-    what orjson cannot read (invalid JSON, ``NaN``/``Infinity``, a number no double holds, nesting
-    past 1,024 levels, text that is not Unicode) and what ``refuse_unencodable`` refuses (nesting past
-    254 levels). The encodings the standard library detects (a UTF-8 byte order mark, UTF-16, UTF-32)
-    are read as it reads them; an empty body goes on as it came, and the server judges it.
-    """
-    if not body:
-        return
-    try:
-        value = orjson.loads(_as_utf8(body))
-    except (orjson.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InvalidRequest(f"the request body is not JSON the mesh can read ({error})") from None
-    refuse_unencodable(value)
-
-
-def _as_utf8(body: bytes) -> bytes | str:
-    """``body`` as orjson reads it: UTF-8 without a byte order mark (else text, decoded as
-    ``json.loads`` decodes bytes; a lone surrogate stays one, for orjson to refuse)."""
-    encoding = json.detect_encoding(body)
-    if encoding == "utf-8":
-        return body
-    return body.decode(encoding, "surrogatepass")
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that gives the body read already, then what the client sends next (disconnect)."""
-    sent = False
-
-    async def replayed() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replayed
 
 
 # ---- the server's lifespan ------------------------------------------------------------------------

@@ -40,6 +40,10 @@ class Empty(ToolArgs):
     pass
 
 
+class Kept(ToolArgs):
+    value: Any
+
+
 class CounterTask(TaskRow):
     start: int = 0
 
@@ -74,6 +78,11 @@ class Counter(ResourcesServer[ServerConfig]):
         if args.title == "stale":
             raise StaleCheckpoint("a domain error from a tool")
         return {"title": args.title, "body": args.body}
+
+    @tool
+    async def keep(self, args: Kept) -> Any:
+        """Echo a JSON value."""
+        return args.value
 
     async def verify(self, task: CounterVerify, session: Session) -> CounterVerdict:
         count = int(session.state["count"])
@@ -117,6 +126,33 @@ async def test_sessions_keep_state_and_identity(client: httpx.AsyncClient, serve
     assert (body["reward"], body["count"], body["seen_by"]) == (1.0, 7, "r7-a2")
 
 
+async def test_a_session_of_another_episode_is_refused_on_every_route(
+    client: httpx.AsyncClient, server: Counter
+) -> None:
+    """A request's episode (its prefix, else what its body names) must own the cookie's session, for
+    a tool call, ``/verify`` and ``/close_session`` alike: a close dropped the other episode's
+    session (and left its own open), a verify graded the other episode's state."""
+    ra = (await client.post("/ng-rollout/ra/seed_session", json={"start": 1})).json()["resources_session_id"]
+    rb = (await client.post("/ng-rollout/rb/seed_session", json={})).json()["resources_session_id"]
+    client.cookies.clear()
+    ra_cookie = {"cookie": f"ng_session_ctr={ra}"}
+    row = {"target": 1, "response": {"output": []}}
+    refused = [
+        await client.post("/ng-rollout/rb/bump", json={}, headers=ra_cookie),
+        await client.post("/ng-rollout/rb/verify", json=row, headers=ra_cookie),
+        await client.post("/verify", json={**row, "_ng_rollout_id": "rb"}, headers=ra_cookie),
+        await client.post("/ng-rollout/rb/close_session", json={}, headers=ra_cookie),
+        await client.post("/ng-rollout/ra-a1/close_session", json={}, headers=ra_cookie),  # another attempt
+        await client.post("/close_session", json={"resources_session_id": rb, "episode_id": {"rollout_id": "rb"}},
+                          headers=ra_cookie),
+    ]
+    codes = [(reply.status_code, reply.json().get("error", {}).get("code")) for reply in refused]
+    assert codes == [(409, "stale_attempt")] * 6
+    assert {s.session_id: s.state for s in server.sessions} == {ra: {"count": 1}, rb: {"count": 0}}
+    closed = await client.post("/ng-rollout/ra/close_session", json={}, headers=ra_cookie)
+    assert closed.json() == {"resources_session_id": ra} and [s.session_id for s in server.sessions] == [rb]
+
+
 async def test_a_stateless_tool_needs_no_session(client: httpx.AsyncClient) -> None:
     reply = await client.post("/jot", json={"title": "t"})
     assert reply.json() == {"title": "t", "body": ""}
@@ -140,6 +176,36 @@ async def test_verify_echoes_only_what_was_sent(client: httpx.AsyncClient) -> No
     client.cookies.clear()
     body = (await client.post("/verify", json=row, headers=cookie)).json()
     assert body == {**row, "reward": 0.0, "count": 0, "seen_by": None}
+
+
+def nested(value: Any, levels: int) -> Any:
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+DEEP = nested(1, 300)  # orjson reads it (1,024 levels), no part of the mesh writes it (254)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/seed_session", {"start": 1, "deep": DEEP}),
+    ("/verify", {"target": 0, "response": {"output": []}, "deep": DEEP}),
+    ("/verify", {"target": 0, "response": {"output": [{"type": "message", "content": DEEP}]}}),
+    ("/keep", {"value": DEEP}),
+    ("/close_session", {"resources_session_id": "s1", "episode_id": {"rollout_id": DEEP}}),
+])
+async def test_a_body_nested_deeper_than_the_mesh_writes_is_a_400_on_every_route(
+    client: httpx.AsyncClient, server: Counter, path: str, body: dict[str, Any]
+) -> None:
+    """Refused when read, as every JSON route of the mesh refuses it: ``/verify`` echoed it into a
+    reply no encoder could write (a 500), a seed kept it, a tool passed it on."""
+    seeded = await client.post("/seed_session", json={})
+    client.cookies.clear()
+    cookie = {"cookie": f"ng_session_ctr={seeded.json()['resources_session_id']}"}
+    reply = await client.post(path, json=body, headers=cookie)
+    assert (reply.status_code, reply.json()["error"]["code"]) == (400, "invalid_request"), reply.text
+    assert "cannot be written again as JSON" in reply.json()["error"]["detail"]
+    assert len(server.sessions) == 1  # nothing opened, nothing closed
 
 
 def test_tool_definitions_are_openai_function_tools(server: Counter) -> None:

@@ -124,6 +124,27 @@ async def test_an_mcp_call_waits_while_a_checkpoint_is_open(root: Path, clock: F
             assert not result.isError and json.loads(text_of(result))["value"] == "late"
 
 
+async def test_an_mcp_call_without_a_prefix_is_admitted_under_its_sessions_rollout(
+    root: Path, clock: FakeClock
+) -> None:
+    """NeMo Gym's callers send no ``/ng-rollout/`` prefix: an HTTP tool call then runs under its session
+    cookie's rollout, and so does an MCP call (it was 400 ``rollout_id_required``)."""
+    async with running(root, clock) as on:
+        cookie = await on.seed("r1")
+        headers = {**cookie, **MCP_HEADERS}
+        set_k = {**TOOLS_CALL, "params": {"name": "kv_set", "arguments": {"key": "k", "value": "v"}}}
+        reply = await on.client.post("/mcp", json=set_k, headers=headers)
+        assert reply.status_code == 200 and not reply.json()["result"]["isError"], reply.text
+        assert (await on.client.post("/kv_get", json={"key": "k"}, headers=cookie)).json()["value"] == "v"
+        await on.control.ok("prepare", checkpoint_id="c1")
+        call = asyncio.create_task(on.client.post("/mcp", json=TOOLS_CALL, headers=headers))
+        await until(lambda: on.server.checkpoint.participant.status()["waiting_requests"] == 1)
+        assert not call.done()  # admitted as r1's tool call: it waits for the resume
+        await on.control.ok("resume", checkpoint_id="c1")
+        waited = await asyncio.wait_for(call, WAIT_S)
+        assert json.loads(waited.json()["result"]["content"][0]["text"]) == {"key": "k", "value": "v", "found": True}
+
+
 async def test_an_mcp_call_in_flight_blocks_a_prepare_like_an_http_call(root: Path, clock: FakeClock) -> None:
     async with running(root, clock) as on:
         cookie = await on.seed("r1")
@@ -180,6 +201,22 @@ async def test_the_exported_state_is_the_same_over_mcp_and_over_http(root: Path,
     records = await on.records(root / "ck", committed)
     states = {record["episode_id"]["rollout_id"]: record["state"] for record in records}
     assert states["h"] == states["m"] == {"items": {"b": "2", "c": "3"}}
+
+
+@pytest.mark.parametrize("levels", [300, 1100])
+async def test_an_mcp_body_the_mesh_cannot_read_and_write_again_is_a_400(
+    root: Path, clock: FakeClock, levels: int
+) -> None:
+    """The mcp package reads a body with the standard library: past 254 levels it answered a JSON-RPC
+    error (no part of the mesh could write the call again), past about 1,000 a 500 (RecursionError)."""
+    call = {**TOOLS_CALL, "params": {"name": "kv_set", "arguments": {"key": "k", "value": "v"}, "_meta": {"deep": 0}}}
+    body = orjson.dumps(call).replace(b'"deep":0', b'"deep":' + b"[" * levels + b"1" + b"]" * levels)
+    async with running(root, clock) as on:
+        cookie = await on.seed("r1")
+        reply = await on.client.post("/ng-rollout/r1/mcp", content=body,
+                                     headers={**cookie, **MCP_HEADERS, "content-type": "application/json"})
+        assert (reply.status_code, reply.json()["error"]["code"]) == (400, "invalid_request"), reply.text
+        assert on.server.sessions.get(cookie["cookie"].split("=")[1]).state["items"] == {}  # never called
 
 
 async def test_without_the_setting_there_is_no_mcp_route(root: Path, clock: FakeClock) -> None:
