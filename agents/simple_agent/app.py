@@ -17,8 +17,10 @@ Routes (also under ``/ng-rollout/<capture_key>/``, where the capture key names t
 - ``POST /run`` (what NeMo Gym's ``legacy_agent`` relays; its rollout named by the prefix or the
   row's ``_ng_task_index``/``_ng_rollout_index``/``_ng_attempt_index``): one whole rollout of a
   task row: resources ``/seed_session`` with the row, the loop, ``/verify`` with the row and the
-  response, ``/close_session`` (a failed close is logged only); answers the verified row (the task
-  row, the verifier's fields, ``response``, ``reward``). Needs a ``resources_server``.
+  response, ``/close_session`` (a failed close is logged only; once seeded, a ``/run`` that fails
+  closes too, see ``_closes_after``); answers the verified row (the task row, the verifier's
+  fields, ``response``, ``reward``). Needs a ``resources_server``. A row the agent could not write
+  again in its reply (and record) is 400; a policy model's answer it could not keep is 502.
 - ``POST /v1/agent_sessions`` and ``POST /v1/agent_sessions/close``: NeMo Gym's agent sessions
   (``agent_sessions.py``): a session names its episode and, in a ``direct_http`` tool access, the
   resources server and cookies its activations use; the close answers the resources cookies after
@@ -67,11 +69,13 @@ with it off. With checkpointing off the activation header is only recorded.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, cast
 
 import orjson
 from fastapi import FastAPI, Request
@@ -85,6 +89,7 @@ from agents.simple_agent.agent_sessions import (
     agent_cookie_name,
 )
 from agents.simple_agent.loop import (
+    MAX_TOOL_CALLS_PER_TURN,
     LoopCalls,
     LoopState,
     ModelReply,
@@ -93,7 +98,7 @@ from agents.simple_agent.loop import (
     run_loop,
 )
 from agents.simple_agent.restored_tokens import missing_calls, reattach, refill
-from nemo_gym_ckpt.agent.sessions import ActivationReply, AgentSessions, Turn
+from nemo_gym_ckpt.agent.sessions import RECORD_LEVELS, ActivationReply, AgentSessions, Turn
 from nemo_gym_ckpt.aggregate_metrics import mount_aggregate_metrics
 from nemo_gym_ckpt.bounds import MAX_ITEMS, Text
 from nemo_gym_ckpt.checkpoint.clock import SYSTEM_CLOCK, Clock
@@ -104,7 +109,7 @@ from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.echoes import echoed_keys, with_echoes, without_echoes
 from nemo_gym_ckpt.environment.base import REFILL_PATH, cookies_of, lacks_token_arrays
-from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidRequest, UpstreamError
+from nemo_gym_ckpt.errors import GymError, InvalidCheckpointState, InvalidRequest, StaleAttempt, UpstreamError
 from nemo_gym_ckpt.identity import (
     current_identity,
     identity_of_episode_id,
@@ -114,10 +119,11 @@ from nemo_gym_ckpt.identity import (
     without_dispatch_keys,
 )
 from nemo_gym_ckpt.responses import normalize_input
-from nemo_gym_ckpt.server import OrjsonResponse, close_on_shutdown, declare_body
+from nemo_gym_ckpt.server import OrjsonResponse, close_on_shutdown, declare_body, refuse_unencodable
 from nemo_gym_ckpt.server import create_app as create_app_base
 
 __all__ = [
+    "ANSWER_LEVELS",
     "MODEL_CALL_HEADER",
     "AgentRequest",
     "AgentSession",
@@ -141,6 +147,11 @@ logger = logging.getLogger(__name__)
 
 MODEL_CALL_HEADER = "x-nemo-gym-model-call-id"
 """The policy model's id of a call in its capture ledger (checkpointing on): the agent's lineage."""
+ANSWER_LEVELS = 1
+"""Levels deeper than in its own JSON that the agent keeps a policy model's answer: a ``/run``'s reply
+holds the loop's answer in its ``response`` (the next model call and a ``/v1/responses`` reply hold
+its items as deep as it did). An exported session's record (``RECORD_LEVELS``) adds its own: its
+running state keeps the answer's fields in ``last_response``, its reply a ``/run``'s ``response``."""
 
 
 class Config(ServerConfig):
@@ -148,6 +159,8 @@ class Config(ServerConfig):
     resources_server: ServerRef | None = None
     max_steps: int = Field(8, ge=1)
     """Model calls per activation, at most."""
+    max_tool_calls_per_turn: int = Field(MAX_TOOL_CALLS_PER_TURN, ge=1)
+    """Function calls of one model reply that run, at most; each later one is answered with an error text."""
     return_token_ids: bool = False
     """Ask the policy model for token ids, log probs and policy versions on every output item."""
     model_timeout_s: float = Field(600.0, gt=0)
@@ -172,12 +185,18 @@ class RefillRequest(BaseModel):
     items: Annotated[list[dict[str, Any]], Field(max_length=MAX_ITEMS)]
 
 
+_ACTIVATION = re.compile(r"[0-9]{1,18}")
+"""An activation index: ASCII digits (``str.isdigit`` takes other scripts' digits and superscripts,
+which ``int`` refuses), at most 18 of them (a 64-bit integer, as its record writes it)."""
+
+
 def parse_activation(value: str | None) -> int | None:
     """The ``x-ng-agent-activation`` header as an int >= 1 (None when absent)."""
     if value is None:
         return None
-    if not value.isdigit() or int(value) < 1:
-        raise InvalidRequest(f"{ACTIVATION_HEADER} must be an integer >= 1, got {value!r}")
+    if _ACTIVATION.fullmatch(value) is None or int(value) < 1:
+        raise InvalidRequest(f"{ACTIVATION_HEADER} must be an integer >= 1 of at most 18 digits, "
+                             f"got {value[:40]!r}{'...' if len(value) > 40 else ''}")
     return int(value)
 
 
@@ -199,6 +218,9 @@ class HttpCalls:
     resources_url: str | None
     token_ids: bool = False
     """Ask for token ids even when ``return_token_ids`` is off (NeMo Gym's training-capture path)."""
+    answer_levels: int = ANSWER_LEVELS
+    """Levels deeper than in its own JSON that the agent keeps a model's answer (``ANSWER_LEVELS``, and
+    ``RECORD_LEVELS`` more when its sessions are exported): a deeper one is ``upstream_error``."""
 
     async def call_model(self, body: dict[str, Any], cookies: dict[str, str]) -> ModelReply:
         if self.settings.return_token_ids or self.token_ids:
@@ -210,6 +232,7 @@ class HttpCalls:
         response = decode_json(reply)
         if not isinstance(response, dict):
             raise UpstreamError("the policy model answered something other than a Responses object")
+        refuse_unencodable(response, "the policy model's answer", levels=self.answer_levels, refusal=UpstreamError)
         return ModelReply(response, cookies_of(reply), reply.headers.get(MODEL_CALL_HEADER))
 
     async def capture_tokens(self) -> list[dict[str, Any]]:
@@ -268,8 +291,23 @@ class SimpleAgent:
         )
         self.sessions: dict[str, AgentSession] = {}
         self.checkpoint: AgentSessions | None = None
+        self.row_levels = 0
+        """Levels deeper than in its own JSON that the agent keeps a ``/run`` row: its reply merges the
+        row's keys; an exported session's record holds that reply ``RECORD_LEVELS`` deeper."""
         self.agent_sessions = AgentSessionTable()
         self.agent_cookie = agent_cookie_name(ctx.name)
+
+    def take_part(self, sessions: AgentSessions) -> None:
+        """Checkpointing is on: the activations run under ``sessions``; when this implementation
+        exports them, what it keeps (rows, model answers) must be writable in their records."""
+        self.checkpoint = sessions
+        if self.checkpoint_sessions:
+            self.row_levels = RECORD_LEVELS
+            self.calls = replace(self.calls, answer_levels=ANSWER_LEVELS + RECORD_LEVELS)
+
+    async def _loop(self, state: LoopState, calls: LoopCalls) -> None:
+        """Run ``state``'s loop to its stop over ``calls``, with this agent's bounds."""
+        await run_loop(state, calls, max_tool_calls_per_turn=self.settings.max_tool_calls_per_turn)
 
     def session(self, activation: int | None) -> AgentSession | None:
         """The request's session (created at its first call); None outside a rollout."""
@@ -330,7 +368,7 @@ class SimpleAgent:
         state = self.fresh_state(body, cookies)
         if session is not None:
             session.loop = state
-        await run_loop(state, calls)
+        await self._loop(state, calls)
         return ActivationReply(response_object(state), dict(state.cookies))
 
     async def _turn(
@@ -344,14 +382,14 @@ class SimpleAgent:
         turn.track(state.view)
         if resume is not None and self.settings.return_token_ids:
             await self._reattach_tokens(state)
-        await run_loop(state, GatedCalls(calls, turn))
+        await self._loop(state, GatedCalls(calls, turn))
         return ActivationReply(response_object(state), dict(state.cookies))
 
     # ---- NeMo Gym's agent /run: seed, the loop, verify, close -------------------------------
 
     async def run(self, request: Request) -> OrjsonResponse:
         """``POST /run``: one whole rollout of a task row, answered as its verified row."""
-        body = await read_object(request)
+        body = await read_object(request, self.row_levels)
         identity = request_identity(identity_of_row(body))
         row = without_dispatch_keys(body)
         params = _run_params(row)
@@ -368,7 +406,8 @@ class SimpleAgent:
     async def _run_work(self, turn: Turn | None, row: dict[str, Any], params: AgentRequest) -> ActivationReply:
         """Seed, loop, verify, close; under a checkpoint every call is a gated boundary (a restored
         activation continues its loop and does not seed again; one restored after its verify answered
-        takes the verdict from its state and only closes the resources session, which may run again)."""
+        takes the verdict from its state and only closes the resources session, which may run again).
+        Once seeded, the resources session is closed however the rollout ends (``_closes_after``)."""
         resume = turn.resume if turn is not None else None
         if resume is None:
             async with _gate(turn):
@@ -376,12 +415,23 @@ class SimpleAgent:
             run = RunState(self.fresh_state(params, cookies))
         else:
             run = resumed_run_state(resume, params)
+        try:
+            result = await self._seeded_run(turn, run, row)
+        except (Exception, asyncio.CancelledError) as error:
+            if _closes_after(error, turn):
+                await self._close_after_failure(run.loop.cookies)
+            raise
+        await self._close_resources(run.loop.cookies)
+        return ActivationReply(result, dict(run.loop.cookies))
+
+    async def _seeded_run(self, turn: Turn | None, run: RunState, row: dict[str, Any]) -> dict[str, Any]:
+        """The loop and the verify of a seeded ``/run``: its verified row."""
         state = run.loop
         if turn is not None:
             turn.track(run.view)
-            if resume is not None and self.settings.return_token_ids:
+            if turn.resume is not None and self.settings.return_token_ids:
                 await self._reattach_tokens(state)
-        await run_loop(state, GatedCalls(self.calls, turn) if turn is not None else self.calls)
+        await self._loop(state, GatedCalls(self.calls, turn) if turn is not None else self.calls)
         response = response_object(state)
         verify_request = {**row, "response": response}
         if run.verdict is None:
@@ -390,9 +440,7 @@ class SimpleAgent:
                 run.verified(verdict, verify_request)  # inside the gate: the verify is done exactly once
         else:  # restored after its verify answered: that verdict, and no verify again
             verdict = run.restored_verdict(verify_request)
-        await self._close_resources(state.cookies)
-        result = {**row, **verdict, "response": response, "reward": float(verdict["reward"])}
-        return ActivationReply(result, dict(state.cookies))
+        return {**row, **verdict, "response": response, "reward": float(verdict["reward"])}
 
     async def _seed(self, row: dict[str, Any]) -> dict[str, str]:
         reply = await self.calls.client.request("POST", f"{self.calls.resources_url}/seed_session", json=row,
@@ -407,6 +455,14 @@ class SimpleAgent:
         if not isinstance(reward, int | float) or isinstance(reward, bool):
             raise UpstreamError("the resources server's /verify answered no numeric reward")
         return dict(verdict)
+
+    async def _close_after_failure(self, cookies: dict[str, str]) -> None:
+        """Close the resources session of a ``/run`` that failed: best effort (within ``tool_timeout_s``,
+        whatever goes wrong only logged), so the rollout's own error is what its caller gets."""
+        try:
+            await self._close_resources(cookies)
+        except Exception:
+            logger.exception("could not close the resources session of a failed /run")
 
     async def _close_resources(self, cookies: dict[str, str]) -> None:
         """Close the resources session (NeMo Gym's body); a failed close is logged, never the rollout's."""
@@ -516,7 +572,8 @@ def build_app(agent: SimpleAgent, ctx: ServerContext[Config], *, clock: Clock = 
     app = create_app_base(ctx.name, lifespan=lifespan)
     participant = mount_checkpointing(app, ctx, sessions, kind="agent", clock=clock)
     if participant is not None:
-        sessions.participant, agent.checkpoint = participant, sessions
+        sessions.participant = participant
+        agent.take_part(sessions)
     app.add_api_route("/v1/responses", agent.responses, methods=["POST"])
     app.add_api_route(f"/{TOKEN_CAPTURE_SEGMENT}/v1/responses", agent.capture_responses, methods=["POST"])
     app.add_api_route("/close", agent.close, methods=["POST"])
@@ -537,6 +594,17 @@ TOKEN_CAPTURE_SEGMENT = "training-token-capture"
 def _gate(turn: Turn | None) -> AbstractAsyncContextManager[None]:
     """A seed or verify of ``/run``: a call a checkpoint waits for (none without checkpointing)."""
     return turn.call("tool") if turn is not None else nullcontext()
+
+
+def _closes_after(error: BaseException, turn: Turn | None) -> bool:
+    """Whether a seeded ``/run`` that ended with ``error`` closes its resources session. Without
+    checkpointing, always: nothing continues it. With checkpointing, a failed activation keeps no
+    state (invoked again, it seeds afresh), so it closes too, unless its attempt ended: cancelled (a
+    retire or forget of its rollout, a ``/close`` of its session, the agent's shutdown) or
+    ``stale_attempt``. Then the resources server ends that attempt's sessions itself (it is retired
+    there too), and a checkpoint holding the rollout continues it, after a restore, with the session
+    it restores: the ``/run`` leaves it alone."""
+    return turn is None or not isinstance(error, asyncio.CancelledError | StaleAttempt)
 
 
 class RunRow(BaseModel):
@@ -643,14 +711,16 @@ def _run_params(row: dict[str, Any]) -> AgentRequest:
         raise InvalidRequest(f"responses_create_params.{where}: {first['msg']}") from None
 
 
-async def read_object(request: Request) -> dict[str, Any]:
+async def read_object(request: Request, levels: int = 0) -> dict[str, Any]:
+    """The request's JSON object, if the mesh can write it again ``levels`` levels deeper
+    (``refuse_unencodable``; 400 ``invalid_request`` otherwise)."""
     try:
         data = orjson.loads(await request.body())
     except orjson.JSONDecodeError as error:
         raise InvalidRequest(f"request body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the request body is a JSON object")
-    return data
+    return cast(dict[str, Any], refuse_unencodable(data, levels=levels))
 
 
 def create_app(ctx: ServerContext[Config], *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:

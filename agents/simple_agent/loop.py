@@ -21,8 +21,11 @@ instructions). The tool list, written once per session and checkpoint, would oth
 the agent's bytes.
 
 Tool calls that cannot be made (a name that is not a tool route, arguments that are not a JSON
-object) and tools that answer an error become the tool output text the model sees; a model call
-that fails, or a resources server that cannot be reached, fails the loop.
+object, or one nested deeper than the mesh writes) and tools that answer an error become the tool
+output text the model sees; so do the calls of one model turn past ``max_tool_calls_per_turn``
+(``MAX_TOOL_CALLS_PER_TURN`` by default): they are answered in order, after the calls that run,
+without calling anything. A model call that fails, or a resources server that cannot be reached,
+fails the loop.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from nemo_gym_ckpt.errors import UpstreamError
 from nemo_gym_ckpt.responses import add_usage
 
 __all__ = [
+    "MAX_TOOL_CALLS_PER_TURN",
     "POLICY_VERSIONS",
     "REQUEST_FIELDS",
     "LoopCalls",
@@ -56,6 +60,8 @@ __all__ = [
 ]
 
 StopReason = Literal["answer", "incomplete", "no_action", "max_steps"]
+MAX_TOOL_CALLS_PER_TURN = 64
+"""Tool calls of one model turn that run, by default; the turn's later calls are answered with an error."""
 _TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 
 
@@ -94,6 +100,8 @@ class LoopState:
     usage: dict[str, Any] | None = None
     turns: int = 0
     pending: list[dict[str, Any]] = field(default_factory=list)
+    """What the last model turn still waits for, in call order: function calls to run, then the
+    ``function_call_output`` items answering its calls past the turn's bound (``_answers_of``)."""
     cookies: dict[str, str] = field(default_factory=dict)
     model_cookies: dict[str, str] = field(default_factory=dict)
     last_response: dict[str, Any] | None = None
@@ -182,35 +190,46 @@ def tool_request(call: dict[str, Any]) -> tuple[str, dict[str, Any]] | str:
         return _error_text(f"unknown tool {name!r}")
     try:
         arguments = json.loads(call.get("arguments") or "{}")
+    except RecursionError:  # the standard library's reader gives up on deep nesting this way
+        return _error_text(f"arguments of {name} are nested too deeply")
     except (TypeError, ValueError) as error:
         return _error_text(f"arguments of {name} are not valid JSON: {error}")
     if not isinstance(arguments, dict):
         return _error_text(f"arguments of {name} must be a JSON object")
+    try:
+        orjson.dumps(arguments)  # what the tool call sends: nesting past MAX_JSON_LEVELS, a 65-bit integer
+    except orjson.JSONEncodeError as error:
+        return _error_text(f"arguments of {name} cannot be sent as JSON: {error}")
     return name, arguments
 
 
-def _error_text(detail: str) -> str:
-    return json.dumps({"error": {"code": "invalid_tool_call", "detail": detail}})
+def _error_text(detail: str, code: str = "invalid_tool_call") -> str:
+    return json.dumps({"error": {"code": code, "detail": detail}})
 
 
-async def advance(state: LoopState, calls: LoopCalls) -> None:
-    """Make the next call of the loop (a pending tool call first, else a model call)."""
+async def advance(
+    state: LoopState, calls: LoopCalls, *, max_tool_calls_per_turn: int = MAX_TOOL_CALLS_PER_TURN
+) -> None:
+    """Make the next call of the loop (a pending tool call first, else a model call): at most
+    ``max_tool_calls_per_turn`` of a model turn's function calls run, the rest are answered with an error."""
     if state.stop_reason is not None:
         raise ValueError(f"the loop has stopped ({state.stop_reason})")
     if state.pending:
         await _next_tool_call(state, calls)
     else:
-        await _model_call(state, calls)
+        await _model_call(state, calls, max_tool_calls_per_turn)
 
 
-async def run_loop(state: LoopState, calls: LoopCalls) -> LoopState:
+async def run_loop(
+    state: LoopState, calls: LoopCalls, *, max_tool_calls_per_turn: int = MAX_TOOL_CALLS_PER_TURN
+) -> LoopState:
     """Advance until the loop stops; answers the same (updated) state."""
     while state.stop_reason is None:
-        await advance(state, calls)
+        await advance(state, calls, max_tool_calls_per_turn=max_tool_calls_per_turn)
     return state
 
 
-async def _model_call(state: LoopState, calls: LoopCalls) -> None:
+async def _model_call(state: LoopState, calls: LoopCalls, max_tool_calls: int) -> None:
     body = {**state.params, "input": [*state.input, *state.outputs]}
     reply = await calls.call_model(body, state.model_cookies)
     response = reply.response
@@ -227,24 +246,44 @@ async def _model_call(state: LoopState, calls: LoopCalls) -> None:
     if response.get("incomplete_details"):
         state.stop_reason = "incomplete"
     elif function_calls:
-        state.pending = function_calls
+        state.pending = _answers_of(function_calls, max_tool_calls)
     else:
         has_message = any(item.get("type") == "message" for item in output)
         state.stop_reason = "answer" if has_message else "no_action"
 
 
+def _answers_of(function_calls: list[dict[str, Any]], max_tool_calls: int) -> list[dict[str, Any]]:
+    """A turn's pending list: its first ``max_tool_calls`` calls, then each later call's error output
+    (answered in order after the calls that run, so every call has its output and none runs)."""
+    refused = [_output(call, _error_text(
+        f"{call.get('name')!r} was not called: at most {max_tool_calls} tool calls run per model turn",
+        "too_many_tool_calls")) for call in function_calls[max_tool_calls:]]
+    return [*function_calls[:max_tool_calls], *refused]
+
+
+def _output(call: dict[str, Any], text: str) -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": call.get("call_id"), "output": text}
+
+
 async def _next_tool_call(state: LoopState, calls: LoopCalls) -> None:
     call = state.pending[0]
-    request = tool_request(call)
-    if isinstance(request, str):
-        text = request
+    if call.get("type") == "function_call_output":  # a call past the turn's bound, answered already
+        state.outputs.append(call)
     else:
-        text, cookies = await calls.call_tool(*request, state.cookies)
-        state.cookies.update(cookies)
-    state.outputs.append({"type": "function_call_output", "call_id": call.get("call_id"), "output": text})
+        state.outputs.append(_output(call, await _tool_output(state, calls, call)))
     state.pending.pop(0)
     if not state.pending and state.turns >= state.max_steps:
         state.stop_reason = "max_steps"
+
+
+async def _tool_output(state: LoopState, calls: LoopCalls, call: dict[str, Any]) -> str:
+    """The text answering ``call``: the tool's reply, or why it could not be called."""
+    request = tool_request(call)
+    if isinstance(request, str):
+        return request
+    text, cookies = await calls.call_tool(*request, state.cookies)
+    state.cookies.update(cookies)
+    return text
 
 
 POLICY_VERSIONS = "policy_versions"

@@ -78,6 +78,7 @@ from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 
 __all__ = [
     "RECORD_KEYS",
+    "RECORD_LEVELS",
     "RUNNING_KEYS",
     "SESSION_KEYS",
     "Activation",
@@ -94,6 +95,10 @@ __all__ = [
 
 CallKind = Literal["model", "tool"]
 RECORD_KEYS = frozenset({"episode_id", "session"})
+RECORD_LEVELS = 3
+"""Levels a record wraps an activation's reply (its response) and a running activation's state in:
+the record, its ``session``, its ``reply`` or ``running``. What an agent keeps there must be writable
+that much deeper (``MAX_JSON_LEVELS``)."""
 SESSION_KEYS = frozenset({"completed", "completed_digest", "reply", "running"})
 RUNNING_KEYS = frozenset({"index", "request_digest", "state"})
 _DIGEST = re.compile(r"[0-9a-f]{64}")

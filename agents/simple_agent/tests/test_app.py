@@ -107,6 +107,9 @@ async def test_token_ids_are_requested_and_passed_back_verbatim() -> None:
         (function_call("../verify", {"a": 1}), "unknown tool"),
         (function_call("divide", {"a": 1, "b": 2}), "not_found"),
         (function_call("add", {"a": "x", "b": 2}), "invalid_request"),
+        (function_call("add", '{"a":' * 300 + "1" + "}" * 300), "cannot be sent as JSON"),  # json reads it
+        (function_call("add", '{"a":' * 100_000 + "1" + "}" * 100_000), "nested too deeply"),  # RecursionError
+        (function_call("add", '{"a": 18446744073709551616, "b": 1}'), "cannot be sent as JSON"),  # 65 bits
     ],
 )
 async def test_bad_tool_calls_become_text_the_model_sees(call: dict[str, Any], expected: str) -> None:

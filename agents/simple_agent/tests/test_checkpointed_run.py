@@ -75,13 +75,14 @@ class Resources:
 
 
 @asynccontextmanager
-async def run_agent(root: Path, clock: FakeClock, resources: Resources) -> AsyncIterator[
-        tuple[ParticipantUnderTest, ScriptedModel]]:
-    """The simple agent (checkpointing on) over a scripted model answering at once and ``resources``."""
+async def run_agent(root: Path, clock: FakeClock, resources: Resources, model_app: FastAPI | None = None,
+                    ) -> AsyncIterator[tuple[ParticipantUnderTest, ScriptedModel]]:
+    """The simple agent (checkpointing on) over ``resources`` and a scripted model answering at once
+    (or ``model_app``, when given)."""
     placement = InProcess()
     async with AsyncExitStack() as stack:
         model = ScriptedModel(lambda body: [message("2")])
-        model_url = await stack.enter_async_context(placement.run(model.app()))
+        model_url = await stack.enter_async_context(placement.run(model_app or model.app()))
         resources_url = await stack.enter_async_context(placement.run(resources.app()))
         settings = agent_app.Config(model_server=Ref(type="responses_api_models", name="policy_model"),
                                     resources_server=Ref(type="resources_servers", name="calculator_tools"))
