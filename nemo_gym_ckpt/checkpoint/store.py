@@ -3,9 +3,11 @@ touches them, through one ``FileOps`` seam.
 
 Write, per participant, under ``<checkpoint_dir>/gym/<kind>/<instance>/``:
 
-1. stream the record lines to ``.records-<random>.tmp``, hashing (SHA-256) and counting, the
+0. when the writer opens (``start``, beside the commit's capture), create ``.records-<random>.tmp`` and
+   ``.manifest-<random>.tmp``: the write itself creates no file (but those a subclass adds);
+1. stream the record lines to the records' temporary file, hashing (SHA-256) and counting, the
    writeback of each chunk started once it is written (``FileOps.start_writeback``);
-2. write ``.manifest-<random>.tmp`` (its writeback started too);
+2. write the manifest into its temporary file (its writeback started too);
 3. fsync the records, rename them to ``records-<sha256>.jsonl``, fsync the manifest's temporary
    file (a file a subclass handed over, the policy model's token sidecar, first: fsynced and renamed
    the same way); fsync the directory;
@@ -35,9 +37,11 @@ import re
 import secrets
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
+from itertools import accumulate, repeat
 from pathlib import Path, PurePath
 from typing import Any, BinaryIO, TypeVar, cast
 
@@ -113,7 +117,9 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": self.schema_version, **{k: v for k, v in asdict(self).items()
+        """The fields, ``schema_version`` first, then in their order (``vars``: no deep copy, unlike
+        ``asdict``; every field is a string or an integer)."""
+        return {"schema_version": self.schema_version, **{k: v for k, v in vars(self).items()
                                                           if k != "schema_version"}}
 
     def encode(self) -> bytes:
@@ -219,6 +225,7 @@ class RecordWriter:
         self._fd: int | None = None
         self._temps: list[Path] = []
         self._unsynced: list[_Unsynced] = []  # written, to be fsynced at ``finish``
+        self._manifest: _Unsynced | None = None  # the manifest's temporary file, empty until ``finish``
         self.sync_s = 0.0
         """Seconds spent in the fsyncs of ``finish`` (files and directory): what of the write waited
         for the disk (and for a core once the disk was done)."""
@@ -232,7 +239,9 @@ class RecordWriter:
         a patch of a line of one (docs/protocol.md section 6.1), in chunks of about ``CHUNK_BYTES``.
         A record longer than ``max_record_bytes`` is refused before anything is written: a restore
         with the same bound would refuse the checkpoint."""
-        self._check_record_sizes(records)
+        raws = list(map(_RAW, records))
+        sizes = list(map(len, raws))
+        self._check_record_sizes(records, sizes)
         base = self.base
         decided = plan(records, base)
         if base is not None and decided.links:
@@ -243,12 +252,12 @@ class RecordWriter:
         patches = {number: patch for number, patch in decided.patches.items() if patch.records_file in self.linked}
         if not spans and not patches:  # nothing referenced (a full commit): every record inline, at once
             self._index.inline_all(records, self.bytes)
-            self._write_chunked([record.raw for record in records])
+            self._write_all(raws, sizes)
         else:
             self._write_chunked(self._planned_lines(records, decided, spans, patches))
 
-    def _check_record_sizes(self, records: Sequence[Record]) -> None:
-        if not records or max(map(len, map(_RAW, records))) <= self.max_record_bytes:
+    def _check_record_sizes(self, records: Sequence[Record], sizes: list[int]) -> None:
+        if not sizes or max(sizes) <= self.max_record_bytes:
             return
         record = next(record for record in records if len(record.raw) > self.max_record_bytes)
         raise PayloadTooLarge(f"the record of {record.episode.capture_key} is {len(record.raw)} bytes, over the "
@@ -297,10 +306,29 @@ class RecordWriter:
                 chunk, size = [], 0
         self.write_lines(chunk)
 
+    def _write_all(self, lines: list[bytes], sizes: list[int]) -> None:
+        """Write ``lines`` (of ``sizes`` bytes) in the chunks ``_write_chunked`` would make, found by a
+        few passes in C (each chunk ends at the first line that brings it to ``CHUNK_BYTES``) instead
+        of a step in Python per line."""
+        ends = list(accumulate(map(operator.add, sizes, repeat(1))))  # newlines counted
+        start, before = 0, 0
+        while start < len(lines):
+            stop = bisect_left(ends, before + CHUNK_BYTES, lo=start) + 1
+            self.write_lines(lines[start:stop])
+            before, start = ends[min(stop, len(lines)) - 1], stop
+
     def start(self) -> None:
-        with self._lock, write_errors(self.directory):
-            self._records_temp = self._temp_path(".records")
-            self._fd = self._ops.open_new(self._records_temp)
+        """Create the records' and the manifest's temporary files (the writer is opened beside the
+        capture: no file is created in the write itself, but those a subclass adds)."""
+        try:
+            with self._lock, write_errors(self.directory):
+                self._records_temp = self._temp_path(".records")
+                self._fd = self._ops.open_new(self._records_temp)
+                temp = self._temp_path(".manifest")
+                self._manifest = _Unsynced(self._ops.open_new(temp), temp, None)
+        except BaseException:
+            self.abort()
+            raise
 
     def write_lines(self, lines: Sequence[bytes]) -> None:
         """Append records (each without its newline) to the temporary records file."""
@@ -350,8 +378,7 @@ class RecordWriter:
             fd, self._fd = self._fd, None
             self._unsynced.append(_Unsynced(fd, self._records_temp, self.directory / manifest.records_file))
             content = manifest.encode()
-            temp = self._temp_path(".manifest")
-            self._unsynced.append(_Unsynced(self._ops.write_new_unsynced(temp, (content,)), temp, None))
+            temp = self._write_manifest(content)
             self._sync_files()
             self._stop.check()
             self._stop.commit_point(lambda: self._link_manifest(temp, content))
@@ -362,12 +389,25 @@ class RecordWriter:
             self.on_commit(functools.partial(self._index.finish_in_steps, manifest.records_file, self.bytes))
         return manifest
 
+    def _write_manifest(self, content: bytes) -> Path:
+        """The manifest's bytes in its temporary file (made by ``start``), to be fsynced with the
+        records; its path."""
+        file, self._manifest = self._manifest, None
+        assert file is not None  # made by ``start``; ``finish`` runs once
+        self._unsynced.append(file)
+        self._ops.write(file.fd, content)
+        self._ops.start_writeback(file.fd, 0, len(content))
+        return file.temp
+
     def abort(self) -> None:
         """Close and remove the temporary files (never a renamed records file or a manifest)."""
         with self._lock:
             fd, self._fd = self._fd, None
             if fd is not None:
                 _quietly(self._ops.close, fd)
+            manifest, self._manifest = self._manifest, None
+            if manifest is not None:
+                _quietly(self._ops.close, manifest.fd)
             for file in self._unsynced:
                 _quietly(self._ops.close, file.fd)
             self._unsynced.clear()

@@ -183,6 +183,25 @@ def test_a_failing_disk_is_a_clear_error_and_leaves_no_temporary_file(root: Path
                 store.read(directory, "resources", "s1", frozenset())
 
 
+def test_the_write_creates_no_file_its_temporary_files_are_made_when_the_writer_opens(root: Path) -> None:
+    """The writer opens beside the capture (``pipeline``): the records' and the manifest's temporary
+    files are made then, and the write itself (records, seal, link) creates none."""
+    ops = CrashFS()
+    writer = CheckpointStore(root, ops).open_writer(root / "ck", "resources", "s1", StopSignal())
+    opened = len(ops.calls)
+    writer.write_records(RECORDS)
+    manifest = writer.finish("resources", "s1", "c1")
+    assert ops.calls[:opened].count("open") == 2 and "open" not in ops.calls[opened:]
+    assert Manifest.parse((writer.directory / MANIFEST_NAME).read_bytes()) == manifest
+    assert sorted(path.name for path in writer.directory.iterdir()) == [MANIFEST_NAME, manifest.records_file]
+
+
+def test_a_writer_aborted_before_it_wrote_leaves_no_temporary_file(store: CheckpointStore, root: Path) -> None:
+    writer = store.open_writer(root / "ck", "resources", "s1", StopSignal())
+    writer.abort()
+    assert list(writer.directory.iterdir()) == []
+
+
 def _write_and_abort_on_error(store: CheckpointStore, directory: Path) -> None:
     writer = store.open_writer(directory, "resources", "s1", StopSignal())
     try:
