@@ -136,7 +136,10 @@ def _mean(values: Sequence[float | int]) -> float:
     try:
         return statistics.fmean(values)
     except OverflowError:
-        return math.fsum(value / len(values) for value in values)
+        # scaled by a power of two at least the count (exact), the sum stays within the float range
+        scale = max(len(values) - 1, 1).bit_length()
+        scaled = math.fsum(math.ldexp(value, -scale) for value in values) / len(values)
+        return min(max(math.ldexp(scaled, scale), min(values)), max(values))  # it lies between the extremes
 
 
 def _median(values: Sequence[float | int]) -> float | int:

@@ -39,6 +39,14 @@ def test_the_mean_and_median_of_large_finite_values_stay_finite() -> None:
     assert metrics["agent_metrics"]["mean_across_repeats/mean/reward"] == BIG
 
 
+def test_the_mean_of_many_values_at_the_float_limit_is_the_limit() -> None:
+    top = sys.float_info.max
+    metrics = strict_json(aggregate_metrics(rows([[top, top, top], [top, top, 1.0]])))
+    assert metrics["key_metrics"] == {"mean/reward": pytest.approx(top * (5 / 6))}
+    means = [group["mean/reward"] for group in metrics["group_level_metrics"]]
+    assert means == [top, pytest.approx(top * (2 / 3))]
+
+
 def test_a_statistic_past_the_float_range_is_none() -> None:
     metrics = strict_json(aggregate_metrics(rows([[HUGE, -HUGE], [HUGE, -HUGE]])))
     group = metrics["group_level_metrics"][0]
