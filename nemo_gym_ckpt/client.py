@@ -262,8 +262,7 @@ class MeshClient:
         all_headers = {"content-type": "application/json"} if content is not None else {}
         all_headers.update(headers or {})
         deadline_s = self.timeout_s if timeout_s is None else timeout_s
-        if deadline_s <= 0:  # a caller's one deadline already spent (an earlier call of it took all)
-            raise UpstreamTimeout(f"{method} {url} was not sent: its call's deadline had passed")
+        _unless_spent(deadline_s, f"{method} {url}")
         try:
             async with asyncio.timeout(deadline_s):
                 response = await self._send_with_retries(method, url, content, all_headers, cookies, retry)
@@ -379,6 +378,7 @@ class MeshClient:
         all_headers = {"content-type": "application/json", "accept-encoding": _STREAM_ENCODING, **(headers or {})}
         request = self._http.build_request(method.upper(), url, content=content, headers=all_headers)
         whole_s = self.timeout_s if timeout_s is None else timeout_s
+        _unless_spent(whole_s, call)
         head_s = whole_s if connect_timeout_s is None else min(connect_timeout_s, whole_s)
         started = asyncio.get_running_loop().time()
         response = await self._send_stream(request, started + head_s, head_s, call)
@@ -431,6 +431,12 @@ class _AsClientErrors:
                 raise UpstreamTimeout(f"{self._call}: {self._late}") from None
         if isinstance(error, httpx.HTTPError):
             raise _client_error(self._call, error) from error
+
+
+def _unless_spent(deadline_s: float, call: str) -> None:
+    """Refuse to send a call whose caller's one deadline is already spent (an earlier call took it all)."""
+    if deadline_s <= 0:
+        raise UpstreamTimeout(f"{call} was not sent: its call's deadline had passed")
 
 
 def _client_error(call: str, error: httpx.HTTPError) -> PeerError:

@@ -120,11 +120,23 @@ def _causes(error: BaseException) -> list[BaseException]:
     return chain
 
 
-async def test_a_call_whose_deadline_has_passed_says_so_and_never_reaches_the_peer() -> None:
+async def _plain_spent(client: MeshClient) -> None:
+    await client.request("POST", URL, json={}, timeout_s=-1.5)
+
+
+async def _streamed_spent(client: MeshClient) -> None:
+    async with client.stream("POST", URL, json={}, timeout_s=0.0):
+        pass
+
+
+@pytest.mark.parametrize("call", [_plain_spent, _streamed_spent], ids=["plain", "stream"])
+async def test_a_call_whose_deadline_has_passed_says_so_and_never_reaches_the_peer(
+    call: Callable[[MeshClient], Awaitable[None]],
+) -> None:
     reached: list[httpx.Request] = []
     transport = httpx.MockTransport(lambda request: reached.append(request) or httpx.Response(200, json={}))
     async with MeshClient(transport=transport, backoff_s=0.0, retries=0) as client:
         with pytest.raises(UpstreamTimeout) as raised:
-            await client.request("POST", URL, json={}, timeout_s=-1.5)
+            await call(client)
     assert raised.value.detail == f"{CALL} was not sent: its call's deadline had passed"
     assert reached == []
