@@ -8,10 +8,11 @@ forms, ``apikey``, ``hf_tokens``). A token of a tokenizer is none (``eos_token``
 ``tokenizer``) or a single header (``prompt_header``). ``key`` is secret alone, and ``key`` or
 ``keys`` after a word that makes it a credential (``api_key``, ``X-Api-Key``, ``secret_key``,
 ``AWS_SECRET_ACCESS_KEY``, ``private_key``, ``api_keys``) or names a service that issues one
-(``hf_key``, ``openai_key``, ``wandb_key``); any other ``*_key`` names a field, a column or a
-setting (``answer_key``, ``label_key``, ``sort_key``, ``primary_key``) and is served as it is,
-unless its value has a credential's shape (one word of 20 or more characters holding letters and
-digits: ``foo_key: sk-...``), which is redacted like a secret key's.
+(``hf_key``, ``openai_key``, ``wandb_key``). A ``*_key`` after a word that names data (``answer_key``,
+``label_key``, ``sort_key``, ``primary_key``, ``input_key``: ``_FIELD_QUALIFIERS``) names a field, a
+column or a setting and is served as it is, unless its value has a credential's shape (one word of
+20 or more characters holding letters and digits); any other ``*_key`` (``webhook_key``,
+``stripe_key``) is taken for a credential, as nothing says it is not.
 
 ``redacted`` replaces the whole value of a secret key (a string, a list, a mapping) by ``REDACTED``,
 a ``true``/``false`` switch excepted. In every other string it replaces each known secret (what
@@ -54,6 +55,15 @@ _KEY_ISSUERS = frozenset({
 _KEY_QUALIFIERS = _CREDENTIAL_QUALIFIERS | _KEY_ISSUERS
 """Words before ``key``/``keys``/``tokens`` that make them credentials (``api_key``, ``api_keys``,
 ``openai_key``; not ``answer_key``, ``max_tokens``)."""
+_FIELD_QUALIFIERS = frozenset({
+    "answer", "answers", "label", "labels", "sort", "primary", "foreign", "input", "output", "target", "gold",
+    "reference", "truth", "expected", "question", "problem", "prompt", "response", "completion", "solution",
+    "instruction", "context", "query", "choice", "choices", "option", "options", "id", "cache", "group",
+    "dedup", "partition", "shard", "dataset", "column", "field", "metric", "reward", "score", "result",
+    "task", "split", "name", "text", "message", "messages", "data", "row", "record", "index", "lookup",
+    "join", "dict", "map", "state", "category", "metadata", "tool", "rubric", "verifier", "env", "config",
+})
+"""Words before ``key``/``keys`` that make them a field's name, no credential (``answer_key``)."""
 _VOCABULARY_QUALIFIERS = frozenset({
     "eos", "bos", "pad", "unk", "sep", "cls", "mask", "eot", "eom", "boi", "eoi", "special", "start",
     "end", "stop", "begin", "think", "image", "video", "audio", "placeholder", "abstention",
@@ -61,8 +71,8 @@ _VOCABULARY_QUALIFIERS = frozenset({
 """Words before ``token`` that make it a token of a tokenizer's vocabulary (``eos_token``), no secret."""
 _HOST_WORD = "host"
 _CREDENTIAL_SHAPE = re.compile(r"(?=\S*[A-Za-z])(?=\S*[0-9])\S{20,}")
-"""A value a ``*_key`` of no credential word is still redacted for: one word of 20 or more characters
-with letters and digits (an access token's shape; ``expected_answer``, ``problem_id`` are not)."""
+"""A value a field's ``*_key`` is still redacted for: one word of 20 or more characters with letters
+and digits (an access token's shape; ``expected_answer``, ``problem_id`` are not)."""
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _SEPARATORS = re.compile(r"[^a-z0-9]+")
 _MIN_EMBEDDED = 8
@@ -88,12 +98,14 @@ def is_secret_key(key: object) -> bool:
         return True  # a bare ``key``: nothing says it is anything but a credential
     if last in _SECRET_WORDS:
         return True
+    if last in ("key", "keys") and before:
+        return before not in _FIELD_QUALIFIERS or before in _KEY_QUALIFIERS
     return last in _QUALIFIED_WORDS and before in _KEY_QUALIFIERS
 
 
 def _is_secret_item(key: object, value: Any) -> bool:
-    """Whether ``key: value`` holds a secret: a secret key, or a field's ``*_key`` whose value has a
-    credential's shape."""
+    """Whether ``key: value`` holds a secret: a secret key, or a field's ``*_key`` (``answer_key``)
+    whose value has a credential's shape."""
     if is_secret_key(key):
         return True
     words = _words(key)

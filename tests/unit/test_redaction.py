@@ -104,13 +104,15 @@ def test_a_key_that_names_a_field_is_served_and_its_value_is_kept_in_other_strin
     assert not any(is_secret_key(key) for key in ("answer_key", "answerKey", "label-key", "cache_key", "keys"))
 
 
-def test_a_key_of_an_unlisted_service_is_redacted_by_its_credential_shape() -> None:
-    credential = "sk-proj-4f9a8b7c6d5e4f3a2b1c"
-    block = {"acme_key": credential, "vendor_keys": ["xk9" * 8], "note": f"call with {credential}",
-             "split_key": "train_2024_v1", "answer_key": "the answer is 42 in the end"}
-    got = _served({"block": block})["block"]
-    assert got == {"acme_key": REDACTED, "vendor_keys": REDACTED, "note": f"call with {REDACTED}",
-                   "split_key": "train_2024_v1", "answer_key": "the answer is 42 in the end"}
+def test_a_key_named_for_no_field_is_a_credential_and_a_fields_key_with_a_credentials_value_too() -> None:
+    secrets = {"webhook_key": "wh-s3cr3t-2024", "db_key": "correct horse battery staple",
+               "gateway_key": "Bearer gw_9f8e7d6c5b4a3928171605f4", "acme_keys": ["k1", "k2"],
+               "answer_key": "sk-proj-4f9a8b7c6d5e4f3a2b1c"}
+    fields = {"split_key": "train_2024_v1", "answer_key_text": "kept", "question_key": "the answer is 42"}
+    command = "serve --webhook-secret wh-s3cr3t-2024 --db 'correct horse battery staple'"
+    got = _served({"block": {**secrets, **fields, "start_command": command}})["block"]
+    assert got == {**dict.fromkeys(secrets, REDACTED), **fields,
+                   "start_command": f"serve --webhook-secret {REDACTED} --db '{REDACTED}'"}
 
 
 def test_keys_named_for_a_credential_or_its_issuer_stay_redacted() -> None:
