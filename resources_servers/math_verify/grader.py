@@ -85,7 +85,8 @@ def _serve(conn: Connection, grade: GradeFn, warm_up: WarmUp) -> None:
 
 
 class _NotDelivered(Exception):
-    """The grade could not be sent: the worker was already gone."""
+    """The worker was gone before it answered (it may have died as the grade was sent, or just after:
+    a send into a killed worker's pipe can still succeed); the grade is tried once more."""
 
 
 async def _readable(fd: int, timeout_s: float) -> bool:
@@ -132,7 +133,7 @@ class _Worker:
         return self.warmed
 
     async def grade(self, expected: str, text: str, timeout_s: float) -> Grade:
-        """The worker's grade; raises ``_NotDelivered`` when the worker was gone before it got the job."""
+        """The worker's grade; raises ``_NotDelivered`` when the worker died before it answered."""
         try:
             self.conn.send((expected, text))
         except OSError as error:
@@ -141,8 +142,8 @@ class _Worker:
             return Grade("timeout")
         try:
             correct, extracted = self.conn.recv()
-        except (EOFError, OSError):
-            return Grade("worker_died")
+        except (EOFError, OSError) as error:
+            raise _NotDelivered from error
         return Grade("ok", correct, extracted)
 
     async def stop(self) -> None:

@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -43,6 +44,15 @@ def stuck_on_stuck(expected: str, text: str) -> tuple[bool, str | None]:
     while text == "stuck":
         time.sleep(3600)
     return expected == text, text
+
+
+def dies_on_its_first_grade(marker: str, text: str) -> tuple[bool, str | None]:
+    """A grade function whose first call kills its worker (``marker``, a path, records that it did)."""
+    if not os.path.exists(marker):
+        with open(marker, "w"):
+            pass
+        os._exit(9)
+    return True, text
 
 
 def slow_start() -> None:
@@ -144,6 +154,20 @@ async def test_a_grade_that_cannot_be_sent_is_graded_on_a_new_worker() -> None:
         idle.is_alive = lambda: True  # type: ignore[method-assign]  # it dies just after we look
         assert await pool.grade("8", "8") == Grade("ok", True, "8")
         assert pool.live_workers == 1
+    finally:
+        await pool.aclose()
+
+
+async def test_a_worker_that_dies_after_the_grade_was_sent_is_replaced_and_the_grade_tried_once_more(
+    tmp_path: Path,
+) -> None:
+    """The send went into the pipe, then the worker died without answering (a stray SIGKILL just after
+    our look at it, as the reply is awaited): one more try on a new worker, not ``worker_died``."""
+    marker = str(tmp_path / "died")
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=dies_on_its_first_grade)
+    try:
+        assert await pool.grade(marker, "9") == Grade("ok", True, "9")
+        assert os.path.exists(marker) and pool.live_workers == 1
     finally:
         await pool.aclose()
 
