@@ -9,7 +9,10 @@ Routes (also under ``/ng-rollout/<capture_key>/``, where the capture key names t
   resources server's); again, until a message without calls, ``max_steps`` model calls, or an
   incomplete response. Answers a Responses object whose ``output`` is the whole trajectory and whose
   ``usage`` is summed; the resources cookies as they stand after the last tool call come back as
-  ``Set-Cookie``. The header ``x-ng-agent-activation: <n>`` (1-based) numbers the calls of one
+  ``Set-Cookie``. The policy model's answers echo the request's parameters (its ``tools``), and the
+  agent keeps an answer only as deep as it can write it again (``ANSWER_LEVELS``, with
+  checkpointing ``RECORD_LEVELS`` more): a request nested deeper than that is 400, not the
+  policy model's 502. The header ``x-ng-agent-activation: <n>`` (1-based) numbers the calls of one
   episode. With checkpointing on, each reply says ``x-ng-checkpoint-close: replay``: its ``/close``
   may run again, so an environment need not hold a checkpoint for it.
 - ``POST /training-token-capture/v1/responses`` (NeMo Gym's training-capture path, under the
@@ -20,7 +23,8 @@ Routes (also under ``/ng-rollout/<capture_key>/``, where the capture key names t
   response, ``/close_session`` (a failed close is logged only; once seeded, a ``/run`` that fails
   closes too, see ``_closes_after``); answers the verified row (the task row, the verifier's
   fields, ``response``, ``reward``). Needs a ``resources_server``. A row the agent could not write
-  again in its reply (and record) is 400; a policy model's answer it could not keep is 502.
+  again in its reply (and record) is 400; a policy model's answer or a ``/verify`` answer it could
+  not keep (in its reply, and with checkpointing in its record: ``VERDICT_LEVELS``) is 502.
 - ``POST /v1/agent_sessions`` and ``POST /v1/agent_sessions/close``: NeMo Gym's agent sessions
   (``agent_sessions.py``): a session names its episode and, in a ``direct_http`` tool access, the
   resources server and cookies its activations use; the close answers the resources cookies after
@@ -125,6 +129,7 @@ from nemo_gym_ckpt.server import create_app as create_app_base
 __all__ = [
     "ANSWER_LEVELS",
     "MODEL_CALL_HEADER",
+    "VERDICT_LEVELS",
     "AgentRequest",
     "AgentSession",
     "Config",
@@ -294,6 +299,10 @@ class SimpleAgent:
         self.row_levels = 0
         """Levels deeper than in its own JSON that the agent keeps a ``/run`` row: its reply merges the
         row's keys; an exported session's record holds that reply ``RECORD_LEVELS`` deeper."""
+        self.verdict_levels = 0
+        """Levels deeper than in its own JSON that the agent keeps a ``/verify`` answer (its echoes of
+        the row and the response left out): its reply merges its keys into the row; an exported
+        ``/run``'s running state keeps it in ``verdict`` (``VERDICT_LEVELS`` more)."""
         self.agent_sessions = AgentSessionTable()
         self.agent_cookie = agent_cookie_name(ctx.name)
 
@@ -303,6 +312,7 @@ class SimpleAgent:
         self.checkpoint = sessions
         if self.checkpoint_sessions:
             self.row_levels = RECORD_LEVELS
+            self.verdict_levels = VERDICT_LEVELS
             self.calls = replace(self.calls, answer_levels=ANSWER_LEVELS + RECORD_LEVELS)
 
     async def _loop(self, state: LoopState, calls: LoopCalls) -> None:
@@ -332,6 +342,7 @@ class SimpleAgent:
     async def _responses(self, body: AgentRequest, request: Request, *, token_ids: bool) -> OrjsonResponse:
         if body.stream:
             raise InvalidRequest("the simple agent does not stream; send stream: false")
+        refuse_unencodable(dict(body), levels=self.calls.answer_levels)
         activation = parse_activation(request.headers.get(ACTIVATION_HEADER))
         session = self.agent_sessions.find(request.cookies.get(self.agent_cookie))
         calls, cookies = self._calls_for(session, request, token_ids)
@@ -437,7 +448,8 @@ class SimpleAgent:
         if run.verdict is None:
             async with _gate(turn):
                 verdict = await self._verify(row, response, state.cookies)
-                run.verified(verdict, verify_request)  # inside the gate: the verify is done exactly once
+                # inside the gate: the verify is done exactly once
+                run.verified(verdict, verify_request, levels=self.verdict_levels)
         else:  # restored after its verify answered: that verdict, and no verify again
             verdict = run.restored_verdict(verify_request)
         return {**row, **verdict, "response": response, "reward": float(verdict["reward"])}
@@ -634,6 +646,9 @@ def resumed_state(snapshot: dict[str, Any], body: AgentRequest) -> LoopState:
 
 VERDICT_KEYS = frozenset({"verdict", "verdict_echoes"})
 """The keys a ``/run``'s state adds to its loop's once its verify answered (``RunState.view``)."""
+VERDICT_LEVELS = RECORD_LEVELS + 1
+"""Levels deeper than in its own JSON that an exported ``/run`` keeps its verify's answer: its record
+holds the running state ``RECORD_LEVELS`` deep, and the state holds it in ``verdict``."""
 
 
 @dataclass
@@ -652,10 +667,13 @@ class RunState:
             snapshot["verdict"], snapshot["verdict_echoes"] = self.verdict, self.verdict_echoes
         return snapshot
 
-    def verified(self, verdict: dict[str, Any], request: Mapping[str, Any]) -> None:
-        """Keep the verify's answer (to ``request``, the row and the response) without its echoes."""
+    def verified(self, verdict: dict[str, Any], request: Mapping[str, Any], *, levels: int = 0) -> None:
+        """Keep the verify's answer (to ``request``, the row and the response) without its echoes;
+        502 ``upstream_error`` when what it keeps cannot be written ``levels`` levels deeper (a record)."""
         echoed = echoed_keys(verdict, request)
-        self.verdict, self.verdict_echoes = without_echoes(verdict, echoed), echoed
+        kept = without_echoes(verdict, echoed)
+        refuse_unencodable(kept, "the resources server's /verify answer", levels=levels, refusal=UpstreamError)
+        self.verdict, self.verdict_echoes = kept, echoed
 
     def restored_verdict(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """The verdict as the verify answered it, its echoes taken from ``request`` again."""

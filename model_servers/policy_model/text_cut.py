@@ -6,6 +6,18 @@ released only when it cannot turn out to be part of a marker or of a tool-call b
 the first ``<tool_call>`` on waits for the final parse, and a tail that could still grow into a
 marker (``<|en`` before ``<|end|>``), or an incomplete UTF-8 character, is held back.
 
+Sent text is never taken back, and a stream never stalls. A later id can change text already
+sent: with SentencePiece's byte fallback a run of byte tokens is decoded whole, so "é" (two bytes)
+followed by the byte ``<0xFF>`` becomes three U+FFFD; transformers' clean-up turns " ." into ".".
+While the text ends in U+FFFD such a change may still be undone (a character whose bytes have not
+all come), so nothing is sent; once it does not, the stream goes on from where the text and what
+was sent part: every later character of the content is sent, after the sent text it cannot take
+back. vLLM's OpenAI server does the same in kind (it holds back text ending in U+FFFD and never
+takes back sent text); it slices its later text by position (past the length sent), which, once
+sent text changed, can skip characters of the content, where this sends all of them. So the deltas join to the
+non-streamed content whenever no sent text changed; otherwise they join to that content with the
+text that changed left in, where it was sent.
+
 A stream costs time linear in its length: its text is decoded incrementally (the inference
 worker's ``IncrementalDetokenizer``), and each chunk looks only at the characters it may have
 changed (markers are searched from ``len(longest marker) - 1`` before them) and at those not yet
@@ -52,9 +64,11 @@ def _held_tail(text: str, markers: Sequence[str]) -> int:
 class ContentStreamer:
     """Turns the ids of one generation, chunk by chunk, into content deltas that never retract.
 
-    Each delta is what the content seen whole (the text of all the ids so far, cut at the earliest
-    marker, less a tail that may become a marker, less trailing U+FFFD) adds to what was sent, or
-    nothing when that content no longer starts with what was sent.
+    The stream follows the *delivered* text: what was sent, as far as the text still reads it. Each
+    delta is what the content seen whole (the text of all the ids so far, cut at the earliest
+    marker, less a tail that may become a marker, less trailing U+FFFD) adds past the delivered
+    text. When the text no longer starts with the delivered text and does not end in U+FFFD, the
+    delivered text is cut back to where they part (what was sent past it stays sent).
     """
 
     def __init__(self, tokenizer: TokenDecoder, markers: Sequence[str]) -> None:
@@ -63,51 +77,56 @@ class ContentStreamer:
         self._longest = max((len(marker) for marker in self._markers), default=1)
         self._cut: int | None = None  # where the earliest marker begins in the text
         self._visible = 0  # where the visible text (before its U+FFFD are stripped) ended last chunk
-        self._sent: list[str] = []  # the deltas sent
-        self._sent_length = 0
-        self._agree = 0  # the length of the common prefix of the text and the sent content
+        self._deltas: list[str] = []  # every delta sent
+        self._delivered: list[str] = []  # the delivered text, in pieces
+        self._delivered_length = 0
+        self._agree = 0  # the length of the common prefix of the text and the delivered text
 
     @property
     def emitted(self) -> str:
         """All the content sent so far."""
-        if len(self._sent) > 1:
-            self._sent[:] = ["".join(self._sent)]
-        return "".join(self._sent)
+        if len(self._deltas) > 1:
+            self._deltas[:] = ["".join(self._deltas)]
+        return "".join(self._deltas)
 
     def add(self, ids: Sequence[int]) -> str:
         """Take one chunk's ids; returns the new safe content ("" if nothing new)."""
         if not ids:
             return ""
         unchanged = min([self._text.add(token_id) for token_id in ids])
-        self._compare_sent(unchanged)
+        self._compare_delivered(unchanged)
         visible = self._visible_end(unchanged)
-        if visible == self._visible and visible <= unchanged:  # the same visible text as last chunk
-            return ""
+        if visible == self._visible and visible <= unchanged and not self._parted():
+            return ""  # the same visible text as last chunk
         self._visible = visible
         return self._advance(visible)
 
     def finish(self, content: str) -> str:
-        """The rest of the final content after everything already sent."""
-        sent = self.emitted
-        if not content.startswith(sent):
-            return ""
-        delta = content[len(sent) :]
-        self._sent[:] = [content]
-        self._sent_length = self._agree = len(content)
+        """The rest of the final content after the delivered text (all of it past where they part)."""
+        delivered = "".join(self._delivered)
+        agree = len(delivered) if content.startswith(delivered) else _common_prefix_length(content, delivered)
+        delta = content[agree:]
+        self._send(delta)
+        self._delivered[:] = [content]
+        self._delivered_length = self._agree = len(content)
         return delta
 
-    def _compare_sent(self, unchanged: int) -> None:
-        """Keep ``_agree`` for the new text, whose first ``unchanged`` characters are the old ones'."""
-        if self._agree < unchanged or unchanged >= self._sent_length:
-            return  # a difference within the unchanged text stays; a sent content within it still agrees
-        size = self._sent_length - unchanged
-        text = self._text.text_from(unchanged)[:size]
-        self._agree = unchanged + _common_prefix_length(text, self._sent_suffix(size))
+    def _parted(self) -> bool:
+        """Whether the text no longer starts with the delivered text."""
+        return self._agree < self._delivered_length
 
-    def _sent_suffix(self, size: int) -> str:
-        """The last ``size`` characters of the sent content."""
+    def _compare_delivered(self, unchanged: int) -> None:
+        """Keep ``_agree`` for the new text, whose first ``unchanged`` characters are the old ones'."""
+        if self._agree < unchanged or unchanged >= self._delivered_length:
+            return  # a difference within the unchanged text stays; a delivered text within it still agrees
+        size = self._delivered_length - unchanged
+        text = self._text.text_from(unchanged)[:size]
+        self._agree = unchanged + _common_prefix_length(text, self._delivered_suffix(size))
+
+    def _delivered_suffix(self, size: int) -> str:
+        """The last ``size`` characters of the delivered text."""
         parts: list[str] = []
-        for piece in reversed(self._sent):
+        for piece in reversed(self._delivered):
             if size <= 0:
                 break
             parts.append(piece[-size:])
@@ -127,12 +146,31 @@ class ContentStreamer:
         return length - _held_tail(end, self._markers)
 
     def _advance(self, visible: int) -> str:
-        """Send the visible text past what was sent, less trailing U+FFFD, if it starts with it."""
-        if self._agree < self._sent_length or visible <= self._sent_length:
+        """Send the visible text past the delivered text, less trailing U+FFFD; where the text parted
+        from the delivered text, first cut that back to where they part, unless the text ends in
+        U+FFFD (an id still to come may undo the change)."""
+        if self._parted():
+            if self._text.text_from(len(self._text) - 1) == REPLACEMENT_CHAR:
+                return ""
+            self._cut_delivered(self._agree)
+        if visible <= self._delivered_length:
             return ""
-        delta = self._text.text_from(self._sent_length)[: visible - self._sent_length].rstrip(REPLACEMENT_CHAR)
+        start = self._delivered_length
+        delta = self._text.text_from(start)[: visible - start].rstrip(REPLACEMENT_CHAR)
         if delta:
-            self._sent.append(delta)
-            self._sent_length += len(delta)
-            self._agree = self._sent_length
+            self._send(delta)
+            self._delivered.append(delta)
+            self._delivered_length = self._agree = start + len(delta)
         return delta
+
+    def _send(self, delta: str) -> None:
+        if delta:
+            self._deltas.append(delta)
+
+    def _cut_delivered(self, length: int) -> None:
+        """Keep the delivered text's first ``length`` characters."""
+        while self._delivered and self._delivered_length - len(self._delivered[-1]) >= length:
+            self._delivered_length -= len(self._delivered.pop())
+        if self._delivered_length > length:
+            self._delivered[-1] = self._delivered[-1][: length - self._delivered_length]
+            self._delivered_length = length

@@ -1,10 +1,13 @@
 """What the simple agent cannot write again as JSON is refused where it comes in: a ``/run`` row nested
-deeper than its reply (and, with checkpointing, its record) can hold is 400 ``invalid_request``; a
-policy model's answer nested that deep is 502 ``upstream_error``; an activation header that is no
-64-bit integer is 400. None of them is a 500."""
+deeper than its reply (and, with checkpointing, its record) can hold is 400 ``invalid_request``, and
+so is a ``/v1/responses`` request nested deeper than the agent keeps the policy model's answer that
+echoes it (its ``tools``); a policy model's answer or a ``/verify`` answer nested that deep is 502
+``upstream_error``; an activation header that is no 64-bit integer is 400. None of them is a 500,
+and none a record that fails a commit later."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,7 @@ from fastapi import FastAPI, Request, Response
 
 from agents.simple_agent import app as agent_app
 from agents.simple_agent.tests.test_checkpointed_run import ROW as RUN_ROW
-from agents.simple_agent.tests.test_checkpointed_run import Resources, run_agent
+from agents.simple_agent.tests.test_checkpointed_run import WAIT_S, Resources, run_agent
 from model_servers.inference_worker.default_model_data import make_problem
 from nemo_gym_ckpt.agent.sessions import RECORD_LEVELS
 from nemo_gym_ckpt.canonical import MAX_JSON_LEVELS, nested
@@ -147,13 +150,15 @@ async def test_an_activation_header_that_int_refuses_is_a_400(value: bytes) -> N
 
 
 async def run_then_commit(root: Path, name: str, body: EncodedJson | dict[str, Any],
-                          model_app: FastAPI | None = None) -> tuple[httpx.Response, list[dict[str, Any]]]:
-    """One ``/run`` of the simple agent with checkpointing on, then a checkpoint of it in ``root/name``:
-    the reply and the records written."""
+                          model_app: FastAPI | None = None, *, path: str = "/run",
+                          resources: Resources | None = None) -> tuple[httpx.Response, list[dict[str, Any]]]:
+    """One ``/run`` (or a call of ``path``) of the simple agent with checkpointing on, then a
+    checkpoint of it in ``root/name``: the reply and the records written."""
     directory = root / name
-    async with run_agent(root, FakeClock(start=1_700_000_000.0), Resources(hold_close=False), model_app) as (pt, _):
+    resources = resources or Resources(hold_close=False)
+    async with run_agent(root, FakeClock(start=1_700_000_000.0), resources, model_app) as (pt, _):
         content = body.content if isinstance(body, EncodedJson) else orjson.dumps(body)
-        reply = await pt.client.post("/ng-rollout/r/run", content=content,
+        reply = await pt.client.post(f"/ng-rollout/r{path}", content=content,
                                      headers={"content-type": "application/json"})
         control = Control(pt)
         await control.ok("prepare", checkpoint_id="c1")
@@ -183,3 +188,106 @@ async def test_with_checkpointing_a_model_answer_must_fit_the_records_that_keep_
     assert record["session"]["reply"]["response"]["response"]["output"][0]["x_deep"] == nested(1, deepest)
     reply, _ = await run_then_commit(root, "deeper", RUN_ROW, deep_answer_model(deepest + 1))
     expect_error(reply, 502, "upstream_error")
+
+
+# ---- a request's fields the policy model's answer echoes ------------------------------------------
+
+TOOL_LEVELS = 4
+"""A request's levels down to its tool's ``parameters`` fields: the body, ``tools``, the tool, ``parameters``."""
+
+
+def request_with_deep_tool(levels: int) -> EncodedJson:
+    """A ``/v1/responses`` body whose tool's ``parameters`` hold ``x``, a value ``levels`` levels deep
+    (written by hand: no encoder of the mesh writes one too deep); the policy model echoes its tools."""
+    deep = b"[" * levels + b"1" + b"]" * levels
+    return EncodedJson(b'{"input":' + orjson.dumps(PROBLEM["question"])
+                       + b',"tools":[{"type":"function","name":"f","parameters":{"x":' + deep + b"}}]}")
+
+
+async def test_a_request_nested_deeper_than_the_agent_keeps_its_echo_is_a_400() -> None:
+    deepest = MAX_JSON_LEVELS - agent_app.ANSWER_LEVELS - TOOL_LEVELS
+    mesh, _ = build()
+    reply = await post(mesh, "/v1/responses", request_with_deep_tool(deepest))
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["tools"][0]["parameters"]["x"] == nested(1, deepest)  # the policy model's echo
+    detail = expect_error(await post(mesh, "/v1/responses", request_with_deep_tool(deepest + 1)),
+                          400, "invalid_request")  # before: 502, the policy model's echo of it refused
+    assert "the request body cannot be written again" in detail
+    await mesh.aclose()
+
+
+async def test_with_checkpointing_a_request_must_fit_the_records_that_keep_its_echo(root: Path) -> None:
+    deepest = MAX_JSON_LEVELS - agent_app.ANSWER_LEVELS - RECORD_LEVELS - TOOL_LEVELS
+    reply, records = await run_then_commit(root, "fits", request_with_deep_tool(deepest), path="/v1/responses")
+    assert reply.status_code == 200, reply.text
+    [record] = records
+    assert record["session"]["reply"]["response"]["tools"][0]["parameters"]["x"] == nested(1, deepest)
+    reply, records = await run_then_commit(root, "deeper", request_with_deep_tool(deepest + 1), path="/v1/responses")
+    expect_error(reply, 400, "invalid_request")  # before: 502 upstream_error, blaming the policy model
+    assert records == []
+
+
+# ---- a /verify answer ------------------------------------------------------------------------------
+
+
+class DeepVerdict(Resources):
+    """``Resources`` whose verify answers ``x``, a value ``levels`` levels deep (no echo of its request)."""
+
+    def __init__(self, levels: int, *, hold_close: bool = False) -> None:
+        super().__init__(hold_close=hold_close)
+        self.levels = levels
+
+    def app(self) -> FastAPI:
+        app = super().app()
+        app.router.routes = [route for route in app.router.routes if getattr(route, "path", None) != "/verify"]
+
+        async def verify(request: Request) -> Response:
+            self.verifies += 1
+            deep = b"[" * self.levels + b"1" + b"]" * self.levels
+            return Response(b'{"reward":1.0,"x":' + deep + b"}", media_type="application/json")
+
+        app.add_api_route("/verify", verify, methods=["POST"])
+        return app
+
+
+VERDICT_OWN_LEVELS = 1
+"""A verdict's own level above its ``x``."""
+
+
+async def test_a_verdict_nested_deeper_than_the_reply_holds_is_a_502() -> None:
+    deepest = MAX_JSON_LEVELS - VERDICT_OWN_LEVELS
+    for levels, status in ((deepest, 200), (deepest + 1, 502)):  # before: a 500 at the route
+        mesh, _ = build()
+        mesh.serve("calculator_tools", DeepVerdict(levels).app())
+        reply = await post(mesh, "/run", ROW)
+        assert reply.status_code == status, reply.text
+        if status == 502:
+            assert "the resources server's /verify answer cannot be written again" in expect_error(
+                reply, 502, "upstream_error")
+        await mesh.aclose()
+
+
+async def test_with_checkpointing_a_verdict_must_fit_the_running_state_that_keeps_it(root: Path) -> None:
+    """A checkpoint that lands while the ``/run`` closes its resources session keeps the verdict in its
+    running state, ``VERDICT_LEVELS`` deeper: the deepest verdict that fits there commits; one level
+    deeper is a 502 for the ``/run`` (before: 200, and the commit failed with an unusable record)."""
+    in_running_state = RECORD_LEVELS + 1  # the record holds the running state that deep, the state its verdict
+    deepest = MAX_JSON_LEVELS - in_running_state - VERDICT_OWN_LEVELS
+    resources = DeepVerdict(deepest, hold_close=True)
+    directory = root / "fits"
+    async with run_agent(root, FakeClock(start=1_700_000_000.0), resources) as (pt, _):
+        run = asyncio.create_task(pt.client.post("/ng-rollout/r/run", json=RUN_ROW))
+        await asyncio.wait_for(resources.close_arrived.wait(), WAIT_S)  # verified; closing
+        control = Control(pt)
+        await control.ok("prepare", checkpoint_id="c1")
+        await control.ok("commit", checkpoint_id="c1", checkpoint_dir=str(directory),
+                         episode_ids=[{"rollout_id": "r"}])
+        await control.ok("resume", checkpoint_id="c1")
+        resources.release_close.set()
+        reply = await asyncio.wait_for(run, WAIT_S)
+    assert reply.status_code == 200, reply.text
+    [record] = [orjson.loads(line) for path in directory.rglob("records-*.jsonl")
+                for line in path.read_bytes().splitlines()]
+    assert record["session"]["running"]["state"]["verdict"]["x"] == nested(1, deepest)
+    reply, _ = await run_then_commit(root, "deeper", RUN_ROW, resources=DeepVerdict(deepest + 1))
+    assert "the resources server's /verify answer" in expect_error(reply, 502, "upstream_error")

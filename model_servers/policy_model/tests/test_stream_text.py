@@ -1,13 +1,16 @@
-"""A streamed reply's content: the deltas it always had, in time linear in the reply.
+"""A streamed reply's content: the deltas of decoding everything at every chunk, in time linear in the reply.
 
-``Reference`` is the streamer the policy model had: at every chunk it decoded all the ids so far and
-read all their text (cut at the earliest marker, less a tail that may still become one, less
-trailing U+FFFD). Random generations in random chunks, with the eos, the tool-call tag and stop
-strings (cut from their own text, or drawn from an alphabet holding U+FFFD) go through both, on a
-byte-level tokenizer whose tokens end inside characters and on a SentencePiece one whose byte
-fallback can turn text already sent into U+FFFD: every chunk's delta, the final one and the content sent must be equal.
-Then whole replies through ``WorkerBackend.stream``: the deltas join to the content of the reply,
-and a reply of 2,000 tokens decodes a few ids per token, not all of them at every chunk.
+``Reference`` is that streamer written plainly: at every chunk it decodes all the ids so far and
+reads all their text (cut at the earliest marker, less a tail that may still become one, less
+trailing U+FFFD); where the text no longer starts with what it delivered and does not end in
+U+FFFD, it goes on from where they part. Random generations in random chunks, with the eos, the
+tool-call tag and stop strings (cut from their own text, or drawn from an alphabet holding U+FFFD)
+go through both, on a byte-level tokenizer whose tokens end inside characters and on a
+SentencePiece one whose byte fallback can turn text already sent into U+FFFD: every chunk's delta,
+the final one and the content sent must be equal. Then whole replies through
+``WorkerBackend.stream``: the deltas join to the content of the reply (with the text a later byte
+turned into U+FFFD left in where it was sent), and a reply of 2,000 tokens decodes a few ids per
+token, not all of them at every chunk.
 """
 
 from __future__ import annotations
@@ -52,14 +55,22 @@ class Reference:
         self._tokenizer = tokenizer
         self._markers = [marker for marker in markers if marker]
         self.ids: list[int] = []
+        self.delivered = ""  # what was sent, as far as the text still reads it
         self.emitted = ""
 
     def add(self, ids: Sequence[int]) -> str:
         self.ids += ids
-        return self._advance(self._safe(self._tokenizer.decode(self.ids, skip_special_tokens=False)))
+        text = self._tokenizer.decode(self.ids, skip_special_tokens=False)
+        if not text.startswith(self.delivered):
+            if text.endswith("\ufffd"):
+                return ""  # a byte still to come may undo the change
+            self.delivered = self.delivered[: _parting(text, self.delivered)]
+        return self._advance(self._safe(text))
 
     def finish(self, content: str) -> str:
-        return self._advance(content)
+        delta = content[_parting(content, self.delivered) :]
+        self.delivered, self.emitted = content, self.emitted + delta
+        return delta
 
     def _safe(self, text: str) -> str:
         cuts = [index for index in (text.find(marker) for marker in self._markers) if index >= 0]
@@ -75,11 +86,17 @@ class Reference:
         return visible.rstrip("\ufffd")
 
     def _advance(self, visible: str) -> str:
-        if not visible.startswith(self.emitted):
+        if len(visible) <= len(self.delivered):
             return ""
-        delta = visible[len(self.emitted) :]
-        self.emitted = visible
+        delta = visible[len(self.delivered) :]
+        self.delivered, self.emitted = visible, self.emitted + delta
         return delta
+
+
+def _parting(text: str, delivered: str) -> int:
+    """Where ``text`` and ``delivered`` part (the length of their common prefix)."""
+    return next((index for index, (a, b) in enumerate(zip(text, delivered, strict=False)) if a != b),
+                min(len(text), len(delivered)))
 
 
 # ---- tokenizers ----------------------------------------------------------------------------------
@@ -197,21 +214,54 @@ def test_a_character_split_over_tokens_is_held_until_it_is_whole() -> None:
     assert [streamer.add([token]) for token in piece_ids("naïve", 3)] == ["na", "ïve"]
 
 
-def test_sent_content_is_never_retracted(fmt: ChatFormat) -> None:
+def test_sent_content_is_never_retracted_and_the_content_past_the_parting_is_sent(fmt: ChatFormat) -> None:
     streamer = ContentStreamer(fmt, [END])
     assert streamer.add(_char_ids(fmt, "abc")) == "abc"
-    assert streamer.finish("xyz") == ""
-    assert streamer.emitted == "abc"
+    assert streamer.finish("abxyz") == "xyz"
+    assert streamer.emitted == "abcxyz"
 
 
-def test_a_byte_that_turns_sent_text_into_u_fffd_stops_the_stream_as_before() -> None:
+def _sentencepiece_ids(*tokens: str) -> list[int]:
     tokenizer = sentencepiece_tokenizer()
-    ids = [tokenizer.token_to_id(token) for token in ("<0xC3>", "<0xA9>", "<0xE2>", "<0x82>", "<0xAC>", "a", "<0xC3>",
-                                                      "<0xA9>", "<0xFF>", "b", "▁the")]
+    return [tokenizer.token_to_id(token) for token in tokens]
+
+
+SENT_THEN_FFFD = ("<0xC3>", "<0xA9>", "<0xE2>", "<0x82>", "<0xAC>", "a", "<0xC3>", "<0xA9>", "<0xFF>", "b", "▁the")
+""""é€a", then "é", which the byte <0xFF> turns into U+FFFD (the run C3 A9 FF is no UTF-8), then "b the"."""
+
+
+def test_a_byte_that_turns_sent_text_into_u_fffd_does_not_stall_the_stream() -> None:
+    tokenizer = sentencepiece_tokenizer()
+    ids = _sentencepiece_ids(*SENT_THEN_FFFD)
     assert tokenizer.decode(ids[:3]) == "\ufffd" * 3 and tokenizer.decode(ids[:5]) == "é€"
+    content = tokenizer.decode(ids)
+    assert content == "é€a" + "\ufffd" * 3 + "b the"
     streamer = ContentStreamer(tokenizer, [END])
-    assert [streamer.add([token]) for token in ids] == ["", "é", "", "", "€", "a", "", "é", "", "", ""]
+    deltas = [streamer.add([token]) for token in ids]
+    # the "é" sent stays sent; from where the text parts from it on, the whole content is sent
+    assert deltas == ["", "é", "", "", "€", "a", "", "é", "", "\ufffd" * 3 + "b", " the"]
+    assert streamer.finish(content) == ""
+    assert streamer.emitted == "é€aé" + content[3:]
     assert_same_as_reference(tokenizer, [[token] for token in ids], [END])
+
+
+def test_a_stream_that_ends_on_the_parting_byte_sends_the_rest_at_its_end() -> None:
+    tokenizer = sentencepiece_tokenizer()
+    ids = _sentencepiece_ids(*SENT_THEN_FFFD[:9])
+    streamer = ContentStreamer(tokenizer, [END])
+    assert "".join(streamer.add([token]) for token in ids) == "é€aé"
+    assert streamer.finish(tokenizer.decode(ids)) == "\ufffd" * 3
+    assert streamer.emitted == "é€aé" + "\ufffd" * 3
+
+
+def test_text_that_ends_in_u_fffd_for_a_while_is_not_sent_twice() -> None:
+    """"é", then a byte that makes the run U+FFFD until the next byte makes it "éé" again."""
+    tokenizer = sentencepiece_tokenizer()
+    ids = _sentencepiece_ids("<0xC3>", "<0xA9>", "<0xC3>", "<0xA9>", "b")
+    assert tokenizer.decode(ids[:3]) == "\ufffd" * 3
+    streamer = ContentStreamer(tokenizer, [END])
+    assert [streamer.add([token]) for token in ids] == ["", "é", "", "é", "b"]
+    assert streamer.finish("ééb") == "" and streamer.emitted == "ééb"
 
 
 # ---- through the backend -------------------------------------------------------------------------
@@ -261,6 +311,16 @@ async def test_deltas_of_characters_split_over_tokens_join_to_the_whole_decode(
     assert result.content == fmt.decode(ids) == "Voilà: 中文 €5  café😀 & naïve!"
     assert "".join(deltas) == result.content
     assert "\ufffd" not in "".join(deltas) and len(deltas) > 10
+
+
+async def test_a_stream_whose_sent_text_a_later_byte_turns_into_u_fffd_sends_the_rest_of_the_content(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: the stream sent "é€aé" and nothing more, not even at its end."""
+    tokenizer = sentencepiece_tokenizer()
+    deltas, result = await stream_reply(byte_chat_format(tokenizer), _sentencepiece_ids(*SENT_THEN_FFFD), monkeypatch)
+    assert result.content == "é€a" + "\ufffd" * 3 + "b the"
+    assert "".join(deltas) == "é€aé" + result.content[3:]  # the "é" sent, then the content from where it parts
 
 
 async def test_a_long_stream_decodes_a_few_ids_per_token_not_all_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
