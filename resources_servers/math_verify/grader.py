@@ -84,9 +84,13 @@ def _serve(conn: Connection, grade: GradeFn, warm_up: WarmUp) -> None:
             conn.send(grade(*job))
 
 
+_DIED_ON_ARRIVAL_S = 0.25
+"""A worker whose pipe ends this soon after the send died as the grade reached it (a stray kill just
+after our look at it: the send can still succeed); one that dies later died grading: ``worker_died``."""
+
+
 class _NotDelivered(Exception):
-    """The worker was gone before it answered (it may have died as the grade was sent, or just after:
-    a send into a killed worker's pipe can still succeed); the grade is tried once more."""
+    """The worker was gone before it could grade; the grade is tried once more on a new worker."""
 
 
 async def _readable(fd: int, timeout_s: float) -> bool:
@@ -133,17 +137,20 @@ class _Worker:
         return self.warmed
 
     async def grade(self, expected: str, text: str, timeout_s: float) -> Grade:
-        """The worker's grade; raises ``_NotDelivered`` when the worker died before it answered."""
+        """The worker's grade; raises ``_NotDelivered`` when the worker was gone as the grade reached it."""
         try:
             self.conn.send((expected, text))
         except OSError as error:
             raise _NotDelivered from error
+        sent = asyncio.get_running_loop().time()
         if not await _readable(self.conn.fileno(), timeout_s):
             return Grade("timeout")
         try:
             correct, extracted = self.conn.recv()
         except (EOFError, OSError) as error:
-            raise _NotDelivered from error
+            if asyncio.get_running_loop().time() - sent <= _DIED_ON_ARRIVAL_S:
+                raise _NotDelivered from error
+            return Grade("worker_died")  # it died grading: this answer gets no second worker
         return Grade("ok", correct, extracted)
 
     async def stop(self) -> None:
@@ -166,10 +173,13 @@ class GraderPool:
         self._slots = asyncio.Semaphore(workers)
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
+        self._closed = False
 
     async def grade(self, expected: str, text: str) -> Grade:
         async with self._slots:
             for _ in range(2):  # a worker that died between our look at it and the send: once more
+                if self._closed:
+                    break  # no worker is started for a pool that is closed
                 try:
                     return await self._grade_on_a_worker(expected, text)
                 except _NotDelivered:
@@ -209,6 +219,7 @@ class GraderPool:
         return len(self._idle) + len(self._busy)
 
     async def aclose(self) -> None:
+        self._closed = True
         workers, self._idle = [*self._idle, *self._busy], []
         self._busy.clear()
         for worker in workers:

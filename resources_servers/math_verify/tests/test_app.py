@@ -55,6 +55,12 @@ def dies_on_its_first_grade(marker: str, text: str) -> tuple[bool, str | None]:
     return True, text
 
 
+def dies_grading(expected: str, text: str) -> tuple[bool, str | None]:
+    """A grade function that works a while and then kills its worker (a crash on a bad answer)."""
+    time.sleep(0.6)
+    os._exit(9)
+
+
 def slow_start() -> None:
     """A worker warm-up that takes 2 s, as importing sympy does on a busy machine."""
     time.sleep(2.0)
@@ -168,6 +174,41 @@ async def test_a_worker_that_dies_after_the_grade_was_sent_is_replaced_and_the_g
     try:
         assert await pool.grade(marker, "9") == Grade("ok", True, "9")
         assert os.path.exists(marker) and pool.live_workers == 1
+    finally:
+        await pool.aclose()
+
+
+async def test_an_answer_that_kills_its_worker_while_grading_costs_one_worker() -> None:
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=dies_grading)
+    spawned: list[object] = []
+    take = pool._take_worker
+
+    async def counted() -> Any:
+        worker = await take()
+        spawned.append(worker)
+        return worker
+
+    pool._take_worker = counted  # type: ignore[method-assign]
+    try:
+        assert await pool.grade("1", "1") == Grade("worker_died")
+        assert len(spawned) == 1
+    finally:
+        await pool.aclose()
+
+
+async def test_a_grade_in_flight_at_the_close_starts_no_worker_after_it() -> None:
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=stuck_on_stuck)
+    try:
+        assert await pool.grade("1", "1") == Grade("ok", True, "1")
+        stuck = asyncio.create_task(pool.grade("1", "stuck"))
+        for _ in range(200):  # until the grade is on its worker (bounded)
+            if pool._busy:
+                break
+            await asyncio.sleep(0.01)
+        await pool.aclose()
+        async with asyncio.timeout(30):
+            assert await stuck == Grade("worker_died")
+        assert pool.live_workers == 0
     finally:
         await pool.aclose()
 
