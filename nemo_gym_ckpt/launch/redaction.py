@@ -12,7 +12,8 @@ forms, ``apikey``, ``hf_tokens``). A token of a tokenizer is none (``eos_token``
 ``label_key``, ``sort_key``, ``primary_key``, ``input_key``: ``_FIELD_QUALIFIERS``) names a field, a
 column or a setting and is served as it is, unless its value has a credential's shape (one word of
 20 or more characters holding letters and digits); any other ``*_key`` (``webhook_key``,
-``stripe_key``) is taken for a credential, as nothing says it is not.
+``stripe_key``) holding text is taken for a credential, as nothing says it is not (a number under it,
+``max_keys: 256``, is none).
 
 ``redacted`` replaces the whole value of a secret key (a string, a list, a mapping) by ``REDACTED``,
 a ``true``/``false`` switch excepted. In every other string it replaces each known secret (what
@@ -62,6 +63,8 @@ _FIELD_QUALIFIERS = frozenset({
     "dedup", "partition", "shard", "dataset", "column", "field", "metric", "reward", "score", "result",
     "task", "split", "name", "text", "message", "messages", "data", "row", "record", "index", "lookup",
     "join", "dict", "map", "state", "category", "metadata", "tool", "rubric", "verifier", "env", "config",
+    "max", "min", "num", "required", "optional", "allowed", "extra", "by", "include", "exclude", "ignore",
+    "ignored", "unique", "sorted", "keep", "drop", "rng", "random", "seed",
 })
 """Words before ``key``/``keys`` that make them a field's name, no credential (``answer_key``)."""
 _VOCABULARY_QUALIFIERS = frozenset({
@@ -104,12 +107,14 @@ def is_secret_key(key: object) -> bool:
 
 
 def _is_secret_item(key: object, value: Any) -> bool:
-    """Whether ``key: value`` holds a secret: a secret key, or a field's ``*_key`` (``answer_key``)
-    whose value has a credential's shape."""
-    if is_secret_key(key):
-        return True
+    """Whether ``key: value`` holds a secret: a secret key, but a ``*_key`` no credential word names
+    (``webhook_key``) only with text in it (``max_keys: 256`` is a count), and a field's ``*_key``
+    (``answer_key``) only with a value of a credential's shape."""
     words = _words(key)
-    if len(words) < 2 or words[-1] not in ("key", "keys"):
+    named_key = len(words) > 1 and words[-1] in ("key", "keys")
+    if is_secret_key(key):
+        return not named_key or words[-2] in _KEY_QUALIFIERS or bool(_held_strings(value, scheme_first=False))
+    if not named_key:
         return False
     strings = _held_strings(value, scheme_first=False)
     return any(_CREDENTIAL_SHAPE.fullmatch(text.strip()) for text in strings)

@@ -108,7 +108,9 @@ def test_a_key_named_for_no_field_is_a_credential_and_a_fields_key_with_a_creden
     secrets = {"webhook_key": "wh-s3cr3t-2024", "db_key": "correct horse battery staple",
                "gateway_key": "Bearer gw_9f8e7d6c5b4a3928171605f4", "acme_keys": ["k1", "k2"],
                "answer_key": "sk-proj-4f9a8b7c6d5e4f3a2b1c"}
-    fields = {"split_key": "train_2024_v1", "answer_key_text": "kept", "question_key": "the answer is 42"}
+    fields = {"split_key": "train_2024_v1", "answer_key_text": "kept", "question_key": "the answer is 42",
+              "max_keys": 256, "num_keys": 4, "webhook_keys": 3, "required_keys": ["expected_answer", "question"],
+              "group_by_key": "task_id", "system_prompt": "Compare with expected_answer."}
     command = "serve --webhook-secret wh-s3cr3t-2024 --db 'correct horse battery staple'"
     got = _served({"block": {**secrets, **fields, "start_command": command}})["block"]
     assert got == {**dict.fromkeys(secrets, REDACTED), **fields,
