@@ -182,6 +182,11 @@ class AgentRequest(BaseModel):
     stream: bool | None = None
 
 
+_NEVER_ECHOED = frozenset({"input", "stream"})
+"""Fields of a ``/v1/responses`` body the policy model's answer does not repeat (its parameters,
+``tools`` among them, it does), so they need not fit the deeper place the answer is kept in."""
+
+
 class RefillRequest(BaseModel):
     """``POST /v1/responses/refill``: output items of this rollout, as an environment kept them."""
 
@@ -342,7 +347,8 @@ class SimpleAgent:
     async def _responses(self, body: AgentRequest, request: Request, *, token_ids: bool) -> OrjsonResponse:
         if body.stream:
             raise InvalidRequest("the simple agent does not stream; send stream: false")
-        refuse_unencodable(dict(body), levels=self.calls.answer_levels)
+        echoed = {name: value for name, value in dict(body).items() if name not in _NEVER_ECHOED}
+        refuse_unencodable(echoed, levels=self.calls.answer_levels)  # what the answer repeats, kept deeper
         activation = parse_activation(request.headers.get(ACTIVATION_HEADER))
         session = self.agent_sessions.find(request.cookies.get(self.agent_cookie))
         calls, cookies = self._calls_for(session, request, token_ids)

@@ -227,6 +227,21 @@ async def test_with_checkpointing_a_request_must_fit_the_records_that_keep_its_e
     assert records == []
 
 
+def request_with_deep_input(levels: int) -> EncodedJson:
+    """A ``/v1/responses`` body whose one input message carries ``x``, a value ``levels`` levels deep
+    (the input is sent to the policy model, never echoed in its answer nor kept in a record)."""
+    deep = b"[" * levels + b"1" + b"]" * levels
+    message = orjson.dumps({"role": "user", "content": PROBLEM["question"]})[:-1]
+    return EncodedJson(b'{"input":[' + message + b',"x":' + deep + b"}]}")
+
+
+async def test_a_deep_input_the_agent_never_echoes_is_not_refused_as_an_echo(root: Path) -> None:
+    deepest = MAX_JSON_LEVELS - 3  # the body, the input list and the message hold it: 254 levels in all
+    reply, records = await run_then_commit(root, "input", request_with_deep_input(deepest), path="/v1/responses")
+    assert reply.status_code == 200, reply.text  # the echo's bound is for what is echoed: the tools
+    assert len(records) == 1
+
+
 # ---- a /verify answer ------------------------------------------------------------------------------
 
 
