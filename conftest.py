@@ -53,10 +53,3 @@ def serve_app() -> Iterator[Callable[[Any], str]]:
     yield start
     for server in reversed(servers):
         server.stop()
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session: pytest.Session) -> None:
-    rows = [(i.nodeid, [m.args for m in i.iter_markers("xdist_group")]) for i in session.items][:2]
-    with open("/tmp/hookdbg.txt", "a") as f:
-        f.write(repr((os.environ.get("PYTEST_XDIST_WORKER"), rows)) + "\n")
