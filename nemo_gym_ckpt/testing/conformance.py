@@ -46,6 +46,10 @@ __all__ = [
 
 WAIT_S = 10.0
 UNDER_ROOT = "@"
+SHORT_DEADLINE_S = 2.0
+"""The deadline of a check that waits one out (on the real clock it is waited for, so it is short):
+the request must still reach the server before it on a loaded machine, where a server process or a
+test's loop can be held for several tenths of a second."""
 
 
 def unique(label: str) -> str:
@@ -629,7 +633,7 @@ async def lease_expiry_resumes_by_itself(make: MakeParticipant) -> None:
     async with make() as pt:
         control = Control(pt)
         # a short lease, but long enough for the prepare to arrive in time on a loaded machine
-        await control.ok("prepare", checkpoint_id="c1", deadline_ts=control.deadline(1.0))
+        await control.ok("prepare", checkpoint_id="c1", deadline_ts=control.deadline(SHORT_DEADLINE_S))
         expires = (await control.status())["lease_expires_at"]
         await _pass_time_until(pt, expires, control)
         assert (await control.status())["phase"] == "idle"
@@ -665,10 +669,12 @@ async def prepare_reports_blockers_until_ready(make: MakeParticipant) -> None:
         hooks, control = pt.hooks(), Control(pt)
         busy = RolloutIdentity("busy", 3)
         await hooks.block(pt.client, busy, True)
-        deadline = control.deadline(0.3)
+        deadline = control.deadline(SHORT_DEADLINE_S)  # the prepare arrives before it, and answers at it
         pending = asyncio.create_task(control.ok("prepare", checkpoint_id="c1", deadline_ts=deadline))
+        await _until_status(control, lambda s: s["report"] is not None, pending)
+        # the lease: past the reply, only the grace (0.5 s in the real-clock suites) for the next calls
+        await control.ok("renew", checkpoint_id="c1")
         if pt.advance_clock is not None:
-            await _until_status(control, lambda s: s["report"] is not None, pending)
             pt.advance_clock(deadline - pt.now() + 0.001)
         reply = await asyncio.wait_for(pending, WAIT_S)
         assert reply["phase"] == "preparing" and reply["report"]["ready"] is False

@@ -61,10 +61,12 @@ async def test_without_a_connect_timeout_the_retries_stay_bounded() -> None:
 
 
 async def test_the_deadline_bounds_the_connects_made_again() -> None:
-    transport = SlowConnects(failures=10**6, wait_s=0.03)  # each try fails after 30 ms, whatever its timeout
+    # each try fails after 0.1 s, whatever its timeout: about 10 tries by the deadline, under the count
+    # that bounds them (MAX_SLOW_CONNECTS), and a second one even after the loop was held 0.8 s
+    transport = SlowConnects(failures=10**6, wait_s=0.1)
     async with MeshClient(transport=transport, connect_timeout_s=0.01) as client:
         with pytest.raises(UpstreamTimeout):
-            await client.post_json("http://peer/ng-control/prepare", {}, idempotent=True, timeout_s=0.3)
+            await client.post_json("http://peer/ng-control/prepare", {}, idempotent=True, timeout_s=1.0)
     assert 2 <= transport.seen < 10**6
 
 

@@ -60,6 +60,7 @@ class Generate:
 class WorkerFails:
     status: int
     body: Any
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -206,7 +207,7 @@ class ScriptedWorker:
         self.capture_keys.append(identity.capture_key if identity else None)
         reply = self.script.pop(0) if self.script or self.default is None else self.default
         if isinstance(reply, WorkerFails):
-            return JSONResponse(reply.body, status_code=reply.status)
+            return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
         if reply.started is not None:
             reply.started.set()
         ids, finish = self._generation(reply, body["max_tokens"])

@@ -63,6 +63,7 @@ pytestmark = pytest.mark.unit
 TOKEN = "workers-unit-token"
 KIND, NAME = "resources", "res"
 A, B = RolloutIdentity("a"), RolloutIdentity("b")
+WAIT_S = 30.0
 
 
 # ---- frames --------------------------------------------------------------------------------------
@@ -112,6 +113,7 @@ class Pair:
     left: Channel
     right: Channel
     closed: list[str] = field(default_factory=list)
+    answered: list[str] = field(default_factory=list)  # the kinds of the calls the right end has answered
 
 
 @pytest.fixture
@@ -128,12 +130,14 @@ async def pair(short_dir: Path) -> AsyncIterator[Pair]:
     path = short_dir / "s.sock"
     ends: asyncio.Queue[Channel] = asyncio.Queue()
     closed: list[str] = []
+    answered: list[str] = []
 
     async def on_call(kind: str, body: dict[str, object]) -> dict[str, object]:
         if kind == "stale":
             raise StaleCheckpoint("c1 was resumed")
         if kind == "slow":
             await asyncio.sleep(10)
+        answered.append(kind)
         if kind == "big":
             return {"text": "x" * 2000}
         return {"echo": body}
@@ -150,7 +154,7 @@ async def pair(short_dir: Path) -> AsyncIterator[Pair]:
                    on_closed=lambda: closed.append("left"))
     serving = asyncio.create_task(left.serve())
     right = await ends.get()
-    yield Pair(left, right, closed)
+    yield Pair(left, right, closed, answered)
     left.close()
     right.close()
     server.close()
@@ -164,10 +168,9 @@ async def test_a_call_gets_its_reply_and_a_remote_error_comes_back_as_its_class(
 
 
 async def test_a_call_past_its_deadline_or_on_a_closed_channel_is_coordinator_unavailable(pair: Pair) -> None:
-    started = time.monotonic()
     with pytest.raises(CoordinatorUnavailable, match=r"no reply within 0\.2 s"):
         await pair.left.call("slow", {}, 0.2)
-    assert time.monotonic() - started < 2
+    assert "slow" not in pair.answered  # given up at its deadline while the other end still works on it (10 s)
     pending = asyncio.create_task(pair.left.call("slow", {}, 30))
     await asyncio.sleep(0.05)
     pair.right.close()  # the peer goes away with a call pending
@@ -180,10 +183,9 @@ async def test_a_call_past_its_deadline_or_on_a_closed_channel_is_coordinator_un
 
 async def test_a_reply_too_large_to_frame_is_answered_with_that_refusal(pair: Pair) -> None:
     pair.right.max_frame_bytes = 1024
-    started = time.monotonic()
-    with pytest.raises(InvalidCheckpointState, match="over the 1024-byte bound"):
-        await pair.left.call("big", {}, 3)
-    assert time.monotonic() - started < 1  # at once, not at the call's timeout
+    with pytest.raises(InvalidCheckpointState, match="over the 1024-byte bound"):  # a timeout: CoordinatorUnavailable
+        async with asyncio.timeout(10):  # at once, not at the call's timeout
+            await pair.left.call("big", {}, 60)
     assert await pair.left.call("echo", {"x": 1}, 5) == {"echo": {"x": 1}}  # the channel still works
 
 
@@ -258,6 +260,17 @@ def participant(server: Server) -> Participant:
     return server.hub.participant
 
 
+@pytest.fixture
+def patient_readiness(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prepare's look at the workers' readiness waits for their replies however late past its
+    deadline (0.25 s and 0.5 s of grace in production: a loaded machine can hold the loop that long
+    while a reply is on its way, and the worker is then counted unanswered). For the tests that check
+    what the replies say, not when they come; the prepare still answers as soon as they came."""
+    monkeypatch.setattr(worker_hub_module, "READINESS_GRACE_S", WAIT_S)
+    monkeypatch.setattr(participant_module, "READINESS_GRACE_S", WAIT_S)
+
+
+@pytest.mark.usefixtures("patient_readiness")
 async def test_prepare_closes_every_worker_and_merges_their_readiness(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -283,6 +296,7 @@ async def test_prepare_closes_every_worker_and_merges_their_readiness(
     assert [w.participant.checkpoint_id for w in server.workers] == [None, None]
 
 
+@pytest.mark.usefixtures("patient_readiness")
 async def test_a_missing_or_lost_worker_blocks_the_prepare(tmp_path: Path, short_dir: Path) -> None:
     server = await start_server(tmp_path, short_dir, workers=1)
     try:
@@ -359,13 +373,12 @@ async def test_a_second_register_on_one_channel_is_refused(tmp_path: Path, short
 async def test_a_prepare_answers_by_its_deadline_while_a_worker_does_not(
     tmp_path: Path, short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(worker_hub_module, "CALL_TIMEOUT_S", 3.0)  # 30 s in production
+    monkeypatch.setattr(worker_hub_module, "CALL_TIMEOUT_S", 60.0)  # 30 s in production
     server = await start_server(tmp_path, short_dir, workers=1)
     _, writer = await raw_peer(server.path, 2000)  # registered, never answers its readiness
     try:
-        started = time.monotonic()
-        reply = await participant(server).prepare(server.control(0.3))
-        assert time.monotonic() - started < 1.0
+        async with asyncio.timeout(20):  # by its deadline (1 s, and 0.25 s of grace), not the call's timeout
+            reply = await participant(server).prepare(server.control(1.0))
         assert reply["report"]["blockers"] == ["resources-workers-unanswered:1"]
     finally:
         writer.close()
