@@ -58,7 +58,6 @@ import os
 import re
 import secrets
 import threading
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -384,14 +383,18 @@ class ChunkBuffer:
 
 def _groups(tokens: Sequence[CallTokens], chunk_bytes: int) -> Iterator[tuple[Sequence[CallTokens], int]]:
     """The lines in order, in groups of at least ``chunk_bytes`` (newlines counted; the last smaller),
-    each group ending at the first line that brings it there: found by a few passes in C, not a step
-    in Python per line."""
-    ends = list(accumulate(map(add, map(_SIZE, tokens), repeat(1))))
-    start, before = 0, 0
-    while start < len(tokens):
-        stop = min(bisect_left(ends, before + chunk_bytes, lo=start) + 1, len(tokens))
-        yield tokens[start:stop], ends[stop - 1] - before
-        start, before = stop, ends[stop - 1]
+    each group ending at the first line that brings it there; one group held at a time (a list of
+    every line's end, built in C, cost more memory than it saved time)."""
+    group: list[CallTokens] = []
+    size = 0
+    for line in tokens:
+        group.append(line)
+        size += line.size + 1
+        if size >= chunk_bytes:
+            yield group, size
+            group, size = [], 0
+    if group:
+        yield group, size
 
 
 def _segments(group: Sequence[CallTokens]) -> Iterator[bytes | list[CallTokens]]:
