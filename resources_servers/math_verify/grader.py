@@ -209,7 +209,7 @@ class GraderPool:
         return _Worker(self._grade, self._warm_up)
 
     async def _release(self, worker: _Worker, healthy: bool) -> None:
-        if healthy:
+        if healthy and not self._closed:
             self._idle.append(worker)
         else:
             await worker.stop()
@@ -219,10 +219,13 @@ class GraderPool:
         return len(self._idle) + len(self._busy)
 
     async def aclose(self) -> None:
+        """Stop the idle workers; kill the busy ones, whose grades see their pipes end and stop them
+        (closing a pipe a grade waits on would leave that wait to its deadline)."""
         self._closed = True
-        workers, self._idle = [*self._idle, *self._busy], []
-        self._busy.clear()
-        for worker in workers:
+        idle, self._idle = self._idle, []
+        for worker in self._busy:
+            worker.process.kill()
+        for worker in idle:
             with contextlib.suppress(OSError):
                 worker.conn.send(None)
             await worker.stop()
