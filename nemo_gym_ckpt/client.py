@@ -51,6 +51,7 @@ from nemo_gym_ckpt.errors import (
     UpstreamError,
     UpstreamTimeout,
     error_from_body,
+    retry_after_seconds,
 )
 from nemo_gym_ckpt.identity import ROLLOUT_PREFIX, RolloutIdentity, current_identity
 
@@ -69,7 +70,6 @@ __all__ = [
     "TransportName",
     "decode_json",
     "raise_for_error",
-    "retry_after_seconds",
     "with_rollout_prefix",
 ]
 
@@ -635,16 +635,6 @@ def raise_for_error(response: httpx.Response) -> None:
     if isinstance(error, Overloaded):
         error.fields["retry_after_s"] = retry_after_seconds(response.headers.get("retry-after"))
     raise error
-
-
-def retry_after_seconds(value: str | None) -> float:
-    """A peer's ``Retry-After`` in seconds, bounded to 1-60 (1 when missing or not a number of
-    seconds: an HTTP date is not read)."""
-    try:
-        seconds = float(value) if value is not None else 1.0
-    except ValueError:
-        seconds = 1.0
-    return min(max(seconds, 1.0), 60.0) if seconds == seconds else 1.0
 
 
 def decode_json(response: httpx.Response) -> Any:

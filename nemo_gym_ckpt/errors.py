@@ -51,12 +51,15 @@ branch on classes, never on status codes.
 
 from __future__ import annotations
 
+import email.utils
 import reprlib
+import time
 from typing import Any, ClassVar
 
 __all__ = [
     "ERROR_CODES",
     "MAX_DETAIL_CHARS",
+    "MAX_RETRY_AFTER_S",
     "ActivationOutOfOrder",
     "BadInput",
     "CheckpointConflict",
@@ -93,6 +96,7 @@ __all__ = [
     "UpstreamTimeout",
     "UsageError",
     "error_from_body",
+    "retry_after_seconds",
 ]
 
 
@@ -240,6 +244,40 @@ class Overloaded(PeerError):
 
     def headers(self) -> dict[str, str]:
         return {"retry-after": str(max(1, round(self.retry_after_s)))}
+
+
+MAX_RETRY_AFTER_S = 60.0
+_MAX_RETRY_AFTER_CHARS = 64  # the longest HTTP date is 29 characters
+
+
+def retry_after_seconds(value: str | None, *, now: float | None = None) -> float:
+    """A peer's ``Retry-After`` in seconds, within 1 to ``MAX_RETRY_AFTER_S``: a number of seconds
+    or an HTTP date (seconds from ``now``, the wall clock by default); 1 when missing or unreadable."""
+    text = (value or "").strip()
+    if not text or len(text) > _MAX_RETRY_AFTER_CHARS:
+        return 1.0
+    seconds = _delay_seconds(text)
+    if seconds is None:
+        seconds = _seconds_until(text, time.time() if now is None else now)
+    return min(max(seconds, 1.0), MAX_RETRY_AFTER_S) if seconds is not None else 1.0
+
+
+def _delay_seconds(text: str) -> float | None:
+    try:
+        seconds = float(text)
+    except ValueError:
+        return None
+    return seconds if seconds == seconds else 1.0  # NaN
+
+
+def _seconds_until(text: str, now: float) -> float | None:
+    try:
+        moment = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if moment.tzinfo is None:  # "-0000": a time in UTC (RFC 5322)
+        return None
+    return moment.timestamp() - now
 
 
 class UpstreamTimeout(PeerError):

@@ -3,7 +3,7 @@
 A server that holds all the work it may (our inference worker at its ``max_waiting_requests``, an
 upstream server at its rate limit) refuses a request with 429 before anything of it has started:
 ``Overloaded``, whose ``retry_after_s`` is the reply's ``Retry-After`` bounded to 1-60 s (1 s when
-missing or not a number, ``client.retry_after_seconds``). ``admitted`` sends the very same request
+missing or unreadable, ``errors.retry_after_seconds``). ``admitted`` sends the very same request
 again after that wait, as long as the wait ends before the call's deadline; a refusal the deadline
 leaves no room to wait for is raised, and the policy model answers its own caller with that 429
 ``capacity_exceeded`` and its ``Retry-After``. Only a request whose reply has not started is ever

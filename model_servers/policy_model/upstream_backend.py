@@ -69,7 +69,7 @@ from model_servers.policy_model.upstream_replies import (
     completion_ids,
     parsed,
 )
-from nemo_gym_ckpt.client import MeshClient, retry_after_seconds
+from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.errors import (
     GymError,
     InvalidRequest,
@@ -77,6 +77,7 @@ from nemo_gym_ckpt.errors import (
     Unavailable,
     UpstreamError,
     UpstreamTimeout,
+    retry_after_seconds,
 )
 
 __all__ = ["UpstreamBackend"]

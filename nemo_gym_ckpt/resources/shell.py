@@ -69,6 +69,7 @@ from nemo_gym_ckpt.errors import (
     Unavailable,
     UpstreamError,
     UpstreamTimeout,
+    retry_after_seconds,
 )
 from nemo_gym_ckpt.identity import CURRENT_IDENTITY, RolloutIdentity, split_rollout_path
 from nemo_gym_ckpt.resources.adapter import (
@@ -97,8 +98,6 @@ __all__ = ["Declaration", "ResourcesShell", "mapped_error", "route_of"]
 MAX_ERROR_BODY_BYTES = 64 * 1024
 """How much of a server's error reply the shell reads to build its detail (the rest is dropped)."""
 DETAIL_CHARS = 2000
-MAX_RETRY_AFTER_S = 60
-"""The longest ``Retry-After`` passed on from a server's 429 (docs/protocol.md: 1 to 60 seconds)."""
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 """Bodies a server reads as a form, not as JSON: these go to it unread."""
 UNADMITTED_POSTS = frozenset({"/aggregate_metrics"})
@@ -145,18 +144,9 @@ def mapped_error(status: int, body: bytes, retry_after: str | None = None) -> Gy
     """Our error for a wrapped server's error reply (its status, body and ``Retry-After`` header)."""
     cls = _BY_STATUS.get(status) or (InvalidRequest if status < 500 else InternalError)
     detail = f"{_detail_of(body)} (the server answered {status})"
-    seconds = _retry_after_s(retry_after)
-    if cls is Overloaded and seconds is not None:
-        return Overloaded(detail, retry_after_s=seconds)
+    if cls is Overloaded:
+        return Overloaded(detail, retry_after_s=retry_after_seconds(retry_after))
     return cls(detail)
-
-
-def _retry_after_s(value: str | None) -> int | None:
-    """A ``Retry-After`` in seconds, within 1 to ``MAX_RETRY_AFTER_S`` (an HTTP date or garbage: none)."""
-    text = (value or "").strip()
-    if not text.isdigit() or len(text) > 6:
-        return None
-    return min(max(int(text), 1), MAX_RETRY_AFTER_S)
 
 
 def _detail_of(body: bytes) -> str:

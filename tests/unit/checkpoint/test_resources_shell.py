@@ -385,14 +385,16 @@ async def test_the_servers_errors_come_in_our_shape(root: Path, clock: FakeClock
             (await on.verify("r1", expected_answer="busy-7"), 429, "capacity_exceeded"),
             (await on.verify("r1", expected_answer="busy-3600"), 429, "capacity_exceeded"),
             (await on.verify("r1", expected_answer="busy-soon"), 429, "capacity_exceeded"),
+            (await on.verify("r1", expected_answer="busy-Fri, 31 Dec 9999 23:59:59 GMT"), 429, "capacity_exceeded"),
             (await on.verify("r1", expected_answer="slow"), 408, "request_timeout"),
         ]
         for reply, status, code in cases:
             assert (reply.status_code, reply.json()["error"]["code"]) == (status, code), reply.text
         assert "response" in cases[1][0].json()["error"]["detail"]
         assert "cohort did not collect" in cases[6][0].json()["error"]["detail"]
-        # a 429's Retry-After passed on, within the protocol's 1 to 60 s (one that is no number: 1 s)
-        assert [reply.headers.get("retry-after") for reply, _, _ in cases[8:11]] == ["7", "60", "1"]
+        # a 429's Retry-After passed on, within the protocol's 1 to 60 s (one that is no number: 1 s; an
+        # HTTP date read as the seconds until it)
+        assert [reply.headers.get("retry-after") for reply, _, _ in cases[8:12]] == ["7", "60", "1", "60"]
 
 
 async def test_a_client_stalled_mid_body_holds_no_prepare_and_gets_a_408(
