@@ -20,7 +20,7 @@ import re
 import sys
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
-from decimal import Decimal, InvalidOperation
+from decimal import MAX_EMAX, MIN_EMIN, Decimal, DivisionByZero, InvalidOperation, Overflow, localcontext
 from typing import Any, Literal
 
 __all__ = ["ExtractionMode", "assistant_text", "extract", "grade"]
@@ -132,13 +132,31 @@ NEAR_REWARD = 0.98
 
 
 def _closeness(got: str, want: str) -> float:
-    """``(1 - relative error) ** 2`` of the two as numbers (0.0 when either is not one)."""
+    """``(1 - relative error) ** 2`` of the two as numbers (0.0 when either is not one); the error
+    from their exact decimal values when a float cannot hold either (``1e400``, ``1e-400``)."""
+    got, want = _bare_number(got), _bare_number(want)
     try:
-        value, target = float(_bare_number(got)), float(_bare_number(want))
+        value, target = float(got), float(want)
     except ValueError:
         return 0.0
-    error = abs(value - target) / max(abs(target), 1e-9)
+    if _float_holds(value) and _float_holds(target):
+        error = abs(value - target) / max(abs(target), 1e-9)
+    else:
+        error = _decimal_error(got, want)
     return max(0.0, 1.0 - error) ** 2
+
+
+def _float_holds(value: float) -> bool:
+    return value == 0.0 or math.isnan(value) or sys.float_info.min <= abs(value) < math.inf
+
+
+def _decimal_error(got: str, want: str) -> float:
+    """The relative error of two numbers past a float's range (NaN where a decimal cannot hold them either)."""
+    with localcontext() as context:
+        context.prec, context.Emax, context.Emin = 28, MAX_EMAX, MIN_EMIN
+        context.traps[InvalidOperation] = context.traps[Overflow] = context.traps[DivisionByZero] = False
+        value, target = Decimal(got), Decimal(want)
+        return float(abs(value - target) / max(abs(target), Decimal("1e-9")))
 
 
 def _bare_number(text: str) -> str:

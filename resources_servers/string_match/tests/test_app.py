@@ -257,6 +257,11 @@ def test_text_wrappers_around_the_whole_box_are_removed(text: str, answer: str |
         ("inf", "Infinity", 1.0),
         ("1e-400", "-1e-400", 0.98),  # a float makes both 0: not equal now, only near (as 1e-12, -1e-12 are)
         ("2.5", "2.50", 1.0),
+        ("1.001e400", "1e400", 0.98),  # within 1% of each other, by their exact values
+        ("-1.001e400", "-1e400", 0.98),
+        ("1.5e400", "1e400", 0.0),
+        ("1e400", "0", 0.0),
+        ("1e9999999999999999999", "1.001e9999999999999999999", 0.0),  # past a decimal's exponent too
     ],
 )
 def test_numbers_a_float_cannot_hold_keep_their_value(got: str, expected: str, score: float) -> None:
