@@ -25,11 +25,9 @@ from model_servers.inference_worker.detokenizer import KEPT_CHARS, RECENT_CHARS,
 from model_servers.inference_worker.engine import GenerationRequest, TokenStep
 from model_servers.inference_worker.hf_tokenizer import HFTokenizer
 from model_servers.inference_worker.model_dir import resolve_model_path
+from model_servers.inference_worker.tests.byte_level import build_byte_tokenizer, byte_level_text
 
 pytestmark = pytest.mark.unit
-
-MULTIBYTE_WORDS = ("é", "€", "😀", " café", "naïve", "中文")
-
 
 # ---- tokenizers ----------------------------------------------------------------------------------
 
@@ -39,30 +37,12 @@ def default_tokenizer() -> HFTokenizer:
     return HFTokenizer.load(resolve_model_path(None))
 
 
-def _byte_level_text(text: str) -> str:
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    return "".join(piece for piece, _ in ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(text))
-
-
 @functools.cache
 def byte_level_tokenizer() -> HFTokenizer:
-    """Byte-level BPE: every byte, plus every 2- and 3-byte piece of a few multi-byte words (so one
-    token may end inside a character and the next complete it); decoded only, so no merges."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    """Byte-level BPE (``byte_level.py``): tokens that may end inside a character."""
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {char: index for index, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    for word in MULTIBYTE_WORDS:
-        mapped = _byte_level_text(word)
-        for i in range(len(mapped)):
-            for j in range(i + 2, min(len(mapped), i + 3) + 1):
-                vocab.setdefault(mapped[i:j], len(vocab))
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken("<|end|>", special=True, normalized=False)])
-    backend.add_tokens([AddedToken("<tool_call>", special=False, normalized=False)])
-    return HFTokenizer(PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|end|>",
+    return HFTokenizer(PreTrainedTokenizerFast(tokenizer_object=build_byte_tokenizer(), eos_token="<|end|>",
                                                clean_up_tokenization_spaces=False))
 
 
@@ -254,7 +234,7 @@ def test_a_stop_string_across_several_tokens_ends_at_the_token_that_completes_it
 
 def test_tokens_that_end_inside_a_character_are_held_until_it_is_whole() -> None:
     tokenizer = byte_level_tokenizer()
-    euro = [tokenizer.backend.convert_tokens_to_ids(char) for char in _byte_level_text("€")]
+    euro = [tokenizer.backend.convert_tokens_to_ids(char) for char in byte_level_text("€")]
     ids = [*euro, *euro[:2], tokenizer.backend.convert_tokens_to_ids("a")]
     builder = _builder(tokenizer, [], True, len(ids))
     chunks = []
