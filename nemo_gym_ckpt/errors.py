@@ -51,6 +51,7 @@ branch on classes, never on status codes.
 
 from __future__ import annotations
 
+import datetime
 import email.utils
 import reprlib
 import time
@@ -275,8 +276,8 @@ def _seconds_until(text: str, now: float) -> float | None:
         moment = email.utils.parsedate_to_datetime(text)
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    if moment.tzinfo is None:  # "-0000": a time in UTC (RFC 5322)
-        return None
+    if moment.tzinfo is None:  # asctime's form and "-0000": a time in UTC (RFC 9110 section 5.6.7)
+        moment = moment.replace(tzinfo=datetime.UTC)
     return moment.timestamp() - now
 
 

@@ -32,9 +32,20 @@ def test_an_http_date_is_the_seconds_until_it(offset_s: float, seconds: float) -
     assert retry_after_seconds(_date(offset_s), now=NOW) == seconds
 
 
+def test_each_of_the_three_http_date_forms_is_read() -> None:
+    moment = time.gmtime(NOW + 30)
+    forms = [time.strftime(form, moment) for form in (
+        "%a, %d %b %Y %H:%M:%S GMT",  # IMF-fixdate
+        "%A, %d-%b-%y %H:%M:%S GMT",  # RFC 850
+        "%a %b %e %H:%M:%S %Y",  # asctime: no zone, UTC
+        "%a, %d %b %Y %H:%M:%S -0000",  # RFC 5322's zone of a UTC time
+    )]
+    assert [retry_after_seconds(form, now=NOW) for form in forms] == [30.0] * 4
+
+
 @pytest.mark.parametrize("value", [
     "Mon, 99 Foo 2027 07:00:00 GMT",  # no such day or month
-    "Tue, 15 Jan 2027 07:00:00 -0000",  # a time whose zone is unknown (RFC 5322's -0000)
+    "Tue, 15 Jan 2027 25:00:00 GMT",  # no such hour
     "Tue, 15 Jan 2027 07:00:00 GMT" + " " * 40 + "x",  # longer than any date
 ])
 def test_a_date_that_cannot_be_read_is_one_second(value: str) -> None:
