@@ -188,6 +188,8 @@ class GraderPool:
 
     async def _grade_on_a_worker(self, expected: str, text: str) -> Grade:
         worker = await self._take_worker()
+        if worker is None:
+            return Grade("worker_died")
         self._busy.add(worker)
         result: Grade | None = None
         try:
@@ -199,14 +201,15 @@ class GraderPool:
             self._busy.discard(worker)
             await self._release(worker, healthy=result is not None and result.status == "ok")
 
-    async def _take_worker(self) -> _Worker:
-        """An idle worker that is still alive (dead ones are reaped), else a new one."""
+    async def _take_worker(self) -> _Worker | None:
+        """An idle worker that is still alive (dead ones are reaped), else a new one; None once the
+        pool is closed (a close may come while a dead one is reaped)."""
         while self._idle:
             worker = self._idle.pop()
             if worker.process.is_alive():
                 return worker
             await worker.stop()
-        return _Worker(self._grade, self._warm_up)
+        return None if self._closed else _Worker(self._grade, self._warm_up)
 
     async def _release(self, worker: _Worker, healthy: bool) -> None:
         if healthy and not self._closed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -209,6 +210,24 @@ async def test_a_grade_in_flight_at_the_close_starts_no_worker_after_it() -> Non
         async with asyncio.timeout(30):
             assert await stuck == Grade("worker_died")
         assert pool.live_workers == 0
+    finally:
+        await pool.aclose()
+
+
+async def test_a_close_while_a_grade_reaps_a_dead_worker_starts_no_worker_after_it() -> None:
+    others = set(multiprocessing.active_children())
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=same)
+    try:
+        assert await pool.grade("1", "1") == Grade("ok", True, "1")
+        idle = pool._idle[0].process
+        idle.kill()  # dead while idle: the next grade reaps it first
+        idle.join(5.0)
+        grade = asyncio.create_task(pool.grade("2", "2"))
+        await asyncio.sleep(0)  # the grade now waits on the dead worker's stop
+        await pool.aclose()
+        async with asyncio.timeout(30):
+            assert await grade == Grade("worker_died")
+        assert pool.live_workers == 0 and set(multiprocessing.active_children()) <= others
     finally:
         await pool.aclose()
 
