@@ -23,7 +23,12 @@ key has at most ``MAX_DEPTH`` parts; directives and interpolation build at most
 ``MAX_EXPANDED_VALUES`` values by copying blocks (``${a.b}`` of a mapping, ``_copy``,
 ``_inherit_from``) and ``MAX_EXPANDED_CHARS`` characters of strings made by interpolation inside
 text (a whole string copied is the same object: no cost), so a few lines that name each other ten
-times over are refused instead of growing without end.
+times over are refused instead of growing without end. Text is counted piece by piece before it is
+added, so it is refused before it is built: a mapping or list named inside text (``a${block}``) is
+written as Python writes it (``a{'k': 'v'}``, as NeMo Gym's OmegaConf does), one item at a time.
+
+A config path that cannot be looked up (a name longer than the file system takes, ``~user`` of no
+such user) is a ``ConfigError`` as a missing file is.
 """
 
 from __future__ import annotations
@@ -104,15 +109,23 @@ def read_sources(paths: Sequence[str | Path], overrides: Sequence[str]) -> tuple
 
 def resolve_config_path(entry: str, named_in: str) -> Path:
     """``entry`` as given if absolute; else against the working directory, then the project root."""
-    path = Path(entry).expanduser()
+    def refuse(problem: str) -> NoReturn:
+        if named_in == COMMAND_LINE:
+            raise ConfigError(f"file {problem}", file=entry)
+        raise ConfigError(f"config_paths entry {entry!r} {problem}", file=named_in, key=CONFIG_PATHS)
+
+    try:
+        path = Path(entry).expanduser()
+    except RuntimeError:  # ~name of no such user, or no home directory for ~
+        refuse(f"cannot be found: no home directory for {entry.partition('/')[0]!r:.80} (no such user?)")
     candidates = [path] if path.is_absolute() else [Path.cwd() / path, PROJECT_ROOT / path]
     for candidate in candidates:
-        if candidate.is_file():
-            return candidate.resolve()
-    tried = ", ".join(str(c) for c in candidates)
-    if named_in == COMMAND_LINE:
-        raise ConfigError(f"file not found (looked in {tried})", file=entry)
-    raise ConfigError(f"config_paths entry {entry!r} not found (looked in {tried})", file=named_in, key=CONFIG_PATHS)
+        try:
+            if candidate.is_file():
+                return candidate.resolve()
+        except OSError as error:  # a name longer than the file system takes, a folder we may not search, ...
+            refuse(f"cannot be looked for: {error.strerror or error}")
+    refuse(f"not found (looked in {', '.join(str(c) for c in candidates)})")
 
 
 def _files_in_merge_order(roots: Sequence[tuple[str, str]]) -> list[tuple[Path, dict[str, Any]]]:
@@ -432,11 +445,57 @@ class _Resolver:
             return self.expression(whole[1], path)
         if _INTERPOLATION.search(text) is None:
             return text
-        built = _INTERPOLATION.sub(lambda m: str(self.expression(m[1], path)), text)
-        too_much = self.copies.built(built)
+        pieces: list[str] = []
+        end = 0
+        for match in _INTERPOLATION.finditer(text):
+            self.add_text(text[end : match.start()], pieces, path)
+            value = self.expression(match[1], path)
+            if isinstance(value, dict | list):
+                self.add_written(value, pieces, path)
+            else:
+                self.add_text(str(value), pieces, path)
+            end = match.end()
+        self.add_text(text[end:], pieces, path)
+        return "".join(pieces)
+
+    def add_written(self, value: Any, pieces: list[str], path: Path_) -> None:
+        """``str(value)`` of a mapping or list inside text, as Python writes it (NeMo Gym's OmegaConf
+        writes the same), piece by piece: each piece is counted before it is added, so text past the
+        bound is refused before it is built."""
+        if isinstance(value, dict):
+            self.add_text("{", pieces, path)
+            for index, (key, item) in enumerate(value.items()):
+                if index:
+                    self.add_text(", ", pieces, path)
+                self.add_written(key, pieces, path)
+                self.add_text(": ", pieces, path)
+                self.add_written(item, pieces, path)
+            self.add_text("}", pieces, path)
+        elif isinstance(value, list):
+            self.add_text("[", pieces, path)
+            for index, item in enumerate(value):
+                if index:
+                    self.add_text(", ", pieces, path)
+                self.add_written(item, pieces, path)
+            self.add_text("]", pieces, path)
+        else:
+            if isinstance(value, str):  # its repr is at least as long, plus the quotes: counted before it is made
+                self.count_text(len(value) + 2, path)
+                written = repr(value)
+                self.count_text(len(written) - len(value) - 2, path)
+            else:
+                written = repr(value)
+                self.count_text(len(written), path)
+            pieces.append(written)
+
+    def add_text(self, piece: str, pieces: list[str], path: Path_) -> None:
+        self.count_text(len(piece), path)
+        pieces.append(piece)
+
+    def count_text(self, chars: int, path: Path_) -> None:
+        too_much = self.copies.built(chars)
         if too_much:
             self.fail(f"interpolation builds {too_much} (text that names others, over and over): refused", path)
-        return built
 
     def expression(self, expr: str, path: Path_) -> Any:
         expr = expr.strip()
@@ -512,9 +571,10 @@ class _Copies:
             return f"more than {MAX_EXPANDED_VALUES:,} values in all"
         return None
 
-    def built(self, text: str) -> str | None:
-        """Count a string built by interpolation inside text; what is too much, past the bound."""
-        self.chars += len(text)
+    def built(self, chars: int) -> str | None:
+        """Count characters of a string that interpolation inside text builds; what is too much, past the
+        bound (counted before they are added to the string)."""
+        self.chars += chars
         if self.chars > MAX_EXPANDED_CHARS:
             return f"more than {MAX_EXPANDED_CHARS >> 20} MiB of text in all"
         return None

@@ -10,7 +10,15 @@ values, minutes of work and gigabytes. ``load_yaml`` refuses with ``YamlRefused`
   quickstart config is about 100 values);
 - a value nested deeper than ``MAX_DEPTH`` (PyYAML builds nested values by recursion: a deeper
   file would end in a ``RecursionError``);
-- an alias inside the node its anchor names (a cycle, which no copy could finish).
+- an alias inside the node its anchor names (a cycle, which no copy could finish);
+- an int, float or timestamp scalar longer than ``MAX_NUMBER_CHARS`` characters (YAML 1.1's base-60
+  integers, ``1:1:1:...``, take quadratic time to build, and Python's ``int()`` refuses more than
+  4,300 digits), and one that PyYAML cannot build (``2001-02-30``, ``!!float abc``): PyYAML raises a
+  ``ValueError`` there, which would end the command in a traceback;
+- a key written twice in one mapping, keys compared as the strings the config uses (``str()``:
+  ``1`` and ``'1'`` are the same key). NeMo Gym's loader (OmegaConf) refuses a duplicate key too;
+  PyYAML's safe loader lets the later one win silently. A key that a merge (``<<: *name``) brings is
+  not a duplicate: the mapping's own key overrides it, as YAML says.
 
 ``read_yaml_file`` refuses a file of more than ``MAX_FILE_BYTES`` before parsing it, and a file
 that is not UTF-8. Syntax errors stay PyYAML's ``yaml.YAMLError``.
@@ -23,12 +31,19 @@ from typing import Any
 
 import yaml
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_NODES", "YamlRefused", "load_yaml", "read_yaml_file"]
+__all__ = [
+    "MAX_DEPTH", "MAX_FILE_BYTES", "MAX_NODES", "MAX_NUMBER_CHARS", "YamlRefused", "load_yaml", "read_yaml_file",
+]
 
 MAX_FILE_BYTES = 4 << 20
 """Parsing is pure Python: a 4 MiB string takes seconds, 1 MiB of small values hundreds of MiB."""
 MAX_NODES = 100_000
 MAX_DEPTH = 64
+MAX_NUMBER_CHARS = 128
+"""The longest int, float or timestamp scalar (a port, a count or a date is a few characters)."""
+_NUMBER_TAGS = frozenset(f"tag:yaml.org,2002:{kind}" for kind in ("int", "float", "timestamp"))
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_VALUE_TAG = "tag:yaml.org,2002:value"
 
 
 class YamlRefused(Exception):
@@ -43,6 +58,7 @@ class _BoundedLoader(yaml.SafeLoader):
         self.built = 0
         self.open_anchors: list[str | None] = []
         self.sizes: dict[int, int] = {}
+        self.keys_checked: set[yaml.Node] = set()
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         event = self.peek_event()
@@ -75,6 +91,40 @@ class _BoundedLoader(yaml.SafeLoader):
             known = 1 + sum(self.size_of(child) for child in _children(node))
             self.sizes[id(node)] = known
         return known
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        if isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS and len(node.value) > MAX_NUMBER_CHARS:
+            line = node.start_mark.line + 1
+            raise YamlRefused(f"{_kind(node)} scalar of {len(node.value):,} characters (line {line}): more than "
+                              f"{MAX_NUMBER_CHARS}, the bound on a number or date (quote it if it is text)")
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as error:  # PyYAML's int(), float(), date() of a malformed value
+            raise YamlRefused(f"{node.value if isinstance(node.value, str) else '?'!r:.60} is not a valid "
+                              f"{_kind(node)} (line {node.start_mark.line + 1}): {error}") from None
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """Before a mapping's merges (``<<``) are put into it, or it into another: its own keys, once each."""
+        if node not in self.keys_checked:
+            self.keys_checked.add(node)
+            self.refuse_duplicate_keys(node)
+        super().flatten_mapping(node)
+
+    def refuse_duplicate_keys(self, node: yaml.MappingNode) -> None:
+        first_line: dict[str, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
+                continue  # a merge, or a list or mapping as a key (PyYAML refuses those: unhashable)
+            key = key_node.value if key_node.tag == _VALUE_TAG else self.construct_object(key_node, deep=True)
+            name, line = str(key), key_node.start_mark.line + 1
+            if name in first_line:
+                raise YamlRefused(f"duplicate key {name!r:.80} (line {line}; first on line {first_line[name]}): "
+                                  "each key of a mapping is written once (keys compared as strings)")
+            first_line[name] = line
+
+
+def _kind(node: yaml.Node) -> str:
+    return str(node.tag).rsplit(":", 1)[-1]
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:

@@ -14,6 +14,7 @@ import pytest
 import nemo_gym_ckpt
 from nemo_gym_ckpt import cli
 from nemo_gym_ckpt.cli.run import print_line, split_items
+from nemo_gym_ckpt.config import PROJECT_ROOT
 from nemo_gym_ckpt.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -132,3 +133,20 @@ def test_run_prefixes_each_server_line_with_its_name(capsys: pytest.CaptureFixtu
     print_line("policy_model", "INFO uvicorn: started")
     print_line("sm", "")
     assert capsys.readouterr().out == "[policy_model] INFO uvicorn: started\n[sm] \n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["configs/quickstart.yaml", "head_server.port=" + "9" * 5_000], "int scalar of 5,000 characters"),
+     (["configs/quickstart.yaml", "head_server.port=2001-02-30"], "is not a valid timestamp"),
+     (["a" * 300 + ".yaml"], "cannot be looked for: File name too long"),
+     (["~ngc-no-such-user-5a1c/mesh.yaml"], "cannot be found: no home directory for")],
+    ids=["5,000-digit port", "no such date", "name over NAME_MAX", "~user of no user"],
+)
+def test_run_reports_a_scalar_or_a_path_it_cannot_use_on_one_line(
+    argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(PROJECT_ROOT)  # were tracebacks (ValueError, OSError, RuntimeError)
+    assert cli.main(["run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("nemo-gym-ckpt: config error: ") and message in err

@@ -486,8 +486,18 @@ def test_a_signal_while_the_mesh_starts_stops_it_by_name_and_restores_the_handle
     assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
-def test_a_head_config_reply_that_expands_past_the_bounds_is_an_upstream_error() -> None:
-    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{chr(98 + level)}: &{chr(98 + level)} [{', '.join([f'*{chr(97 + level)}'] * 10)}]\n" for level in range(6))
-    with pytest.raises(UpstreamError, match="not a JSON string of YAML"):
-        global_config_of(orjson.dumps(bomb))  # 10**7 values from a few hundred bytes
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + level)}: &{chr(98 + level)} [{', '.join([f'*{chr(97 + level)}'] * 10)}]\n" for level in range(6))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [(BOMB, "builds more than"),  # 10**7 values from a few hundred bytes
+     (f"a: {'9' * 5_000}\n", "int scalar of 5,000 characters"),  # were ValueErrors out of PyYAML
+     ("a: 2001-02-30\n", "is not a valid timestamp"),
+     ("a: 1\na: 2\n", "duplicate key 'a'")],
+    ids=["alias bomb", "5,000-digit int", "no such date", "duplicate key"],
+)
+def test_a_head_config_reply_past_the_bounds_is_an_upstream_error(text: str, message: str) -> None:
+    with pytest.raises(UpstreamError, match=f"not a JSON string of YAML: .*{message}"):
+        global_config_of(orjson.dumps(text))

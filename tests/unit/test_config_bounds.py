@@ -3,6 +3,9 @@ one ``ConfigError`` line naming the file (or the command line), never a tracebac
 
 from __future__ import annotations
 
+import json
+import re
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,7 +13,7 @@ import pytest
 
 from nemo_gym_ckpt.config import load_config
 from nemo_gym_ckpt.config_sources import MAX_EXPANDED_CHARS, parse_overrides
-from nemo_gym_ckpt.config_yaml import MAX_DEPTH, MAX_FILE_BYTES, MAX_NODES, YamlRefused, load_yaml
+from nemo_gym_ckpt.config_yaml import MAX_DEPTH, MAX_FILE_BYTES, MAX_NODES, MAX_NUMBER_CHARS, YamlRefused, load_yaml
 from nemo_gym_ckpt.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -162,3 +165,92 @@ def test_a_long_string_that_many_values_name_whole_is_no_copy_and_loads(write: W
     server = SERVER.replace("domain: knowledge", "description: '${n19}'")
     path = write("shared.yaml", f"shared: '{prompt}'\n{names}\n{server}")
     assert load_config([path]).raw["sm"]["resources_servers"]["string_match"]["description"] == prompt
+
+
+def test_a_mapping_named_inside_text_is_refused_before_its_text_is_built(write: Write) -> None:
+    # 5,000 names of one 20,000-character string, written into text: 100 MB of text, built before
+    # the bound was checked (a 229 KB file of this shape peaked at 1.7 GiB); now each piece is counted first
+    big = "".join(f"  k{i}: ${{s}}\n" for i in range(5_000))
+    path = write("text.yaml", f"s: {'x' * 20_000}\nbig:\n{big}" + SERVER.replace("domain: knowledge",
+                                                                                  "description: 'a${big}'"))
+    tracemalloc.start()
+    try:
+        error = refusal([path])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert error.file == path and f"interpolation builds more than {MAX_EXPANDED_CHARS >> 20} MiB" in str(error)
+    assert peak < 2 * MAX_EXPANDED_CHARS, f"{peak:,} bytes at the peak"
+
+
+def test_a_mapping_or_list_inside_text_is_written_as_python_and_nemo_gyms_omegaconf_write_it(write: Write) -> None:
+    block = {"n": 1, "f": 1.5, "t": True, "z": None, "q": "it's \"quoted\"", "l": [1, "two", [], {}], "m": {"k": "v"}}
+    values = f"block: {json.dumps(block)}\nlist: [1, {{a: b}}, 'c']\n"
+    path = write("written.yaml", values + SERVER.replace("domain: knowledge", "description: 'a${block}|${list}z'"))
+    description = load_config([path]).raw["sm"]["resources_servers"]["string_match"]["description"]
+    assert description == f"a{block}|{[1, {'a': 'b'}, 'c']}z"
+
+
+# ---- scalars PyYAML builds: numbers and dates ----------------------------------------------------
+
+
+def test_a_base60_integer_past_the_bound_is_refused_unbuilt() -> None:
+    # YAML 1.1 reads 1:1:...:1 as base 60: 200 KB took 6 s to build (quadratic) into a 1.2-million-bit int
+    with pytest.raises(YamlRefused, match=f"int scalar of 200,001 characters .*more than {MAX_NUMBER_CHARS}"):
+        load_yaml("1" + ":1" * 100_000)
+    assert load_yaml("1:1:1") == 3661
+
+
+def test_numbers_up_to_the_bound_load_and_quoted_ones_stay_text() -> None:
+    assert load_yaml("1" + "0" * (MAX_NUMBER_CHARS - 1)) == 10 ** (MAX_NUMBER_CHARS - 1)
+    assert load_yaml("0." + "1" * (MAX_NUMBER_CHARS - 2)) == pytest.approx(1 / 9)
+    with pytest.raises(YamlRefused, match="float scalar of 129 characters"):
+        load_yaml("0." + "1" * (MAX_NUMBER_CHARS - 1))
+    assert load_yaml(f"'{'9' * 5_000}'") == "9" * 5_000
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("9" * 4_301, "int scalar of 4,301 characters"),  # int() refuses more than 4,300 digits: a ValueError
+     ("1" + ":1" * 3_000, "int scalar of 6,001 characters"),
+     ("2001-02-30", "'2001-02-30' is not a valid timestamp (line 1): day is out of range for month"),
+     ("!!timestamp 2001-13-01", "'2001-13-01' is not a valid timestamp"),
+     ("!!float abc", "'abc' is not a valid float"),
+     ("!!int 0b", "'0b' is not a valid int"),
+     ("[1, {a: !!int x}]", "'x' is not a valid int (line 1)")],
+)
+def test_a_scalar_pyyaml_cannot_build_is_one_config_error(write: Write, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        parse_overrides([f"a={text}"])
+    assert caught.value.file == "<command line>" and "\n" not in str(caught.value)
+    path = write("scalar.yaml", f"{SERVER}x:\n  - 1\n  - {text}\n")
+    error = refusal([path])
+    assert error.file == path and message.replace("(line 1)", "(line 4)") in str(error)
+
+
+# ---- duplicate keys ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("a: 1\nb: 2\na: 3\n", "duplicate key 'a' (line 3; first on line 1)"),
+     ("a: {x: 1, y: 2, x: 3}\n", "duplicate key 'x' (line 1; first on line 1)"),
+     ("a: {1: one, '1': also one}\n", "duplicate key '1'"),
+     ("a:\n  - {k: 1}\n  - k: 2\n    k: 3\n", "duplicate key 'k' (line 4; first on line 3)"),
+     ("b: &b {x: 1}\nc:\n  <<: *b\n  y: 2\n  y: 3\n", "duplicate key 'y' (line 5; first on line 4)")],
+    ids=["top level", "flow", "int and string", "in a list", "beside a merge"],
+)
+def test_a_key_written_twice_in_one_mapping_is_refused(write: Write, text: str, message: str) -> None:
+    with pytest.raises(YamlRefused, match=re.escape(message)):
+        load_yaml(text)
+    path = write("twice.yaml", SERVER + text)
+    error = refusal([path])
+    assert error.file == path and "duplicate key" in str(error)
+    with pytest.raises(ConfigError, match=re.escape(f"override x: {message}")):
+        parse_overrides([f"x={text}"])
+
+
+def test_a_key_a_merge_brings_is_overridden_not_a_duplicate() -> None:
+    assert load_yaml("b: &b {x: 1, y: 1}\nc: {<<: *b, x: 2}\n")["c"] == {"x": 2, "y": 1}
+    # n is merged into o (its merge put into it) before n itself is built: its own a is still no duplicate
+    assert load_yaml("m: &m {a: 1}\nn: [&n {<<: *m, a: 2}]\no: {<<: *n, c: 3}\n")["n"] == [{"a": 2}]

@@ -118,6 +118,27 @@ def test_a_missing_command_line_file_names_where_it_looked(tmp_path: Path) -> No
         load_config([])
 
 
+NO_SUCH_USER = "~ngc-no-such-user-5a1c"
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [("a" * 300 + ".yaml", "cannot be looked for: File name too long"),
+     (f"{NO_SUCH_USER}/mesh.yaml", f"cannot be found: no home directory for '{NO_SUCH_USER}'")],
+    ids=["name over NAME_MAX", "~user of no user"],
+)
+def test_a_path_that_cannot_be_looked_up_is_a_config_error(write: Writer, entry: str, message: str) -> None:
+    for paths, overrides in [([entry], ()), ([], (f"config_paths=[{entry}]",))]:
+        with pytest.raises(ConfigError) as caught:  # were OSError (ENAMETOOLONG) and RuntimeError tracebacks
+            load_config(paths, overrides)
+        assert caught.value.file == entry and f"file {message}" in str(caught.value)
+    top = write("top.yaml", f"config_paths: ['{entry}']\n" + tool("x"))
+    with pytest.raises(ConfigError) as caught:
+        load_config([top])
+    assert (caught.value.file, caught.value.key) == (top, "config_paths")
+    assert f"config_paths entry {entry!r} {message}" in str(caught.value) and "\n" not in str(caught.value)
+
+
 # ---- _inherit_from and _copy ---------------------------------------------------------------------
 
 BASE = """
