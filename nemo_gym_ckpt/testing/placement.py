@@ -21,7 +21,7 @@ import httpx
 from fastapi import FastAPI
 
 from nemo_gym_ckpt.checkpoint.clock import Clock
-from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.client import MeshClient, verifying_ssl_context
 from nemo_gym_ckpt.config import CheckpointConfig, HeadServerConfig, MeshConfig, ServerConfig, ServerInstance
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.server import close_on_shutdown
@@ -104,7 +104,7 @@ class Sockets(Placement):
         return MeshClient(transport="httpx", backoff_s=0.001)
 
     def client(self, url: str) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=url, timeout=30)
+        return httpx.AsyncClient(base_url=url, timeout=30, verify=verifying_ssl_context())
 
 def closing_ctx(app: FastAPI, ctx: ServerContext[Any]) -> FastAPI:
     """``app`` with ``ctx`` (its client) closed when the app shuts down, in the app's own loop.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ import pytest
 
 from nemo_gym_ckpt import cli
 from nemo_gym_ckpt.config import MeshConfig, load_config
-from nemo_gym_ckpt.launch.head import ThreadedServer, create_head_app, server_entries
+from nemo_gym_ckpt.launch.head import ThreadedServer, bind_socket, create_head_app, server_entries
 from nemo_gym_ckpt.launch.launcher import (
     PORT_RANGE,
     PORT_RANGE_ENV,
@@ -23,6 +24,7 @@ from nemo_gym_ckpt.launch.launcher import (
     find_free_port,
     wait_for_health,
 )
+from nemo_gym_ckpt.launch.workers import bind_listener
 from nemo_gym_ckpt.server import create_app
 
 pytestmark = pytest.mark.sockets
@@ -93,6 +95,38 @@ def test_threaded_server_frees_its_port_and_refuses_a_taken_one() -> None:
         sock.bind(("127.0.0.1", port))  # nothing listens there any more
     with pytest.raises(httpx.ConnectError), httpx.Client(trust_env=False) as http:
         http.get(f"http://127.0.0.1:{port}/health")
+
+
+@pytest.mark.parametrize("bind", [bind_socket, bind_listener], ids=["threaded_server", "worker"])
+async def test_connections_to_our_listeners_send_without_waiting_for_acks(
+    bind: Callable[[str, int], socket.socket],
+) -> None:
+    """uvicorn writes a reply's head and its body apart: with Nagle's algorithm on, the body waited for
+    the client's delayed ACK (about 40 ms a reply). asyncio turns it off (``TCP_NODELAY``) on the
+    connections it accepts, as uvicorn serves our listeners, when the socket is made as TCP."""
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Future[asyncio.BaseTransport] = loop.create_future()
+
+    class Accept(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            if not accepted.done():
+                accepted.set_result(transport)
+
+    listener = bind("127.0.0.1", 0)
+    server = await loop.create_server(Accept, sock=listener)
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1])
+        try:
+            transport = await asyncio.wait_for(accepted, 10.0)
+            nodelay = transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            transport.close()
+        finally:
+            writer.close()
+            await writer.wait_closed()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert nodelay != 0
 
 
 def test_wait_for_health_has_a_deadline(serve_app: Callable[[Any], str], occupied: Callable[[], int]) -> None:

@@ -5,12 +5,13 @@ call's error reply. No httpx error leaves the client, and no private class (``_N
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
 
-from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.client import MeshClient, TransportName, verifying_ssl_context
 from nemo_gym_ckpt.errors import GymError, Unavailable, UpstreamError, UpstreamTimeout
 
 pytestmark = pytest.mark.unit
@@ -140,3 +141,21 @@ async def test_a_call_whose_deadline_has_passed_says_so_and_never_reaches_the_pe
             await call(client)
     assert raised.value.detail == f"{CALL} was not sent: its call's deadline had passed"
     assert reached == []
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+async def test_every_client_shares_one_tls_context_that_verifies(transport: TransportName) -> None:
+    """Loading the CA bundle costs tens of milliseconds of CPU: made once, not once per client."""
+    one, other = MeshClient(transport=transport), MeshClient(transport=transport)
+    async with one, other, one.with_own_pool(4) as pooled:
+        contexts = [_tls_context(client) for client in (one, other, pooled)]
+    shared = verifying_ssl_context()
+    assert all(context is shared for context in contexts)
+    assert shared.verify_mode == ssl.CERT_REQUIRED and shared.check_hostname
+
+
+def _tls_context(client: MeshClient) -> ssl.SSLContext:
+    transport = client._http._transport
+    context = getattr(transport, "ssl_context", None) or transport._pool._ssl_context  # type: ignore[attr-defined]
+    assert isinstance(context, ssl.SSLContext)
+    return context

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from pydantic import BaseModel
 
 from nemo_gym_ckpt import server as server_module
 from nemo_gym_ckpt.config import load_config_dict
@@ -194,3 +195,31 @@ async def test_an_integer_outside_64_bits_in_a_free_form_field_is_a_400(name: st
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"] == {"code": "invalid_request",
                                      "detail": "an integer of 20 digits is outside the 64-bit range"}
+
+
+class _Part(BaseModel):
+    n: int
+
+
+class _Body(BaseModel):
+    part: _Part
+
+
+def test_a_declared_body_is_made_once_per_model_and_each_route_gets_its_own_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[str] = []
+    schema_of = _Body.model_json_schema
+
+    def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        made.append(_Body.__name__)
+        return schema_of(*args, **kwargs)
+
+    monkeypatch.setattr(_Body, "model_json_schema", counted)
+    first = server_module.declare_body(_Body)
+    schema = first["requestBody"]["content"]["application/json"]["schema"]
+    assert schema["properties"]["part"] == {"$ref": "#/components/schemas/_Part"} and "_Part" in schema["$defs"]
+    schema.pop("$defs")  # what the OpenAPI document does with it
+    second = server_module.declare_body(_Body)
+    assert "_Part" in second["requestBody"]["content"]["application/json"]["schema"]["$defs"]
+    assert made == ["_Body"]

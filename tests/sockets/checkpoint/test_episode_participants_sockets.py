@@ -2,14 +2,16 @@
 
 Every server of a stack (the participant under test, its gate agent or scripted model, its
 calculator) is a real uvicorn server on 127.0.0.1, calling the others over real connections, on the
-wall clock (a short lease grace lets the lease check run in well under a second). Servers are
-stopped together at the end of each test.
+wall clock (a short lease grace lets the lease check run in well under a second). A test's servers
+are told to stop when it ends and stop in the background while the next test runs (uvicorn takes
+about 0.2 s to stop, most of it its own fixed sleeps); every stop is waited for, and its outcome
+checked, when the module ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -28,9 +30,19 @@ AGENTS = ("simple_agent", "restart_only_agent")
 RESTART_ONLY_SKIPS = {"restored_content_is_exported_byte_for_byte", "commit_scope_limits_the_export"}
 
 
+@pytest.fixture(scope="module")
+def stopping() -> Iterator[Callable[[ThreadedServer], None]]:
+    """``stop(server)``: the server stops in the background; all stops are joined at the module's end."""
+    stops: list[Future[None]] = []
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        yield lambda server: stops.append(pool.submit(server.stop))
+    for stop in stops:
+        stop.result()  # a stop that raised errors the module's last test
+
+
 @pytest.fixture
-def serve() -> Iterator[Callable[[Any], str]]:
-    """Real uvicorn servers, stopped in parallel when the test ends."""
+def serve(stopping: Callable[[ThreadedServer], None]) -> Iterator[Callable[[Any], str]]:
+    """Real uvicorn servers, told to stop (in the background) when the test ends."""
     servers: list[ThreadedServer] = []
 
     def start(app: Any) -> str:
@@ -40,8 +52,8 @@ def serve() -> Iterator[Callable[[Any], str]]:
         return server.url
 
     yield start
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        list(pool.map(lambda server: server.stop(), servers))
+    for server in servers:
+        stopping(server)
 
 
 def cases() -> list[tuple[str, str]]:

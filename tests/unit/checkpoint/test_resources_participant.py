@@ -78,6 +78,12 @@ class Running:
     ) -> httpx.Response:
         return await self.client.post(f"/ng-rollout/{capture_key}/{route}", json=body, headers=cookie)
 
+    def release(self, key: str) -> None:
+        """Let the held call of ``key`` end, in process: while a control call is in flight (a prepare
+        waiting on that very call) ``POST /_test/release`` would first wait out ``MAX_DEFER_S`` (1 s), as
+        ``ControlFirst`` makes every data-plane request wait."""
+        self.server.holds.gate(key).set()
+
     async def extras(self) -> dict[str, Any]:
         extras: dict[str, Any] = (await self.control.status())["extras"]
         return extras
@@ -368,7 +374,7 @@ async def test_an_in_flight_tool_call_blocks_prepare_until_it_ends(start: Callab
         pending = asyncio.create_task(on.control.ok("prepare", checkpoint_id="c1"))
         report = await until_status(on.control, lambda status: status["report"] is not None)
         assert report["report"]["blockers"] == ["r1-a2"] and not pending.done()
-        await on.client.post("/_test/release/r1-a2")
+        on.release("r1-a2")
         assert (await asyncio.wait_for(pending, WAIT_S))["phase"] == "prepared"
         await on.control.ok("resume", checkpoint_id="c1")
         assert (await asyncio.wait_for(hold, WAIT_S)).text == '"released"'
@@ -799,7 +805,7 @@ async def test_park_runs_once_per_checkpoint_after_the_sessions_calls_end(
         pending = asyncio.create_task(on.control.ok("prepare", checkpoint_id="c1"))
         await until_status(on.control, lambda status: status["report"] is not None)
         assert on.server.log == [("park", "r1")]
-        await on.client.post("/_test/release/r2")
+        on.release("r2")
         await asyncio.wait_for(pending, WAIT_S)
         await on.control.ok("commit", checkpoint_id="c1", checkpoint_dir=str(root / "ck1"))
         await on.control.ok("resume", checkpoint_id="c1")
