@@ -171,44 +171,51 @@ def assert_same_as_reference(tokenizer: HFTokenizer, ids: Sequence[int], stops: 
 @dataclass(frozen=True)
 class Case:
     tokenizer: HFTokenizer
-    pool: tuple[int, ...]  # ids a generation draws from (EOS only ends one)
-    stop_alphabet: str
+    ids: st.SearchStrategy[list[int]]  # a generation's ids, from every id but EOS (EOS only ends one)
+    random_stops: st.SearchStrategy[str]  # stop strings from the case's alphabet
 
 
+@functools.cache
 def _case(name: str) -> Case:
+    """One per tokenizer, its strategies built once (not at every example: reading ``eos_token_id``
+    for each id of the vocabulary, and hashing the pool for a new ``sampled_from``, took most of the
+    test's time)."""
     if name == "default":
-        tokenizer = default_tokenizer()
-        return Case(tokenizer, tuple(i for i in range(tokenizer.vocab_size) if i != tokenizer.eos_token_id),
-                    "ab<>/_\n \ufffd")
-    if name == "byte_level":
-        tokenizer = byte_level_tokenizer()
-    elif name == "sentencepiece":
-        tokenizer = sentencepiece_tokenizer()
+        tokenizer, stop_alphabet = default_tokenizer(), "ab<>/_\n \ufffd"
     else:
-        tokenizer = cleanup_tokenizer()
-    return Case(tokenizer, tuple(i for i in range(tokenizer.vocab_size) if i != tokenizer.eos_token_id),
-                "aé€ .'\ufffd")
+        tokenizers = {"byte_level": byte_level_tokenizer, "sentencepiece": sentencepiece_tokenizer,
+                      "cleanup": cleanup_tokenizer}
+        tokenizer, stop_alphabet = tokenizers[name](), "aé€ .'\ufffd"
+    eos = tokenizer.eos_token_id
+    pool = tuple(i for i in range(tokenizer.vocab_size) if i != eos)
+    return Case(tokenizer, st.lists(st.sampled_from(pool), min_size=1, max_size=40),
+                st.text(alphabet=stop_alphabet, min_size=1, max_size=3))
 
 
 @st.composite
 def generations(draw: st.DrawFn, case: Case) -> tuple[list[int], list[str], bool, bool]:
-    ids = draw(st.lists(st.sampled_from(case.pool), min_size=1, max_size=40))
+    ids = draw(case.ids)
     skip_special_tokens = draw(st.booleans())
     text = case.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     cut = st.nothing()
     if text:
         cut = st.integers(0, len(text) - 1).flatmap(
             lambda i: st.integers(i + 1, min(len(text), i + 8)).map(lambda j: text[i:j]))
-    stop = st.one_of(cut, st.text(alphabet=case.stop_alphabet, min_size=1, max_size=3))
+    stop = st.one_of(cut, case.random_stops)
     stops = draw(st.lists(stop, max_size=4))
     return ids, stops, skip_special_tokens, draw(st.booleans())
+
+
+@functools.cache
+def _generations(name: str) -> st.SearchStrategy[tuple[list[int], list[str], bool, bool]]:
+    return generations(_case(name))
 
 
 @pytest.mark.parametrize("name", ["default", "byte_level", "sentencepiece", "cleanup"])
 @settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_generations_build_the_reference_text(name: str, data: st.DataObject) -> None:
-    ids, stops, skip_special_tokens, end_with_eos = data.draw(generations(_case(name)))
+    ids, stops, skip_special_tokens, end_with_eos = data.draw(_generations(name))
     assert_same_as_reference(_case(name).tokenizer, ids, stops, skip_special_tokens=skip_special_tokens,
                              end_with_eos=end_with_eos)
 

@@ -103,27 +103,33 @@ def model_folder(root: Path, name: str, template: str | None) -> Path:
 REFERENCE = """
 import json, sys
 from transformers import AutoTokenizer
-cases = json.load(open(sys.argv[2]))
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
-out = {"texts": [], "ids": [], "decoded": [], "vocab": len(tok), "eos": tok.eos_token}
-for messages, tools in cases["chats"]:
-    try:
-        out["texts"].append(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False))
-    except Exception as error:
-        out["texts"].append({"error": type(error).__name__})
-for text in cases["texts"]:
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    out["ids"].append(ids)
-    out["decoded"].append(tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+out = {}
+for job_name, job in json.load(open(sys.argv[1])).items():
+    tok = AutoTokenizer.from_pretrained(job["folder"])
+    result = {"texts": [], "ids": [], "decoded": [], "vocab": len(tok), "eos": tok.eos_token}
+    for messages, tools in job["chats"]:
+        try:
+            result["texts"].append(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                           tokenize=False))
+        except Exception as error:
+            result["texts"].append({"error": type(error).__name__})
+    for text in job["texts"]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        result["ids"].append(ids)
+        result["decoded"].append(tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+    out[job_name] = result
 print(json.dumps(out))
 """
 
 
-def reference(folder: Path, chats: list[Any], texts: list[str], tmp_path: Path) -> dict[str, Any]:
-    """What transformers renders, encodes and decodes (in a child process: the test process stays light)."""
-    cases = tmp_path / f"{folder.name}-cases.json"
-    cases.write_text(json.dumps({"chats": chats, "texts": texts}))
-    done = subprocess.run([sys.executable, "-c", REFERENCE, str(folder), str(cases)],
+def reference(jobs: dict[str, tuple[Path, list[Any], list[str]]], tmp_path: Path) -> dict[str, dict[str, Any]]:
+    """What transformers renders, encodes and decodes for each job (folder, chats, texts), each folder
+    loaded on its own by ``AutoTokenizer``: all in one child process (the test process stays light,
+    and transformers is imported once for the whole module)."""
+    cases = tmp_path / "reference-cases.json"
+    cases.write_text(json.dumps({name: {"folder": str(folder), "chats": chats, "texts": texts}
+                                 for name, (folder, chats, texts) in jobs.items()}))
+    done = subprocess.run([sys.executable, "-c", REFERENCE, str(cases)],
                           capture_output=True, text=True, timeout=300, check=True)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
@@ -146,23 +152,46 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"default_model": shipped, **{name: model_folder(root, name, source) for name, source in TEMPLATES.items()}}
 
 
-@pytest.mark.parametrize("name", ["default_model", *TEMPLATES])
-def test_every_template_renders_the_text_transformers_renders(name: str, folders: dict[str, Path],
-                                                              tmp_path: Path) -> None:
+TEMPLATE_NAMES = ["default_model", *TEMPLATES]
+
+
+def chats_for(name: str) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]:
+    """The conversations each template renders (one more for the template that raises)."""
     chats = conversations(random.Random(11))
     if name == "raises_on_a_system_message_after_the_first":
         chats.append(([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}], None))
-    expected = reference(folders[name], chats, [], tmp_path)["texts"]
-    assert ours(folders[name], chats) == expected
+    return chats
+
+
+def texts_to_encode(folder: Path) -> list[str]:
+    """Rendered conversations of the default model, and a few odd strings."""
+    fmt = load_chat_format(folder)
+    texts = [fmt.render(messages, tools) for messages, tools in conversations(random.Random(4))]
+    return [*texts, "", " leading and trailing ", "<|end|><|end|>", "ünïcode and \t tabs\n", '<tool_call>{"a":1}']
+
+
+@pytest.fixture(scope="module")
+def references(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """transformers' results for every test of this module, from one child process: each template's
+    renderings (job ``render:<name>``) and the default model's encodings and decodings (``encode``)."""
+    jobs = {f"render:{name}": (folders[name], chats_for(name), []) for name in TEMPLATE_NAMES}
+    jobs["encode"] = (folders["default_model"], [], texts_to_encode(folders["default_model"]))
+    return reference(jobs, tmp_path_factory.mktemp("reference"))
+
+
+@pytest.mark.parametrize("name", TEMPLATE_NAMES)
+def test_every_template_renders_the_text_transformers_renders(name: str, folders: dict[str, Path],
+                                                              references: dict[str, dict[str, Any]]) -> None:
+    expected = references[f"render:{name}"]["texts"]
+    assert ours(folders[name], chats_for(name)) == expected
     assert any(isinstance(text, str) and text for text in expected), "the reference rendered something"
 
 
-def test_encode_and_decode_give_the_ids_and_text_of_transformers(folders: dict[str, Path], tmp_path: Path) -> None:
-    rng = random.Random(4)
+def test_encode_and_decode_give_the_ids_and_text_of_transformers(folders: dict[str, Path],
+                                                                 references: dict[str, dict[str, Any]]) -> None:
     fmt = load_chat_format(folders["default_model"])
-    texts = [fmt.render(messages, tools) for messages, tools in conversations(rng)]
-    texts += ["", " leading and trailing ", "<|end|><|end|>", "ünïcode and \t tabs\n", "<tool_call>{\"a\":1}"]
-    expected = reference(folders["default_model"], [], texts, tmp_path)
+    texts = texts_to_encode(folders["default_model"])
+    expected = references["encode"]
     assert [fmt.encode(text) for text in texts] == expected["ids"]
     assert [fmt.decode(ids) for ids in expected["ids"]] == expected["decoded"]
     assert (fmt.vocab_size, fmt.eos_text) == (expected["vocab"], expected["eos"])

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +18,15 @@ from nemo_gym_ckpt.config import load_config_dict
 from nemo_gym_ckpt.context import ServerContext
 from resources_servers.math_verify.app import create_app
 from resources_servers.math_verify.grader import Grade, GraderPool
+from resources_servers.math_verify.tests.grade_functions import (
+    crash,
+    dies_grading,
+    dies_on_its_first_grade,
+    no_warm_up,
+    same,
+    slow_start,
+    stuck_on_stuck,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -28,43 +36,6 @@ PATHOLOGICAL = "$\\boxed{10^{10^{10}}+1}$"  # sympy evaluates this for minutes
 def answer(text: str) -> dict[str, Any]:
     message = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
     return {"output": [message]}
-
-
-def crash(expected: str, text: str) -> tuple[bool, str | None]:
-    """A grade function whose worker process dies (runs in the spawned worker)."""
-    os._exit(3)
-
-
-def same(expected: str, text: str) -> tuple[bool, str | None]:
-    """A grade function that answers at once (runs in the spawned worker)."""
-    return expected == text, text
-
-
-def stuck_on_stuck(expected: str, text: str) -> tuple[bool, str | None]:
-    """A grade function that never answers ``"stuck"`` and answers anything else at once."""
-    while text == "stuck":
-        time.sleep(3600)
-    return expected == text, text
-
-
-def dies_on_its_first_grade(marker: str, text: str) -> tuple[bool, str | None]:
-    """A grade function whose first call kills its worker (``marker``, a path, records that it did)."""
-    if not os.path.exists(marker):
-        with open(marker, "w"):
-            pass
-        os._exit(9)
-    return True, text
-
-
-def dies_grading(expected: str, text: str) -> tuple[bool, str | None]:
-    """A grade function that works a while and then kills its worker (a crash on a bad answer)."""
-    time.sleep(0.6)
-    os._exit(9)
-
-
-def slow_start() -> None:
-    """A worker warm-up that takes 2 s, as importing sympy does on a busy machine."""
-    time.sleep(2.0)
 
 
 @pytest.fixture
@@ -129,7 +100,7 @@ async def test_only_the_tail_of_the_answer_is_read(make_client: Callable[..., An
 
 
 async def test_a_dead_worker_is_replaced() -> None:
-    pool = GraderPool(workers=1, timeout_s=30.0, grade=crash)
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=crash, warm_up=no_warm_up)
     try:
         assert (await pool.grade("1", "1")).status == "worker_died"
         assert pool.live_workers == 0
@@ -139,7 +110,7 @@ async def test_a_dead_worker_is_replaced() -> None:
 
 
 async def test_a_worker_that_died_while_idle_is_replaced_and_the_answer_graded() -> None:
-    pool = GraderPool(workers=1, timeout_s=30.0, grade=same)
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=same, warm_up=no_warm_up)
     try:
         assert await pool.grade("7", "7") == Grade("ok", True, "7")
         idle = pool._idle[0].process
@@ -152,7 +123,7 @@ async def test_a_worker_that_died_while_idle_is_replaced_and_the_answer_graded()
 
 
 async def test_a_grade_that_cannot_be_sent_is_graded_on_a_new_worker() -> None:
-    pool = GraderPool(workers=1, timeout_s=30.0, grade=same)
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=same, warm_up=no_warm_up)
     try:
         assert await pool.grade("7", "7") == Grade("ok", True, "7")
         idle = pool._idle[0].process
@@ -171,7 +142,7 @@ async def test_a_worker_that_dies_after_the_grade_was_sent_is_replaced_and_the_g
     """The send went into the pipe, then the worker died without answering (a stray SIGKILL just after
     our look at it, as the reply is awaited): one more try on a new worker, not ``worker_died``."""
     marker = str(tmp_path / "died")
-    pool = GraderPool(workers=1, timeout_s=30.0, grade=dies_on_its_first_grade)
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=dies_on_its_first_grade, warm_up=no_warm_up)
     try:
         assert await pool.grade(marker, "9") == Grade("ok", True, "9")
         assert os.path.exists(marker) and pool.live_workers == 1
@@ -180,7 +151,7 @@ async def test_a_worker_that_dies_after_the_grade_was_sent_is_replaced_and_the_g
 
 
 async def test_an_answer_that_kills_its_worker_while_grading_costs_one_worker() -> None:
-    pool = GraderPool(workers=1, timeout_s=30.0, grade=dies_grading)
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=dies_grading, warm_up=no_warm_up)
     spawned: list[object] = []
     take = pool._take_worker
 
@@ -198,7 +169,7 @@ async def test_an_answer_that_kills_its_worker_while_grading_costs_one_worker() 
 
 
 async def test_a_grade_in_flight_at_the_close_starts_no_worker_after_it() -> None:
-    pool = GraderPool(workers=1, timeout_s=30.0, grade=stuck_on_stuck)
+    pool = GraderPool(workers=1, timeout_s=30.0, grade=stuck_on_stuck, warm_up=no_warm_up)
     try:
         assert await pool.grade("1", "1") == Grade("ok", True, "1")
         stuck = asyncio.create_task(pool.grade("1", "stuck"))
@@ -238,7 +209,7 @@ async def test_grades_beyond_the_loops_thread_pool_wait_on_their_own() -> None:
     so the stuck one's deadline ran out before the next grade's wait even started)."""
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
     timeout_s = 10.0
-    pool = GraderPool(workers=2, timeout_s=timeout_s, grade=stuck_on_stuck)
+    pool = GraderPool(workers=2, timeout_s=timeout_s, grade=stuck_on_stuck, warm_up=no_warm_up)
     try:
         assert await asyncio.gather(pool.grade("1", "1"), pool.grade("2", "2")) == [Grade("ok", True, "1"),
                                                                                     Grade("ok", True, "2")]
