@@ -12,6 +12,7 @@ import pytest
 
 from nemo_gym_ckpt.client import MeshClient
 from nemo_gym_ckpt.errors import GymError, Unavailable, UpstreamError, UpstreamTimeout
+from nemo_gym_ckpt.identity import parse_capture_key
 
 pytestmark = pytest.mark.unit
 
@@ -139,4 +140,41 @@ async def test_a_call_whose_deadline_has_passed_says_so_and_never_reaches_the_pe
         with pytest.raises(UpstreamTimeout) as raised:
             await call(client)
     assert raised.value.detail == f"{CALL} was not sent: its call's deadline had passed"
+    assert reached == []
+
+
+BAD_URL = "http://[::1:12000/run"
+"""A URL httpx cannot parse, as a config's host ``[::1`` (or ``::1``) makes: httpx raised ``InvalidURL``."""
+
+
+async def _bad_post(client: MeshClient) -> None:
+    await client.request("POST", BAD_URL, json={})
+
+
+async def _bad_get(client: MeshClient) -> None:  # idempotent: retried on Unavailable, but never sent
+    await client.request("GET", BAD_URL)
+
+
+async def _bad_rollout_call(client: MeshClient) -> None:  # the rollout prefix parses the URL first
+    await client.request("POST", BAD_URL, json={}, identity=parse_capture_key("r1-a2"))
+
+
+async def _bad_stream(client: MeshClient) -> None:
+    async with client.stream("POST", BAD_URL, json={}):
+        pass
+
+
+@pytest.mark.parametrize(("call", "method"), [(_bad_post, "POST"), (_bad_get, "GET"), (_bad_rollout_call, "POST"),
+                                              (_bad_stream, "POST")], ids=["post", "get", "rollout", "stream"])
+async def test_a_url_httpx_cannot_parse_is_unavailable_and_never_sent(
+    call: Callable[[MeshClient], Awaitable[None]], method: str,
+) -> None:
+    reached: list[httpx.Request] = []
+    transport = httpx.MockTransport(lambda request: reached.append(request) or httpx.Response(200, json={}))
+    async with MeshClient(transport=transport, backoff_s=0.0) as client:
+        with pytest.raises(Unavailable) as raised:
+            await call(client)
+    assert type(raised.value) is Unavailable
+    assert raised.value.detail == f"{method} {BAD_URL}: not a URL a call can go to: Invalid port: ':1:12000'"
+    assert isinstance(raised.value.__cause__, httpx.InvalidURL)  # kept for the log, never raised itself
     assert reached == []
