@@ -21,7 +21,8 @@ loopback, see docs/benchmarks.md) or ``httpx`` (httpcore). Behaviour the rest of
   rollout must never ride along on another rollout's call);
 - failures are mapped here, once (``_client_error``), the same wherever the client meets them (sending,
   reading a reply, opening or reading a stream): a connection not made or lost and any other transport
-  failure become ``Unavailable``, a read, write or pool timeout ``UpstreamTimeout``, any other httpx
+  failure, and a URL that does not parse (``InvalidURL``, refused before anything is sent), become
+  ``Unavailable``, a read, write or pool timeout ``UpstreamTimeout``, any other httpx
   error (a body that does not decode as its ``content-encoding`` says) ``UpstreamError``; a peer's
   ``{"error": ...}`` reply becomes the matching ``GymError`` class: no httpx error leaves the client;
 - ``reserved(n)`` is a client with a connection pool of its own (``n`` connections) for control
@@ -152,10 +153,26 @@ def with_rollout_prefix(url: str, identity: RolloutIdentity | None) -> str:
     """Insert ``/ng-rollout/<capture_key>`` before the path of ``url`` (idempotent)."""
     if identity is None:
         return url
-    parsed = httpx.URL(url)
-    if parsed.path.startswith(ROLLOUT_PREFIX):
-        return url
-    return str(parsed.copy_with(path=f"{ROLLOUT_PREFIX}{identity.capture_key}{parsed.path}"))
+    return _prefixed(url, httpx.URL(url), identity)[0]
+
+
+def _prefixed(url: str, parsed: httpx.URL, identity: RolloutIdentity | None) -> tuple[str, httpx.URL]:
+    """``url`` (parsed: ``parsed``) with ``identity``'s rollout prefix, as text and parsed."""
+    if identity is None or parsed.path.startswith(ROLLOUT_PREFIX):
+        return url, parsed
+    parsed = parsed.copy_with(path=f"{ROLLOUT_PREFIX}{identity.capture_key}{parsed.path}")
+    return str(parsed), parsed
+
+
+def _target(method: str, url: str, identity: RolloutIdentity | None) -> tuple[str, httpx.URL]:
+    """Where a call goes, parsed once: the URL as text (for messages) and parsed (for httpx), with
+    ``identity``'s rollout prefix. A URL httpx cannot parse (a config's host such as ``[::1``, a
+    ``--head`` typed wrong) is the client's error (``_client_error``), never httpx's ``InvalidURL``."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as error:
+        raise _client_error(f"{method} {url}", error) from error
+    return _prefixed(url, parsed, identity)
 
 
 @functools.cache
@@ -269,8 +286,7 @@ class MeshClient:
         """
         method = method.upper()
         retry = idempotent if idempotent is not None else method in IDEMPOTENT_METHODS
-        if rollout_prefix:
-            url = with_rollout_prefix(url, identity or current_identity())
+        url, target = _target(method, url, (identity or current_identity()) if rollout_prefix else None)
         content = None if json is None else json.content if isinstance(json, EncodedJson) else orjson.dumps(json)
         all_headers = {"content-type": "application/json"} if content is not None else {}
         all_headers.update(headers or {})
@@ -278,7 +294,7 @@ class MeshClient:
         _unless_spent(deadline_s, f"{method} {url}")
         try:
             async with asyncio.timeout(deadline_s):
-                response = await self._send_with_retries(method, url, content, all_headers, cookies, retry)
+                response = await self._send_with_retries(method, url, target, content, all_headers, cookies, retry)
         except TimeoutError:
             raise UpstreamTimeout(f"{method} {url} took longer than {deadline_s:g} s") from None
         if check:
@@ -286,7 +302,7 @@ class MeshClient:
         return response
 
     async def _send_with_retries(
-        self, method: str, url: str, content: bytes | None, headers: dict[str, str],
+        self, method: str, url: str, target: httpx.URL, content: bytes | None, headers: dict[str, str],
         cookies: Mapping[str, str] | None, retry: bool,
     ) -> httpx.Response:
         attempts = 1 + (self.retries if retry else 0)
@@ -295,7 +311,8 @@ class MeshClient:
         while True:
             last = attempt == attempts - 1
             try:
-                response = await self._send_once(method, url, content, headers, cookies, self._connect_timeout(slow))
+                response = await self._send_once(method, url, target, content, headers, cookies,
+                                                 self._connect_timeout(slow))
             except _SlowConnect as not_made:
                 slow += 1  # a fresh socket at once (each try waited its whole connect timeout), twice the
                 if slow > MAX_SLOW_CONNECTS:  # time: bounded by the count and the call's deadline
@@ -324,12 +341,13 @@ class MeshClient:
         return httpx.Timeout(None, connect=self.connect_timeout_s * 2 ** min(slow, MAX_CONNECT_DOUBLINGS))
 
     async def _send_once(
-        self, method: str, url: str, content: bytes | None, headers: dict[str, str],
+        self, method: str, url: str, target: httpx.URL, content: bytes | None, headers: dict[str, str],
         cookies: Mapping[str, str] | None, timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
+        """One try of a call to ``target`` (``url`` is its text, for messages)."""
         if self._http.is_closed:  # a resend after ``aclose``: the caller sees a peer error, not httpx's RuntimeError
             raise Unavailable(f"{method} {url}: the client is closed")
-        request = self._http.build_request(method, url, content=content, headers=headers, timeout=timeout)
+        request = self._http.build_request(method, target, content=content, headers=headers, timeout=timeout)
         if cookies:
             request.headers["cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
         call = f"{method} {url}"
@@ -385,11 +403,11 @@ class MeshClient:
         lines), comes uncompressed and is bounded: a read past the deadline is ``UpstreamTimeout``, past
         ``max_reply_bytes`` in all or ``max_stream_line_bytes`` in one line ``UpstreamError``, a
         transport failure ``Unavailable``; leaving the block closes the connection."""
-        url = with_rollout_prefix(url, identity or current_identity())
+        url, target = _target(method, url, identity or current_identity())
         call = f"{method} {url}"
         content = None if json is None else orjson.dumps(json)
         all_headers = {"content-type": "application/json", "accept-encoding": _STREAM_ENCODING, **(headers or {})}
-        request = self._http.build_request(method.upper(), url, content=content, headers=all_headers)
+        request = self._http.build_request(method.upper(), target, content=content, headers=all_headers)
         whole_s = self.timeout_s if timeout_s is None else timeout_s
         _unless_spent(whole_s, call)
         head_s = whole_s if connect_timeout_s is None else min(connect_timeout_s, whole_s)
@@ -452,14 +470,17 @@ def _unless_spent(deadline_s: float, call: str) -> None:
         raise UpstreamTimeout(f"{call} was not sent: its call's deadline had passed")
 
 
-def _client_error(call: str, error: httpx.HTTPError) -> PeerError:
+def _client_error(call: str, error: httpx.HTTPError | httpx.InvalidURL) -> PeerError:
     """The client's error for an httpx failure, wherever the client meets it: the one mapping.
 
-    A connection not made or lost (``ConnectError``, ``ConnectTimeout``: httpx-aiohttp reports every
+    A URL httpx cannot parse (``InvalidURL``: no peer can be reached at it) is ``Unavailable``, named so;
+    a connection not made or lost (``ConnectError``, ``ConnectTimeout``: httpx-aiohttp reports every
     aiohttp connection error as the latter) and any other transport failure is ``Unavailable``; a
     read, write or pool timeout is ``UpstreamTimeout``; any other httpx error is ``UpstreamError``: the
     peer answered, but unusably (``DecodingError``: a body that is not what its ``content-encoding``
     says; ``TooManyRedirects``)."""
+    if isinstance(error, httpx.InvalidURL):
+        return Unavailable(f"{call}: not a URL a call can go to: {error}")
     if isinstance(error, httpx.TimeoutException) and not isinstance(error, httpx.ConnectTimeout):
         return UpstreamTimeout(f"{call}: {type(error).__name__}")
     if isinstance(error, httpx.TransportError):

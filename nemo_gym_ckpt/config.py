@@ -58,9 +58,11 @@ from nemo_gym_ckpt.errors import ConfigError
 
 __all__ = [
     "DEFAULT_FULL_COLLECTION_INTERVAL_SECONDS",
+    "DEFAULT_HOST",
     "FOLDER_OF_TYPE",
     "KNOWN_TOP_LEVEL_KEYS",
     "MAX_WORKERS",
+    "MIN_METRICS_EXPORT_INTERVAL_S",
     "NEMO_GYM_LAUNCHER_KEYS",
     "OLD_TYPE_KEYS",
     "PROJECT_ROOT",
@@ -79,6 +81,7 @@ __all__ = [
     "ServerRef",
     "ServerType",
     "TelemetryConfig",
+    "default_host_of",
     "is_nemo_gym",
     "load_config",
     "load_config_dict",
@@ -129,6 +132,13 @@ _M = TypeVar("_M", bound=BaseModel)
 
 DEFAULT_MAX_DEADLINE_SECONDS = 24 * 3600.0
 MAX_DEADLINE_SECONDS_BOUND = 365 * 24 * 3600.0
+DEFAULT_HOST = "127.0.0.1"
+MIN_METRICS_EXPORT_INTERVAL_S = 0.1
+"""The shortest ``telemetry.metrics_export_interval_s``. OpenTelemetry's own setting of it
+(``OTEL_METRIC_EXPORT_INTERVAL``) is whole milliseconds (default 60000), and its SDK's reader takes any
+interval above 0: at 1e-9 s it collects and exports in a busy loop, a core's worth of CPU for nothing.
+A tenth of a second is already more often than any metric here changes in a way worth a point."""
+"""The host of a server when neither its block nor the config's ``default_host`` names one."""
 DEFAULT_MAX_RECORD_BYTES = 64 * 1024 * 1024
 DEFAULT_FULL_COLLECTION_INTERVAL_SECONDS = 300.0
 
@@ -138,7 +148,7 @@ class StrictModel(BaseModel):
 
 
 class HeadServerConfig(StrictModel):
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_HOST
     port: int = Field(11000, ge=0, le=65535)
 
 
@@ -160,7 +170,8 @@ class TelemetryConfig(StrictModel):
     otlp_headers: dict[str, str] = Field(default_factory=dict, max_length=32)
     traces_enabled: bool = True
     metrics_enabled: bool = True
-    metrics_export_interval_s: float = Field(10.0, gt=0, le=3600)
+    metrics_export_interval_s: float = Field(10.0, ge=MIN_METRICS_EXPORT_INTERVAL_S, le=3600)
+    """Seconds between two metric exports, from ``MIN_METRICS_EXPORT_INTERVAL_S`` to an hour."""
 
     def groups(self) -> frozenset[str]:
         return frozenset(self.span_groups.split(","))
@@ -316,7 +327,7 @@ class ServerConfig(StrictModel):
     renamed_keys: ClassVar[Mapping[str, str]] = {}
 
     entrypoint: str = DEFAULT_ENTRYPOINT
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_HOST
     port: int | None = Field(None, ge=0, le=65535)
     num_workers: int | None = Field(None, ge=1, le=MAX_WORKERS)
     """Worker processes behind the server's one port (1 or unset: one process). More than one only on
@@ -522,8 +533,15 @@ def build_mesh(raw: dict[str, Any], origins: Mapping[tuple[str, ...], str]) -> M
     return MeshConfig(head, checkpoint, instances, raw, ports, telemetry)
 
 
+def default_host_of(raw: Mapping[str, Any]) -> str:
+    """The host of every server (and of the head) whose block names none: the top-level
+    ``default_host``, else ``DEFAULT_HOST``, as NeMo Gym's launcher reads it. The launcher, our
+    servers and the bridge (a NeMo Gym server's block and its global config) all take it from here."""
+    return _default_host(raw, {})
+
+
 def _default_host(raw: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]) -> str:
-    host = raw.get("default_host") or "127.0.0.1"
+    host = raw.get("default_host") or DEFAULT_HOST
     if not isinstance(host, str):
         raise ConfigError(f"expected a host name, got {host!r}", file=origin_of(origins, ("default_host",)),
                           key="default_host")

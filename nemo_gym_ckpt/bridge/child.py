@@ -49,7 +49,7 @@ from nemo_gym_ckpt.bridge.global_config import (
     nemo_gym_config_env_value,
 )
 from nemo_gym_ckpt.checkpoint.otlp import flush_telemetry_at_shutdown, install_telemetry
-from nemo_gym_ckpt.config import CheckpointConfig, NemoGymServerConfig, TelemetryConfig
+from nemo_gym_ckpt.config import CheckpointConfig, NemoGymServerConfig, TelemetryConfig, default_host_of
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.launch.child import (
     PARENT_ENV,
@@ -69,7 +69,8 @@ TYPE_KEY = "resources_servers"
 
 
 class ServerBlock:
-    """The instance's block of the mesh config: implementation, entrypoint, host, port and body limit."""
+    """The instance's block of the mesh config: implementation, entrypoint, host (the config's
+    ``default_host`` where the block names none, as for every server), port and body limit."""
 
     def __init__(self, raw: dict[str, Any], instance: str) -> None:
         block = raw.get(instance)
@@ -81,7 +82,7 @@ class ServerBlock:
         self.implementation, settings = next(iter(impls.items()))
         self.settings: dict[str, Any] = settings if isinstance(settings, dict) else {}
         self.entrypoint = str(self.settings.get("entrypoint", "app.py"))
-        self.host = str(self.settings.get("host", "127.0.0.1"))
+        self.host = str(self.settings.get("host", default_host_of(raw)))  # where the launcher polls it
         port = self.settings.get("port")
         if not isinstance(port, int) or isinstance(port, bool):
             raise ConfigError("the launcher gives every server a port; this one has none", key=instance)

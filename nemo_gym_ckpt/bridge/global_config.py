@@ -6,9 +6,11 @@ first implementation under the first type key of that instance, and reaches anot
 judge model) by the ``host`` and ``port`` of that server's block. Our mesh config has the same
 instance -> type key -> implementation -> settings shape, so every instance is passed as it is,
 except that a NeMo Gym instance loses this mesh's own keys (``package``, ``python``) and every
-instance gets its ``host`` (this mesh's default, 127.0.0.1, where it sets none). Added:
+instance gets its ``host`` where it sets none: the config's ``default_host``, else 127.0.0.1
+(``config.default_host_of``, where the launcher and our servers take it from). Added:
 
-- ``head_server`` (NeMo Gym's servers need its address, but do not call it at startup);
+- ``head_server`` (NeMo Gym's servers need its address, but do not call it at startup; its ``host``
+  the same default);
 - ``dry_run: false`` (required);
 - ``observability_enabled: true``: the server then sends its judge calls under the rollout's
   ``/ng-rollout/<key>/`` prefix, so that a judge model of the mesh sees which rollout asked.
@@ -30,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from nemo_gym_ckpt.config import default_host_of
 from nemo_gym_ckpt.errors import ConfigError
 
 __all__ = [
@@ -51,18 +54,18 @@ WORKER_ENV = "IS_NEMO_GYM_FASTAPI_WORKER"
 OUR_KEYS = ("package", "python")
 MAX_ENV_STRING_BYTES = 128 << 10
 """Linux's ``MAX_ARG_STRLEN``: the bytes of one environment string, ``NAME=value`` and its NUL."""
-DEFAULT_HOST = "127.0.0.1"
 _MESH_ONLY_KEYS = ("checkpoint",)
 
 
 def nemo_gym_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     """The global config dict NeMo Gym's servers read, from the mesh's resolved ``raw`` config."""
+    host = default_host_of(raw)
     config: dict[str, Any] = {}
     for name, block in raw.items():
         if name in _MESH_ONLY_KEYS:
             continue
-        config[name] = _as_nemo_gym_block(block) if isinstance(block, Mapping) else block
-    config["head_server"] = {"host": DEFAULT_HOST, **(raw.get("head_server") or {})}
+        config[name] = _as_nemo_gym_block(block, host) if isinstance(block, Mapping) else block
+    config["head_server"] = {"host": host, **(raw.get("head_server") or {})}
     config["dry_run"] = False
     config["observability_enabled"] = True
     return _escaped(config)
@@ -85,15 +88,16 @@ def nemo_gym_config_env_value(raw: Mapping[str, Any]) -> str:
     return text
 
 
-def _as_nemo_gym_block(block: Mapping[str, Any]) -> dict[str, Any]:
-    """An instance block with ``package``/``python`` dropped from its settings and a ``host`` set."""
+def _as_nemo_gym_block(block: Mapping[str, Any], host: str) -> dict[str, Any]:
+    """An instance block with ``package``/``python`` dropped from its settings and a ``host`` set
+    (``host``, the config's default, where the block names none)."""
     out: dict[str, Any] = {}
     for type_key, impls in block.items():
         if not isinstance(impls, Mapping):
             out[type_key] = impls
             continue
         out[type_key] = {
-            impl: {"host": DEFAULT_HOST, **{k: v for k, v in settings.items() if k not in OUR_KEYS}}
+            impl: {"host": host, **{k: v for k, v in settings.items() if k not in OUR_KEYS}}
             if isinstance(settings, Mapping) else settings
             for impl, settings in impls.items()
         }

@@ -8,8 +8,10 @@ a ``ConfigError`` naming the extra, or, with ``sdk_required=False``, logs one wa
 nothing), sets the global tracer and meter providers for ``service`` (the instance name), and opens
 the ``checkpoint`` span group when ``span_groups`` names it.
 
-Nothing here waits on the endpoint without a deadline: each export request gives up after
-``EXPORT_TIMEOUT_S`` (retries included), ``Exporting.shutdown`` (the final flush) after
+Nothing here waits on the endpoint without a deadline: each export gives up after ``EXPORT_TIMEOUT_S``,
+its retries included and however slowly the endpoint answers (the exporter sends through an
+``otlp_http.DeadlineSession``: ``requests`` alone bounds each socket read, so an endpoint that sent a
+byte every half second held one export for ever), ``Exporting.shutdown`` (the final flush) after
 ``SHUTDOWN_DEADLINE_S`` for both providers together, below the launcher's 5 s stop grace, and the
 SDK's own exit hooks are off, so a hung endpoint never holds a process's exit. A server runs
 ``Exporting.aclose`` as its app shuts down; the collector calls ``Exporting.shutdown`` as it ends.
@@ -48,7 +50,8 @@ EXTRA = "otel"
 """The optional extra that brings the SDK and the OTLP exporter: ``pip install 'nemo-gym-ckpt[otel]'``."""
 EXPORT_TIMEOUT_S = 2.0
 """How long one OTLP export may take, its retries included (the SDK's default is 10 s): what a hung
-endpoint costs each batch, in the exporter's own thread."""
+or slow endpoint costs each batch, in the exporter's own thread. The SDK's retry loop stops at this
+deadline, and each request it sends is held to the time left (``otlp_http.DeadlineSession``)."""
 SHUTDOWN_DEADLINE_S = 3.0
 """How long ``Exporting.shutdown`` waits for the final flush of both providers together; then it
 gives up with a warning and what they held is lost. Below the launcher's ``stop_grace_s`` (5 s), so a
@@ -165,8 +168,12 @@ def _meter_provider(config: TelemetryConfig, resource: Any) -> Any:
 
 def _otlp_args(config: TelemetryConfig, signal: str) -> dict[str, Any]:
     """The exporter's endpoint (``<otlp_endpoint>/v1/<signal>``; unset: the standard environment
-    variables decide), headers and ``EXPORT_TIMEOUT_S``."""
-    args: dict[str, Any] = {"headers": dict(config.otlp_headers), "timeout": EXPORT_TIMEOUT_S}
+    variables decide), headers, ``EXPORT_TIMEOUT_S`` and a session of its own that holds each request
+    to the time its export has left, however slowly the endpoint answers (``otlp_http``)."""
+    from nemo_gym_ckpt.checkpoint.otlp_http import DeadlineSession  # needs requests: telemetry on only
+
+    args: dict[str, Any] = {"headers": dict(config.otlp_headers), "timeout": EXPORT_TIMEOUT_S,
+                            "session": DeadlineSession(EXPORT_TIMEOUT_S)}
     if config.otlp_endpoint is not None:
         args["endpoint"] = f"{config.otlp_endpoint.rstrip('/')}/v1/{signal}"
     return args

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from nemo_gym_ckpt.bench.suites import SUITES, run_suites
+from nemo_gym_ckpt.cli.arguments import seconds
 from nemo_gym_ckpt.cli.exit_codes import ExitCode
 
 __all__ = ["configure", "main"]
@@ -16,7 +17,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = "Run the benchmark suite; writes results.json, results.md and PNG plots."
     parser.add_argument("--only", nargs="+", choices=sorted(SUITES), help="run only these suites")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
-    parser.add_argument("--duration-s", type=float, default=5.0, help="seconds per measured point")
+    parser.add_argument("--duration-s", type=seconds, default=5.0, help="seconds per measured point")
     parser.add_argument("--quick", action="store_true", help="smallest sizes (--duration-s 1): a smoke test")
 
 

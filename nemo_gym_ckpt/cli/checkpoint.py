@@ -23,6 +23,7 @@ import orjson
 
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, StagedResult
 from nemo_gym_ckpt.checkpoint.models import CHECKPOINT_ID_PATTERN
+from nemo_gym_ckpt.cli.arguments import head_url, seconds
 from nemo_gym_ckpt.cli.exit_codes import ExitCode, exit_code_for
 from nemo_gym_ckpt.config import TOKEN_ENV
 from nemo_gym_ckpt.errors import GymError
@@ -89,9 +90,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _common_arguments() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--head", required=True, help="URL of the mesh's head server")
+    common.add_argument("--head", required=True, type=head_url, help="URL of the mesh's head server")
     common.add_argument("--token-env", default=TOKEN_ENV, help=f"variable holding the token ({TOKEN_ENV})")
-    common.add_argument("--timeout-s", type=float, default=300.0, help="deadline of the operation (300)")
+    common.add_argument("--timeout-s", type=seconds, default=300.0, help="deadline of the operation (300)")
     common.add_argument(
         "--require-kind",
         action="append",

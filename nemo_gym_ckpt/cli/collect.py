@@ -60,6 +60,7 @@ import httpx
 
 from nemo_gym_ckpt.checkpoint.coordinator import CONFIG_ROUTE, Coordinator, global_config_of
 from nemo_gym_ckpt.checkpoint.otlp import install_telemetry
+from nemo_gym_ckpt.cli.arguments import head_url, seconds
 from nemo_gym_ckpt.cli.exit_codes import ExitCode, exit_code_for
 from nemo_gym_ckpt.cli.run import stop_on_signals
 from nemo_gym_ckpt.collect.control import CollectionControl, ControlSettings
@@ -97,8 +98,6 @@ __all__ = [
 
 PROG = "nemo-gym-ckpt collect"
 ENVIRONMENT_TYPE: Literal["environment_servers"] = "environment_servers"
-MAX_SECONDS = 365 * 24 * 3600.0
-"""The longest duration an option takes (a year, as a participant's ``max_deadline_seconds`` allows)."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -106,21 +105,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for run")
     parser.add_argument("--config", action="append", default=[], metavar="CONFIG",
                         help="mesh YAML to launch (repeat to merge several)")
-    parser.add_argument("--head", metavar="URL", help="use the running mesh of this head server instead")
+    parser.add_argument("--head", type=head_url, metavar="URL",
+                        help="use the running mesh of this head server instead")
     parser.add_argument("--input", type=Path, help="task rows (default: the environment's first dataset)")
     parser.add_argument("--output", type=Path, required=True, help="rollout rows are appended here")
     parser.add_argument("--environment", help="the environment server to use, if the mesh has several")
     parser.add_argument("--limit", type=_positive, help="use only the first N task rows")
     parser.add_argument("--num-repeats", type=_positive, default=1, help="rollouts per task row (default 1)")
     parser.add_argument("--concurrency", type=_positive, default=8, help="rollouts in flight (default 8)")
-    parser.add_argument("--rollout-timeout-s", type=_seconds, default=3600.0, help="deadline of one rollout")
-    parser.add_argument("--ready-timeout-s", type=_seconds, default=300.0, help="deadline for the mesh to start")
+    parser.add_argument("--rollout-timeout-s", type=seconds, default=3600.0, help="deadline of one rollout")
+    parser.add_argument("--ready-timeout-s", type=seconds, default=300.0, help="deadline for the mesh to start")
     group = parser.add_argument_group("checkpointing")
     group.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
                        help="checkpoint the mesh into DIR (SIGUSR1: checkpoint; SIGTERM: checkpoint, "
                             "exit 75); run again with the same arguments to restore and continue")
-    group.add_argument("--checkpoint-every-s", type=_seconds, metavar="S", help="also every S seconds")
-    group.add_argument("--checkpoint-timeout-s", type=_seconds, default=300.0,
+    group.add_argument("--checkpoint-every-s", type=seconds, metavar="S", help="also every S seconds")
+    group.add_argument("--checkpoint-timeout-s", type=seconds, default=300.0,
                        help="deadline of one checkpoint and of the restore (default 300)")
     group.add_argument("--token", help=f"control token of a --head mesh (default: ${TOKEN_ENV}; the "
                                        "environment keeps it out of the process list)")
@@ -130,14 +130,6 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    """A duration: more than 0 and at most ``MAX_SECONDS`` (so never ``inf`` or ``nan``)."""
-    value = float(text)
-    if not 0 < value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {MAX_SECONDS:g} seconds, got {text}")
     return value
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from nemo_gym_ckpt.cli.arguments import seconds
 from nemo_gym_ckpt.cli.exit_codes import ExitCode, exit_code_for
 from nemo_gym_ckpt.demo.run import DEFAULT_CONFIG, proof_table, run_demo
 from nemo_gym_ckpt.errors import CommandError
@@ -34,7 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="rollouts in flight (default 8)")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the mesh (default: quickstart)")
     parser.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary directory)")
-    parser.add_argument("--ready-timeout-s", type=float, default=180.0, help="deadline for a mesh to start")
+    parser.add_argument("--ready-timeout-s", type=seconds, default=180.0, help="deadline for a mesh to start")
     parser.add_argument("--generation-cuts", action=argparse.BooleanOptionalAction, default=True,
                         help="cut the generations in flight at the checkpoint (default: on)")
 

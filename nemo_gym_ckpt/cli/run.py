@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 
+from nemo_gym_ckpt.cli.arguments import seconds
 from nemo_gym_ckpt.cli.exit_codes import ExitCode, exit_code_for
 from nemo_gym_ckpt.config import load_config
 from nemo_gym_ckpt.errors import LaunchError, StopRequested
@@ -28,7 +29,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = "Launch a mesh from YAML and block until Ctrl-C, SIGTERM or a server's exit."
     parser.add_argument("items", nargs="+", metavar="CONFIG|key=value",
                         help="config files (merged in order, later wins), then key=value overrides")
-    parser.add_argument("--ready-timeout-s", type=float, default=300.0,
+    parser.add_argument("--ready-timeout-s", type=seconds, default=300.0,
                         help="one deadline for every server to answer /health (default: 300)")
 
 

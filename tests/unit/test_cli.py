@@ -6,13 +6,14 @@ import argparse
 import importlib
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import nemo_gym_ckpt
 from nemo_gym_ckpt import cli
+from nemo_gym_ckpt.cli.arguments import head_url, seconds
 from nemo_gym_ckpt.cli.run import print_line, split_items
 from nemo_gym_ckpt.config import PROJECT_ROOT
 from nemo_gym_ckpt.errors import ConfigError
@@ -150,3 +151,80 @@ def test_run_reports_a_scalar_or_a_path_it_cannot_use_on_one_line(
     assert cli.main(["run", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("nemo-gym-ckpt: config error: ") and message in err
+
+
+def _command_parser(name: str) -> argparse.ArgumentParser:
+    """The parser ``cli.main`` builds for command ``name``."""
+    parser = argparse.ArgumentParser(prog=f"{cli.PROG} {name}")
+    importlib.import_module(cli.COMMANDS[name].module).configure(parser)
+    return parser
+
+
+def _options(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
+    """Every option of ``parser`` and of its subcommands (``checkpoint status``, ...)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _options(sub)
+        elif action.option_strings:
+            yield action
+
+
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_every_duration_flag_of_every_command_is_a_bounded_duration(name: str) -> None:
+    """A flag in seconds (``..._s``) takes only ``arguments.seconds``: never a bare float, which takes
+    ``inf`` and ``nan`` (deadlines never reached) and any negative number."""
+    options = list(_options(_command_parser(name)))
+    durations = {action.option_strings[0]: action.type for action in options if action.dest.endswith("_s")}
+    assert durations and all(kind is seconds for kind in durations.values()), durations
+    assert [action.option_strings for action in options if action.type is float] == []
+
+
+DURATION_FLAGS = [
+    ("run", ["mesh.yaml"], "--ready-timeout-s"),
+    ("checkpoint", ["status", "--head", "http://127.0.0.1:1"], "--timeout-s"),
+    ("checkpoint", ["prepare", "--id", "c1", "--head", "http://127.0.0.1:1"], "--timeout-s"),
+    ("bench", [], "--duration-s"),
+    ("demo", [], "--ready-timeout-s"),
+]
+
+
+@pytest.mark.parametrize(("name", "argv", "flag"), DURATION_FLAGS)
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf", "-1", "0", "1e9", "1e308"])
+def test_a_duration_flag_refuses_what_is_not_a_bounded_duration(
+    name: str, argv: list[str], flag: str, value: str, capsys: Capture
+) -> None:
+    parser = _command_parser(name)
+    with pytest.raises(SystemExit) as caught:  # `run --ready-timeout-s nan` waited for ever
+        parser.parse_args([*argv, f"{flag}={value}"])
+    assert caught.value.code == 2
+    assert f"argument {flag}: must be more than 0 and at most 3.1536e+07 seconds" in capsys.readouterr().err
+    assert getattr(parser.parse_args([*argv, f"{flag}=2.5"]), flag[2:].replace("-", "_")) == 2.5
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "notaurl", "ftp://127.0.0.1:1", "http://", "http://127.0.0.1:99999",
+                                 "http://127.0.0.1:0"])
+def test_a_bad_head_url_is_a_usage_error_on_one_line(
+    url: str, capsys: Capture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``checkpoint status --head 'http://[::1'`` ended in an httpx traceback; a URL without a scheme
+    or host failed only once sent (exit 1)."""
+    monkeypatch.setenv("GYM_CKPT_TOKEN", "t" * 32)
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["checkpoint", "status", "--head", url])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: nemo-gym-ckpt checkpoint status ")  # argparse's usage, then one line
+    assert err.splitlines()[-1].startswith(f"nemo-gym-ckpt checkpoint status: error: argument --head: {url!r} ")
+
+
+def test_collect_refuses_a_bad_head_url_too(capsys: Capture) -> None:
+    with pytest.raises(SystemExit) as caught:
+        _command_parser("collect").parse_args(["--output", "o.jsonl", "--head", "http://[::1"])
+    assert caught.value.code == 2
+    assert "argument --head: 'http://[::1' is not a URL: Invalid port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:11000", "https://head.example:8443/", "http://[::1]:11000"])
+def test_a_head_url_is_taken_as_written(url: str) -> None:
+    assert head_url(url) == url

@@ -13,6 +13,7 @@ import pytest
 
 from nemo_gym_ckpt.client import MeshClient, TransportName, verifying_ssl_context
 from nemo_gym_ckpt.errors import GymError, Unavailable, UpstreamError, UpstreamTimeout
+from nemo_gym_ckpt.identity import parse_capture_key
 
 pytestmark = pytest.mark.unit
 
@@ -159,3 +160,40 @@ def _tls_context(client: MeshClient) -> ssl.SSLContext:
     context = getattr(transport, "ssl_context", None) or transport._pool._ssl_context  # type: ignore[attr-defined]
     assert isinstance(context, ssl.SSLContext)
     return context
+
+
+BAD_URL = "http://[::1:12000/run"
+"""A URL httpx cannot parse, as a config's host ``[::1`` (or ``::1``) makes: httpx raised ``InvalidURL``."""
+
+
+async def _bad_post(client: MeshClient) -> None:
+    await client.request("POST", BAD_URL, json={})
+
+
+async def _bad_get(client: MeshClient) -> None:  # idempotent: retried on Unavailable, but never sent
+    await client.request("GET", BAD_URL)
+
+
+async def _bad_rollout_call(client: MeshClient) -> None:  # the rollout prefix parses the URL first
+    await client.request("POST", BAD_URL, json={}, identity=parse_capture_key("r1-a2"))
+
+
+async def _bad_stream(client: MeshClient) -> None:
+    async with client.stream("POST", BAD_URL, json={}):
+        pass
+
+
+@pytest.mark.parametrize(("call", "method"), [(_bad_post, "POST"), (_bad_get, "GET"), (_bad_rollout_call, "POST"),
+                                              (_bad_stream, "POST")], ids=["post", "get", "rollout", "stream"])
+async def test_a_url_httpx_cannot_parse_is_unavailable_and_never_sent(
+    call: Callable[[MeshClient], Awaitable[None]], method: str,
+) -> None:
+    reached: list[httpx.Request] = []
+    transport = httpx.MockTransport(lambda request: reached.append(request) or httpx.Response(200, json={}))
+    async with MeshClient(transport=transport, backoff_s=0.0) as client:
+        with pytest.raises(Unavailable) as raised:
+            await call(client)
+    assert type(raised.value) is Unavailable
+    assert raised.value.detail == f"{method} {BAD_URL}: not a URL a call can go to: Invalid port: ':1:12000'"
+    assert isinstance(raised.value.__cause__, httpx.InvalidURL)  # kept for the log, never raised itself
+    assert reached == []

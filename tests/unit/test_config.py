@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_ckpt.config import (
+    PROJECT_ROOT,
     ServerConfig,
     ServerRef,
     load_config,
@@ -427,3 +428,19 @@ def test_malformed_overrides(item: str) -> None:
     with pytest.raises(ConfigError, match=r"is not key=value|deleting a key") as caught:
         parse_overrides([item])
     assert caught.value.file == "<command line>"
+
+
+QUICKSTART = str(PROJECT_ROOT / "configs" / "quickstart.yaml")
+
+
+@pytest.mark.parametrize("value", ["1e-9", "0.09", "0", "-1", ".nan", ".inf", "3601"])
+def test_the_metrics_export_interval_is_a_tenth_of_a_second_to_an_hour(value: str) -> None:
+    """1e-9 s was taken: the SDK's reader then exported in a busy loop."""
+    with pytest.raises(ConfigError, match=r"key 'telemetry\.metrics_export_interval_s'"):
+        load_config([QUICKSTART], [f"+telemetry.metrics_export_interval_s={value}"])
+
+
+@pytest.mark.parametrize("value", ["0.1", "10", "3600"])
+def test_a_metrics_export_interval_within_its_bounds_loads(value: str) -> None:
+    mesh = load_config([QUICKSTART], [f"+telemetry.metrics_export_interval_s={value}"])
+    assert mesh.telemetry.metrics_export_interval_s == float(value)
