@@ -2,10 +2,16 @@
 
 transformers is imported only by ``HFTokenizer.load``; chat templates render through the wrapped
 tokenizer's ``apply_chat_template`` (its sandboxed Jinja environment).
+
+``load_pretrained_tokenizer`` loads a model folder's tokenizer as ``AutoTokenizer`` would, but
+without ``AutoTokenizer`` where the folder's own files already settle the answer: importing
+``AutoTokenizer`` (through transformers' model configs) imports torch, seconds of start-up that a
+worker without a torch model (the script engine) has no use for.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,7 +21,62 @@ from nemo_gym_ckpt.errors import InvalidRequest
 if TYPE_CHECKING:
     from model_servers.inference_worker.engine import ChatTemplateRequest
 
-__all__ = ["HFTokenizer"]
+__all__ = ["GENERIC_FAST_CLASSES", "GENERIC_MODEL_TYPES", "HFTokenizer", "generic_fast_tokenizer",
+           "load_pretrained_tokenizer"]
+
+#: ``tokenizer_class`` names that ``AutoTokenizer`` loads as transformers' generic fast tokenizer
+#: (``PreTrainedTokenizerFast`` is an alias of ``TokenizersBackend`` since transformers 5).
+GENERIC_FAST_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+#: ``model_type`` values for which ``AutoTokenizer`` keeps a generic ``tokenizer_class`` as it is
+#: (for some model types it swaps in a class of its own). Kept short on purpose; a test checks each
+#: entry against the installed transformers.
+GENERIC_MODEL_TYPES = frozenset({"llama"})
+
+
+def _json_object(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def generic_fast_tokenizer(path: Path | str) -> bool:
+    """Whether ``AutoTokenizer`` would load the local folder ``path`` as the generic fast tokenizer.
+
+    Decided from the folder's files alone, conservatively: a ``tokenizer.json``, a
+    ``tokenizer_config.json`` naming a generic fast class, a ``config.json`` of a model type in
+    ``GENERIC_MODEL_TYPES``, and no remote code (``auto_map``) in either config. Anything else: False.
+    """
+    folder = Path(path)
+    if not (folder / "tokenizer.json").is_file():
+        return False
+    tokenizer_config = _json_object(folder / "tokenizer_config.json")
+    model_config = _json_object(folder / "config.json")
+    if tokenizer_config is None or model_config is None:
+        return False
+    return (
+        tokenizer_config.get("tokenizer_class") in GENERIC_FAST_CLASSES
+        and model_config.get("model_type") in GENERIC_MODEL_TYPES
+        and "auto_map" not in tokenizer_config
+        and "auto_map" not in model_config
+    )
+
+
+def load_pretrained_tokenizer(path: Path | str) -> Any:
+    """The tokenizer ``AutoTokenizer.from_pretrained(path)`` gives, without torch where possible.
+
+    A folder ``generic_fast_tokenizer`` accepts loads straight through ``PreTrainedTokenizerFast``
+    (the class ``AutoTokenizer`` would pick, called the same way); anything else goes through
+    ``AutoTokenizer``.
+    """
+    if generic_fast_tokenizer(path):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 class HFTokenizer:
@@ -29,9 +90,7 @@ class HFTokenizer:
 
     @classmethod
     def load(cls, path: Path | str, *, model_vocab_size: int | None = None) -> HFTokenizer:
-        from transformers import AutoTokenizer
-
-        return cls(AutoTokenizer.from_pretrained(str(path)), model_vocab_size=model_vocab_size)
+        return cls(load_pretrained_tokenizer(path), model_vocab_size=model_vocab_size)
 
     @property
     def eos_token_id(self) -> int | None:
