@@ -82,6 +82,7 @@ __all__ = [
     "ServerType",
     "TelemetryConfig",
     "default_host_of",
+    "http_url",
     "is_nemo_gym",
     "load_config",
     "load_config_dict",
@@ -413,7 +414,7 @@ class ServerInstance:
 
     @property
     def url(self) -> str:
-        return f"http://{self.settings.host}:{self.settings.port}"
+        return http_url(self.settings.host, self.settings.port)
 
 
 @dataclass(frozen=True)
@@ -441,7 +442,7 @@ class MeshConfig:
 
     @property
     def head_url(self) -> str:
-        return f"http://{self.head_server.host}:{self.head_server.port}"
+        return http_url(self.head_server.host, self.head_server.port)
 
     def with_ports(self, ports: Mapping[str, int], head_port: int | None = None) -> MeshConfig:
         """A copy with the given instance ports (and the head port) filled in (the launcher's)."""
@@ -531,6 +532,12 @@ def build_mesh(raw: dict[str, Any], origins: Mapping[tuple[str, ...], str]) -> M
     _check_in_mesh(instances, origins)
     _check_ports(head, instances, origins)
     return MeshConfig(head, checkpoint, instances, raw, ports, telemetry)
+
+
+def http_url(host: str, port: int | None) -> str:
+    """``http://host:port``, an IPv6 address in brackets (``::1`` -> ``http://[::1]:port``); a port not
+    yet given (None) is written as it is, as before the launcher fills it in."""
+    return f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"
 
 
 def default_host_of(raw: Mapping[str, Any]) -> str:

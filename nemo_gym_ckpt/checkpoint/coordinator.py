@@ -47,6 +47,7 @@ from nemo_gym_ckpt.checkpoint.replies import ReplyContext, reply_problem
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
 from nemo_gym_ckpt.client import CONTROL_CONNECT_S, EncodedJson, MeshClient
+from nemo_gym_ckpt.config import http_url
 from nemo_gym_ckpt.config_yaml import YamlRefused, load_yaml
 from nemo_gym_ckpt.errors import GymError, NotFound, Unavailable, UpstreamError
 from nemo_gym_ckpt.identity import RolloutIdentity
@@ -507,7 +508,7 @@ def _address(settings: Mapping[str, Any]) -> str | None:
     host, port = settings.get("host"), settings.get("port")
     if not isinstance(host, str) or not host or type(port) is not int or not 0 < port < 65536:
         return None
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return http_url(host, port)
 
 
 def _batches(items: list[Any], size: int) -> list[list[Any]]:

@@ -33,7 +33,7 @@ import uvicorn
 import yaml
 from fastapi import FastAPI
 
-from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig
+from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig, http_url
 from nemo_gym_ckpt.launch.redaction import redacted, secret_values
 from nemo_gym_ckpt.server import create_app
 
@@ -175,8 +175,7 @@ class ThreadedServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Bind, start uvicorn in a thread and wait until it serves (or fail within ``timeout_s``)."""

@@ -9,6 +9,7 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 from nemo_gym_ckpt.config import (
@@ -184,6 +185,12 @@ def test_with_ports_round_trips_through_the_raw_dict(write: Writer) -> None:
     again = load_config_dict(placed.raw)
     assert again.url_of("agent") == "http://127.0.0.1:15011"
     assert mesh.instance("tool").settings.port is None, "with_ports must not change the original"
+
+
+def test_an_ipv6_host_is_written_in_brackets_in_every_url(write: Writer) -> None:
+    mesh = load_config([write("a.yaml", MESH)], ["+default_host=::1"]).with_ports({"tool": 15010}, head_port=15012)
+    assert (mesh.url_of("tool"), mesh.head_url) == ("http://[::1]:15010", "http://[::1]:15012")
+    assert httpx.URL(mesh.url_of("tool")).host == "::1"  # a URL the client can use
 
 
 def test_a_real_implementation_validates_its_block(write: Writer) -> None:
