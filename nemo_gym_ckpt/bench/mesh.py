@@ -186,7 +186,8 @@ def launched_meshes(
     taken: set[int] = set()
     for name, extra in overrides.items():
         mesh = assign_ports(load_config([config], ["head_server.port=0", *extra]), avoid=taken)
-        taken |= {mesh.head_server.port, *(instance.settings.port for instance in mesh.instances.values())}
+        ports = [mesh.head_server.port, *(instance.settings.port for instance in mesh.instances.values())]
+        taken.update(port for port in ports if port is not None)
         launchers[name] = MeshLauncher(mesh, on_line=quiet)
     with ExitStack() as stack:
         for launcher in launchers.values():
