@@ -16,7 +16,7 @@ taken (their rate and latency; none may fail).
 Before each checkpoint the rollouts finished since the last one are forgotten, as the collector
 does (timed apart: ``forget_before_each``).
 
-``checkpoint_overhead(rounds, batch, concurrency)``: three meshes launched once and kept up:
+``checkpoint_overhead(rounds, batch, concurrency)``: three meshes launched once (side by side) and kept up:
 ``off_a`` and ``off_b`` (checkpointing off) and ``on`` (enabled, never checkpointed). Each round
 runs the same batch of task rows at the same concurrency on each of them, one mesh after another,
 the order rotated every round. Per round: the rate of ``on`` over the mean of the two off meshes,
@@ -38,7 +38,6 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from nemo_gym_ckpt.bench.mesh import (
     CpuMeter,
     checkpoint_root,
     launched_mesh,
+    launched_meshes,
     loadavg,
     mesh_urls,
     task_rows,
@@ -374,9 +374,9 @@ def checkpoint_overhead(*, rounds: int = 18, batch: int = 48, concurrency: int =
     """Rollouts/s with checkpointing enabled but idle over the same mesh with it off, interleaved."""
     if quick:
         rounds, batch, concurrency = 2, 8, 4
-    with checkpoint_root("ngc-bench-overhead-") as directory, ExitStack() as stack:
-        launchers = {name: stack.enter_context(launched_mesh(enabled_overrides(directory) if name == "on" else []))
-                     for name in MESHES}
+    with checkpoint_root("ngc-bench-overhead-") as directory, launched_meshes(
+        {name: enabled_overrides(directory) if name == "on" else [] for name in MESHES}
+    ) as launchers:
         load_at_start = loadavg()
         result = asyncio.run(_overhead_rounds(launchers, rounds, batch, concurrency))
     return {"config": "configs/quickstart.yaml", "rounds": rounds, "batch": batch, "concurrency": concurrency,

@@ -1,9 +1,10 @@
 """The one mesh launcher of the benches, and what they read off a running mesh.
 
 ``launched_mesh`` starts a config (the quickstart by default) on a free head port with server lines
-dropped; ``mesh_urls`` follows the environment's references to every hop of a rollout; ``CpuMeter``
-reads the CPU seconds of each server process, of the bench itself and of the machine over a window
-(from ``/proc``); ``PhaseCpu`` the CPU milliseconds of each of them in each phase of one pause
+dropped, ``launched_meshes`` several of them side by side (their process starts overlap);
+``mesh_urls`` follows the environment's references to every hop of a rollout; ``CpuMeter`` reads the
+CPU seconds of each server process, of the bench itself and of the machine over a window (from
+``/proc``); ``PhaseCpu`` the CPU milliseconds of each of them in each phase of one pause
 (``/proc/<pid>/task/*/schedstat``: nanoseconds, where ``stat`` counts 10 ms ticks); ``loadavg``
 says how loaded the machine was.
 """
@@ -14,15 +15,16 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nemo_gym_ckpt.collect.tasks import default_input, read_tasks, resolve_input
 from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig, load_config
-from nemo_gym_ckpt.launch.launcher import MeshLauncher
+from nemo_gym_ckpt.launch.launcher import MeshLauncher, assign_ports
 
 __all__ = [
     "CALL_TIMEOUT_S",
@@ -33,6 +35,7 @@ __all__ = [
     "PhaseCpu",
     "checkpoint_root",
     "launched_mesh",
+    "launched_meshes",
     "loadavg",
     "mesh_urls",
     "quiet",
@@ -170,6 +173,30 @@ def launched_mesh(overrides: Sequence[str] = (), config: Path = QUICKSTART) -> I
     with MeshLauncher(mesh, on_line=quiet) as launcher:
         launcher.start(ready_timeout_s=MESH_READY_S)
         yield launcher
+
+
+@contextmanager
+def launched_meshes(
+    overrides: Mapping[str, Sequence[str]], config: Path = QUICKSTART
+) -> Iterator[dict[str, MeshLauncher]]:
+    """One mesh of ``config`` per entry of ``overrides`` (its name: that mesh's overrides), all started at
+    once, each from a thread of its own, and ready; server lines dropped. Their ports are picked here,
+    one mesh after another, so that no two meshes pick the same free port before either binds it."""
+    launchers: dict[str, MeshLauncher] = {}
+    taken: set[int] = set()
+    for name, extra in overrides.items():
+        mesh = assign_ports(load_config([config], ["head_server.port=0", *extra]), avoid=taken)
+        ports = [mesh.head_server.port, *(instance.settings.port for instance in mesh.instances.values())]
+        taken.update(port for port in ports if port is not None)
+        launchers[name] = MeshLauncher(mesh, on_line=quiet)
+    with ExitStack() as stack:
+        for launcher in launchers.values():
+            stack.enter_context(launcher)  # each one stopped on the way out, started or not
+        with ThreadPoolExecutor(max(len(launchers), 1), thread_name_prefix="bench-mesh-start") as pool:
+            starts = [pool.submit(launcher.start, ready_timeout_s=MESH_READY_S) for launcher in launchers.values()]
+        for start in starts:  # every start has ended (MESH_READY_S bounds each): the first failure, if any
+            start.result()
+        yield launchers
 
 
 def loadavg() -> list[float]:

@@ -98,6 +98,8 @@ PAIRS = 5
 incremental) checkpoints; with 3 the median was one checkpoint, and the pause ratio moved between runs
 by more than its margin (docs/benchmarks.md, stop 40)."""
 QUICK_LEVELS = (6,)
+QUICK_GAP_S = 0.5
+"""The gap between checkpoints in ``quick`` form (the smoke test's: 6 rollouts move on within it)."""
 DEADLINE_S = 300.0
 WARM_S = 60.0
 SETTLE_S = 10.0
@@ -597,7 +599,7 @@ def scale(
     each process in each phase of each pause, ``pause_cpu_ms_p50``, at the price of two readings of
     ``/proc`` inside each pause, ``marks_ms``)."""
     if quick:
-        levels, pairs = QUICK_LEVELS, 1
+        levels, pairs, gap_s = QUICK_LEVELS, 1, QUICK_GAP_S
     with (checkpoint_root("ngc-bench-scale-") as root,
           launched_mesh([*enabled_overrides(root), *OVERRIDES, *overrides]) as launcher):
         began = loadavg()

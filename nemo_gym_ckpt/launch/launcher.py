@@ -117,15 +117,15 @@ def _can_bind(host: str, port: int) -> bool:
     return True
 
 
-def assign_ports(mesh: MeshConfig, *, rng: random.Random | None = None) -> MeshConfig:
+def assign_ports(mesh: MeshConfig, *, rng: random.Random | None = None, avoid: Iterable[int] = ()) -> MeshConfig:
     """The mesh with every unset (or 0) port, head server included, replaced by a free one.
 
     Free ports come from the config's ``port_range_low``..``port_range_high`` and are never one of
-    its ``disallowed_ports``.
+    its ``disallowed_ports`` nor of ``avoid`` (the ports of meshes assigned but not started yet).
     """
     port_range = _port_range(mesh)
     taken = {inst.settings.port for inst in mesh.instances.values() if inst.settings.port}
-    taken |= {mesh.head_server.port, *mesh.ports.disallowed_ports}
+    taken |= {mesh.head_server.port, *mesh.ports.disallowed_ports, *avoid}
     head_port = mesh.head_server.port or find_free_port(mesh.head_server.host, taken, rng=rng,
                                                         port_range=port_range)
     taken.add(head_port)

@@ -76,7 +76,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Literal, TypeVar, cast, get_type_hints
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, cast, get_type_hints
 
 import orjson
 from fastapi import FastAPI, Request
@@ -106,10 +106,12 @@ from nemo_gym_ckpt.resources.adapter import (
     ResourcesAdapter,
     Route,
 )
-from nemo_gym_ckpt.resources.mcp import McpExposure, McpTool
 from nemo_gym_ckpt.resources.sessions import Session, SessionTable, session_cookie_name
 from nemo_gym_ckpt.responses import last_message_text
 from nemo_gym_ckpt.server import OrjsonResponse, create_app, declare_body, refuse_unencodable
+
+if TYPE_CHECKING:
+    from nemo_gym_ckpt.resources.mcp import McpTool
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -494,6 +496,8 @@ class ResourcesServer(Generic[_C]):
             def admitted(request: Request) -> AbstractAsyncContextManager[Any]:
                 return self._entered("tool", self._identity(request))
 
+            from nemo_gym_ckpt.resources.mcp import McpExposure  # the mcp package: only where tools go over MCP
+
             McpExposure(self.ctx.name, self._mcp_tools(), self._mcp_call, admitted).mount(app)
         adapter = ResourcesAdapter(self)
         participant = mount_checkpointing(app, self.ctx, adapter, kind="resources", clock=clock)
@@ -604,6 +608,8 @@ class ResourcesServer(Generic[_C]):
         return call_tool
 
     def _mcp_tools(self) -> list[McpTool]:
+        from nemo_gym_ckpt.resources.mcp import McpTool
+
         return [McpTool(spec.name, spec.description, spec.definition()["parameters"])
                 for spec in self.tool_specs.values()]
 

@@ -27,6 +27,7 @@ from nemo_gym_ckpt.launch.launcher import (
     MeshLauncher,
     StopRequested,
     _Child,
+    assign_ports,
     find_free_port,
     wait_for_health,
 )
@@ -130,8 +131,8 @@ class CliRun:
             if line.startswith(prefix):
                 return line
 
-    def wait_ready(self) -> str:
-        head_url = self.line_starting("head server: ").removeprefix("head server: ")
+    def wait_ready(self, timeout_s: float = 30.0) -> str:
+        head_url = self.line_starting("head server: ", timeout_s).removeprefix("head server: ")
         self.children = child_pids(self.proc.pid)
         return head_url
 
@@ -144,7 +145,8 @@ class CliRun:
         return status, self.proc.stderr.read()
 
     def cleanup(self) -> None:
-        for pid in [self.proc.pid, *self.children]:
+        children = self.children or child_pids(self.proc.pid)  # a run no test waited on: its servers too
+        for pid in [self.proc.pid, *children]:
             if not is_gone(pid):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait(timeout=5)
@@ -153,17 +155,31 @@ class CliRun:
                 stream.close()
 
 
-@pytest.fixture
-def cli_run() -> Iterator[Callable[..., CliRun]]:
-    runs: list[CliRun] = []
+STOPPED_RUNS = ("SIGTERM", "SIGINT", "SIGKILL", "one_server_dies")
+"""The tests that stop a ``run`` of the two-server config, each its own run."""
+RUNS_READY_S = 60.0
+"""How long each of those runs may take to say its head server (all of them start at once)."""
 
-    def start(*args: str) -> CliRun:
-        runs.append(CliRun(*args))
-        return runs[-1]
 
-    yield start
-    for run in runs:
-        run.cleanup()
+@pytest.fixture(scope="module")
+def two_server_runs() -> Iterator[dict[str, CliRun]]:
+    """A ``run`` of the two-server config for each of ``STOPPED_RUNS``, all started at once (their
+    process starts overlap), on ports picked here, one run after another, so that no two runs pick the
+    same free port before either binds it."""
+    taken: set[int] = set()
+    runs: dict[str, CliRun] = {}
+    try:
+        for key in STOPPED_RUNS:
+            placed = assign_ports(load_config([FIXTURES / TWO], ["head_server.port=0"]), avoid=taken)
+            ports = {"head_server.port": placed.head_server.port,
+                     **{f"{name}.resources_servers.string_match.port": placed.instances[name].settings.port
+                        for name in ("sm", "sm_loose")}}
+            taken.update(port for port in ports.values() if port is not None)
+            runs[key] = CliRun(str(FIXTURES / TWO), *(f"{key_}={port}" for key_, port in ports.items()))
+        yield runs
+    finally:
+        for run in runs.values():
+            run.cleanup()
 
 
 # ---- the library API -----------------------------------------------------------------------------
@@ -354,9 +370,9 @@ def test_stop_kills_a_server_that_does_not_exit_on_sigterm(launch_mesh: Launch) 
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
-def test_run_leaves_no_orphans_whatever_stops_it(sig: signal.Signals, cli_run: Callable[..., CliRun]) -> None:
-    run = cli_run(str(FIXTURES / TWO), "head_server.port=0")
-    head_url = run.wait_ready()
+def test_run_leaves_no_orphans_whatever_stops_it(sig: signal.Signals, two_server_runs: dict[str, CliRun]) -> None:
+    run = two_server_runs[sig.name]
+    head_url = run.wait_ready(RUNS_READY_S)
     assert [entry["name"] for entry in get_json(f"{head_url}/servers")] == ["sm", "sm_loose"]
     assert len(run.children) == 2, run.children
     run.proc.send_signal(sig)
@@ -370,9 +386,9 @@ def test_run_leaves_no_orphans_whatever_stops_it(sig: signal.Signals, cli_run: C
                                   "stopped on request; stopped: sm_loose, sm"), run.stdout
 
 
-def test_run_stops_everything_when_one_server_dies(cli_run: Callable[..., CliRun]) -> None:
-    run = cli_run(str(FIXTURES / TWO), "head_server.port=0")
-    head_url = run.wait_ready()
+def test_run_stops_everything_when_one_server_dies(two_server_runs: dict[str, CliRun]) -> None:
+    run = two_server_runs["one_server_dies"]
+    head_url = run.wait_ready(RUNS_READY_S)
     urls = {entry["name"]: entry["url"] for entry in get_json(f"{head_url}/servers")}
     assert set(urls) == {"sm", "sm_loose"}
     victim = next(pid for pid in run.children if _instance_of(pid) == "sm")

@@ -9,7 +9,9 @@ bearer and without it; rollout-scoped paths go under ``/ng-rollout/<key>/``. Eve
 below 500 and every error must be ``{"error": {"code", "detail"}}`` (checked for every reply;
 schemathesis's own ``not_a_server_error`` too). A control call that opened a checkpoint is resumed
 at once, so the next cases find the participant idle (a prepare with a far deadline would otherwise
-hold every later data call). The counts are printed (``-s``) and kept in ``SUMMARY``.
+hold every later data call). The cases are drawn in the test's thread and sent, in the order they
+were drawn, from a thread of their own (``Sender``): hypothesis draws the next cases while the
+servers answer the last. The counts are printed (``-s``) and kept in ``SUMMARY``.
 
 ``cpu_s`` is the CPU time of the whole run (this process and every server process), the measure
 of its cost on a busy machine. ``NGC_SCHEMATHESIS_EXAMPLES`` sets the number of examples per
@@ -19,10 +21,13 @@ operation and mode (CI: 3).
 from __future__ import annotations
 
 import os
+import queue
 import secrets
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -40,6 +45,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]  # 92 CPU-seconds; 109 
 EXAMPLES = int(os.environ.get("NGC_SCHEMATHESIS_EXAMPLES", "3"))
 TOKEN = "schemathesis-" + secrets.token_hex(8)
 CALL_TIMEOUT_S = 30.0
+SEND_DEADLINE_S = 300.0
 CONTROL = "/ng-control/"
 CONFIGS = [PROJECT_ROOT / path for path in (
     "configs/quickstart.yaml", "resources_servers/kv_store/configs/kv_store.yaml",
@@ -102,7 +108,71 @@ def reopen(http: httpx.Client, url: str) -> None:
         http.post(f"{url}{CONTROL}v1/checkpoint/resume", json=body, headers={"authorization": f"Bearer {TOKEN}"})
 
 
-def fuzz(http: httpx.Client, url: str, operation: Any, failures: list[str]) -> None:
+@dataclass(frozen=True)
+class Request:
+    """One fuzzed request, as made from its case: sent later, by the ``Sender``."""
+
+    url: str  # the server's
+    scoped: bool
+    where: str  # the operation, the mode and whether the token went with it
+    method: str
+    target: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+class Sender:
+    """Sends the requests one after another in the order they were made, from a thread of its own, so
+    that hypothesis draws the next cases while a request is in flight (the same requests, in the same
+    order, as sending each where it is made). Its counts go to ``counts``; an error of its own ends it
+    and is raised again by ``put`` or ``finish``."""
+
+    def __init__(self, failures: list[str]) -> None:
+        self.failures = failures
+        self.counts: Counter[str] = Counter()
+        self._outbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="schemathesis-sender")
+        self._sending = self._pool.submit(self._run)
+
+    def put(self, request: Request) -> None:
+        if self._sending.done():
+            self._sending.result()  # its error
+            raise AssertionError("the sender ended before the last request")
+        self._outbox.put(request)
+
+    def finish(self) -> None:
+        """Wait (``SEND_DEADLINE_S`` at most) until every request made so far is sent."""
+        self._outbox.put(None)
+        try:
+            self._sending.result(timeout=SEND_DEADLINE_S)
+        finally:
+            self._pool.shutdown(wait=False)
+
+    def _run(self) -> None:
+        with httpx.Client(trust_env=False, timeout=CALL_TIMEOUT_S) as http:
+            while (request := self._outbox.get(timeout=SEND_DEADLINE_S)) is not None:
+                self._send(http, request)
+
+    def _send(self, http: httpx.Client, request: Request) -> None:
+        self.counts["requests"] += 1
+        try:
+            reply = http.request(request.method, request.target, headers=request.headers, **request.body)
+        except httpx.TransportError as error:
+            self.counts["transport_errors"] += 1
+            self.failures.append(f"{request.method} {request.target} ({request.where}): {type(error).__name__} "
+                                 f"{error}; headers {request.headers} body {str(request.body)[:300]}")
+            return
+        self.counts[f"{reply.status_code // 100}xx"] += 1
+        where = f"{request.where}: {reply.status_code}"
+        if reply.status_code >= 500:
+            self.failures.append(f"{where} {reply.text[:300]}")
+        elif reply.status_code >= 400 and not structured(reply):
+            self.failures.append(f"{where} unstructured error {reply.text[:300]}")
+        if not request.scoped and reply.status_code == 200:
+            reopen(http, request.url)
+
+
+def fuzz(sender: Sender, url: str, operation: Any) -> None:
     scoped = not operation.path.startswith(CONTROL)
 
     def send(case: Any, mode: str) -> None:
@@ -117,22 +187,8 @@ def fuzz(http: httpx.Client, url: str, operation: Any, failures: list[str]) -> N
             if cookies:
                 headers["cookie"] = "; ".join(f"{key}={value}" for key, value in cookies.items())
             method, target = kwargs.pop("method"), kwargs.pop("url")
-            SUMMARY["requests"] += 1
-            try:
-                reply = http.request(method, target, headers=headers, **body_of(kwargs))
-            except httpx.TransportError as error:
-                SUMMARY["transport_errors"] += 1
-                failures.append(f"{method} {target} ({mode}, token={auth}): {type(error).__name__} {error}; "
-                                f"headers {headers} body {str(body_of(kwargs))[:300]}")
-                continue
-            SUMMARY[f"{reply.status_code // 100}xx"] += 1
-            where = f"{operation.method.upper()} {operation.path} ({mode}, token={auth}): {reply.status_code}"
-            if reply.status_code >= 500:
-                failures.append(f"{where} {reply.text[:300]}")
-            elif reply.status_code >= 400 and not structured(reply):
-                failures.append(f"{where} unstructured error {reply.text[:300]}")
-            if not scoped and reply.status_code == 200:
-                reopen(http, url)
+            where = f"{operation.method.upper()} {operation.path} ({mode}, token={auth})"
+            sender.put(Request(url, scoped, where, method, target, headers, body_of(kwargs)))
 
     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
         try:
@@ -158,13 +214,18 @@ def test_every_server_answers_fuzzed_requests_without_a_5xx_and_with_structured_
 ) -> None:
     failures: list[str] = []
     started = time.monotonic()
-    with httpx.Client(trust_env=False, timeout=CALL_TIMEOUT_S) as http:
-        for url in [mesh.head_url, *map(mesh.url_of, mesh.names)]:
-            spec = http.get(f"{url}/openapi.json").json()
-            schema = schemathesis.openapi.from_dict(spec)
-            for result in schema.get_all_operations():
-                fuzz(http, url, result.ok(), failures)
-            SUMMARY["servers"] += 1
+    sender = Sender(failures)
+    try:
+        with httpx.Client(trust_env=False, timeout=CALL_TIMEOUT_S) as http:
+            for url in [mesh.head_url, *map(mesh.url_of, mesh.names)]:
+                spec = http.get(f"{url}/openapi.json").json()
+                schema = schemathesis.openapi.from_dict(spec)
+                for result in schema.get_all_operations():
+                    fuzz(sender, url, result.ok())
+                SUMMARY["servers"] += 1
+    finally:
+        sender.finish()
+    SUMMARY.update(sender.counts)
     SUMMARY["fuzz_s"] = round(time.monotonic() - started)
     assert failures == [], "\n".join(failures[:30])
     assert SUMMARY["servers"] == len(mesh.names) + 1 == 15 and SUMMARY["requests"] > 0

@@ -165,6 +165,17 @@ def test_assign_ports_skips_ports_in_use(occupied: Callable[[], int]) -> None:
     assert free in ports and busy not in ports and other_busy not in ports and len(ports) == 3
 
 
+def test_assign_ports_avoids_the_ports_of_meshes_not_started_yet() -> None:
+    first = find_free_port("127.0.0.1")
+    second = find_free_port("127.0.0.1", avoid={first})
+    third = find_free_port("127.0.0.1", avoid={first, second})
+    fourth = find_free_port("127.0.0.1", avoid={first, second, third})
+    placed = assign_ports(two_servers(), rng=ScriptedRandom([first, second, first, third, second, fourth]),
+                          avoid={first, second})  # free now, but another mesh's once it starts
+    ports = {placed.head_server.port, *(inst.settings.port for inst in placed.instances.values())}
+    assert first not in ports and second not in ports and len(ports) == 3
+
+
 def test_the_port_range_variable_applies_where_the_config_sets_no_range(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PORT_RANGE_ENV, "17001-17040")
     placed = assign_ports(two_servers())
