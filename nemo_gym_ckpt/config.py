@@ -134,12 +134,12 @@ _M = TypeVar("_M", bound=BaseModel)
 DEFAULT_MAX_DEADLINE_SECONDS = 24 * 3600.0
 MAX_DEADLINE_SECONDS_BOUND = 365 * 24 * 3600.0
 DEFAULT_HOST = "127.0.0.1"
+"""The host of a server when neither its block nor the config's ``default_host`` names one."""
 MIN_METRICS_EXPORT_INTERVAL_S = 0.1
 """The shortest ``telemetry.metrics_export_interval_s``. OpenTelemetry's own setting of it
 (``OTEL_METRIC_EXPORT_INTERVAL``) is whole milliseconds (default 60000), and its SDK's reader takes any
 interval above 0: at 1e-9 s it collects and exports in a busy loop, a core's worth of CPU for nothing.
 A tenth of a second is already more often than any metric here changes in a way worth a point."""
-"""The host of a server when neither its block nor the config's ``default_host`` names one."""
 DEFAULT_MAX_RECORD_BYTES = 64 * 1024 * 1024
 DEFAULT_FULL_COLLECTION_INTERVAL_SECONDS = 300.0
 
