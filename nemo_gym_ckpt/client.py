@@ -66,7 +66,9 @@ __all__ = [
     "KEEPALIVE_S",
     "MAX_CONNECT_DOUBLINGS",
     "MAX_ERROR_REPLY_BYTES",
+    "MAX_KEEPALIVE_S",
     "MAX_SLOW_CONNECTS",
+    "RETRY_KEEPALIVE_S",
     "UNSENT_EXTRA",
     "EncodedJson",
     "MeshClient",
@@ -83,11 +85,21 @@ TransportName = Literal["aiohttp", "httpx"]
 DEFAULT_TRANSPORT: TransportName = "aiohttp"
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
-# An idle pooled connection is dropped after this long: well under uvicorn's keep-alive timeout
-# (5 s), so the client never reuses a connection the server is closing. With equal timeouts, aiohttp
-# (which reuses its oldest idle connection first) wrote requests into connections the server had just
-# closed ("Can not write request body": a non-idempotent call then fails) with 256 rollouts in flight.
+# An idle pooled connection is dropped after this long: well under uvicorn's default keep-alive
+# timeout (5 s), so the client never reuses a connection the server is closing. With equal timeouts,
+# aiohttp (which reuses its oldest idle connection first) wrote requests into connections the server
+# had just closed ("Can not write request body": a non-idempotent call then fails) with 256 rollouts
+# in flight.
 KEEPALIVE_S = 2.0
+RETRY_KEEPALIVE_S = 15.0
+"""The keep-alive of a client that sends refused calls again after their ``Retry-After`` (a collector,
+a driver) to mesh servers, which keep idle connections 60 s (ours: ``launch/child.py``) or 30 s (NeMo
+Gym's): a call refused up front keeps its connection through its wait. With ``KEEPALIVE_S``, thousands
+of refused calls that came back together each opened a new connection at once, overflowed the
+environment's listen queue, and a few were reset after their request went out (lost: the scale
+bench at 10,000 in flight, docs/benchmarks.md)."""
+MAX_KEEPALIVE_S = 20.0
+"""The longest keep-alive a client may ask for: well under the keep-alive of every mesh server."""
 CONTROL_CONNECT_S = 0.25
 """How long a control call's new connection may take before it is made again on a fresh socket
 (``MeshClient.for_control``). On 127.0.0.1 a connection is made in well under a millisecond; one that
@@ -184,9 +196,9 @@ def verifying_ssl_context() -> ssl.SSLContext:
     return httpx.create_ssl_context(trust_env=False)
 
 
-def _make_transport(name: TransportName, max_connections: int) -> httpx.AsyncBaseTransport:
+def _make_transport(name: TransportName, max_connections: int, keepalive_s: float) -> httpx.AsyncBaseTransport:
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                          keepalive_expiry=KEEPALIVE_S)
+                          keepalive_expiry=keepalive_s)
     verify = verifying_ssl_context()
     if name == "aiohttp":
         import aiohttp
@@ -219,16 +231,21 @@ class MeshClient:
         connect_timeout_s: float | None = None,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         max_stream_line_bytes: int = DEFAULT_MAX_STREAM_LINE_BYTES,
+        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         """``connect_timeout_s``: a new connection not made by then is abandoned and made again
         with twice the timeout, as often as the call's deadline allows (``None``: the kernel's
         own SYN retries). ``max_reply_bytes``: the most bytes of a reply a call reads, streamed or
-        not. ``max_stream_line_bytes``: the most bytes of one line of a streamed reply."""
+        not. ``max_stream_line_bytes``: the most bytes of one line of a streamed reply.
+        ``keepalive_s``: how long an idle pooled connection is kept (more than 0, at most
+        ``MAX_KEEPALIVE_S``; it must stay under the servers' own keep-alive)."""
         if max_reply_bytes < 1 or max_stream_line_bytes < 1:
             raise ValueError("max_reply_bytes and max_stream_line_bytes must be >= 1")
+        if not 0 < keepalive_s <= MAX_KEEPALIVE_S:
+            raise ValueError(f"keepalive_s must be more than 0 and at most {MAX_KEEPALIVE_S:g}, not {keepalive_s!r}")
         self._transport_name = transport if isinstance(transport, str) else None
         if isinstance(transport, str):
-            transport = _make_transport(transport, max_connections)
+            transport = _make_transport(transport, max_connections, keepalive_s)
         self._http = httpx.AsyncClient(
             transport=transport, timeout=None, trust_env=False, cookies=_no_cookie_jar()
         )
@@ -238,6 +255,7 @@ class MeshClient:
         self.connect_timeout_s = connect_timeout_s
         self.max_reply_bytes = max_reply_bytes
         self.max_stream_line_bytes = max_stream_line_bytes
+        self.keepalive_s = keepalive_s
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -251,7 +269,8 @@ class MeshClient:
         return MeshClient(transport=self._transport_name, max_connections=max_connections,
                           timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s,
                           connect_timeout_s=connect_timeout_s or self.connect_timeout_s,
-                          max_reply_bytes=self.max_reply_bytes, max_stream_line_bytes=self.max_stream_line_bytes)
+                          max_reply_bytes=self.max_reply_bytes, max_stream_line_bytes=self.max_stream_line_bytes,
+                          keepalive_s=self.keepalive_s)
 
     def for_control(self, max_connections: int) -> MeshClient:
         """A client for control calls: ``with_own_pool``, so they never wait behind data calls, and

@@ -34,6 +34,7 @@ from nemo_gym_ckpt.config import MeshConfig, load_config_dict
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.errors import ConfigError
 from nemo_gym_ckpt.launch.config_file import CONFIG_FILE_ENV, read_config_file
+from nemo_gym_ckpt.launch.workers import BACKLOG
 from nemo_gym_ckpt.server import close_on_shutdown, set_max_body_bytes
 
 __all__ = [
@@ -74,10 +75,12 @@ UVICORN_SETTINGS: dict[str, Any] = {
     "http": "httptools",
     "log_level": "warning",
     "timeout_graceful_shutdown": 5,
-    # The mesh client drops an idle pooled connection after KEEPALIVE_S (2 s); a server that
-    # closed idle ones after uvicorn's 5 s left a starved client (an event loop seconds late on
-    # 2 busy cores) reusing connections already closed: the scale bench lost rollouts that way.
+    # The mesh client drops an idle pooled connection after KEEPALIVE_S (2 s; a collector after
+    # RETRY_KEEPALIVE_S, 15 s); a server that closed idle ones after uvicorn's 5 s left a starved
+    # client (an event loop seconds late on 2 busy cores) reusing connections already closed: the
+    # scale bench lost rollouts that way.
     "timeout_keep_alive": SERVER_KEEPALIVE_S,
+    "backlog": BACKLOG,
 }
 """How every server child runs uvicorn (``cli/serve.py`` for ours, ``bridge/child.py`` for NeMo Gym's)."""
 _PR_SET_PDEATHSIG = 1

@@ -35,6 +35,7 @@ from fastapi import FastAPI
 
 from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig, http_url
 from nemo_gym_ckpt.launch.redaction import redacted, secret_values
+from nemo_gym_ckpt.launch.workers import BACKLOG
 from nemo_gym_ckpt.server import create_app
 
 __all__ = [
@@ -143,7 +144,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(2048)
+        sock.listen(BACKLOG)
     except OSError:
         sock.close()
         raise

@@ -39,7 +39,10 @@ STOP_GRACE_S = 6.0
 RUNTIME_PREFIX = "ngc-workers-"
 _OWNER = "owner.pid"
 POLL_S = 0.2
-BACKLOG = 2048
+BACKLOG = 4096
+"""The listen queue of every server's socket (uvicorn's own default is 2,048; the kernel caps it at
+``net.core.somaxconn``, 4,096 on current kernels). Thousands of rollouts connect at once at a level's
+start; a connection the full queue drops is made again by the client's SYN retries, seconds later."""
 
 
 def runtime_dir() -> Path:

@@ -16,12 +16,16 @@ from nemo_gym_ckpt.client import (
     CONTROL_CONNECT_S,
     DEFAULT_MAX_REPLY_BYTES,
     DEFAULT_MAX_STREAM_LINE_BYTES,
+    KEEPALIVE_S,
     MAX_ERROR_REPLY_BYTES,
+    MAX_KEEPALIVE_S,
+    RETRY_KEEPALIVE_S,
     UNSENT_EXTRA,
     MeshClient,
     _make_transport,
     _never_sent,
 )
+from nemo_gym_ckpt.collect.dispatch import collector_client
 from nemo_gym_ckpt.errors import Unavailable, UpstreamError, UpstreamTimeout
 
 pytestmark = pytest.mark.sockets
@@ -101,7 +105,7 @@ class Counting(httpx.AsyncBaseTransport):
 async def test_a_refused_connect_is_still_sent_again_with_a_bound(connect_timeout_s: float | None) -> None:
     async with peer(ClosesAfterReading()) as url:
         pass  # closed: its port now refuses connections
-    transport = Counting(_make_transport("aiohttp", 4))
+    transport = Counting(_make_transport("aiohttp", 4, KEEPALIVE_S))
     async with MeshClient(transport=transport, connect_timeout_s=connect_timeout_s, backoff_s=0.001,
                           retries=2) as client:
         with pytest.raises(Unavailable, match="ClientConnectorError"):
@@ -414,3 +418,42 @@ async def test_the_stream_line_bound_defaults_to_64_mib_and_is_kept_by_clients_m
             assert control.max_stream_line_bytes == 1234
         finally:
             await control.aclose()
+
+
+class AnswersAndKeepsOpen:
+    """Answers every request ``200 {}`` on a kept-alive connection; counts the connections made."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+
+    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                await read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+@pytest.mark.parametrize(("keepalive_s", "connections"), [(0.1, 2), (RETRY_KEEPALIVE_S, 1)])
+async def test_an_idle_connection_is_kept_as_long_as_the_client_says(keepalive_s: float, connections: int) -> None:
+    """A collector's call refused up front comes back after its ``Retry-After`` on the same connection."""
+    handler = AnswersAndKeepsOpen()
+    async with peer(handler) as url, MeshClient(keepalive_s=keepalive_s) as client:
+        await client.post_json(f"{url}/run", {}, timeout_s=5)
+        await asyncio.sleep(0.6)
+        await client.post_json(f"{url}/run", {}, timeout_s=5)
+    assert handler.connections == connections
+
+
+@pytest.mark.parametrize("keepalive_s", [0.0, -1.0, MAX_KEEPALIVE_S + 1, float("nan"), float("inf")])
+def test_a_keepalive_past_the_servers_own_is_refused(keepalive_s: float) -> None:
+    with pytest.raises(ValueError, match="keepalive_s"):
+        MeshClient(keepalive_s=keepalive_s)
+
+
+def test_a_collection_keeps_its_connections_through_a_retry_after() -> None:
+    assert collector_client(8).keepalive_s == RETRY_KEEPALIVE_S
+    assert RETRY_KEEPALIVE_S > 10  # the scale bench's Retry-After: a refused slot keeps its connection

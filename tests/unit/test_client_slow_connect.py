@@ -15,6 +15,7 @@ import pytest
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator
 from nemo_gym_ckpt.client import (
     CONTROL_CONNECT_S,
+    KEEPALIVE_S,
     MAX_CONNECT_DOUBLINGS,
     MAX_SLOW_CONNECTS,
     MeshClient,
@@ -118,7 +119,7 @@ class Counting(httpx.AsyncBaseTransport):
 async def test_a_dropped_syn_is_sent_again_on_a_fresh_socket(full_listen_queue: int) -> None:
     """Over the real transport: the connect into a full listen queue is abandoned after
     ``connect_timeout_s`` and made again, instead of waiting for the kernel's SYN retry (1 s)."""
-    transport = Counting(_make_transport("aiohttp", 4))
+    transport = Counting(_make_transport("aiohttp", 4, KEEPALIVE_S))
     async with MeshClient(transport=transport, connect_timeout_s=0.05) as client:
         with pytest.raises(UpstreamTimeout):
             await client.post_json(f"http://127.0.0.1:{full_listen_queue}/ng-control/prepare", {},
