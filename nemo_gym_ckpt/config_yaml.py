@@ -1,5 +1,20 @@
 """The YAML of config files and overrides, read within bounds.
 
+Plain scalars resolve as NeMo Gym's loader (OmegaConf 2.3) resolves them, not as PyYAML's YAML 1.1
+defaults, so a NeMo Gym config means the same here:
+
+- a date or time (``2001-01-01``, ``2001-12-14 21:59:43.10 -5``) stays the string written, exactly
+  (YAML 1.1 would build a ``datetime.date``; OmegaConf drops that rule), and one that is no real
+  date (``2001-02-30``) is a string too;
+- an exponent without a dot or without a sign is a float too (``1e3``, ``1.0e3``, ``-1E-3``,
+  ``1_0e3``: YAML 1.1 reads those as strings);
+- everything else as YAML 1.1 (and OmegaConf): ``yes``/``no``/``on``/``off`` are bools (``y`` and
+  ``n`` are strings), ``0x1F``, ``017`` (octal), ``0b101``, ``1_000`` and base-60 ``1:30`` are ints
+  (``0o17`` is a string), ``.5``, ``.inf``, ``.nan`` are floats (``inf``, ``nan`` are strings),
+  ``~``, ``null`` and an empty value are ``None``;
+- values OmegaConf cannot hold are refused: an explicit ``!!timestamp`` or ``!!set``, and a key
+  that is null (``~: x``).
+
 PyYAML's safe loader builds an aliased node (``*name``) once and shares it, but everything after
 loading (merging files, directives, interpolation, the JSON each server is handed) copies it once
 per use: a few hundred bytes of nested aliases (a "billion laughs") would become billions of
@@ -11,9 +26,9 @@ values, minutes of work and gigabytes. ``load_yaml`` refuses with ``YamlRefused`
 - a value nested deeper than ``MAX_DEPTH`` (PyYAML builds nested values by recursion: a deeper
   file would end in a ``RecursionError``);
 - an alias inside the node its anchor names (a cycle, which no copy could finish);
-- an int, float or timestamp scalar longer than ``MAX_NUMBER_CHARS`` characters (YAML 1.1's base-60
+- an int or float scalar longer than ``MAX_NUMBER_CHARS`` characters (YAML 1.1's base-60
   integers, ``1:1:1:...``, take quadratic time to build, and Python's ``int()`` refuses more than
-  4,300 digits), and one that PyYAML cannot build (``2001-02-30``, ``!!float abc``): PyYAML raises a
+  4,300 digits), and one that PyYAML cannot build (``!!float abc``, ``!!int 1e3``): PyYAML raises a
   ``ValueError`` there, which would end the command in a traceback;
 - a key written twice in one mapping, keys compared as the strings the config uses (``str()``:
   ``1`` and ``'1'`` are the same key). NeMo Gym's loader (OmegaConf) refuses a duplicate key too;
@@ -26,6 +41,7 @@ that is not UTF-8. Syntax errors stay PyYAML's ``yaml.YAMLError``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +56,18 @@ MAX_FILE_BYTES = 4 << 20
 MAX_NODES = 100_000
 MAX_DEPTH = 64
 MAX_NUMBER_CHARS = 128
-"""The longest int, float or timestamp scalar (a port, a count or a date is a few characters)."""
-_NUMBER_TAGS = frozenset(f"tag:yaml.org,2002:{kind}" for kind in ("int", "float", "timestamp"))
+"""The longest int or float scalar (a port or a count is a few characters)."""
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+_NUMBER_TAGS = frozenset({"tag:yaml.org,2002:int", _FLOAT_TAG})
+_NOT_CONFIG_VALUES = frozenset({_TIMESTAMP_TAG, "tag:yaml.org,2002:set"})
+"""Explicit tags whose values (``datetime``, ``set``) OmegaConf refuses to hold: refused here too, unbuilt."""
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _VALUE_TAG = "tag:yaml.org,2002:value"
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9]+(?:_[0-9]+)*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+"""The floats OmegaConf reads that YAML 1.1 does not: an exponent after digits with no dot, or with no
+sign (``1e3``, ``1.0e3``); an underscore only between two digits before it (``1_0e3``, not ``1_e3``).
+Every other float form is YAML 1.1's, which OmegaConf keeps."""
 
 
 class YamlRefused(Exception):
@@ -93,6 +117,10 @@ class _BoundedLoader(yaml.SafeLoader):
         return known
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        if node.tag in _NOT_CONFIG_VALUES:
+            instead = "a date written without the tag is a string" if node.tag == _TIMESTAMP_TAG else "use a list"
+            raise YamlRefused(f"a !!{_kind(node)} (line {node.start_mark.line + 1}) is not a config value: NeMo Gym's "
+                              f"loader (OmegaConf) refuses it too ({instead})")
         if isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS and len(node.value) > MAX_NUMBER_CHARS:
             line = node.start_mark.line + 1
             raise YamlRefused(f"{_kind(node)} scalar of {len(node.value):,} characters (line {line}): more than "
@@ -117,10 +145,20 @@ class _BoundedLoader(yaml.SafeLoader):
                 continue  # a merge, or a list or mapping as a key (PyYAML refuses those: unhashable)
             key = key_node.value if key_node.tag == _VALUE_TAG else self.construct_object(key_node, deep=True)
             name, line = str(key), key_node.start_mark.line + 1
+            if key is None:
+                raise YamlRefused(f"a null key {key_node.value!r:.80} (line {line}): NeMo Gym's loader (OmegaConf) "
+                                  "refuses it too (quote it if it is the name)")
             if name in first_line:
                 raise YamlRefused(f"duplicate key {name!r:.80} (line {line}; first on line {first_line[name]}): "
                                   "each key of a mapping is written once (keys compared as strings)")
             first_line[name] = line
+
+
+_BoundedLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != _TIMESTAMP_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}  # no date or time is resolved implicitly: it stays the text written, as in OmegaConf
+_BoundedLoader.add_implicit_resolver(_FLOAT_TAG, _EXPONENT_FLOAT, list("+-0123456789"))  # after YAML 1.1's int
 
 
 def _kind(node: yaml.Node) -> str:

@@ -44,7 +44,20 @@ PREPARE_ORDER = ("environment", "model", "agent", "resources")
 RESUME_ORDER = tuple(reversed(PREPARE_ORDER))
 RETIRE_ORDER = (("environment",), ("agent",), ("model", "resources"))
 GRACE_S = 5.0
+MAX_SECONDS = 365 * 24 * 3600.0  # the longest deadline a participant takes (max_deadline_seconds' bound)
 Episode = dict[str, Any]  # {"rollout_id": str, "attempt": int}
+
+
+def seconds(text: str) -> float:
+    """A ``--timeout-s``: more than 0 and at most a year, never ``nan`` or ``inf`` (a deadline never reached).
+
+    The rule of ``nemo-gym-ckpt``'s own duration flags (``nemo_gym_ckpt.cli.arguments.seconds``),
+    written out here so that this script needs nothing but httpx.
+    """
+    value = float(text)
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {MAX_SECONDS:g} seconds, got {text}")
+    return value
 
 
 def capture_key(episode: Episode) -> str:
@@ -284,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", type=Path, help="task rows (JSON Lines), for checkpoint")
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--after-rows", type=int, default=1, help="checkpoint once this many have finished")
-    parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--timeout-s", type=seconds, default=120.0)
     args = parser.parse_args(argv)
     token = os.environ.get("GYM_CKPT_TOKEN", "")
     if not token or (args.command == "checkpoint" and args.input is None):

@@ -139,10 +139,10 @@ def test_run_prefixes_each_server_line_with_its_name(capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize(
     ("argv", "message"),
     [(["configs/quickstart.yaml", "head_server.port=" + "9" * 5_000], "int scalar of 5,000 characters"),
-     (["configs/quickstart.yaml", "head_server.port=2001-02-30"], "is not a valid timestamp"),
+     (["configs/quickstart.yaml", "head_server.port=!!int 1e3"], "'1e3' is not a valid int"),
      (["a" * 300 + ".yaml"], "cannot be looked for: File name too long"),
      (["~ngc-no-such-user-5a1c/mesh.yaml"], "cannot be found: no home directory for")],
-    ids=["5,000-digit port", "no such date", "name over NAME_MAX", "~user of no user"],
+    ids=["5,000-digit port", "unbuildable int", "name over NAME_MAX", "~user of no user"],
 )
 def test_run_reports_a_scalar_or_a_path_it_cannot_use_on_one_line(
     argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -7,6 +7,7 @@ completed model call.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib.util
 import json
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from model_servers.inference_worker.default_model_data import make_problem
+from nemo_gym_ckpt.cli.arguments import MAX_SECONDS, seconds
 from tests.support.episode_participants import TOKEN
 from tests.support.rollout_mesh import DeterministicModel, calculator_answers, calculator_row, rollout_mesh
 
@@ -101,3 +103,27 @@ async def test_the_example_controller_checkpoints_and_restores_with_plain_http(t
         rid: (1, 200, 1.0) for rid in HELD}
     assert sorted(str(key) for key in fresh.capture_keys()) == [f"{rid}-a1" for rid in HELD]  # 2nd calls only
     assert status["extras"]["episodes"] == 0 and status["retired_rollouts"] == 0
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "0", "1e9", "abc"])
+def test_a_timeout_that_is_no_duration_is_a_usage_error(
+    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GYM_CKPT_TOKEN", TOKEN)
+    with pytest.raises(SystemExit) as exited:  # nan, inf and -1 were taken: deadlines never or long since reached
+        load_script().main(["restore", "--head", "http://127.0.0.1:1", "--dir", "/tmp/ckpt", "--timeout-s", value])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("usage: ") and "argument --timeout-s: " in err
+
+
+def test_the_scripts_duration_rule_is_the_commands() -> None:
+    script = load_script()  # written out in the script (nothing but httpx), so compared here
+    assert script.MAX_SECONDS == MAX_SECONDS
+    for value in ["1", "0.5", "120", "1e-9", "31536000", "31536000.5", "0", "-0", "-1", "nan", "inf", "1e9", "x"]:
+        outcomes = []
+        for parse in (script.seconds, seconds):
+            try:
+                outcomes.append(parse(value))
+            except (argparse.ArgumentTypeError, ValueError) as error:
+                outcomes.append(type(error).__name__)
+        assert outcomes[0] == outcomes[1], value
