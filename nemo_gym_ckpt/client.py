@@ -241,7 +241,7 @@ class MeshClient:
         ``MAX_KEEPALIVE_S``; it must stay under the servers' own keep-alive)."""
         if max_reply_bytes < 1 or max_stream_line_bytes < 1:
             raise ValueError("max_reply_bytes and max_stream_line_bytes must be >= 1")
-        if not 0 < keepalive_s <= MAX_KEEPALIVE_S:
+        if type(keepalive_s) not in (int, float) or not 0 < keepalive_s <= MAX_KEEPALIVE_S:
             raise ValueError(f"keepalive_s must be more than 0 and at most {MAX_KEEPALIVE_S:g}, not {keepalive_s!r}")
         self._transport_name = transport if isinstance(transport, str) else None
         if isinstance(transport, str):

@@ -48,7 +48,8 @@ from typing import Any
 import yaml
 
 __all__ = [
-    "MAX_DEPTH", "MAX_FILE_BYTES", "MAX_NODES", "MAX_NUMBER_CHARS", "YamlRefused", "load_yaml", "read_yaml_file",
+    "MAX_DEPTH", "MAX_FILE_BYTES", "MAX_NODES", "MAX_NUMBER_CHARS", "YamlRefused", "dump_yaml", "load_yaml",
+    "read_yaml_file",
 ]
 
 MAX_FILE_BYTES = 4 << 20
@@ -171,6 +172,20 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     if isinstance(node, yaml.MappingNode):
         return [part for pair in node.value for part in pair]
     return []
+
+
+class _ConfigDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, quoting also the strings that read back as floats here and in OmegaConf only
+    (``'7e1'``: YAML 1.1 has no such float, so the safe dumper writes it bare)."""
+
+
+_ConfigDumper.add_implicit_resolver(_FLOAT_TAG, _EXPONENT_FLOAT, list("+-0123456789"))
+
+
+def dump_yaml(value: Any, **options: Any) -> str:
+    """``value`` as YAML text that ``load_yaml`` and NeMo Gym's OmegaConf read back as ``value`` (the
+    config the head serves, the one NeMo Gym's servers read); ``options`` as ``yaml.dump``'s."""
+    return yaml.dump(value, Dumper=_ConfigDumper, sort_keys=False, **options)
 
 
 def load_yaml(text: str) -> Any:

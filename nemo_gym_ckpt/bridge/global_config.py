@@ -30,9 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
-
 from nemo_gym_ckpt.config import default_host_of
+from nemo_gym_ckpt.config_yaml import dump_yaml
 from nemo_gym_ckpt.errors import ConfigError
 
 __all__ = [
@@ -72,7 +71,7 @@ def nemo_gym_config(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def nemo_gym_config_yaml(raw: Mapping[str, Any]) -> str:
-    return yaml.safe_dump(nemo_gym_config(raw), sort_keys=False)
+    return dump_yaml(nemo_gym_config(raw))
 
 
 def nemo_gym_config_env_value(raw: Mapping[str, Any]) -> str:

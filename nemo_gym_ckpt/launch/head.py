@@ -30,10 +30,11 @@ from types import TracebackType
 from typing import Any
 
 import uvicorn
-import yaml
 from fastapi import FastAPI
 
 from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig, http_url
+from nemo_gym_ckpt.config_yaml import dump_yaml
+from nemo_gym_ckpt.launch.child import SERVER_KEEPALIVE_S
 from nemo_gym_ckpt.launch.redaction import redacted, secret_values
 from nemo_gym_ckpt.launch.workers import BACKLOG
 from nemo_gym_ckpt.server import create_app
@@ -84,7 +85,7 @@ def global_config_yaml(mesh: MeshConfig) -> str:
     raw = _with_addresses(mesh)
     token = mesh.checkpoint.control_auth_token
     secrets = secret_values(raw) | ({token.get_secret_value()} if token is not None else set())
-    return yaml.safe_dump(redacted(raw, secrets - {""}), sort_keys=False, allow_unicode=False)
+    return dump_yaml(redacted(raw, secrets - {""}), allow_unicode=False)
 
 
 def server_instances(mesh: MeshConfig, processes: Processes | None = None) -> list[dict[str, Any]]:
@@ -183,7 +184,8 @@ class ThreadedServer:
         self._socket = bind_socket(self.host, self._requested_port)
         self._port = int(self._socket.getsockname()[1])
         config = uvicorn.Config(
-            self.app, loop="asyncio", log_config=None, log_level="warning", timeout_graceful_shutdown=2
+            self.app, loop="asyncio", log_config=None, log_level="warning", timeout_graceful_shutdown=2,
+            backlog=BACKLOG, timeout_keep_alive=SERVER_KEEPALIVE_S,  # uvicorn listens again on the socket
         )
         self._server = server = uvicorn.Server(config)
         sock = self._socket

@@ -23,7 +23,6 @@ from typing import Any
 
 import httpx
 import uvicorn
-import yaml
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, SecretStr
 
@@ -35,6 +34,7 @@ from nemo_gym_ckpt.checkpoint.participant import Participant
 from nemo_gym_ckpt.checkpoint.records import Record, Scope
 from nemo_gym_ckpt.checkpoint.telemetry import Telemetry
 from nemo_gym_ckpt.config import CheckpointConfig
+from nemo_gym_ckpt.config_yaml import dump_yaml
 from nemo_gym_ckpt.errors import InvalidCheckpointState, RolloutIdRequired
 from nemo_gym_ckpt.identity import RolloutIdentity, current_identity
 from nemo_gym_ckpt.server import create_app
@@ -216,7 +216,7 @@ def create_head_stub(servers: Sequence[Mapping[str, str]]) -> FastAPI:
     YAML ``name -> type -> implementation -> {host, port}``)."""
     app = create_app("head")
     listing = [dict(server) for server in servers]
-    config_yaml = yaml.safe_dump(_config_of_listing(listing), sort_keys=False)
+    config_yaml = dump_yaml(_config_of_listing(listing))
 
     @app.get("/servers")
     async def list_servers() -> list[dict[str, str]]:

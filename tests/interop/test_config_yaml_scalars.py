@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from nemo_gym_ckpt.config_yaml import YamlRefused, load_yaml
+from nemo_gym_ckpt.config_yaml import YamlRefused, dump_yaml, load_yaml
 from tests.support.yaml_scalars import REFUSED, SCALARS, encode
 
 pytestmark = pytest.mark.interop
@@ -27,7 +27,9 @@ def _documents(text: str) -> list[str]:
     return documents
 
 
-TEXTS = [document for text, _ in SCALARS for document in _documents(text)] + [text for text, _ in REFUSED]
+DUMPED = [dump_yaml({"k": text}) for text, _ in SCALARS]
+"""Each form, as a string, in the YAML we write for NeMo Gym's servers (and the head serves)."""
+TEXTS = [document for text, _ in SCALARS for document in _documents(text)] + [text for text, _ in REFUSED] + DUMPED
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +61,9 @@ def test_the_unit_tiers_table_is_omegaconfs(omegaconf_values: dict[str, Any]) ->
              if omegaconf_values[f"k: {text}\n"] != encode({"k": expected})}
     assert not stale, stale
     assert all("error" in omegaconf_values[text] for text, _ in REFUSED)
+
+
+def test_a_string_we_write_omegaconf_reads_as_that_string(omegaconf_values: dict[str, Any]) -> None:
+    wrong = {text: omegaconf_values[dumped] for (text, _), dumped in zip(SCALARS, DUMPED, strict=True)
+             if omegaconf_values[dumped] != encode({"k": text})}
+    assert not wrong, wrong

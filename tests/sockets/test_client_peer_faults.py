@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aiohttp
 import httpx
@@ -448,8 +449,8 @@ async def test_an_idle_connection_is_kept_as_long_as_the_client_says(keepalive_s
     assert handler.connections == connections
 
 
-@pytest.mark.parametrize("keepalive_s", [0.0, -1.0, MAX_KEEPALIVE_S + 1, float("nan"), float("inf")])
-def test_a_keepalive_past_the_servers_own_is_refused(keepalive_s: float) -> None:
+@pytest.mark.parametrize("keepalive_s", [0.0, -1.0, MAX_KEEPALIVE_S + 1, float("nan"), float("inf"), True, "5", None])
+def test_a_keepalive_past_the_servers_own_is_refused(keepalive_s: Any) -> None:
     with pytest.raises(ValueError, match="keepalive_s"):
         MeshClient(keepalive_s=keepalive_s)
 

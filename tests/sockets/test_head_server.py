@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 
 from nemo_gym_ckpt import cli
 from nemo_gym_ckpt.config import MeshConfig, load_config
+from nemo_gym_ckpt.launch.child import SERVER_KEEPALIVE_S
 from nemo_gym_ckpt.launch.head import ThreadedServer, bind_socket, create_head_app, server_entries
 from nemo_gym_ckpt.launch.launcher import (
     PORT_RANGE,
@@ -24,7 +26,7 @@ from nemo_gym_ckpt.launch.launcher import (
     find_free_port,
     wait_for_health,
 )
-from nemo_gym_ckpt.launch.workers import bind_listener
+from nemo_gym_ckpt.launch.workers import BACKLOG, bind_listener
 from nemo_gym_ckpt.server import create_app
 
 pytestmark = pytest.mark.sockets
@@ -215,3 +217,19 @@ def test_run_exits_1_with_one_line_when_the_mesh_cannot_start(
     err = capsys.readouterr().err
     reason = f"head server cannot listen on 127.0.0.1:{busy}: Address already in use"
     assert err == f"nemo-gym-ckpt run: {reason}\n"
+
+
+def _listen_queue(sock: socket.socket) -> int:
+    """The kernel's bound on ``sock``'s queue of connections not yet accepted (a listening socket's
+    ``tcp_info.tcpi_sacked`` on Linux: what ``ss -ltn`` shows as Send-Q)."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    return struct.unpack_from("I", info, 28)[0]
+
+
+def test_the_head_listens_with_every_servers_queue() -> None:
+    """uvicorn listens again on a socket it is handed, with its own ``backlog`` (2,048 unless told)."""
+    expected = min(BACKLOG, int(Path("/proc/sys/net/core/somaxconn").read_text()))
+    with ThreadedServer(create_app("probe"), "127.0.0.1", 0) as server:
+        assert server._socket is not None
+        assert _listen_queue(server._socket) == expected
+        assert server._server is not None and server._server.config.timeout_keep_alive == SERVER_KEEPALIVE_S

@@ -13,7 +13,7 @@ import pytest
 
 from nemo_gym_ckpt.config import load_config
 from nemo_gym_ckpt.config_sources import parse_overrides
-from nemo_gym_ckpt.config_yaml import YamlRefused, load_yaml
+from nemo_gym_ckpt.config_yaml import YamlRefused, dump_yaml, load_yaml
 from nemo_gym_ckpt.errors import ConfigError
 from tests.support.yaml_scalars import REFUSED, SCALARS, same
 
@@ -64,3 +64,15 @@ def test_a_value_omegaconf_cannot_hold_is_refused(text: str, message: str) -> No
 
 def test_a_quoted_null_key_is_a_name() -> None:
     assert load_yaml("'~': a\n'null': b\n") == {"~": "a", "null": "b"}
+
+
+def test_a_dumped_config_reads_back_the_same() -> None:
+    """The head serves the config as YAML and NeMo Gym's servers read it: a string such as a name
+    ``7e1`` or a hash ``4172e59`` must come back a string (the safe dumper wrote it bare: a float here)."""
+    strings = list(dict.fromkeys([text for text, _ in SCALARS] + ["7e1", "4172e59", "1_0e3", "-1E-3"]))
+    values = [expected for _, expected in SCALARS]
+    document = {"strings": strings, "values": values, **{text: index for index, text in enumerate(strings)}}
+    loaded = load_yaml(dump_yaml(document))
+    assert loaded["strings"] == strings
+    assert all(same(got, expected) for got, expected in zip(loaded["values"], values, strict=True))
+    assert list(loaded)[2:] == strings  # as keys too
