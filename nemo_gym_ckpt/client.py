@@ -68,7 +68,6 @@ __all__ = [
     "MAX_ERROR_REPLY_BYTES",
     "MAX_KEEPALIVE_S",
     "MAX_SLOW_CONNECTS",
-    "RETRY_KEEPALIVE_S",
     "UNSENT_EXTRA",
     "EncodedJson",
     "MeshClient",
@@ -91,13 +90,6 @@ IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 # had just closed ("Can not write request body": a non-idempotent call then fails) with 256 rollouts
 # in flight.
 KEEPALIVE_S = 2.0
-RETRY_KEEPALIVE_S = 15.0
-"""The keep-alive of a client that sends refused calls again after their ``Retry-After`` (a collector,
-a driver) to mesh servers, which keep idle connections 60 s (ours: ``launch/child.py``) or 30 s (NeMo
-Gym's): a call refused up front keeps its connection through its wait. With ``KEEPALIVE_S``, thousands
-of refused calls that came back together each opened a new connection at once, overflowed the
-environment's listen queue, and a few were reset after their request went out (lost: the scale
-bench at 10,000 in flight, docs/benchmarks.md)."""
 MAX_KEEPALIVE_S = 20.0
 """The longest keep-alive a client may ask for: well under the keep-alive of every mesh server."""
 CONTROL_CONNECT_S = 0.25

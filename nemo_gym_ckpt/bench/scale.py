@@ -75,7 +75,7 @@ from nemo_gym_ckpt.checkpoint.collector_schedule import PROCESS_FULL_COLLECTIONS
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
 from nemo_gym_ckpt.checkpoint.hold_wire import HOLD_ROUTE
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
-from nemo_gym_ckpt.client import RETRY_KEEPALIVE_S, EncodedJson, MeshClient
+from nemo_gym_ckpt.client import EncodedJson, MeshClient
 from nemo_gym_ckpt.config import DEFAULT_FULL_COLLECTION_INTERVAL_SECONDS
 from nemo_gym_ckpt.errors import GymError, Overloaded
 from nemo_gym_ckpt.identity import RolloutIdentity, parse_capture_key
@@ -390,7 +390,7 @@ class _Bench:
 
     async def level(self, level: int, final: bool) -> Result:
         load_at_start = loadavg()
-        async with MeshClient(max_connections=level + 64, keepalive_s=RETRY_KEEPALIVE_S) as client:
+        async with MeshClient(max_connections=level + 64) as client:
             driver = _Driver(client, self.urls.environment, self.tasks, f"l{level}", level)
             coordinator = self.coordinator()
             meter = CpuMeter(self.launcher.pids)
@@ -488,7 +488,7 @@ class _Bench:
         for episode in restored["restarts"]:
             if episode.rollout_id not in in_flight and episode.rollout_id not in finished_before:
                 again.append(episode.next_attempt())
-        async with MeshClient(max_connections=len(again) + 64, keepalive_s=RETRY_KEEPALIVE_S) as client:
+        async with MeshClient(max_connections=len(again) + 64) as client:
             driver = _Driver(client, self.urls.environment, self.tasks, "crash", len(again), fixed=again)
             began = time.perf_counter()
             driver.start()

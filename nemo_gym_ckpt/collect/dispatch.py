@@ -36,7 +36,7 @@ from typing import Any, TextIO
 import httpx
 import orjson
 
-from nemo_gym_ckpt.client import RETRY_KEEPALIVE_S, MeshClient, raise_for_error
+from nemo_gym_ckpt.client import MeshClient, raise_for_error
 from nemo_gym_ckpt.collect.control import CollectionControl, Published
 from nemo_gym_ckpt.collect.progress import Progress
 from nemo_gym_ckpt.collect.published import write_atomic
@@ -64,7 +64,7 @@ from nemo_gym_ckpt.errors import CollectionStartFailed, GymError, Overloaded, Up
 from nemo_gym_ckpt.identity import RolloutIdentity
 
 __all__ = ["HOUSEKEEPING_TICK_S", "CollectionStartFailed", "Dispatcher", "HeldBack", "Plan", "Summary", "Watch",
-           "collector_client", "done_keys", "run_plan", "write_materialized"]
+           "done_keys", "run_plan", "write_materialized"]
 
 HOUSEKEEPING_TICK_S = 1.0
 WATCH_TICK_S = 0.5
@@ -410,13 +410,6 @@ async def _work(
     return [(by_id[identity.rollout_id], identity) for identity in attempts]
 
 
-def collector_client(concurrency: int) -> MeshClient:
-    """The client a collection makes for itself: twice ``concurrency`` connections (at least 64), each
-    kept idle ``RETRY_KEEPALIVE_S``, so a rollout refused up front sends its request again on the
-    connection it was refused on (as NeMo Gym's own client keeps its connections 15 s)."""
-    return MeshClient(max_connections=max(64, 2 * concurrency), keepalive_s=RETRY_KEEPALIVE_S)
-
-
 async def run_plan(
     plan: Plan,
     client: MeshClient | None = None,
@@ -430,7 +423,7 @@ async def run_plan(
     """Collect every rollout of ``plan`` not yet in its output; answers the summary (metrics written)."""
     write_materialized(plan)
     own_client = client is None
-    client = client or collector_client(plan.concurrency)
+    client = client or MeshClient(max_connections=max(64, 2 * plan.concurrency))
     rows = JsonlAppender(plan.output)  # cuts a torn tail before the finished rows are read
     done = done_keys(plan.output)
     keys = [key for key in plan.rollouts() if key not in done]

@@ -75,10 +75,9 @@ UVICORN_SETTINGS: dict[str, Any] = {
     "http": "httptools",
     "log_level": "warning",
     "timeout_graceful_shutdown": 5,
-    # The mesh client drops an idle pooled connection after KEEPALIVE_S (2 s; a collector after
-    # RETRY_KEEPALIVE_S, 15 s); a server that closed idle ones after uvicorn's 5 s left a starved
-    # client (an event loop seconds late on 2 busy cores) reusing connections already closed: the
-    # scale bench lost rollouts that way.
+    # The mesh client drops an idle pooled connection after KEEPALIVE_S (2 s); a server that
+    # closed idle ones after uvicorn's 5 s left a starved client (an event loop seconds late on
+    # 2 busy cores) reusing connections already closed: the scale bench lost rollouts that way.
     "timeout_keep_alive": SERVER_KEEPALIVE_S,
     "backlog": BACKLOG,
 }
