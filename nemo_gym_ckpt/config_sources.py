@@ -7,7 +7,11 @@ each key (``Origins``), in NeMo Gym's order (docs/architecture.md section 3):
    ``+config_paths=[...]`` override), are looked up against the working directory, then the project
    root; a missing one is an error. A file that includes others overrides them; of two files named
    side by side the later wins; a file named twice is read once.
-2. Overrides: ``key=value``, ``+key=value`` and ``++key=value`` set a dotted key (values are YAML).
+2. Overrides: ``key=value``, ``+key=value`` and ``++key=value`` set a dotted key, values read as
+   NeMo Gym's Hydra reads them (``config_overrides``). As in NeMo Gym, the overrides are gathered
+   into one tree first, in order (a mapping merges into a mapping set before it, anything else
+   replaces what was there), and that tree is merged over the files: ``++a={x: 1}`` keeps the
+   other keys a file gave ``a``, a list or a scalar replaces the file's value.
 3. Directives: ``X: {_inherit_from: a.b, ...}`` is the block at ``a.b`` with X's own keys merged
    over it, and ``a.b`` is moved (it no longer exists); ``_copy`` does the same and keeps ``a.b``;
    ``${inherit_from:a.b}`` and ``${copy:a.b}`` are the same without own keys. An environment
@@ -18,14 +22,15 @@ that value or the default when there is none, and ``${oc.env:VAR}`` / ``${oc.env
 the environment. Every error is a ``ConfigError`` naming the file and
 the key.
 
-Bounds: each file and override is read by ``config_yaml`` (size, nesting, aliases); an override's
-key has at most ``MAX_DEPTH`` parts; directives and interpolation build at most
-``MAX_EXPANDED_VALUES`` values by copying blocks (``${a.b}`` of a mapping, ``_copy``,
-``_inherit_from``) and ``MAX_EXPANDED_CHARS`` characters of strings made by interpolation inside
-text (a whole string copied is the same object: no cost), so a few lines that name each other ten
-times over are refused instead of growing without end. Text is counted piece by piece before it is
-added, so it is refused before it is built: a mapping or list named inside text (``a${block}``) is
-written as Python writes it (``a{'k': 'v'}``, as NeMo Gym's OmegaConf does), one item at a time.
+Bounds: each file is read by ``config_yaml`` (size, nesting, aliases), each override's value by
+``config_overrides`` (values, nesting, numbers); an override's key has at most ``MAX_DEPTH`` parts;
+directives and interpolation build at most ``MAX_EXPANDED_VALUES`` values by copying blocks
+(``${a.b}`` of a mapping, ``_copy``, ``_inherit_from``) and ``MAX_EXPANDED_CHARS`` characters of
+strings made by interpolation inside text (a whole string copied is the same object: no cost), so a
+few lines that name each other ten times over are refused instead of growing without end. Text is
+counted piece by piece before it is added, so it is refused before it is built: a mapping or list
+named inside text (``a${block}``) is written as Python writes it (``a{'k': 'v'}``, as NeMo Gym's
+OmegaConf does), one item at a time.
 
 A config path that cannot be looked up (a name longer than the file system takes, ``~user`` of no
 such user) is a ``ConfigError`` as a missing file is.
@@ -41,6 +46,7 @@ from typing import Any, NoReturn
 
 import yaml
 
+from nemo_gym_ckpt.config_overrides import OverrideRefused, parse_override_value
 from nemo_gym_ckpt.config_yaml import MAX_DEPTH, YamlRefused, load_yaml, read_yaml_file
 from nemo_gym_ckpt.errors import ConfigError
 
@@ -64,6 +70,8 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 """The folder holding ``configs/`` and the server folders: the checkout, or site-packages when installed."""
 COMMAND_LINE = "<command line>"
 CONFIG_PATHS = "config_paths"
+HYDRA = "hydra"
+"""The key of Hydra's own settings on NeMo Gym's command line (``hydra.run.dir``, ``hydra/job_logging``)."""
 INHERIT_FROM = "_inherit_from"
 COPY = "_copy"
 DELETE_KEY = "_delete_key"
@@ -84,11 +92,9 @@ Origins = dict[Path_, str]
 
 def read_sources(paths: Sequence[str | Path], overrides: Sequence[str]) -> tuple[dict[str, Any], Origins]:
     """The merged tree of the files (with their ``config_paths``), the overrides applied, directives done."""
-    parsed = parse_overrides(overrides)
+    command_line = _command_line_tree(parse_overrides(overrides))
     roots = [(str(path), COMMAND_LINE) for path in paths]
-    for key, value in parsed:
-        if key == (CONFIG_PATHS,):
-            roots += [(entry, COMMAND_LINE) for entry in _config_path_list(value, COMMAND_LINE)]
+    roots += [(entry, COMMAND_LINE) for entry in _config_path_list(command_line.pop(CONFIG_PATHS, None), COMMAND_LINE)]
     if not roots:
         raise ConfigError("no config file given")
     merged: dict[str, Any] = {}
@@ -96,9 +102,7 @@ def read_sources(paths: Sequence[str | Path], overrides: Sequence[str]) -> tuple
     files = _files_in_merge_order(roots)
     for path, data in files:
         _merge_into(merged, data, str(path), origins, ())
-    for key, value in parsed:
-        if key != (CONFIG_PATHS,):
-            _set_path(merged, key, value, origins)
+    _merge_into(merged, command_line, COMMAND_LINE, origins, ())
     merged[CONFIG_PATHS] = [str(path) for path, _ in files]
     origins[(CONFIG_PATHS,)] = COMMAND_LINE
     return _Directives(merged, origins).apply(), origins
@@ -196,7 +200,12 @@ def _leaf_paths(value: Any, path: Path_) -> Iterator[Path_]:
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[tuple[Path_, Any]]:
-    """``a.b=1``, ``+a.b=1``, ``++a.b=1`` -> ((a, b), 1): each sets the key, adding it if absent."""
+    """``a.b=1``, ``+a.b=1``, ``++a.b=1`` -> ((a, b), 1): each sets the key, adding it if absent.
+
+    The value is read as NeMo Gym's Hydra reads it (``config_overrides.parse_override_value``). An
+    override of Hydra's own settings (``hydra.run.dir=...``, ``hydra/job_logging=disabled``) is read and
+    left out: in NeMo Gym it configures Hydra's run (its output folder, its logging) and never reaches
+    the config; here there is no such run."""
     parsed = []
     for item in overrides:
         if item.startswith("~"):
@@ -207,25 +216,39 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[Path_, Any]]:
         if key.count(".") >= MAX_DEPTH:
             raise ConfigError(f"override key {key[:80]!r}...: more than {MAX_DEPTH} parts", file=COMMAND_LINE)
         try:
-            parsed.append((tuple(key.split(".")), _yaml_scalar(text)))
-        except YamlRefused as error:
+            value = parse_override_value(text)
+        except OverrideRefused as error:
             raise ConfigError(f"override {key}: {error}", file=COMMAND_LINE) from None
+        if key.split(".")[0] != HYDRA and not key.startswith(f"{HYDRA}/"):
+            parsed.append((tuple(key.split(".")), value))
     return parsed
 
 
-def _set_path(tree: dict[str, Any], path: Path_, value: Any, origins: Origins) -> None:
-    node = tree
-    for depth, part in enumerate(path[:-1]):
-        if node.get(part) is None:
-            node[part] = {}
-        child = node[part]
-        if not isinstance(child, dict):
-            where = ".".join(path[: depth + 1])
-            raise ConfigError(f"cannot set {'.'.join(path)}: {where} is not a mapping", file=COMMAND_LINE)
-        node = child
-    node[path[-1]] = value
-    for sub in _leaf_paths(value, path):
-        origins[sub] = COMMAND_LINE
+def _command_line_tree(parsed: Sequence[tuple[Path_, Any]]) -> dict[str, Any]:
+    """The overrides in one tree, in order, as Hydra builds NeMo Gym's: a mapping merges into the mapping
+    already at its key, anything else replaces what is there; a key through a scalar (or null, or a list)
+    puts a mapping in its place."""
+    tree: dict[str, Any] = {}
+    for path, value in parsed:
+        node = tree
+        for part in path[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
+            _merge_plain(node[path[-1]], value)
+        else:
+            node[path[-1]] = value
+    return tree
+
+
+def _merge_plain(dst: dict[Any, Any], src: Mapping[Any, Any]) -> None:
+    for key, value in src.items():
+        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
+            _merge_plain(dst[key], value)
+        else:
+            dst[key] = value
 
 
 def _yaml_scalar(text: str) -> Any:

@@ -1,4 +1,7 @@
-"""The YAML of config files and overrides, read within bounds.
+"""The YAML of config files (and ``${oc.select:...}`` defaults), read within bounds.
+
+Command-line override values are not YAML: ``config_overrides`` reads them by Hydra's grammar, as
+NeMo Gym does, within the same bounds.
 
 Plain scalars resolve as NeMo Gym's loader (OmegaConf 2.3) resolves them, not as PyYAML's YAML 1.1
 defaults, so a NeMo Gym config means the same here:

@@ -55,6 +55,7 @@ from nemo_gym_ckpt.bench.stats import percentile, quantiles_ms
 from nemo_gym_ckpt.checkpoint.coordinator import Coordinator, Outcome, ParticipantRef
 from nemo_gym_ckpt.checkpoint.router import CONTROL_PREFIX
 from nemo_gym_ckpt.client import MeshClient
+from nemo_gym_ckpt.config_overrides import quote_override_value
 from nemo_gym_ckpt.errors import GymError
 from nemo_gym_ckpt.identity import RolloutIdentity
 from nemo_gym_ckpt.launch.launcher import MeshLauncher
@@ -73,7 +74,8 @@ NOT_PARTICIPANTS = frozenset({"inference_worker", "driver"})
 
 def enabled_overrides(root: Path | str) -> list[str]:
     """Config overrides that turn checkpointing on, with checkpoints under ``root``."""
-    return ["checkpoint.enabled=true", f"checkpoint.control_auth_token={TOKEN}", f"checkpoint.root={root}"]
+    return ["checkpoint.enabled=true", f"checkpoint.control_auth_token={TOKEN}",
+            f"checkpoint.root={quote_override_value(str(root))}"]
 
 
 # ---- rollouts kept in flight ------------------------------------------------------------------------

@@ -83,6 +83,7 @@ from nemo_gym_ckpt.config import (
     ServerRef,
     load_config,
 )
+from nemo_gym_ckpt.config_overrides import quote_override_value
 from nemo_gym_ckpt.errors import CollectFailed, UpstreamError, UsageError
 from nemo_gym_ckpt.launch.launcher import LaunchError, MeshLauncher, StopRequested
 
@@ -269,7 +270,7 @@ def checkpoint_overrides(mesh: MeshConfig, directory: Path) -> list[str]:
             raise UsageError(f"--checkpoint-dir {directory} is not inside the config's "
                              f"checkpoint.root {root}")
         return []
-    overrides = ["checkpoint.enabled=true", f"checkpoint.root={directory}"]
+    overrides = ["checkpoint.enabled=true", f"checkpoint.root={quote_override_value(str(directory))}"]
     token = block.control_auth_token
     if token is None or not token.get_secret_value():
         overrides.append(f"checkpoint.control_auth_token=ng-{secrets.token_hex(16)}")

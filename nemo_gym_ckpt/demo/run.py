@@ -54,6 +54,7 @@ from nemo_gym_ckpt.collect.published import CollectionManifest, RunIdentity, con
 from nemo_gym_ckpt.collect.rows import RowComparison, compare_rows, read_jsonl
 from nemo_gym_ckpt.collect.triggers import Triggers
 from nemo_gym_ckpt.config import PROJECT_ROOT, MeshConfig, ServerInstance, load_config
+from nemo_gym_ckpt.config_overrides import quote_override_value
 from nemo_gym_ckpt.demo.metrics import CrashState, checkpoint_metrics
 from nemo_gym_ckpt.errors import GymError, MeshCrashed
 from nemo_gym_ckpt.launch.launcher import MeshLauncher
@@ -290,7 +291,7 @@ async def _until_generating(coordinator: Coordinator, worker_url: str, token: st
 def _launch(args: argparse.Namespace, workdir: Path, timings: dict[str, float]) -> _DemoMesh:
     root = (workdir / "checkpoints").absolute()
     token = f"demo-{secrets.token_hex(16)}"
-    overrides = ["head_server.port=0", "checkpoint.enabled=true", f"checkpoint.root={root}",
+    overrides = ["head_server.port=0", "checkpoint.enabled=true", f"checkpoint.root={quote_override_value(str(root))}",
                  f"checkpoint.control_auth_token={token}"]
     mesh = load_config([args.config], overrides)
     policy = _policy_on_worker(mesh)

@@ -93,7 +93,7 @@ def _launched(endpoint: str, root: Path, span_groups: str, *configs: Path,
               env: dict[str, str] | None = None) -> MeshLauncher:
     overrides = [
         "head_server.port=0", "+checkpoint.enabled=true", f"+checkpoint.control_auth_token={TOKEN}",
-        f"+checkpoint.root={root}", "+telemetry.enabled=true", f"+telemetry.span_groups={span_groups}",
+        f"+checkpoint.root={root}", "+telemetry.enabled=true", f"+telemetry.span_groups='{span_groups}'",
         f"+telemetry.otlp_endpoint={endpoint}", "+telemetry.metrics_export_interval_s=0.5",
     ]
     launcher = MeshLauncher(load_config([FIXTURE, *configs], overrides), env=env)

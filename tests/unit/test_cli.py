@@ -138,8 +138,8 @@ def test_run_prefixes_each_server_line_with_its_name(capsys: pytest.CaptureFixtu
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["configs/quickstart.yaml", "head_server.port=" + "9" * 5_000], "int scalar of 5,000 characters"),
-     (["configs/quickstart.yaml", "head_server.port=!!int 1e3"], "'1e3' is not a valid int"),
+    [(["configs/quickstart.yaml", "head_server.port=" + "9" * 5_000], "int of 5,000 characters"),
+     (["configs/quickstart.yaml", "head_server.port=int(1e400)"], "int() at column 1: cannot convert float infinity"),
      (["a" * 300 + ".yaml"], "cannot be looked for: File name too long"),
      (["~ngc-no-such-user-5a1c/mesh.yaml"], "cannot be found: no home directory for")],
     ids=["5,000-digit port", "unbuildable int", "name over NAME_MAX", "~user of no user"],

@@ -109,7 +109,7 @@ def test_a_head_mesh_needs_its_token(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_a_launched_mesh_gets_checkpointing_into_the_directory(tmp_path: Path) -> None:
     mesh = load_config([QUICKSTART])
     overrides = collect.checkpoint_overrides(mesh, tmp_path / "ckpt")
-    assert overrides[:2] == ["checkpoint.enabled=true", f"checkpoint.root={tmp_path / 'ckpt'}"]
+    assert overrides[:2] == ["checkpoint.enabled=true", f"checkpoint.root='{tmp_path / 'ckpt'}'"]
     token = overrides[2].split("=", 1)[1]
     assert token.startswith("ng-") and len(token) == 35
     assert collect.checkpoint_overrides(mesh, tmp_path / "ckpt")[2] != overrides[2]  # fresh each time
@@ -118,6 +118,15 @@ def test_a_launched_mesh_gets_checkpointing_into_the_directory(tmp_path: Path) -
     assert collect.checkpoint_overrides(enabled, tmp_path / "ckpt" / "run") == []  # the config's own
     with pytest.raises(collect.UsageError, match=r"not inside the config's checkpoint\.root"):
         collect.checkpoint_overrides(enabled, tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize("name", ["a,b", "[x]", "it's", "yes", "017", "~x", "a=b", "a\\", "#1 $x é"])
+def test_a_checkpoint_directory_of_any_name_reaches_the_config_unchanged(tmp_path: Path, name: str) -> None:
+    """The override is quoted: Hydra's grammar (which reads overrides, as NeMo Gym's does) would read a bare
+    path with a comma as a sweep, brackets as a list, and refuse a quote, a ~ or an =."""
+    directory = tmp_path / name / "ckpt"
+    enabled = load_config([QUICKSTART], collect.checkpoint_overrides(load_config([QUICKSTART]), directory))
+    assert enabled.checkpoint.root == directory
 
 
 def test_a_damaged_latest_pointer_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

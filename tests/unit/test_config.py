@@ -171,8 +171,8 @@ def test_an_override_fills_an_empty_block(write: Writer) -> None:
     assert isinstance(settings, ToolConfig) and settings.answer == "given"
 
 
-def test_parse_overrides_reads_values_as_yaml() -> None:
-    assert parse_overrides(["a.b=1", "+c=[1, 2]", "d=text", "e=", "f=x=y", "++g.h=true"]) == [
+def test_parse_overrides_reads_values_as_hydra_does() -> None:
+    assert parse_overrides(["a.b=1", "+c=[1, 2]", "d=text", "e=", "f='x=y'", "++g.h=true"]) == [
         (("a", "b"), 1), (("c",), [1, 2]), (("d",), "text"), (("e",), ""), (("f",), "x=y"), (("g", "h"), True),
     ]
 

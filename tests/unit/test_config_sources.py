@@ -128,7 +128,7 @@ NO_SUCH_USER = "~ngc-no-such-user-5a1c"
     ids=["name over NAME_MAX", "~user of no user"],
 )
 def test_a_path_that_cannot_be_looked_up_is_a_config_error(write: Writer, entry: str, message: str) -> None:
-    for paths, overrides in [([entry], ()), ([], (f"config_paths=[{entry}]",))]:
+    for paths, overrides in [([entry], ()), ([], (f"config_paths=['{entry}']",))]:  # '~' is quoted, as Hydra wants
         with pytest.raises(ConfigError) as caught:  # were OSError (ENAMETOOLONG) and RuntimeError tracebacks
             load_config(paths, overrides)
         assert caught.value.file == entry and f"file {message}" in str(caught.value)

@@ -58,7 +58,7 @@ def test_a_value_omegaconf_cannot_hold_is_refused(text: str, message: str) -> No
     # omegaconf 2.3.1: UnsupportedValueType (a date, a datetime, a set), KeyValidationError (a None key)
     with pytest.raises(YamlRefused, match=re.escape(message)):
         load_yaml(text)
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    with pytest.raises(ConfigError, match="override x: "):  # not YAML there: Hydra's grammar (1.3.8) refuses it too
         parse_overrides([f"x={text.rstrip()}"])
 
 

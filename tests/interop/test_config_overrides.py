@@ -1,0 +1,80 @@
+"""Our override values are NeMo Gym 0.7.0's: Hydra 1.3.8 in its Python, on the same arguments.
+
+Each text of ``tests/support/override_values.VALUES`` as ``++k=<text>``, each of ``REFUSED``, and a
+few argument lists that set one key more than once, are composed by Hydra's own steps in NeMo Gym's
+Python, and all that Hydra accepts by NeMo Gym's own command-line reader in one run
+(``nemo_gym_side/override_values.py``): the values, types included, are ours and the table's, and
+what Hydra refuses we refuse (but ``sort()`` and ``shuffle()``, which Hydra evaluates and we do not
+build).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nemo_gym_ckpt.config_sources import parse_overrides, read_sources
+from nemo_gym_ckpt.errors import ConfigError
+from tests.support.override_values import REFUSED, VALUES
+from tests.support.yaml_scalars import encode
+
+pytestmark = pytest.mark.interop
+
+TOGETHER = [["++a={x: 1, y: {p: 1}}", "++a={y: {q: 2}}", "++a.z=3"], ["++a=5", "++a.b=1"],
+            ["++a=null", "++a.b=1"], ["++a=[1, 2]", "++a=[3]"], ["++a={x: 1}", "++a=null"],
+            ["++a=1", "+b.c=[x, {d: 2.5}]", "++e=''"],
+            ["hydra/job_logging=disabled", "++hydra.output_subdir=null", "++a=1"]]
+NOT_BUILT = ("sort(", "shuffle(")
+ONE = [[f"++k={text}"] for text, _ in VALUES] + [[f"++k={text}"] for text, _ in REFUSED]
+CASES = ONE + TOGETHER
+
+
+@pytest.fixture(scope="module")
+def hydra(ng_json: Any) -> dict[str, Any]:
+    answer: dict[str, Any] = ng_json("override_values.py", json.dumps(CASES))
+    return answer
+
+
+def ours(arguments: list[str], empty: Path) -> Any:
+    """One ``++k=`` override: its value as parsed (keys typed, as Hydra's); several: the merged tree."""
+    try:
+        if len(arguments) == 1:
+            return encode({key[0]: value for key, value in parse_overrides(arguments)})
+        tree, _ = read_sources([empty], arguments)
+    except ConfigError:
+        return {"error": "refused"}
+    tree.pop("config_paths")
+    return encode(tree)
+
+
+def test_hydras_steps_are_nemo_gyms_reading(hydra: dict[str, Any]) -> None:
+    """Every list Hydra's steps accept reads the same in NeMo Gym's own reader, under its prefix c<index>."""
+    accepted = {f"c{index}": result for index, result in enumerate(hydra["cases"]) if "error" not in result}
+    assert len(accepted) >= len(VALUES) + len(TOGETHER)
+    nemo_gym = {json.loads(json.dumps(key))[1].strip("'"): value for key, value in hydra["nemo_gym"]["dict"]}
+    assert nemo_gym == accepted
+
+
+def test_every_override_reads_as_hydra_reads_it(hydra: dict[str, Any], tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    differ = {}
+    for case, theirs in zip(CASES, hydra["cases"], strict=True):
+        mine = ours(case, empty)
+        if ("error" in theirs and "error" in mine) or case[0].startswith(tuple(f"++k={n}" for n in NOT_BUILT)):
+            continue
+        if theirs != mine:
+            differ[" ".join(case)] = {"hydra": theirs, "ours": mine}
+    assert not differ, "\n".join(f"{case}: {json.dumps(both)}" for case, both in differ.items())
+
+
+def test_the_unit_tiers_table_is_hydras(hydra: dict[str, Any]) -> None:
+    read = dict(zip((json.dumps(case) for case in CASES), hydra["cases"], strict=True))
+    stale = {text: read[json.dumps([f"++k={text}"])] for text, expected in VALUES
+             if read[json.dumps([f"++k={text}"])] != encode({"k": expected})}
+    assert not stale, stale
+    refused_by_hydra = {text for text, _ in REFUSED if "error" in read[json.dumps([f"++k={text}"])]}
+    assert refused_by_hydra == {text for text, _ in REFUSED if not text.startswith(NOT_BUILT)}
