@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from tests.interop.nemo_gym_side.typed_json import encode
+
 __all__ = ["REFUSED", "SCALARS", "encode", "same"]
 
 NAN = float("nan")
@@ -68,15 +70,3 @@ def same(got: object, expected: object) -> bool:
     if isinstance(expected, float) and math.isnan(expected):
         return isinstance(got, float) and math.isnan(got)
     return type(got) is type(expected) and got == expected
-
-
-def encode(value: object) -> object:
-    """``value`` as JSON that keeps its types: ``[type name, repr]`` for a scalar, containers walked.
-
-    ``tests/interop/nemo_gym_side/yaml_values.py`` encodes OmegaConf's values the same way.
-    """
-    if isinstance(value, dict):
-        return {"dict": [[encode(key), encode(item)] for key, item in value.items()]}
-    if isinstance(value, list | tuple):
-        return {"list": [encode(item) for item in value]}
-    return [type(value).__name__, repr(value)]

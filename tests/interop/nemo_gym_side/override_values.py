@@ -33,14 +33,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from nemo_gym.global_config import GlobalConfigDictParser
 from omegaconf import OmegaConf
-
-
-def encode(value: object) -> object:
-    if isinstance(value, dict):
-        return {"dict": [[encode(key), encode(item)] for key, item in value.items()]}
-    if isinstance(value, list | tuple):
-        return {"list": [encode(item) for item in value]}
-    return [type(value).__name__, repr(value)]
+from typed_json import encode  # this folder: the script's own directory is on sys.path
 
 
 def composed(arguments: list[str]) -> object:
