@@ -62,7 +62,7 @@ from nemo_gym_ckpt.client import MeshClient, decode_json
 from nemo_gym_ckpt.config import ServerConfig, ServerRef
 from nemo_gym_ckpt.context import ServerContext
 from nemo_gym_ckpt.environment.adapter import RECORD_LEVELS, EpisodesAdapter, RunLimits
-from nemo_gym_ckpt.environment.capacity import DEFAULT_MAX_ROLLOUTS, RolloutCapacity
+from nemo_gym_ckpt.environment.capacity import DEFAULT_MAX_ROLLOUTS, RUN_PATH, RolloutCapacity, RunAdmission
 from nemo_gym_ckpt.environment.episode import (
     NO_HOOKS,
     RESULT_LEVELS,
@@ -350,7 +350,6 @@ def mount_run(
     ``POST /aggregate_metrics``. A second ``/run`` of a capture key while one runs is refused (400),
     as with checkpointing on: the agent and the model keep one session per capture key."""
 
-    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s)
     running: set[str] = set()
 
     async def runner(identity: RolloutIdentity | None, task: dict[str, Any]) -> Mapping[str, Any]:
@@ -369,10 +368,10 @@ def mount_run(
             running.discard(key)
 
     async def run(request: Request) -> Any:
-        with capacity.admitted():
-            return await serve_run(request, task_model, program, runner, run_levels(checkpointing=False))
+        return await serve_run(request, task_model, program, runner, run_levels(checkpointing=False))
 
-    app.add_api_route("/run", run, methods=["POST"], openapi_extra=declare_body(task_model))
+    app.add_api_route(RUN_PATH, run, methods=["POST"], openapi_extra=declare_body(task_model))
+    _bound_runs(app, settings)
     mount_aggregate_metrics(app)
 
 
@@ -404,15 +403,21 @@ def mount_environment(
         mount_run(app, program, settings, task_model=task_model)
         return None
     adapter.participant = participant
-    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s)
 
     async def run(request: Request) -> Any:
-        with capacity.admitted():
-            return await serve_run(request, task_model, program, adapter.run, run_levels(checkpointing=True))
+        return await serve_run(request, task_model, program, adapter.run, run_levels(checkpointing=True))
 
-    app.add_api_route("/run", run, methods=["POST"], openapi_extra=declare_body(task_model))
+    app.add_api_route(RUN_PATH, run, methods=["POST"], openapi_extra=declare_body(task_model))
+    _bound_runs(app, settings)
     mount_aggregate_metrics(app)
     return adapter
+
+
+def _bound_runs(app: FastAPI, settings: EnvironmentConfig) -> None:
+    """At most ``max_rollouts_in_flight`` ``/run`` calls at once; the next is refused (429) by the
+    app's outermost middleware, ahead of ``ControlFirst``'s pacing (``environment/capacity.py``)."""
+    capacity = RolloutCapacity(settings.max_rollouts_in_flight, settings.overload_retry_after_s)
+    app.add_middleware(RunAdmission, capacity=capacity)
 
 
 def _responses_object(response: Any, activation: int) -> dict[str, Any]:
