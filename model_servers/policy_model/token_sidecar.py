@@ -26,7 +26,8 @@ lines read back from an earlier sidecar are read straight into it, checked again
 one CRC over each run of lines whose CRCs chain, or against their digests where a CRC is not known
 yet). Its fsync waits for the records writer's
 (``RecordWriter.sync_with_records``): the sidecar, the records and the manifest's temporary file are
-all written, then each is fsync'd (the sidecar first) and renamed to its name, the directory fsync'd
+all written, then all fsync'd at once, and once every fsync returned each renamed to its name (the
+sidecar first), the directory fsync'd
 (which makes the renames durable), and only then the manifest linked (the commit point): a manifest
 never names rows whose tokens are not durable. The sidecar costs two files (it and its index) and
 their fsyncs per commit. A commit whose ledgers hold no token ids writes no sidecar. Lines of a

@@ -8,7 +8,9 @@ it; the policy model's token sidecar writes its temporary file a chunk at a time
 hard-linked, and the token sidecar of the policy model's commit take the same steps through the
 same methods, each file written before any of them is fsynced (``write_new_unsynced``). So the crash tests
 (``nemo_gym_ckpt.testing.crashfs``: a subclass that fails or "crashes" at any one operation and
-models what a power loss keeps) cover every durable file of the project.
+models what a power loss keeps) cover every durable file of the project. ``fsync_all`` fsyncs several
+written files at once (threads) and returns when every one of them is durable: the commit's files of
+one durability step (the crash model runs them one after another, one of the orders they may take).
 
 Reading: ``open_read`` opens only regular files. It never follows a symlink (unless asked to: the
 collector's output is the user's path) and opens without blocking, so a FIFO (which would block the
@@ -31,7 +33,9 @@ import errno
 import os
 import stat
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO
@@ -46,6 +50,22 @@ _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 _WRITEBACK_ADVICE = os.POSIX_FADV_DONTNEED if sys.platform.startswith("linux") else None
 """Linux starts the writeback of a range's dirty pages, without waiting for it, on this advice (and
 drops none of them while they are dirty); elsewhere the advice may only drop clean pages: not given."""
+_SYNC_THREADS = 4
+"""Threads of the process's pool that ``fsync_all`` hands all but one of its files to: a commit has
+at most four files to fsync in one step (the policy model's), a participant one commit at a time; a
+fifth file waits for a free thread."""
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # the process that made it (a forked child makes its own)
+_pool_lock = threading.Lock()
+
+
+def _sync_pool() -> ThreadPoolExecutor:
+    """The process's pool of fsync threads, made on first use (again in a forked child: the parent's
+    threads are not there)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="fsync"))
+        return _pool[1]
 
 
 class NotRegularFile(OSError):
@@ -89,6 +109,39 @@ class FileOps:
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
+
+    def fsync_all(self, files: Sequence[tuple[int, str]]) -> None:
+        """Fsync every open file of ``files`` (a descriptor, and the name an error gives) at once: the
+        first in this thread, the others in threads of the process's pool, so that the file system
+        waits for the disk once for all of them rather than once after another (ext4 here: each
+        fsync after the first of a commit's files still waited for a flush of its own, 0.2-0.6 ms,
+        alone and four commits at once).
+        Returns only once every fsync has returned, never earlier, even when one failed: then the
+        first failure in the order of ``files`` is raised, naming its file."""
+        if not files:
+            return
+        others = [self._fsync_in_pool(fd) for fd, _ in files[1:]]
+        failures = [_outcome(self.fsync, files[0][0])]
+        failures += [other.exception() for other in others]  # each waited for, whatever came before
+        for (_, name), failure in zip(files, failures, strict=True):
+            if failure is not None:
+                if isinstance(failure, OSError):
+                    failure.filename = name
+                raise failure
+
+    def _fsync_in_pool(self, fd: int) -> Future[None]:
+        """``fsync(fd)`` in a thread of the pool; here and now if the pool takes no more work (the
+        interpreter is shutting down)."""
+        try:
+            return _sync_pool().submit(self.fsync, fd)
+        except RuntimeError:
+            done: Future[None] = Future()
+            failure = _outcome(self.fsync, fd)
+            if failure is None:
+                done.set_result(None)
+            else:
+                done.set_exception(failure)
+            return done
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -173,6 +226,15 @@ class FileOps:
             os.close(fd)
             raise
         return os.fdopen(fd, "rb")
+
+
+def _outcome(operation: Callable[[int], None], fd: int) -> BaseException | None:
+    """What ``operation(fd)`` raised, or ``None``."""
+    try:
+        operation(fd)
+    except BaseException as error:  # noqa: BLE001 - raised by the caller once every fsync returned
+        return error
+    return None
 
 
 def _kind_of(mode: int) -> str:

@@ -8,14 +8,15 @@ Write, per participant, under ``<checkpoint_dir>/gym/<kind>/<instance>/``:
 1. stream the record lines to the records' temporary file, hashing (SHA-256) and counting, the
    writeback of each chunk started once it is written (``FileOps.start_writeback``);
 2. write the manifest into its temporary file (its writeback started too);
-3. fsync the records, rename them to ``records-<sha256>.jsonl``, fsync the manifest's temporary
-   file (a file a subclass handed over, the policy model's token sidecar, first: fsynced and renamed
-   the same way); fsync the directory;
+3. fsync the records, the manifest's temporary file and any file a subclass handed over (the policy
+   model's token sidecar and its index), all at once (``FileOps.fsync_all``); once every one of
+   them returned, rename each but the manifest's to its name (the sidecar first, then the records
+   to ``records-<sha256>.jsonl``); fsync the directory;
 4. hard-link the manifest to ``manifest.json`` (never replaced: an identical manifest already there
    is the same commit, a different one an error); fsync the directory.
 
 Every file is written before the first fsync, so on ext4 that fsync's journal commit carries the
-blocks of all of them and the later fsyncs of files wait for little (measured in ``FileOps``).
+blocks of all of them; the others, run beside it, wait for little more (measured in ``FileOps``).
 
 The link is the commit point. It runs under a ``StopSignal``: a checkpoint resumed before that
 point never gets a manifest. Read streams the records file once, checking the manifest's digest
@@ -421,17 +422,16 @@ class RecordWriter:
         return temp
 
     def _sync_files(self) -> None:
-        """Each written file fsynced, closed and renamed to its name (the manifest's stays a temporary
+        """Every written file fsynced, all at once (``FileOps.fsync_all``: one wait for the disk, not
+        one per file), then each closed and renamed to its name (the manifest's stays a temporary
         file, linked later), then the directory fsynced: no name of this commit is on the disk before
-        its file's bytes are, and the manifest is linked only after all of them."""
-        while self._unsynced:
-            file = self._unsynced[0]
-            try:
-                self._timed(self._ops.fsync, file.fd)
-            except OSError as error:
-                error.filename = str(file.final or file.temp)  # the error says which file (``write_errors``)
-                raise
-            del self._unsynced[0]
+        its file's bytes are (no rename starts before every fsync returned), and the manifest is
+        linked only after all of them."""
+        files = self._unsynced
+        # an error names its file (``write_errors``); ``abort`` closes and removes them all
+        self._timed(self._ops.fsync_all, [(file.fd, str(file.final or file.temp)) for file in files])
+        while files:
+            file = files.pop(0)
             self._ops.close(file.fd)
             if file.final is not None:
                 self._ops.rename(file.temp, file.final)

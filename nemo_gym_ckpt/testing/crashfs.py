@@ -5,6 +5,8 @@ content is what it held at its last ``fsync``; a directory's durable entries are
 its last ``fsync_dir``. ``crash_at`` makes the n-th operation raise ``SimulatedCrash`` before (or
 after) it runs; ``materialize`` writes the durable view (what survives a power loss) to a folder.
 Optionally ``fail_at`` raises an ``OSError`` (ENOSPC, EIO) instead, as a disk would.
+``fsync_all`` runs its fsyncs one after another here, in the order given (one of the orders the
+real one's threads may finish in; the operations keep their numbers from run to run).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import errno
 import itertools
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from nemo_gym_ckpt.checkpoint.fileops import FileOps
@@ -90,6 +93,15 @@ class CrashFS(FileOps):
         if not self.skip_fsync:
             self._synced[self._fd_inode[fd]] = bytes(self._data[self._fd_inode[fd]])
         self._end(index)
+
+    def fsync_all(self, files: Sequence[tuple[int, str]]) -> None:
+        """Each fsync in turn (no threads: the crash points stay the same from run to run)."""
+        for fd, name in files:
+            try:
+                self.fsync(fd)
+            except OSError as error:
+                error.filename = name
+                raise
 
     def close(self, fd: int) -> None:
         index = self._begin("close")
