@@ -237,18 +237,10 @@ def _command_line_tree(parsed: Sequence[tuple[Path_, Any]]) -> dict[str, Any]:
                 child = node[part] = {}
             node = child
         if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
-            _merge_plain(node[path[-1]], value)
+            _merge_into(node[path[-1]], value, COMMAND_LINE, {}, ())
         else:
             node[path[-1]] = value
     return tree
-
-
-def _merge_plain(dst: dict[Any, Any], src: Mapping[Any, Any]) -> None:
-    for key, value in src.items():
-        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
-            _merge_plain(dst[key], value)
-        else:
-            dst[key] = value
 
 
 def _yaml_scalar(text: str) -> Any:
