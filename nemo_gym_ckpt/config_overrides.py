@@ -98,7 +98,28 @@ _PRIMITIVE_TOKENS = frozenset({"ID", "NULL", "INT", "FLOAT", "BOOL", "INTERPOLAT
 _KEY_TOKENS = frozenset({"ID", "NULL", "INT", "FLOAT", "BOOL", "UNQUOTED_CHAR", "ESC", "WS"})
 _CASTS = ("int", "float", "str", "bool")
 _SWEEPS = ("choice", "range", "interval", "glob", "tag")
-_NOT_BUILT = ("sort", "shuffle")
+_SORT_ARGUMENTS = ("list", "reverse", "sweep")
+
+
+class _Quoted(str):
+    """Quoted text inside a list or mapping. Hydra keeps it apart from plain text until the value is
+    built, and cannot order it, so ``sort()`` refuses a list that must compare it with anything."""
+
+    __slots__ = ()
+
+    def _unordered(self, other: object) -> bool:
+        raise TypeError("quoted text")
+
+    __lt__ = __gt__ = __le__ = __ge__ = _unordered
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with quoted text as plain strings."""
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return str(value) if isinstance(value, _Quoted) else value
 
 
 @dataclass(frozen=True)
@@ -193,6 +214,7 @@ class _Reader:
         self.tokens = _tokens(text, len(text) - len(text.lstrip(" \t")))  # the spaces after "=" belong to it
         self.at = 0
         self.built = 0
+        self.quoted = False
 
     def peek(self, ahead: int = 0) -> _Token | None:
         index = self.at + ahead
@@ -234,7 +256,7 @@ class _Reader:
                                   "text 'a,b'")
         if self.kind() != "END":
             self.unexpected("the end of the value")
-        return value
+        return _plain(value) if self.quoted else value
 
     def element(self, depth: int) -> Any:
         self.spend(depth)
@@ -262,7 +284,8 @@ class _Reader:
             self.take("BRACE_CLOSE", "',' or '}'")
             return mapping
         if kind == "QUOTED_VALUE":
-            return _typed(self.take(kind, "a value"))
+            self.quoted = True
+            return _Quoted(_typed(self.take(kind, "a value")))
         return self.primitive(_PRIMITIVE_TOKENS, "a value")
 
     def primitive(self, allowed: frozenset[str], wanted: str) -> Any:
@@ -301,11 +324,11 @@ class _Reader:
                 if self.kind() == "ID" and self.kind(1) == "EQUAL":
                     keyword = self.take("ID", "a name").text
                     self.at += 1
-                    kwargs[keyword] = self.element(depth + 1)
+                    kwargs[keyword] = _unquoted(self.element(depth + 1))
                 elif kwargs:
                     raise OverrideRefused(f"{name}(): a positional argument after a named one")
                 else:
-                    args.append(self.element(depth + 1))
+                    args.append(_unquoted(self.element(depth + 1)))
                 if self.kind() != "COMMA":
                     break
                 self.at += 1
@@ -313,13 +336,21 @@ class _Reader:
         return _call(name, args, kwargs, name_token.column)
 
 
+def _unquoted(value: Any) -> Any:
+    """A function's argument: Hydra unquotes quoted text given whole (not inside a list or mapping)."""
+    return str(value) if isinstance(value, _Quoted) else value
+
+
 def _call(name: str, args: list[Any], kwargs: dict[str, Any], column: int) -> Any:
     where = f"{name}() at column {column + 1}"
     if name in _SWEEPS:
         raise OverrideRefused(f"{where} is a sweep, which NeMo Gym's Hydra runs only with --multirun: not a "
                               "config value")
-    if name in _NOT_BUILT:
-        raise OverrideRefused(f"{where} is not supported here: write the list as it should be")
+    if name == "shuffle":
+        raise OverrideRefused(f"{where} is not supported here: NeMo Gym's Hydra gives the list in a new random "
+                              "order on every run; write the list in the order wanted")
+    if name == "sort":
+        return _sort(args, kwargs, where)
     if name not in _CASTS:
         raise OverrideRefused(f"{where}: no such function (the casts are {', '.join(_CASTS)})")
     unknown = set(kwargs) - {"value"}
@@ -337,6 +368,40 @@ def _call(name: str, args: list[Any], kwargs: dict[str, Any], column: int) -> An
         return _cast(name, given[0])
     except (ValueError, OverflowError) as error:
         raise OverrideRefused(f"{where}: {error}") from None
+
+
+def _sort(args: list[Any], kwargs: dict[str, Any], where: str) -> Any:
+    """Hydra's ``sort(list, reverse=false)``: a list in order (``list=`` wins over a list given first), any
+    other value as it is; its arguments' types checked as Hydra checks them."""
+    unknown = set(kwargs) - set(_SORT_ARGUMENTS)
+    if unknown:
+        raise OverrideRefused(f"{where}: no argument named {sorted(unknown)[0]!r} (only "
+                              f"{', '.join(_SORT_ARGUMENTS)})")
+    if kwargs.get("sweep") is not None:
+        raise OverrideRefused(f"{where}: sweep= takes a sweep, which NeMo Gym's Hydra runs only with --multirun")
+    reverse = kwargs.get("reverse", False)
+    if not isinstance(reverse, bool):
+        raise OverrideRefused(f"{where}: reverse= takes true or false")
+    items = kwargs.get("list")
+    if items is not None and not isinstance(items, list):
+        raise OverrideRefused(f"{where}: list= takes a list")
+    if any(arg is None for arg in args):
+        raise OverrideRefused(f"{where}: null cannot be sorted")
+    if items is None:
+        if not args:
+            raise OverrideRefused(f"{where}: nothing to sort")
+        if len(args) > 1:
+            raise OverrideRefused(f"{where}: more than one argument makes a sweep in NeMo Gym's Hydra, which needs "
+                                  "--multirun: sort a list, [a,b], instead")
+        if not isinstance(args[0], list):
+            return args[0]
+        items = args[0]
+    try:
+        return sorted(items, reverse=reverse)
+    except TypeError:
+        raise OverrideRefused(f"{where}: the items cannot be put in order, as NeMo Gym's Hydra cannot: numbers "
+                              "and bools sort together, unquoted texts together, lists item by item; not null, "
+                              "mappings, quoted text ('a') or mixed kinds") from None
 
 
 def _cast(name: str, value: Any) -> Any:

@@ -4,8 +4,8 @@ Each text of ``tests/support/override_values.VALUES`` as ``++k=<text>``, each of
 few argument lists that set one key more than once, are composed by Hydra's own steps in NeMo Gym's
 Python, and all that Hydra accepts by NeMo Gym's own command-line reader in one run
 (``nemo_gym_side/override_values.py``): the values, types included, are ours and the table's, and
-what Hydra refuses we refuse (but ``sort()`` and ``shuffle()``, which Hydra evaluates and we do not
-build).
+what Hydra refuses we refuse (but ``shuffle()``, which Hydra evaluates to a random order and we
+refuse).
 """
 
 from __future__ import annotations
@@ -26,10 +26,22 @@ pytestmark = pytest.mark.interop
 TOGETHER = [["++a={x: 1, y: {p: 1}}", "++a={y: {q: 2}}", "++a.z=3"], ["++a=5", "++a.b=1"],
             ["++a=null", "++a.b=1"], ["++a=[1, 2]", "++a=[3]"], ["++a={x: 1}", "++a=null"],
             ["++a=1", "+b.c=[x, {d: 2.5}]", "++e=''"],
-            ["hydra/job_logging=disabled", "++hydra.output_subdir=null", "++a=1"]]
-NOT_BUILT = ("sort(", "shuffle(")
+            ["hydra/job_logging=disabled", "++hydra.output_subdir=null", "++a=1"],
+            # ??? replaces what an earlier override set, but in a mapping merged over a mapping keeps it
+            ["++a=1", "++a=???"], ["++a={x: 1, y: 2}", "++a={x: ???, z: ???}"], ["++a=[1, 2]", "++a.1=???"],
+            # a number through a list set earlier sets its item
+            ["++a=[1, {b: 2}, [3], 4]", "++a.0=x", "++a.1.c=3", "++a.2.0=5", "++a.3.d=6", "++a.1={e: 7}"],
+            # Hydra's key grammar (a second override, so that the whole key is compared)
+            *([key, "++z=1"] for key in ("++$a.b-c.0=1", "++a.1_0.b$=1", "++1.5=1", "++0.1=1", "+a_-=1"))]
+REFUSED_TOGETHER = [
+    # a mapping and a list do not merge; a list has no item past its end, nor one named by a name
+    ["++a=[1]", "++a={x: 1}"], ["++a={x: 1}", "++a=[1]"], ["++a={x: [1]}", "++a={x: {y: 1}}"],
+    ["++a=[1, {x: 1}]", "++a.1=[1]"], ["++a=[1, 2]", "++a.5=1"], ["++a={x: [1]}", "++a.x.y=1"],
+    *([key, "++z=1"] for key in ("++a..b=1", "++a.=1", "++.a=1", "++a b=1", "++0=1", "++01=1", "++a.01=1", "++-a=1",
+                                 "++a:b=1", "++a.1a=1", "+++a=1", "++a@b=1", "a.b@c=1", "++a.b/c=1", "++\u00fc=1"))]
+NOT_BUILT = ("shuffle(",)
 ONE = [[f"++k={text}"] for text, _ in VALUES] + [[f"++k={text}"] for text, _ in REFUSED]
-CASES = ONE + TOGETHER
+CASES = ONE + TOGETHER + REFUSED_TOGETHER
 
 
 @pytest.fixture(scope="module")
@@ -76,5 +88,6 @@ def test_the_unit_tiers_table_is_hydras(hydra: dict[str, Any]) -> None:
     stale = {text: read[json.dumps([f"++k={text}"])] for text, expected in VALUES
              if read[json.dumps([f"++k={text}"])] != encode({"k": expected})}
     assert not stale, stale
+    assert [case for case in REFUSED_TOGETHER if "error" not in read[json.dumps(case)]] == []
     refused_by_hydra = {text for text, _ in REFUSED if "error" in read[json.dumps([f"++k={text}"])]}
     assert refused_by_hydra == {text for text, _ in REFUSED if not text.startswith(NOT_BUILT)}
