@@ -11,11 +11,13 @@ refuse).
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from nemo_gym_ckpt.config_overrides import interpolation_problem
 from nemo_gym_ckpt.config_sources import parse_overrides, read_sources
 from nemo_gym_ckpt.errors import ConfigError
 from tests.support.override_values import REFUSED, VALUES
@@ -91,3 +93,16 @@ def test_the_unit_tiers_table_is_hydras(hydra: dict[str, Any]) -> None:
     assert [case for case in REFUSED_TOGETHER if "error" not in read[json.dumps(case)]] == []
     refused_by_hydra = {text for text, _ in REFUSED if "error" in read[json.dumps([f"++k={text}"])]}
     assert refused_by_hydra == {text for text, _ in REFUSED if not text.startswith(NOT_BUILT)}
+
+
+def test_interpolations_are_checked_as_omegaconf_checks_them(ng_json: Any) -> None:
+    """Random strings holding ``${`` of the grammar's own characters, taken or refused by
+    ``interpolation_problem`` exactly when NeMo Gym's OmegaConf takes or refuses them."""
+    rng = random.Random(49)
+    pieces = ["${", "${", "$", "{", "}", "\\", ".", ":", ",", "[", "]", "'", '"', "a", "b1", "1", " ", "-", "(",
+              "=", "oc.env", "null", "é", "@", "${a}", "${f:x,", "{k: v}", "\\${", "..", "\t"]
+    texts = sorted({"${" + "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))) for _ in range(3000)})
+    taken = ng_json("interpolations.py", json.dumps(texts))
+    differ = {text: theirs for text, theirs in zip(texts, taken, strict=True)
+              if theirs != (interpolation_problem(text) is None)}
+    assert sum(taken) >= 40 and not differ, differ  # 49 taken with this seed
