@@ -17,14 +17,19 @@ here (Hydra is not a dependency):
 - Quoted text (``'a b'``, ``"1"``) is a string; inside, a backslash escapes only the quote and
   backslashes before a quote or at the end. A quoted text is a whole primitive (``'a'b`` is refused).
 - Unquoted, a backslash escapes ``\\ ( ) [ ] { } : = ,``, a space and a tab (``a\\,b`` is ``a,b``);
-  any other backslash stays. ``${...}`` is kept as written (interpolated later).
+  any other backslash stays. ``${...}`` is kept as written (interpolated later); a string holding
+  ``${`` must read by OmegaConf 2.3's interpolation grammar (``interpolation_problem``), as NeMo
+  Gym's OmegaConf refuses it otherwise (``${a``, ``${}``, ``${a.}``, ``${a b}``).
 - Mapping keys are primitives without quotes or ``${}`` (``{1: a}`` has the int key 1); a null
   key is refused, as OmegaConf refuses it; of a key written twice the later wins.
 - Refused, as Hydra refuses them: a comma outside brackets (``a,b``: a sweep, which needs
   ``--multirun``; write ``[a,b]`` or quote it), a sweep function (``choice``, ``range``,
   ``interval``, ``glob``, ``tag``), characters the grammar has no token for unquoted (``~ # & ! ' "
-  = < > ; ^``, a newline, anything not ASCII), brackets left open or closed twice. ``sort()`` and
-  ``shuffle()`` are refused here (not built).
+  = < > ; ^``, a newline, anything not ASCII), brackets left open or closed twice.
+- ``sort(list, reverse=false)`` orders a list as Hydra does (``list=`` wins over a list given
+  first; any other value is kept); items Python cannot order together are refused, and so is
+  quoted text inside the list (Hydra keeps it apart until the value is built, and cannot order
+  it). ``shuffle()`` is refused: Hydra gives a new random order on every run.
 
 Bounds, as for YAML (``config_yaml``): at most ``MAX_NODES`` values (keys included), nested at most
 ``MAX_DEPTH`` deep, an int or float of at most ``MAX_NUMBER_CHARS`` characters (a cast's text

@@ -10,8 +10,10 @@ each key (``Origins``), in NeMo Gym's order (docs/architecture.md section 3):
 2. Overrides: ``key=value``, ``+key=value`` and ``++key=value`` set a dotted key, values read as
    NeMo Gym's Hydra reads them (``config_overrides``). As in NeMo Gym, the overrides are gathered
    into one tree first, in order (a mapping merges into a mapping set before it, anything else
-   replaces what was there), and that tree is merged over the files: ``++a={x: 1}`` keeps the
-   other keys a file gave ``a``, a list or a scalar replaces the file's value.
+   replaces what was there; a number through a list set before names its item), and that tree is
+   merged over the files: ``++a={x: 1}`` keeps the other keys a file gave ``a``, a list or a scalar
+   replaces the file's value. Every merge is OmegaConf's: ``???`` over a key already set keeps its
+   value, a mapping over a list or a list over a mapping is refused. Keys follow Hydra's key grammar.
 3. Directives: ``X: {_inherit_from: a.b, ...}`` is the block at ``a.b`` with X's own keys merged
    over it, and ``a.b`` is moved (it no longer exists); ``_copy`` does the same and keeps ``a.b``;
    ``${inherit_from:a.b}`` and ``${copy:a.b}`` are the same without own keys. An environment
