@@ -17,14 +17,19 @@ here (Hydra is not a dependency):
 - Quoted text (``'a b'``, ``"1"``) is a string; inside, a backslash escapes only the quote and
   backslashes before a quote or at the end. A quoted text is a whole primitive (``'a'b`` is refused).
 - Unquoted, a backslash escapes ``\\ ( ) [ ] { } : = ,``, a space and a tab (``a\\,b`` is ``a,b``);
-  any other backslash stays. ``${...}`` is kept as written (interpolated later).
+  any other backslash stays. ``${...}`` is kept as written (interpolated later); a string holding
+  ``${`` must read by OmegaConf 2.3's interpolation grammar (``interpolation_problem``), as NeMo
+  Gym's OmegaConf refuses it otherwise (``${a``, ``${}``, ``${a.}``, ``${a b}``).
 - Mapping keys are primitives without quotes or ``${}`` (``{1: a}`` has the int key 1); a null
   key is refused, as OmegaConf refuses it; of a key written twice the later wins.
 - Refused, as Hydra refuses them: a comma outside brackets (``a,b``: a sweep, which needs
   ``--multirun``; write ``[a,b]`` or quote it), a sweep function (``choice``, ``range``,
   ``interval``, ``glob``, ``tag``), characters the grammar has no token for unquoted (``~ # & ! ' "
-  = < > ; ^``, a newline, anything not ASCII), brackets left open or closed twice. ``sort()`` and
-  ``shuffle()`` are refused here (not built).
+  = < > ; ^``, a newline, anything not ASCII), brackets left open or closed twice.
+- ``sort(list, reverse=false)`` orders a list as Hydra does (``list=`` wins over a list given
+  first; any other value is kept); items Python cannot order together are refused, and so is
+  quoted text inside the list (Hydra keeps it apart until the value is built, and cannot order
+  it). ``shuffle()`` is refused: Hydra gives a new random order on every run.
 
 Bounds, as for YAML (``config_yaml``): at most ``MAX_NODES`` values (keys included), nested at most
 ``MAX_DEPTH`` deep, an int or float of at most ``MAX_NUMBER_CHARS`` characters (a cast's text
@@ -42,7 +47,7 @@ from typing import Any, NoReturn
 
 from nemo_gym_ckpt.config_yaml import MAX_DEPTH, MAX_NODES, MAX_NUMBER_CHARS
 
-__all__ = ["OverrideRefused", "parse_override_value", "quote_override_value"]
+__all__ = ["OverrideRefused", "interpolation_problem", "parse_override_value", "quote_override_value"]
 
 
 class OverrideRefused(ValueError):
@@ -98,7 +103,226 @@ _PRIMITIVE_TOKENS = frozenset({"ID", "NULL", "INT", "FLOAT", "BOOL", "INTERPOLAT
 _KEY_TOKENS = frozenset({"ID", "NULL", "INT", "FLOAT", "BOOL", "UNQUOTED_CHAR", "ESC", "WS"})
 _CASTS = ("int", "float", "str", "bool")
 _SWEEPS = ("choice", "range", "interval", "glob", "tag")
-_NOT_BUILT = ("sort", "shuffle")
+_SORT_ARGUMENTS = ("list", "reverse", "sweep")
+
+
+# ---- OmegaConf's interpolation grammar ---------------------------------------------------------------
+# NeMo Gym's OmegaConf refuses a string holding "${" unless it reads by its grammar. It first tries a
+# quick pattern (plain text around simple "${a.b}" / "${name:args}"): a string that matches is taken as
+# it is, without the grammar; then the grammar, whose lexer has modes: top-level text, inside "${",
+# resolver arguments after "${name:", and quoted text among them.
+_OC_KEY = "[$A-Za-z0-9_]+"
+_OC_NAME = "[A-Za-z_][A-Za-z0-9_-]*"
+_OC_ARG = "[A-Za-z0-9_/+.$%*@?|-]+"
+_OC_TEXT = "(?:[^$]|\\$(?!\\{))*"
+_OC_QUICK = re.compile(
+    f"{_OC_TEXT}(?:\\$\\{{\\s*(?:\\.*(?:{_OC_KEY}|\\[{_OC_KEY}\\])(?:\\.{_OC_KEY}|\\[{_OC_KEY}\\])*"
+    f"|(?:{_OC_NAME}(?:\\.{_OC_NAME})*)?\\s*:\\s*{_OC_ARG}(?:\\s*,\\s*{_OC_ARG})*)\\s*\\}}{_OC_TEXT})+", re.ASCII)
+_OC_OPEN = ("INTER_OPEN", f"\\$\\{{{_WS}", "push INTER")
+_OC_WORDS = [(name, pattern.pattern, "") for name, patterns in _TOKENS
+             if name in ("FLOAT", "INT", "BOOL", "NULL", "UNQUOTED_CHAR", "ID", "ESC", "WS") for pattern in patterns]
+_OC_MODES: dict[str, list[tuple[str, re.Pattern[str], str]]] = {
+    mode: [(name, re.compile(pattern), action) for name, pattern, action in rules] for mode, rules in {
+        "TOP": [_OC_OPEN, ("TEXT", "\\\\\\$\\{|(?:\\\\\\\\)+|[\\\\$]|[^\\\\$]+", "")],
+        "INTER": [_OC_OPEN, ("COLON", f"{_WS}:{_WS}", "mode VALUE"), ("INTER_CLOSE", f"{_WS}\\}}", "pop"),
+                  ("DOT", "\\.", ""), ("BRACKET_OPEN", "\\[", ""), ("BRACKET_CLOSE", "\\]", ""),
+                  ("ID", "[a-zA-Z_][a-zA-Z0-9_\\-]*", ""), ("INTER_KEY", "[^\\\\{}()\\[\\]:. \\t'\"]+", "")],
+        "VALUE": [_OC_OPEN, ("BRACE_OPEN", f"\\{{{_WS}", "push VALUE"), ("BRACE_CLOSE", f"{_WS}\\}}", "pop"),
+                  ("QUOTE_OPEN", "'", "push SINGLE"), ("QUOTE_OPEN", '"', "push DOUBLE"),
+                  ("COMMA", f"{_WS},{_WS}", ""), ("BRACKET_OPEN", f"\\[{_WS}", ""),
+                  ("BRACKET_CLOSE", f"{_WS}\\]", ""), ("COLON", f"{_WS}:{_WS}", ""), *_OC_WORDS],
+        **{mode: [_OC_OPEN, ("QUOTE_CLOSE", quote, "pop"),
+                  ("TEXT", f"\\\\\\$\\{{|(?:\\\\\\\\)+|\\\\{quote}|[\\\\$]|[^{quote}\\\\$]+", "")]
+           for mode, quote in (("SINGLE", "'"), ("DOUBLE", '"'))},
+    }.items()
+}
+_OC_PRIMITIVE = frozenset({"FLOAT", "INT", "BOOL", "NULL", "UNQUOTED_CHAR", "ID", "ESC", "WS", "COLON"})
+_OC_DICT_KEY = _OC_PRIMITIVE - {"COLON"}
+_OC_ELEMENT = _OC_PRIMITIVE | {"INTER_OPEN", "QUOTE_OPEN", "BRACKET_OPEN", "BRACE_OPEN"}
+
+
+class _BadInterpolation(Exception):
+    pass
+
+
+def _oc_tokens(text: str) -> list[tuple[str, int]]:
+    """OmegaConf's lexer: (token, column) from top-level text, each token the longest of its mode's (the
+    earlier on a tie), the modes kept on a stack."""
+    tokens: list[tuple[str, int]] = []
+    modes = ["TOP"]
+    position = 0
+    while position < len(text):
+        best = ("", position, "")
+        for name, pattern, action in _OC_MODES[modes[-1]]:
+            match = pattern.match(text, position)
+            if match is not None and match.end() > best[1]:
+                best = (name, match.end(), action)
+        name, end, action = best
+        if not name:
+            raise _BadInterpolation(f"{text[position]!r} at column {position + 1} cannot stand there")
+        tokens.append((name, position))
+        verb, _, mode = action.partition(" ")
+        if verb == "push":
+            if len(modes) > MAX_DEPTH:
+                raise _BadInterpolation(f"nested more than {MAX_DEPTH} levels deep")
+            modes.append(mode)
+        elif verb == "pop":
+            modes.pop()
+        elif verb == "mode":
+            modes[-1] = mode
+        position = end
+    return tokens
+
+
+class _OmegaConfText:
+    """OmegaConf's parser over the tokens: text, ``${key.path}``, ``${[key]}``, ``${name:arguments}``."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.tokens = _oc_tokens(text)
+        self.at = 0
+
+    def kind(self) -> str:
+        return self.tokens[self.at][0] if self.at < len(self.tokens) else "END"
+
+    def take(self, kind: str) -> None:
+        if self.kind() != kind:
+            self.fail(kind.lower().replace("_", " "))
+        self.at += 1
+
+    def fail(self, wanted: str) -> NoReturn:
+        if self.at >= len(self.tokens):
+            raise _BadInterpolation(f"it ends where {wanted} was expected")
+        column = self.tokens[self.at][1]
+        raise _BadInterpolation(f"{self.text[column]!r} at column {column + 1} where {wanted} was expected")
+
+    def check(self) -> None:
+        while self.at < len(self.tokens):
+            if self.kind() == "INTER_OPEN":
+                self.interpolation(1)
+            else:
+                self.at += 1
+
+    def interpolation(self, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise _BadInterpolation(f"nested more than {MAX_DEPTH} levels deep")
+        self.take("INTER_OPEN")
+        name = self.kind() != "DOT"  # may it be a resolver's name: no leading dot, no [key], IDs only
+        while self.kind() == "DOT":
+            self.at += 1
+        name &= self.key(depth, bracket=True)
+        while self.kind() in ("DOT", "BRACKET_OPEN"):
+            self.at += 1
+            name &= self.key(depth, bracket=False) if self.tokens[self.at - 1][0] == "DOT" else self.bracketed(depth)
+        if self.kind() == "COLON" and name:
+            self.at += 1
+            if self.kind() != "BRACE_CLOSE":
+                self.sequence(depth)
+            self.take("BRACE_CLOSE")
+        elif self.kind() == "INTER_CLOSE":
+            self.at += 1
+        else:
+            self.fail("'}' closing the interpolation")
+
+    def key(self, depth: int, *, bracket: bool) -> bool:
+        """One key of the path; whether it may be part of a resolver's name."""
+        kind = self.kind()
+        if bracket and kind == "BRACKET_OPEN":
+            self.at += 1
+            return self.bracketed(depth)
+        if kind == "INTER_OPEN":
+            self.interpolation(depth + 1)
+            return True
+        if kind not in ("ID", "INTER_KEY"):
+            self.fail("a key")
+        self.at += 1
+        return kind == "ID"
+
+    def bracketed(self, depth: int) -> bool:
+        self.key(depth, bracket=False)
+        self.take("BRACKET_CLOSE")
+        return False
+
+    def sequence(self, depth: int) -> None:
+        if self.kind() != "COMMA":
+            self.element(depth + 1)
+        while self.kind() == "COMMA":
+            self.at += 1
+            if self.kind() in _OC_ELEMENT:
+                self.element(depth + 1)
+
+    def element(self, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise _BadInterpolation(f"nested more than {MAX_DEPTH} levels deep")
+        kind = self.kind()
+        if kind == "QUOTE_OPEN":
+            self.at += 1
+            while self.kind() not in ("QUOTE_CLOSE", "END"):
+                if self.kind() == "INTER_OPEN":
+                    self.interpolation(depth + 1)
+                else:
+                    self.at += 1
+            self.take("QUOTE_CLOSE")
+        elif kind == "BRACKET_OPEN":
+            self.at += 1
+            if self.kind() != "BRACKET_CLOSE":
+                self.sequence(depth)
+            self.take("BRACKET_CLOSE")
+        elif kind == "BRACE_OPEN":
+            self.at += 1
+            while self.kind() != "BRACE_CLOSE":
+                if self.kind() not in _OC_DICT_KEY:
+                    self.fail("a key")
+                while self.kind() in _OC_DICT_KEY:
+                    self.at += 1
+                self.take("COLON")
+                self.element(depth + 1)
+                if self.kind() != "BRACE_CLOSE":
+                    self.take("COMMA")
+                    if self.kind() == "BRACE_CLOSE":
+                        self.fail("a key")
+            self.at += 1
+        elif kind in _OC_PRIMITIVE or kind == "INTER_OPEN":
+            while self.kind() in _OC_PRIMITIVE or self.kind() == "INTER_OPEN":
+                if self.kind() == "INTER_OPEN":
+                    self.interpolation(depth + 1)
+                else:
+                    self.at += 1
+        else:
+            self.fail("a value")
+
+
+def interpolation_problem(text: str) -> str | None:
+    """Why NeMo Gym's OmegaConf (2.3.1) refuses ``text`` as a config string, or None: a string holding
+    ``${`` must read by its interpolation grammar (``\\${`` is the escape for a literal ``${``)."""
+    if "${" not in text or _OC_QUICK.fullmatch(text):
+        return None
+    try:
+        _OmegaConfText(text).check()
+    except _BadInterpolation as error:
+        return str(error)
+    return None
+
+
+class _Quoted(str):
+    """Quoted text inside a list or mapping. Hydra keeps it apart from plain text until the value is
+    built, and cannot order it, so ``sort()`` refuses a list that must compare it with anything."""
+
+    __slots__ = ()
+
+    def _unordered(self, other: object) -> bool:
+        raise TypeError("quoted text")
+
+    __lt__ = __gt__ = __le__ = __ge__ = _unordered
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with quoted text as plain strings."""
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return str(value) if isinstance(value, _Quoted) else value
 
 
 @dataclass(frozen=True)
@@ -193,6 +417,7 @@ class _Reader:
         self.tokens = _tokens(text, len(text) - len(text.lstrip(" \t")))  # the spaces after "=" belong to it
         self.at = 0
         self.built = 0
+        self.quoted = False
 
     def peek(self, ahead: int = 0) -> _Token | None:
         index = self.at + ahead
@@ -234,7 +459,9 @@ class _Reader:
                                   "text 'a,b'")
         if self.kind() != "END":
             self.unexpected("the end of the value")
-        return value
+        if "$" in self.text:
+            _check_interpolations(value)
+        return _plain(value) if self.quoted else value
 
     def element(self, depth: int) -> Any:
         self.spend(depth)
@@ -262,7 +489,8 @@ class _Reader:
             self.take("BRACE_CLOSE", "',' or '}'")
             return mapping
         if kind == "QUOTED_VALUE":
-            return _typed(self.take(kind, "a value"))
+            self.quoted = True
+            return _Quoted(_typed(self.take(kind, "a value")))
         return self.primitive(_PRIMITIVE_TOKENS, "a value")
 
     def primitive(self, allowed: frozenset[str], wanted: str) -> Any:
@@ -301,11 +529,11 @@ class _Reader:
                 if self.kind() == "ID" and self.kind(1) == "EQUAL":
                     keyword = self.take("ID", "a name").text
                     self.at += 1
-                    kwargs[keyword] = self.element(depth + 1)
+                    kwargs[keyword] = _unquoted(self.element(depth + 1))
                 elif kwargs:
                     raise OverrideRefused(f"{name}(): a positional argument after a named one")
                 else:
-                    args.append(self.element(depth + 1))
+                    args.append(_unquoted(self.element(depth + 1)))
                 if self.kind() != "COMMA":
                     break
                 self.at += 1
@@ -313,13 +541,33 @@ class _Reader:
         return _call(name, args, kwargs, name_token.column)
 
 
+def _check_interpolations(value: Any) -> None:
+    """Refuse a string of the value that NeMo Gym's OmegaConf refuses (a malformed ``${...}``)."""
+    if isinstance(value, list | dict):
+        for item in value.values() if isinstance(value, dict) else value:
+            _check_interpolations(item)
+    elif isinstance(value, str):
+        problem = interpolation_problem(value)
+        if problem is not None:
+            raise OverrideRefused(f"{value!r:.80} is not an interpolation NeMo Gym's OmegaConf reads: {problem} "
+                                  "(a literal ${ is written \\${, inside quotes)")
+
+
+def _unquoted(value: Any) -> Any:
+    """A function's argument: Hydra unquotes quoted text given whole (not inside a list or mapping)."""
+    return str(value) if isinstance(value, _Quoted) else value
+
+
 def _call(name: str, args: list[Any], kwargs: dict[str, Any], column: int) -> Any:
     where = f"{name}() at column {column + 1}"
     if name in _SWEEPS:
         raise OverrideRefused(f"{where} is a sweep, which NeMo Gym's Hydra runs only with --multirun: not a "
                               "config value")
-    if name in _NOT_BUILT:
-        raise OverrideRefused(f"{where} is not supported here: write the list as it should be")
+    if name == "shuffle":
+        raise OverrideRefused(f"{where} is not supported here: NeMo Gym's Hydra gives the list in a new random "
+                              "order on every run; write the list in the order wanted")
+    if name == "sort":
+        return _sort(args, kwargs, where)
     if name not in _CASTS:
         raise OverrideRefused(f"{where}: no such function (the casts are {', '.join(_CASTS)})")
     unknown = set(kwargs) - {"value"}
@@ -337,6 +585,40 @@ def _call(name: str, args: list[Any], kwargs: dict[str, Any], column: int) -> An
         return _cast(name, given[0])
     except (ValueError, OverflowError) as error:
         raise OverrideRefused(f"{where}: {error}") from None
+
+
+def _sort(args: list[Any], kwargs: dict[str, Any], where: str) -> Any:
+    """Hydra's ``sort(list, reverse=false)``: a list in order (``list=`` wins over a list given first), any
+    other value as it is; its arguments' types checked as Hydra checks them."""
+    unknown = set(kwargs) - set(_SORT_ARGUMENTS)
+    if unknown:
+        raise OverrideRefused(f"{where}: no argument named {sorted(unknown)[0]!r} (only "
+                              f"{', '.join(_SORT_ARGUMENTS)})")
+    if kwargs.get("sweep") is not None:
+        raise OverrideRefused(f"{where}: sweep= takes a sweep, which NeMo Gym's Hydra runs only with --multirun")
+    reverse = kwargs.get("reverse", False)
+    if not isinstance(reverse, bool):
+        raise OverrideRefused(f"{where}: reverse= takes true or false")
+    items = kwargs.get("list")
+    if items is not None and not isinstance(items, list):
+        raise OverrideRefused(f"{where}: list= takes a list")
+    if any(arg is None for arg in args):
+        raise OverrideRefused(f"{where}: null cannot be sorted")
+    if items is None:
+        if not args:
+            raise OverrideRefused(f"{where}: nothing to sort")
+        if len(args) > 1:
+            raise OverrideRefused(f"{where}: more than one argument makes a sweep in NeMo Gym's Hydra, which needs "
+                                  "--multirun: sort a list, [a,b], instead")
+        if not isinstance(args[0], list):
+            return args[0]
+        items = args[0]
+    try:
+        return sorted(items, reverse=reverse)
+    except TypeError:
+        raise OverrideRefused(f"{where}: the items cannot be put in order, as NeMo Gym's Hydra cannot: numbers "
+                              "and bools sort together, unquoted texts together, lists item by item; not null, "
+                              "mappings, quoted text ('a') or mixed kinds") from None
 
 
 def _cast(name: str, value: Any) -> Any:

@@ -10,8 +10,10 @@ each key (``Origins``), in NeMo Gym's order (docs/architecture.md section 3):
 2. Overrides: ``key=value``, ``+key=value`` and ``++key=value`` set a dotted key, values read as
    NeMo Gym's Hydra reads them (``config_overrides``). As in NeMo Gym, the overrides are gathered
    into one tree first, in order (a mapping merges into a mapping set before it, anything else
-   replaces what was there), and that tree is merged over the files: ``++a={x: 1}`` keeps the
-   other keys a file gave ``a``, a list or a scalar replaces the file's value.
+   replaces what was there; a number through a list set before names its item), and that tree is
+   merged over the files: ``++a={x: 1}`` keeps the other keys a file gave ``a``, a list or a scalar
+   replaces the file's value. Every merge is OmegaConf's: ``???`` over a key already set keeps its
+   value, a mapping over a list or a list over a mapping is refused. Keys follow Hydra's key grammar.
 3. Directives: ``X: {_inherit_from: a.b, ...}`` is the block at ``a.b`` with X's own keys merged
    over it, and ``a.b`` is moved (it no longer exists); ``_copy`` does the same and keeps ``a.b``;
    ``${inherit_from:a.b}`` and ``${copy:a.b}`` are the same without own keys. An environment
@@ -55,6 +57,7 @@ __all__ = [
     "CONFIG_PATHS",
     "MAX_EXPANDED_CHARS",
     "MAX_EXPANDED_VALUES",
+    "MISSING_VALUE",
     "PROJECT_ROOT",
     "Origins",
     "deep_copy",
@@ -69,6 +72,8 @@ __all__ = [
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 """The folder holding ``configs/`` and the server folders: the checkout, or site-packages when installed."""
 COMMAND_LINE = "<command line>"
+MISSING_VALUE = "???"
+"""OmegaConf's missing value: merged over a key already set, it keeps that key's value (as NeMo Gym's merge does)."""
 CONFIG_PATHS = "config_paths"
 HYDRA = "hydra"
 """The key of Hydra's own settings on NeMo Gym's command line (``hydra.run.dir``, ``hydra/job_logging``)."""
@@ -77,6 +82,14 @@ COPY = "_copy"
 DELETE_KEY = "_delete_key"
 AGENTS_TYPE = "responses_api_agents"
 ENVIRONMENTS_TYPE = "environment_servers"
+_NAME = "[A-Za-z_$][A-Za-z0-9_$-]*"
+_INDEX = "0|[1-9](?:_?[0-9])*"
+_GROUP_NAME = "[A-Za-z_][A-Za-z0-9_-]*"
+_OVERRIDE_KEY = re.compile(
+    f"{_NAME}|(?:{_NAME}|{_INDEX})(?:\\.(?:{_NAME}|{_INDEX}))+|{_GROUP_NAME}(?:/{_GROUP_NAME})+")
+"""Hydra's key grammar: a name (letters, digits, ``_``, ``-``, ``$``; not first a digit or ``-``), names
+and numbers (``0``, or digits not starting with 0) joined by dots, or names joined by ``/`` (a config
+group's path, set as one key)."""
 _DIRECTIVE_STRING = re.compile(r"\$\{(inherit_from|copy):([^${}]+)\}")
 _INTERPOLATION = re.compile(r"\$\{([^${}]+)\}")
 _RESOLVER = re.compile(r"([A-Za-z_][\w.]*):")
@@ -177,16 +190,39 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def _merge_into(dst: dict[str, Any], src: Mapping[str, Any], origin: str, origins: Origins, prefix: Path_) -> None:
+    """``src`` over ``dst`` as NeMo Gym's merge (OmegaConf's) does it: a mapping into a mapping, ``???``
+    over a key already there keeps its value, a mapping over a list or a list over a mapping is refused,
+    anything else replaces."""
     for key, value in src.items():
         key = str(key)
         path = (*prefix, key)
-        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
-            origins.setdefault(path, origin)
-            _merge_into(dst[key], value, origin, origins, path)
+        here = dst.get(key)
+        if isinstance(value, str) and value == MISSING_VALUE and key in dst:
             continue
+        if isinstance(value, Mapping) and isinstance(here, dict):
+            origins.setdefault(path, origin)
+            _merge_into(here, value, origin, origins, path)
+            continue
+        _refuse_clash(value, here, origin, origin_of(origins, path), path)
         dst[key] = deep_copy(value)
         for sub in _leaf_paths(value, path):
             origins[sub] = origin
+
+
+def _refuse_clash(value: Any, here: Any, origin: str, here_from: str | None, path: Path_) -> None:
+    """A mapping over a list, or a list over a mapping: NeMo Gym's merge (OmegaConf's) refuses both."""
+    if isinstance(value, Mapping) and isinstance(here, list):
+        new, old = "a mapping", "list"
+    elif isinstance(value, list) and isinstance(here, dict):
+        new, old = "a list", "mapping"
+    else:
+        return
+    dotted = ".".join(path)
+    was = f"the {old} {here_from} gives it" if here_from and here_from != COMMAND_LINE \
+        else f"the {old} set earlier on the command line"
+    raise ConfigError(f"{new} cannot be merged over {was} (NeMo Gym's merge refuses it too): give "
+                      f"{'a list' if old == 'list' else 'a mapping'} instead",
+                      file=origin, key=dotted)
 
 
 def _leaf_paths(value: Any, path: Path_) -> Iterator[Path_]:
@@ -210,9 +246,10 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[Path_, Any]]:
     for item in overrides:
         if item.startswith("~"):
             raise ConfigError(f"override {item!r}: deleting a key (~key) is not supported", file=COMMAND_LINE)
-        key, eq, text = item.removeprefix("++").removeprefix("+").partition("=")
-        if not eq or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override {item!r} is not key=value", file=COMMAND_LINE)
+        key, eq, text = item[2 if item.startswith("++") else 1 if item.startswith("+") else 0 :].partition("=")
+        if not eq or not key:
+            raise ConfigError(f"override {item!r:.120} is not key=value", file=COMMAND_LINE)
+        _check_key(key, item)
         if key.count(".") >= MAX_DEPTH:
             raise ConfigError(f"override key {key[:80]!r}...: more than {MAX_DEPTH} parts", file=COMMAND_LINE)
         try:
@@ -224,31 +261,56 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[Path_, Any]]:
     return parsed
 
 
+def _check_key(key: str, item: str) -> None:
+    """Refuse a key NeMo Gym's Hydra refuses, as it does."""
+    if _OVERRIDE_KEY.fullmatch(key):
+        return
+    name, at, _ = key.partition("@")
+    if at and (not name or _OVERRIDE_KEY.fullmatch(name)):
+        raise ConfigError(f"override {item!r:.120}: key@package names a config group's package, and NeMo "
+                          "Gym has no config groups (its Hydra refuses it too)", file=COMMAND_LINE)
+    raise ConfigError(f"override {item!r:.120}: {key!r:.80} is not a key NeMo Gym's Hydra reads: names joined "
+                      "by dots, each a letter, _ or $ then letters, digits, _, - or $ (a part after or before a "
+                      "dot may be a number: 0, or digits not starting with 0)", file=COMMAND_LINE)
+
+
 def _command_line_tree(parsed: Sequence[tuple[Path_, Any]]) -> dict[str, Any]:
     """The overrides in one tree, in order, as Hydra builds NeMo Gym's: a mapping merges into the mapping
-    already at its key, anything else replaces what is there; a key through a scalar (or null, or a list)
-    puts a mapping in its place."""
+    already at its key (``???`` in it keeps what is there), a mapping over a list or a list over a
+    mapping is refused, anything else replaces what is there; a key through a scalar (or null) puts a
+    mapping in its place; a number through a list set earlier names its item."""
     tree: dict[str, Any] = {}
     for path, value in parsed:
-        node = tree
-        for part in path[:-1]:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = node[part] = {}
+        node: dict[Any, Any] | list[Any] = tree
+        for depth, part in enumerate(path[:-1]):
+            slot = _slot(node, part, path[: depth + 1])
+            child = node[slot] if isinstance(node, list) else node.get(slot)
+            if not isinstance(child, dict | list):
+                child = {}
+                node[slot] = child
             node = child
-        if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
-            _merge_plain(node[path[-1]], value)
-        else:
-            node[path[-1]] = value
+        slot = _slot(node, path[-1], path)
+        here = node[slot] if isinstance(node, list) else node.get(slot)
+        if isinstance(value, dict) and isinstance(here, dict):
+            _merge_into(here, value, COMMAND_LINE, {}, path)
+            continue
+        _refuse_clash(value, here, COMMAND_LINE, None, path)
+        node[slot] = value
     return tree
 
 
-def _merge_plain(dst: dict[Any, Any], src: Mapping[Any, Any]) -> None:
-    for key, value in src.items():
-        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
-            _merge_plain(dst[key], value)
-        else:
-            dst[key] = value
+def _slot(node: dict[Any, Any] | list[Any], part: str, path: Path_) -> Any:
+    """``part`` as a key of ``node``, or, ``node`` a list set earlier on the command line, as the index of
+    one of its items (Hydra sets the item; a key that is no index into the list it refuses)."""
+    if isinstance(node, dict):
+        return part
+    index = int(part) if re.fullmatch(_INDEX, part) else None
+    if index is None or index >= len(node):
+        which = f"has no item {part}" if index is not None else f"takes a number, not {part!r}"
+        raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[:-1])} is a list of {len(node)} "
+                          f"(set earlier on the command line), which {which} (NeMo Gym's Hydra refuses it too)",
+                          file=COMMAND_LINE, key=".".join(path))
+    return index
 
 
 def _yaml_scalar(text: str) -> Any:

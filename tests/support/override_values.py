@@ -5,8 +5,8 @@
 through NeMo Gym's own command-line parse (``GlobalConfigDictParser.parse_global_config_dict_from_cli``,
 ``OmegaConf.to_container(cfg, resolve=False)["k"]``); the interop tier
 (``tests/interop/test_config_overrides.py``) checks the table against Hydra itself.
-``REFUSED`` is ``(text, start of our message)``: texts Hydra refuses too (all but ``sort()``, which
-Hydra evaluates and this project does not build).
+``REFUSED`` is ``(text, start of our message)``: texts Hydra refuses too (all but ``shuffle()``, which
+Hydra evaluates to a random order and this project refuses).
 """
 
 from __future__ import annotations
@@ -171,6 +171,51 @@ VALUES: list[tuple[str, object]] = [
     ('str(value=1)', '1'),
     ('str ( 1 )', '1'),
     ('bool([1,0])', [True, False]),
+    # sort: a list in order (stable: 1, 1.0 and true stay as given), any other value as it is
+    ('sort([3,1,2])', [1, 2, 3]),
+    ('sort([b,a,C])', ['C', 'a', 'b']),
+    ('sort([3,1],reverse=true)', [3, 1]),
+    ('sort(list=[3,1])', [1, 3]),
+    ('sort(reverse=true,list=[1,2])', [2, 1]),
+    ('sort([2,1],list=[4,3])', [3, 4]),
+    ('sort([2,1], reverse = false)', [1, 2]),
+    ('sort ([2,1])', [1, 2]),
+    ('sort([])', []),
+    ("sort(['a'])", ['a']),
+    ("sort(str(['b','a']))", ['a', 'b']),
+    ('sort([[2],[1]])', [[1], [2]]),
+    ("sort([[1,'a'],[2,'b']])", [[1, 'a'], [2, 'b']]),
+    ('sort([1.5,1,true])', [1, True, 1.5]),
+    ('sort([true,1,1.0],reverse=true)', [True, 1, 1.0]),
+    ('sort([1,nan,0])', [1, NAN, 0]),
+    ('sort([a b, a])', ['a', 'a b']),
+    ('sort([${b},${a}])', ['${a}', '${b}']),
+    ('sort([1],sweep=null)', [1]),
+    ('sort(1)', 1),
+    ('sort(a)', 'a'),
+    ("sort('ab')", 'ab'),
+    ('sort({a:[2,1]})', {'a': [2, 1]}),
+    ('int(sort([2.5,1.5]))', [1, 2]),
+    ('str(sort([b,a]))', ['a', 'b']),
+    ('{a:sort([2,1])}', {'a': [1, 2]}),
+    # ${...} as OmegaConf reads it: relative keys, [key], names with - or starting with a digit, a resolver
+    # with no arguments or an empty one, spaces inside the braces, \${ (an escape), ${ made by \{
+    ('${.a}', '${.a}'),
+    ('${..a.b}', '${..a.b}'),
+    ('${a[0]}', '${a[0]}'),
+    ('${a.0}', '${a.0}'),
+    ('${a-b}', '${a-b}'),
+    ('${1a}', '${1a}'),
+    ('${ a }', '${ a }'),
+    ('$${a}', '$${a}'),
+    ('${oc.env:}', '${oc.env:}'),
+    ('${oc.env:X,}', '${oc.env:X,}'),
+    ("'${a.${b}}'", '${a.${b}}'),
+    ('"${f:[1,{k: x}],\'${b}\'}"', "${f:[1,{k: x}],'${b}'}"),
+    ("'\\${a'", '\\${a'),
+    ('$\\{a\\}', '${a}'),
+    ('[${a}, x${b.c}y]', ['${a}', 'x${b.c}y']),
+    ("['a',b]", ['a', 'b']),
 ]
 
 REFUSED: list[tuple[str, str]] = [
@@ -211,5 +256,35 @@ REFUSED: list[tuple[str, str]] = [
     ("int('1.5')", "int() at column 1: invalid literal for int() with base 10: '1.5'"),
     ("bool('yes')", "bool() at column 1: 'yes' is not true or false"),
     ("str(null)", "str() at column 1: null cannot be cast"),
-    ("sort([3,1])", "sort() at column 1 is not supported here"),
+    ("'${a'", "'${a' is not an interpolation NeMo Gym's OmegaConf reads: it ends where '}' closing the "
+              "interpolation was expected"),
+    ("'${}'", "'${}' is not an interpolation NeMo Gym's OmegaConf reads: '}' at column 3 where a key was expected"),
+    ("${a.}", "'${a.}' is not an interpolation NeMo Gym's OmegaConf reads: '}' at column 5 where a key"),
+    ("${a..b}", "'${a..b}' is not an interpolation NeMo Gym's OmegaConf reads: '.' at column 5 where a key"),
+    ("${a b}", "'${a b}' is not an interpolation NeMo Gym's OmegaConf reads: ' ' at column 4 cannot stand there"),
+    ("[x, ${a(b)}]", "'${a(b)}' is not an interpolation NeMo Gym's OmegaConf reads: '(' at column 4 cannot"),
+    ('{k: "${oc.env:a=b}"}', "'${oc.env:a=b}' is not an interpolation NeMo Gym's OmegaConf reads: '=' at column 11"),
+    ("'${f:[1,2}'", "'${f:[1,2}' is not an interpolation NeMo Gym's OmegaConf reads: '}' at column 9 where bracket"),
+    ("'${a}${'", "'${a}${' is not an interpolation NeMo Gym's OmegaConf reads: it ends where a key was expected"),
+    ("'\\\\${a'", "'\\\\\\\\${a' is not an interpolation NeMo Gym's OmegaConf reads: it ends where '}'"),
+    ("$\\{x", "'${x' is not an interpolation NeMo Gym's OmegaConf reads"),
+    ("str(${a.})", "'${a.}' is not an interpolation NeMo Gym's OmegaConf reads"),
+    ("'" + "${" * 70 + "'", f"{'${' * 70!r:.80} is not an interpolation NeMo Gym's OmegaConf reads: nested more than "
+                            "64 levels deep"),
+    ("shuffle([1])", "shuffle() at column 1 is not supported here: NeMo Gym's Hydra gives the list in a new random"),
+    ("sort(3,1,2)", "sort() at column 1: more than one argument makes a sweep"),
+    ("sort()", "sort() at column 1: nothing to sort"),
+    ("sort(null)", "sort() at column 1: null cannot be sorted"),
+    ("sort(list=null)", "sort() at column 1: nothing to sort"),
+    ("sort(list=5)", "sort() at column 1: list= takes a list"),
+    ("sort(sweep=[1])", "sort() at column 1: sweep= takes a sweep"),
+    ("sort([1,2],reverse=1)", "sort() at column 1: reverse= takes true or false"),
+    ("sort(x=[2,1])", "sort() at column 1: no argument named 'x'"),
+    ("sort(reverse=true,[2,1])", "sort(): a positional argument after a named one"),
+    ("sort([1,a])", "sort() at column 1: the items cannot be put in order"),
+    ("sort([null,1])", "sort() at column 1: the items cannot be put in order"),
+    ("sort([a,'b'])", "sort() at column 1: the items cannot be put in order"),
+    ("sort([['a'],['b']])", "sort() at column 1: the items cannot be put in order"),
+    ("sort([{a:1},{a:1}])", "sort() at column 1: the items cannot be put in order"),
+    ("sort([2,1]) ", "' ' at column 12 where the end of the value was expected"),
 ]

@@ -103,3 +103,71 @@ def test_config_paths_from_an_override_are_a_list_of_paths(tmp_path: Path) -> No
     (tmp_path / "inc.yaml").write_text("i: 1\n")
     included = quote_override_value(str(tmp_path / "inc.yaml"))
     assert merged(tmp_path, "a: 1\n", [f"+config_paths=[{included}]"]) == {"a": 1, "i": 1}
+
+
+def test_a_missing_value_override_keeps_what_is_set(tmp_path: Path) -> None:
+    """``???`` over a key set before keeps its value, as NeMo Gym's merge (``OmegaConf.merge``) does, in a
+    mapping too; over nothing, or as a list's item, or replacing what an earlier override set, it stays
+    (hydra-core 1.3.8, omegaconf 2.3.1)."""
+    assert merged(tmp_path, "a: 1\nb: {x: 1}\nc: [1]\nd: null\n", ["++a=???", "++b=???", "++c='???'", "++d=???"]) == {
+        "a": 1, "b": {"x": 1}, "c": [1], "d": None}
+    assert merged(tmp_path, "a: {x: 1, y: 2}\n", ["++a={x: ???, z: ???}", "++a.y=???"]) == {
+        "a": {"x": 1, "y": 2, "z": "???"}}
+    assert merged(tmp_path, "", ["++a=???", "++l=[???]", "++b=1", "++b=???", "++m={x: 1}", "++m={x: ???}"]) == {
+        "a": "???", "l": ["???"], "b": "???", "m": {"x": 1}}
+    (tmp_path / "c.yaml").write_text("a: 1\n")
+    tree, origins = read_sources([tmp_path / "c.yaml"], ["++a=???"])
+    assert tree["a"] == 1 and origins[("a",)] == str((tmp_path / "c.yaml").resolve())
+
+
+@pytest.mark.parametrize(("text", "overrides", "key", "message"), [
+    ("a: [1, 2]\n", ["++a={x: 1}"], "a", "a mapping cannot be merged over the list "),
+    ("a: [1, 2]\n", ["++a.x=1"], "a", "a mapping cannot be merged over the list "),
+    ("a: [1, 2]\n", ["++a.0=5"], "a", "a mapping cannot be merged over the list "),
+    ("a: {x: 1}\n", ["++a=[1]"], "a", "a list cannot be merged over the mapping "),
+    ("a: {x: {y: 1}}\n", ["++a={x: [1]}"], "a.x", "a list cannot be merged over the mapping "),
+    ("", ["++a=[1]", "++a={x: 1}"], "a", "a mapping cannot be merged over the list set earlier on the command line"),
+    ("", ["++a={x: 1}", "++a=[1]"], "a", "a list cannot be merged over the mapping set earlier"),
+    ("", ["++a={x: [1]}", "++a={x: {y: 1}}"], "a.x", "a mapping cannot be merged over the list set earlier"),
+    ("", ["++a=[1, {x: 1}]", "++a.1=[1]"], "a.1", "a list cannot be merged over the mapping set earlier"),
+    ("", ["++a=[1, 2]", "++a.5=1"], "a.5",
+     "override a.5: a is a list of 2 (set earlier on the command line), which has no item 5"),
+    ("", ["++a={x: [1]}", "++a.x.y=1"], "a.x.y",
+     "override a.x.y: a.x is a list of 1 (set earlier on the command line), which takes a number, not 'y'"),
+])
+def test_a_mapping_and_a_list_do_not_merge(tmp_path: Path, text: str, overrides: list[str], key: str,
+                                         message: str) -> None:
+    """NeMo Gym refuses both ways (omegaconf 2.3.1: ``ConfigTypeError: Cannot merge DictConfig with
+    ListConfig``, hydra-core 1.3.8: ``ConfigCompositionException``); here one line naming the override."""
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        merged(tmp_path, text, overrides)
+    assert (caught.value.file, caught.value.key) == (COMMAND_LINE, key) and "\n" not in str(caught.value)
+    if text:
+        assert "c.yaml gives it" in str(caught.value)
+
+
+def test_a_number_through_a_list_set_on_the_command_line_sets_its_item(tmp_path: Path) -> None:
+    """As Hydra 1.3.8 (``OmegaConf.update``): the item is set; a key through a scalar item makes a mapping."""
+    assert merged(tmp_path, "", ["++a=[1, {b: 2}, [3], 4]", "++a.0=x", "++a.1.c=3", "++a.2.0=5", "++a.3.d=6",
+                                 "++a.1={e: 7}"]) == {"a": ["x", {"b": 2, "c": 3, "e": 7}, [5], {"d": 6}]}
+
+
+@pytest.mark.parametrize("key", ["a", "a.b.c", "$a", "a.$b", "a$", "a-b.c_d", "a.0", "a.1_0.b", "0.1", "1.5", "a/b"])
+def test_a_key_hydra_reads(key: str) -> None:
+    assert parse_overrides([f"++{key}=1"]) == [(tuple(key.split(".")), 1)]
+
+
+@pytest.mark.parametrize(("item", "message"), [
+    *((f"++{key}=1", "is not a key NeMo Gym's Hydra reads") for key in (
+        "a..b", "a.", ".a", "a b", "a\tb", "0", "01", "1_0", "a.01", "-a", "a.-b", "a:b", "ü", "a.b/c", "a/1",
+        "a.1a", "+a")),
+    ("+++a=1", "'+a' is not a key NeMo Gym's Hydra reads"),
+    ("++a@b=1", "key@package names a config group's package"),
+    ("a.b@c=1", "key@package names a config group's package"),
+    ("@a=1", "key@package names a config group's package"),
+])
+def test_a_key_hydra_refuses_is_refused(item: str, message: str) -> None:
+    """Hydra 1.3.8's key grammar: a name, names and numbers joined by dots, or names joined by ``/``."""
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        parse_overrides([item])
+    assert caught.value.file == COMMAND_LINE and "\n" not in str(caught.value)

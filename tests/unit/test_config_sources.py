@@ -338,3 +338,21 @@ def test_oc_select_takes_the_value_or_the_default(write: Writer) -> None:
     assert answer_of([path]) == "none-given" and answer_of([path], "third") == "none-given-again"
     assert mesh.instance("other").settings.port is None  # no default: null
     assert answer_of([path], overrides=("++judge_url=http://judge",)) == "http://judge"
+
+
+def test_files_merge_as_nemo_gyms_merge_does(tmp_path: Path) -> None:
+    """omegaconf 2.3.1's ``OmegaConf.merge``, which NeMo Gym merges its files with: a later file's ``???``
+    keeps the earlier value; a mapping over a list, or a list over a mapping, is refused."""
+    from nemo_gym_ckpt.config_sources import read_sources
+
+    base, over = tmp_path / "base.yaml", tmp_path / "over.yaml"
+    base.write_text("a: 1\nb: {x: [1]}\n")
+    over.write_text("a: ???\nb:\n  x: ???\n  y: ???\n")
+    tree, origins = read_sources([base, over], [])
+    assert (tree["a"], tree["b"]) == (1, {"x": [1], "y": "???"})
+    assert origins[("a",)] == str(base.resolve())
+    over.write_text("b: {x: {z: 1}}\n")
+    with pytest.raises(ConfigError, match=r"key 'b\.x': a mapping cannot be merged over the list .*base\.yaml gives it"
+                       ) as caught:
+        read_sources([base, over], [])
+    assert caught.value.file == str(over.resolve())
