@@ -18,7 +18,7 @@ here (Hydra is not a dependency):
   backslashes before a quote or at the end. A quoted text is a whole primitive (``'a'b`` is refused).
 - Unquoted, a backslash escapes ``\\ ( ) [ ] { } : = ,``, a space and a tab (``a\\,b`` is ``a,b``);
   any other backslash stays. ``${...}`` is kept as written (interpolated later); a string holding
-  ``${`` must read by OmegaConf 2.3's interpolation grammar (``interpolation_problem``), as NeMo
+  ``${`` must read by OmegaConf 2.3's interpolation grammar (``config_interpolations``), as NeMo
   Gym's OmegaConf refuses it otherwise (``${a``, ``${}``, ``${a.}``, ``${a b}``).
 - Mapping keys are primitives without quotes or ``${}`` (``{1: a}`` has the int key 1); a null
   key is refused, as OmegaConf refuses it; of a key written twice the later wins.
@@ -45,45 +45,17 @@ import re
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from nemo_gym_ckpt.config_interpolations import interpolation_problem
+from nemo_gym_ckpt.config_tokens import TOKENS
 from nemo_gym_ckpt.config_yaml import MAX_DEPTH, MAX_NODES, MAX_NUMBER_CHARS
 
-__all__ = ["OverrideRefused", "interpolation_problem", "parse_override_value", "quote_override_value"]
+__all__ = ["OverrideRefused", "parse_override_value", "quote_override_value"]
 
 
 class OverrideRefused(ValueError):
     """An override value Hydra's grammar does not read (or one past the bounds): the message says why."""
 
 
-_WS = "[ \\t]*"
-_INT_UNSIGNED = "(?:0|[1-9](?:_?[0-9])*)"
-_DIGITS = "[0-9](?:_?[0-9])*"
-_EXPONENT = f"[eE][+-]?{_DIGITS}"
-_POINT_FLOATS = (f"{_INT_UNSIGNED}\\.", f"{_INT_UNSIGNED}?\\.{_DIGITS}")
-# Each token is a list of patterns; the longest match of any wins, a tie goes to the earlier token,
-# as in Hydra's lexer. Patterns are split so that each one's greedy match is its longest.
-_TOKENS: list[tuple[str, list[re.Pattern[str]]]] = [
-    (name, [re.compile(pattern) for pattern in patterns]) for name, patterns in [
-        ("POPEN", [f"{_WS}\\({_WS}"]),
-        ("COMMA", [f"{_WS},{_WS}"]),
-        ("PCLOSE", [f"{_WS}\\)"]),
-        ("BRACKET_OPEN", [f"\\[{_WS}"]),
-        ("BRACKET_CLOSE", [f"{_WS}\\]"]),
-        ("BRACE_OPEN", [f"\\{{{_WS}"]),
-        ("BRACE_CLOSE", [f"{_WS}\\}}"]),
-        ("COLON", [f"{_WS}:{_WS}"]),
-        ("EQUAL", [f"{_WS}={_WS}"]),
-        ("FLOAT", [f"[+-]?{body}" for body in (*_POINT_FLOATS, f"{_INT_UNSIGNED}{_EXPONENT}",
-                                               *(f"{point}{_EXPONENT}" for point in _POINT_FLOATS),
-                                               "[Ii][Nn][Ff]", "[Nn][Aa][Nn]")]),
-        ("INT", [f"[+-]?{_INT_UNSIGNED}"]),
-        ("BOOL", ["[Tt][Rr][Uu][Ee]", "[Ff][Aa][Ll][Ss][Ee]"]),
-        ("NULL", ["[Nn][Uu][Ll][Ll]"]),
-        ("UNQUOTED_CHAR", ["[/\\-\\\\+.$%*@?|]"]),
-        ("ID", ["[a-zA-Z_][a-zA-Z0-9_\\-]*"]),
-        ("ESC", ["(?:\\\\\\\\|\\\\[()\\[\\]{}:=, \\t])+"]),
-        ("WS", ["[ \\t]+"]),
-    ]
-]
 _QUOTES = "'\""
 _WS_FIRST = " \t"
 _FIRST_CHARS = {
@@ -94,7 +66,7 @@ _FIRST_CHARS = {
     "WS": _WS_FIRST,
 }
 _BY_FIRST_CHAR: dict[str, list[tuple[str, list[re.Pattern[str]]]]] = {
-    char: [(name, patterns) for name, patterns in _TOKENS if char in _FIRST_CHARS[name]]
+    char: [(name, patterns) for name, patterns in TOKENS if char in _FIRST_CHARS[name]]
     for char in "".join(_FIRST_CHARS.values())
 }
 """The tokens that can start with each character, in the lexer's order (the others cannot match there)."""
@@ -104,204 +76,6 @@ _KEY_TOKENS = frozenset({"ID", "NULL", "INT", "FLOAT", "BOOL", "UNQUOTED_CHAR", 
 _CASTS = ("int", "float", "str", "bool")
 _SWEEPS = ("choice", "range", "interval", "glob", "tag")
 _SORT_ARGUMENTS = ("list", "reverse", "sweep")
-
-
-# ---- OmegaConf's interpolation grammar ---------------------------------------------------------------
-# NeMo Gym's OmegaConf refuses a string holding "${" unless it reads by its grammar. It first tries a
-# quick pattern (plain text around simple "${a.b}" / "${name:args}"): a string that matches is taken as
-# it is, without the grammar; then the grammar, whose lexer has modes: top-level text, inside "${",
-# resolver arguments after "${name:", and quoted text among them.
-_OC_KEY = "[$A-Za-z0-9_]+"
-_OC_NAME = "[A-Za-z_][A-Za-z0-9_-]*"
-_OC_ARG = "[A-Za-z0-9_/+.$%*@?|-]+"
-_OC_TEXT = "(?:[^$]|\\$(?!\\{))*"
-_OC_QUICK = re.compile(
-    f"{_OC_TEXT}(?:\\$\\{{\\s*(?:\\.*(?:{_OC_KEY}|\\[{_OC_KEY}\\])(?:\\.{_OC_KEY}|\\[{_OC_KEY}\\])*"
-    f"|(?:{_OC_NAME}(?:\\.{_OC_NAME})*)?\\s*:\\s*{_OC_ARG}(?:\\s*,\\s*{_OC_ARG})*)\\s*\\}}{_OC_TEXT})+", re.ASCII)
-_OC_OPEN = ("INTER_OPEN", f"\\$\\{{{_WS}", "push INTER")
-_OC_WORDS = [(name, pattern.pattern, "") for name, patterns in _TOKENS
-             if name in ("FLOAT", "INT", "BOOL", "NULL", "UNQUOTED_CHAR", "ID", "ESC", "WS") for pattern in patterns]
-_OC_MODES: dict[str, list[tuple[str, re.Pattern[str], str]]] = {
-    mode: [(name, re.compile(pattern), action) for name, pattern, action in rules] for mode, rules in {
-        "TOP": [_OC_OPEN, ("TEXT", "\\\\\\$\\{|(?:\\\\\\\\)+|[\\\\$]|[^\\\\$]+", "")],
-        "INTER": [_OC_OPEN, ("COLON", f"{_WS}:{_WS}", "mode VALUE"), ("INTER_CLOSE", f"{_WS}\\}}", "pop"),
-                  ("DOT", "\\.", ""), ("BRACKET_OPEN", "\\[", ""), ("BRACKET_CLOSE", "\\]", ""),
-                  ("ID", "[a-zA-Z_][a-zA-Z0-9_\\-]*", ""), ("INTER_KEY", "[^\\\\{}()\\[\\]:. \\t'\"]+", "")],
-        "VALUE": [_OC_OPEN, ("BRACE_OPEN", f"\\{{{_WS}", "push VALUE"), ("BRACE_CLOSE", f"{_WS}\\}}", "pop"),
-                  ("QUOTE_OPEN", "'", "push SINGLE"), ("QUOTE_OPEN", '"', "push DOUBLE"),
-                  ("COMMA", f"{_WS},{_WS}", ""), ("BRACKET_OPEN", f"\\[{_WS}", ""),
-                  ("BRACKET_CLOSE", f"{_WS}\\]", ""), ("COLON", f"{_WS}:{_WS}", ""), *_OC_WORDS],
-        **{mode: [_OC_OPEN, ("QUOTE_CLOSE", quote, "pop"),
-                  ("TEXT", f"\\\\\\$\\{{|(?:\\\\\\\\)+|\\\\{quote}|[\\\\$]|[^{quote}\\\\$]+", "")]
-           for mode, quote in (("SINGLE", "'"), ("DOUBLE", '"'))},
-    }.items()
-}
-_OC_PRIMITIVE = frozenset({"FLOAT", "INT", "BOOL", "NULL", "UNQUOTED_CHAR", "ID", "ESC", "WS", "COLON"})
-_OC_DICT_KEY = _OC_PRIMITIVE - {"COLON"}
-_OC_ELEMENT = _OC_PRIMITIVE | {"INTER_OPEN", "QUOTE_OPEN", "BRACKET_OPEN", "BRACE_OPEN"}
-
-
-class _BadInterpolation(Exception):
-    pass
-
-
-def _oc_tokens(text: str) -> list[tuple[str, int]]:
-    """OmegaConf's lexer: (token, column) from top-level text, each token the longest of its mode's (the
-    earlier on a tie), the modes kept on a stack."""
-    tokens: list[tuple[str, int]] = []
-    modes = ["TOP"]
-    position = 0
-    while position < len(text):
-        best = ("", position, "")
-        for name, pattern, action in _OC_MODES[modes[-1]]:
-            match = pattern.match(text, position)
-            if match is not None and match.end() > best[1]:
-                best = (name, match.end(), action)
-        name, end, action = best
-        if not name:
-            raise _BadInterpolation(f"{text[position]!r} at column {position + 1} cannot stand there")
-        tokens.append((name, position))
-        verb, _, mode = action.partition(" ")
-        if verb == "push":
-            if len(modes) > MAX_DEPTH:
-                raise _BadInterpolation(f"nested more than {MAX_DEPTH} levels deep")
-            modes.append(mode)
-        elif verb == "pop":
-            modes.pop()
-        elif verb == "mode":
-            modes[-1] = mode
-        position = end
-    return tokens
-
-
-class _OmegaConfText:
-    """OmegaConf's parser over the tokens: text, ``${key.path}``, ``${[key]}``, ``${name:arguments}``."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.tokens = _oc_tokens(text)
-        self.at = 0
-
-    def kind(self) -> str:
-        return self.tokens[self.at][0] if self.at < len(self.tokens) else "END"
-
-    def take(self, kind: str) -> None:
-        if self.kind() != kind:
-            self.fail(kind.lower().replace("_", " "))
-        self.at += 1
-
-    def fail(self, wanted: str) -> NoReturn:
-        if self.at >= len(self.tokens):
-            raise _BadInterpolation(f"it ends where {wanted} was expected")
-        column = self.tokens[self.at][1]
-        raise _BadInterpolation(f"{self.text[column]!r} at column {column + 1} where {wanted} was expected")
-
-    def check(self) -> None:
-        while self.at < len(self.tokens):
-            if self.kind() == "INTER_OPEN":
-                self.interpolation(1)
-            else:
-                self.at += 1
-
-    def interpolation(self, depth: int) -> None:
-        if depth > MAX_DEPTH:
-            raise _BadInterpolation(f"nested more than {MAX_DEPTH} levels deep")
-        self.take("INTER_OPEN")
-        name = self.kind() != "DOT"  # may it be a resolver's name: no leading dot, no [key], IDs only
-        while self.kind() == "DOT":
-            self.at += 1
-        name &= self.key(depth, bracket=True)
-        while self.kind() in ("DOT", "BRACKET_OPEN"):
-            self.at += 1
-            name &= self.key(depth, bracket=False) if self.tokens[self.at - 1][0] == "DOT" else self.bracketed(depth)
-        if self.kind() == "COLON" and name:
-            self.at += 1
-            if self.kind() != "BRACE_CLOSE":
-                self.sequence(depth)
-            self.take("BRACE_CLOSE")
-        elif self.kind() == "INTER_CLOSE":
-            self.at += 1
-        else:
-            self.fail("'}' closing the interpolation")
-
-    def key(self, depth: int, *, bracket: bool) -> bool:
-        """One key of the path; whether it may be part of a resolver's name."""
-        kind = self.kind()
-        if bracket and kind == "BRACKET_OPEN":
-            self.at += 1
-            return self.bracketed(depth)
-        if kind == "INTER_OPEN":
-            self.interpolation(depth + 1)
-            return True
-        if kind not in ("ID", "INTER_KEY"):
-            self.fail("a key")
-        self.at += 1
-        return kind == "ID"
-
-    def bracketed(self, depth: int) -> bool:
-        self.key(depth, bracket=False)
-        self.take("BRACKET_CLOSE")
-        return False
-
-    def sequence(self, depth: int) -> None:
-        if self.kind() != "COMMA":
-            self.element(depth + 1)
-        while self.kind() == "COMMA":
-            self.at += 1
-            if self.kind() in _OC_ELEMENT:
-                self.element(depth + 1)
-
-    def element(self, depth: int) -> None:
-        if depth > MAX_DEPTH:
-            raise _BadInterpolation(f"nested more than {MAX_DEPTH} levels deep")
-        kind = self.kind()
-        if kind == "QUOTE_OPEN":
-            self.at += 1
-            while self.kind() not in ("QUOTE_CLOSE", "END"):
-                if self.kind() == "INTER_OPEN":
-                    self.interpolation(depth + 1)
-                else:
-                    self.at += 1
-            self.take("QUOTE_CLOSE")
-        elif kind == "BRACKET_OPEN":
-            self.at += 1
-            if self.kind() != "BRACKET_CLOSE":
-                self.sequence(depth)
-            self.take("BRACKET_CLOSE")
-        elif kind == "BRACE_OPEN":
-            self.at += 1
-            while self.kind() != "BRACE_CLOSE":
-                if self.kind() not in _OC_DICT_KEY:
-                    self.fail("a key")
-                while self.kind() in _OC_DICT_KEY:
-                    self.at += 1
-                self.take("COLON")
-                self.element(depth + 1)
-                if self.kind() != "BRACE_CLOSE":
-                    self.take("COMMA")
-                    if self.kind() == "BRACE_CLOSE":
-                        self.fail("a key")
-            self.at += 1
-        elif kind in _OC_PRIMITIVE or kind == "INTER_OPEN":
-            while self.kind() in _OC_PRIMITIVE or self.kind() == "INTER_OPEN":
-                if self.kind() == "INTER_OPEN":
-                    self.interpolation(depth + 1)
-                else:
-                    self.at += 1
-        else:
-            self.fail("a value")
-
-
-def interpolation_problem(text: str) -> str | None:
-    """Why NeMo Gym's OmegaConf (2.3.1) refuses ``text`` as a config string, or None: a string holding
-    ``${`` must read by its interpolation grammar (``\\${`` is the escape for a literal ``${``)."""
-    if "${" not in text or _OC_QUICK.fullmatch(text):
-        return None
-    try:
-        _OmegaConfText(text).check()
-    except _BadInterpolation as error:
-        return str(error)
-    return None
 
 
 class _Quoted(str):

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_ckpt.config_overrides import interpolation_problem
+from nemo_gym_ckpt.config_interpolations import interpolation_problem
 from nemo_gym_ckpt.config_sources import parse_overrides, read_sources
 from nemo_gym_ckpt.errors import ConfigError
 from tests.support.override_values import REFUSED, VALUES

@@ -24,7 +24,8 @@ LIBRARY = "nemo_gym_ckpt"
 SERVER_FOLDERS = ("model_servers", "agents", "environment_servers", "resources_servers")
 FIRST_PARTY = (LIBRARY, *SERVER_FOLDERS, "tests")
 GROUND = frozenset(
-    {"errors", "identity", "config", "config_sources", "config_yaml", "config_overrides", "client", "server",
+    {"errors", "identity", "config", "config_sources", "config_yaml", "config_overrides", "config_interpolations",
+     "config_tokens", "client", "server",
      "context", "capture", "canonical", "responses", "echoes", "bounds", "slots",
      "aggregate_metrics"}
 )
