@@ -116,14 +116,18 @@ def test_nemo_gyms_string_match_config_loads_with_our_model_servers(ng_root: Pat
     assert mesh.instance("string_match").settings.domain == "knowledge"
 
 
-def test_nemo_gyms_simple_agent_config_loads_once_its_resources_server_is_named(ng_root: Path) -> None:
+def test_nemo_gyms_simple_agent_config_over_the_quickstart_keeps_the_quickstarts_resources_server(
+    ng_root: Path,
+) -> None:
+    """NeMo Gym's file leaves the agent's resources server ``???``. Merged over the quickstart, which names
+    one, the name stays, as NeMo Gym's merge (OmegaConf's) keeps a value that ``???`` is merged over."""
     path = ng_root / "responses_api_agents/simple_agent/configs/simple_agent.yaml"
     key = "simple_agent.responses_api_agents.simple_agent.resources_server.name"
-    with pytest.raises(ConfigError, match=rf"required value is missing \(\?\?\?\): set it, e.g. \+\+{key}="):
-        load_config([QUICKSTART, path])
-    agent = load_config([QUICKSTART, path], [f"++{key}=calculator_tools"]).instance("simple_agent")
-    assert (agent.settings.model_server.name, agent.settings.resources_server.name) == (  # type: ignore[attr-defined]
-        "policy_model", "calculator_tools")
+    assert "???" in path.read_text()  # the file itself requires the name
+    for overrides in ([], [f"++{key}=calculator_tools"]):
+        agent = load_config([QUICKSTART, path], overrides).instance("simple_agent")
+        assert (agent.settings.model_server.name, agent.settings.resources_server.name) == (  # type: ignore[attr-defined]
+            "policy_model", "calculator_tools")
 
 
 def test_nemo_gyms_environment_configs_load(ng_root: Path) -> None:
