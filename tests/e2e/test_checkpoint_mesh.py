@@ -180,10 +180,21 @@ async def until_seen(client: MeshClient, mesh: Mesh, tasks: dict[str, asyncio.Ta
     def seen(found: dict[str, dict[str, Any]]) -> bool:
         if ok(found[ENV]["extras"], found[MODEL]["extras"], found[AGENT]["extras"]):
             return True
-        assert not any(task.done() for task in tasks.values()), "a rollout ended before the checkpoint"
+        ended = {key: _reply_of(task) for key, task in tasks.items() if task.done()}
+        assert not ended, f"a rollout ended before the checkpoint: {ended}"
         return False
 
     await until_extras(client, mesh.launcher, (ENV, MODEL, AGENT), seen, what, interval_s=0.002)
+
+
+def _reply_of(task: asyncio.Task[Any]) -> str:
+    """What an ended ``/run`` task gave: its status and the start of its body, or its error."""
+    if task.cancelled():
+        return "cancelled"
+    if (error := task.exception()) is not None:
+        return repr(error)[:300]
+    reply = task.result()
+    return f"{reply.status_code} {reply.text[:300]}"
 
 
 async def checkpoint_mid_episode(
