@@ -104,8 +104,12 @@ async def _drive_tool_calls(transport: TransportName, url: str, concurrency: int
             await client.post_json(url, {"a": n % 1000, "b": 7}, identity=RolloutIdentity(f"bench-{n}"))
 
         await run_closed_loop(call, concurrency, min(1.0, duration_s))  # warm-up: connections, JIT paths
+        cpu_began = time.process_time()
         result = await run_closed_loop(call, concurrency, duration_s)
-    return {"transport": transport, **result}
+        cpu_s = time.process_time() - cpu_began
+    # this process is the client alone (the server is a process of its own): its CPU per call
+    cpu_us = round(1e6 * cpu_s / max(result["requests"], 1), 1)
+    return {"transport": transport, **result, "client_cpu_us_per_call": cpu_us}
 
 
 def bench_client(duration_s: float) -> Result:
