@@ -15,7 +15,9 @@ each server its own process, launched once for the module. A controller here dis
    made again, and the rows equal the uninterrupted run's, token arrays included: records never
    carry them (docs/protocol.md section 6), the policy model keeps those of delivered calls in its token
    sidecar and the agent puts them back on its restored output items;
-3. retire during a run, then forget: nothing is left on any participant;
+3. retire during a run, then forget: every rollout held in its tool call (SIGSTOP of the resources
+   server) until the environment has the retire, so each ``/run`` answers 409 ``stale_attempt``;
+   after the forget nothing is left on any participant;
 4. a checkpoint that lands after the agent was done (each episode in or past its verify, the agent
    sessions closed, so only the environment's boundary holds the agent's reply, and its record has
    no token arrays), crash, restore: the rows equal the uninterrupted run's, token arrays included
@@ -138,32 +140,25 @@ def dispatch(client: MeshClient, mesh: Mesh, prefix: str) -> dict[str, asyncio.T
         timeout_s=RUN_TIMEOUT_S)) for i, row in enumerate(mesh.rows)}
 
 
-async def dispatch_mid_episode(
-    client: MeshClient, mesh: Mesh, prefix: str, *, hold: bool = True
-) -> dict[str, asyncio.Task[Any]]:
+async def dispatch_mid_episode(client: MeshClient, mesh: Mesh, prefix: str) -> dict[str, asyncio.Task[Any]]:
     """Dispatch every row and return once each rollout is mid-episode: the worker is paused (SIGSTOP)
     until every episode is live and its first model call admitted, so no rollout can run ahead of
-    the last one admitted on a slow machine. With ``hold``, the resources server is paused before
-    the worker goes on, and this returns once every agent session is in its tool call: none can get
-    a second model call, whatever the machine's speed, until the caller's checkpoint (which lets the
-    resources server go on once the agent is preparing: its sessions then park before their next
-    call). Without it, this returns once a first model call is delivered."""
+    the last one admitted on a slow machine. The resources server is paused before the worker goes
+    on, and this returns once every agent session is in its tool call (its first model call
+    delivered): none can get a second model call or end, whatever the machine's speed, until the
+    caller lets the resources server go on (``go_on``): a checkpoint once the agent is preparing
+    (its sessions then park before their next call), a retire once the environment has it."""
     base = await extras(client, mesh.launcher, MODEL)
     assert mesh.launcher.kill(WORKER, signal.SIGSTOP)
     try:
         tasks = dispatch(client, mesh, prefix)
         await until_seen(client, mesh, tasks, lambda env, model, agent: (env["episodes"], model["active_calls"])
                          == (len(tasks), base["active_calls"] + len(tasks)), "every first model call admitted")
-        if hold:
-            assert mesh.launcher.kill(RESOURCES, signal.SIGSTOP)
+        assert mesh.launcher.kill(RESOURCES, signal.SIGSTOP)
     finally:
         mesh.launcher.kill(WORKER, signal.SIGCONT)
-    if hold:
-        await until_seen(client, mesh, tasks, lambda env, model, agent: agent["in_tool_call"] == len(tasks),
-                         "every agent session in its tool call (the resources server paused)")
-    else:
-        await until_seen(client, mesh, tasks, lambda env, model, agent: model["rows"] > base["rows"],
-                         "a first model call delivered")
+    await until_seen(client, mesh, tasks, lambda env, model, agent: agent["in_tool_call"] == len(tasks),
+                     "every agent session in its tool call (the resources server paused)")
     return tasks
 
 
@@ -175,13 +170,13 @@ def go_on(mesh: Mesh) -> None:
 async def until_seen(client: MeshClient, mesh: Mesh, tasks: dict[str, asyncio.Task[Any]],
                      ok: Any, what: str) -> None:
     """Poll the environment's, the model's and the agent's status extras until ``ok(env, model, agent)``,
-    no rollout ended."""
+    no rollout ended (with the worker or the resources server paused none can: one that did failed)."""
 
     def seen(found: dict[str, dict[str, Any]]) -> bool:
         if ok(found[ENV]["extras"], found[MODEL]["extras"], found[AGENT]["extras"]):
             return True
         ended = {key: _reply_of(task) for key, task in tasks.items() if task.done()}
-        assert not ended, f"a rollout ended before the checkpoint: {ended}"
+        assert not ended, f"a rollout ended while it was held: {ended}"
         return False
 
     await until_extras(client, mesh.launcher, (ENV, MODEL, AGENT), seen, what, interval_s=0.002)
@@ -330,13 +325,26 @@ async def test_retire_during_a_run_then_forget_leaves_nothing(mesh: Mesh) -> Non
     launcher = mesh.launcher
     async with MeshClient() as client, Coordinator(launcher.head_url, TOKEN) as coordinator:
         finished = [f"{prefix}{i}" for prefix in ("ref", "nc", "ck") for i in range(ROLLOUTS)]
-        await coordinator.forget(finished, deadline_ts=time.time() + 60)  # collected: nothing to keep
-        tasks = await dispatch_mid_episode(client, mesh, "rt", hold=False)
+        # collected: nothing to keep; this also discovers the participants while none is paused
+        await coordinator.forget(finished, deadline_ts=time.time() + 60)
+        base = (await extras(client, launcher, MODEL))["rows"]
+        tasks = await dispatch_mid_episode(client, mesh, "rt")  # each in its tool call, the resources paused
         episodes = [RolloutIdentity(key) for key in tasks]
-        await coordinator.retire(episodes, deadline_ts=time.time() + 60)
-        replies = await asyncio.gather(*tasks.values())
-        codes = {reply.json()["error"]["code"] for reply in replies if reply.status_code != 200}
-        assert codes <= {"stale_attempt"} and any(reply.status_code == 409 for reply in replies)
+        try:
+            assert (await extras(client, launcher, MODEL))["rows"] == base + ROLLOUTS  # a ledger row each
+            # The resources server cannot answer the retire's last stage, nor the closes of the
+            # environment's cleanup: it goes on once the environment has the retire (its episodes
+            # are stopped and answer stale_attempt; none could end before, held in its tool call).
+            retiring = asyncio.create_task(coordinator.retire(episodes, deadline_ts=time.time() + 60))
+            await until_extras(client, launcher, (ENV,), lambda s: s[ENV]["retired_rollouts"] == ROLLOUTS,
+                               "the environment retired every rollout (the resources server paused)")
+            assert not [key for key, task in tasks.items() if task.done()], "a rollout ended before the retire"
+        finally:
+            go_on(mesh)
+        await asyncio.wait_for(retiring, WAIT_S)
+        replies = await asyncio.wait_for(asyncio.gather(*tasks.values()), WAIT_S)
+        answers = [(reply.status_code, (reply.json().get("error") or {}).get("code")) for reply in replies]
+        assert answers == [(409, "stale_attempt")] * ROLLOUTS
         statuses = await coordinator.status()
         assert all(s["retired_rollouts"] == ROLLOUTS for s in statuses.values())
         await coordinator.forget([e.rollout_id for e in episodes], deadline_ts=time.time() + 60)
