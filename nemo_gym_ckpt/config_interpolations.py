@@ -28,16 +28,19 @@ _OC_QUICK = re.compile(
 _OC_OPEN = ("INTER_OPEN", f"\\$\\{{{WS}", "push INTER")
 _OC_WORDS = [(name, pattern.pattern, "") for name, patterns in TOKENS
              if name in ("FLOAT", "INT", "BOOL", "NULL", "UNQUOTED_CHAR", "ID", "ESC", "WS") for pattern in patterns]
+_HYDRA = {name: patterns[0].pattern for name, patterns in TOKENS if len(patterns) == 1}
+"""Hydra's single-pattern tokens by name: the punctuation (with its blanks) and ID are OmegaConf's too."""
 _OC_MODES: dict[str, list[tuple[str, re.Pattern[str], str]]] = {
     mode: [(name, re.compile(pattern), action) for name, pattern, action in rules] for mode, rules in {
         "TOP": [_OC_OPEN, ("TEXT", "\\\\\\$\\{|(?:\\\\\\\\)+|[\\\\$]|[^\\\\$]+", "")],
-        "INTER": [_OC_OPEN, ("COLON", f"{WS}:{WS}", "mode VALUE"), ("INTER_CLOSE", f"{WS}\\}}", "pop"),
+        "INTER": [_OC_OPEN, ("COLON", _HYDRA["COLON"], "mode VALUE"), ("INTER_CLOSE", _HYDRA["BRACE_CLOSE"], "pop"),
                   ("DOT", "\\.", ""), ("BRACKET_OPEN", "\\[", ""), ("BRACKET_CLOSE", "\\]", ""),
-                  ("ID", "[a-zA-Z_][a-zA-Z0-9_\\-]*", ""), ("INTER_KEY", "[^\\\\{}()\\[\\]:. \\t'\"]+", "")],
-        "VALUE": [_OC_OPEN, ("BRACE_OPEN", f"\\{{{WS}", "push VALUE"), ("BRACE_CLOSE", f"{WS}\\}}", "pop"),
+                  ("ID", _HYDRA["ID"], ""), ("INTER_KEY", "[^\\\\{}()\\[\\]:. \\t'\"]+", "")],
+        "VALUE": [_OC_OPEN, ("BRACE_OPEN", _HYDRA["BRACE_OPEN"], "push VALUE"),
+                  ("BRACE_CLOSE", _HYDRA["BRACE_CLOSE"], "pop"),
                   ("QUOTE_OPEN", "'", "push SINGLE"), ("QUOTE_OPEN", '"', "push DOUBLE"),
-                  ("COMMA", f"{WS},{WS}", ""), ("BRACKET_OPEN", f"\\[{WS}", ""),
-                  ("BRACKET_CLOSE", f"{WS}\\]", ""), ("COLON", f"{WS}:{WS}", ""), *_OC_WORDS],
+                  *((name, _HYDRA[name], "") for name in ("COMMA", "BRACKET_OPEN", "BRACKET_CLOSE", "COLON")),
+                  *_OC_WORDS],
         **{mode: [_OC_OPEN, ("QUOTE_CLOSE", quote, "pop"),
                   ("TEXT", f"\\\\\\$\\{{|(?:\\\\\\\\)+|\\\\{quote}|[\\\\$]|[^{quote}\\\\$]+", "")]
            for mode, quote in (("SINGLE", "'"), ("DOUBLE", '"'))},
