@@ -7,6 +7,7 @@ import asyncio
 import errno
 import shutil
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import expect_error
 from nemo_gym_ckpt.testing.crashfs import CrashFS
 from nemo_gym_ckpt.testing.minimal import SessionsAdapter, create_minimal_server
+from tests.support.loop_turns import TurnCounter
 
 from .conftest import FAKE_CLOCK_START, GRACE_S, TOKEN, ServerFactory, client_of, until
 
@@ -881,3 +883,18 @@ def test_participant_arguments_are_checked(root: Path) -> None:
             Participant(
                 kind=kind, instance=instance, adapter=SessionsAdapter(), store=store, lease_grace_s=grace
             )
+
+
+async def test_a_prepare_with_nothing_in_flight_answers_in_the_turn_it_was_asked(root: Path) -> None:
+    """On a busy server each turn of the event loop is every callback ready when it began: a prepare
+    whose readiness is known at once must not wait for any turn (it waited three)."""
+    adapter = SessionsAdapter()
+    participant = Participant(kind="agent", instance="a1", adapter=adapter, store=CheckpointStore(root),
+                              lease_grace_s=GRACE_S)
+    adapter.participant = participant
+    adapter.put(RolloutIdentity("r1"), {"turn": 1})
+    counter = TurnCounter()
+    reply = await participant.prepare(ControlRequest(checkpoint_id="c1", deadline_ts=time.time() + 10))
+    assert (counter.stop(), reply["phase"]) == (0, "prepared")
+    await participant.resume(ControlRequest(checkpoint_id="c1", deadline_ts=time.time() + 10))
+    await participant.aclose()
