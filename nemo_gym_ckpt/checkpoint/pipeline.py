@@ -4,14 +4,17 @@ sections 4 and 6).
 The capture runs on the event loop and only collects: it iterates the adapter's records (keeping
 those in scope) into one list, or takes the list an ``ExportAtOnce`` adapter hands over whole. A
 record the adapter hands back unchanged (a ``Record`` it kept) costs nothing here; a new one is
-encoded once (``Record.from_data``: orjson, and a byte search for token arrays). Meanwhile a
-worker thread opens the writer (the directories made and fsynced, the records file created: a few ms
-of system calls that need no record). The write then runs in one worker thread, once: references
-to what the previous committed checkpoint already holds (``incremental``), the other records
-inline, hashed and written in chunks of about 1 MiB, then the records sealed and the manifest
-linked. Two thread hand-offs per commit, whatever the number of records. The whole of it runs
-with prompt hand-offs of the interpreter's lock (``prompt_switching``): the writer's threads make a
-dozen system calls beside a loop that is capturing or serving.
+encoded once (``Record.from_data``: orjson, and a byte search for token arrays). A list handed over
+whole is taken in the commit's own turn of the loop, with no task between: on a busy server every
+task, and every future a result passes through, is a turn of the loop later, and a turn there is
+every callback that was ready when it began. Meanwhile a worker thread opens the writer (the
+directories made and fsynced, the records file created: a few ms of system calls that need no
+record). The write then runs in one worker thread, once: references to what the previous committed
+checkpoint already holds (``incremental``), the other records inline, hashed and written in chunks
+of about 1 MiB, then the records sealed and the manifest linked. Two thread hand-offs per commit,
+whatever the number of records. The whole of it runs with prompt hand-offs of the interpreter's
+lock (``prompt_switching``): the writer's threads make a dozen system calls beside a loop that is
+capturing or serving.
 ``cancel_export`` stops the capture at once (a resume must not let it read the adapter's state
 again); a write already in its thread stops at its next chunk through the store's ``StopSignal``. A
 failure that is not a protocol error is a bug and propagates as such.
@@ -20,11 +23,13 @@ failure that is not a protocol error is a bug and propagates as such.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import itertools
 import operator
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from nemo_gym_ckpt.checkpoint.adapter import ExportAtOnce, ParticipantAdapter
 from nemo_gym_ckpt.checkpoint.incremental import refuse_reserved
@@ -35,6 +40,8 @@ from nemo_gym_ckpt.checkpoint.telemetry import ATTR, Telemetry
 from nemo_gym_ckpt.errors import GymError
 
 __all__ = ["ExportPipeline"]
+
+T = TypeVar("T")
 
 _IS_REFERENCE = operator.attrgetter("reference")
 _RECORD_KEY = operator.attrgetter("episode.capture_key")
@@ -53,7 +60,7 @@ class ExportPipeline:
             telemetry,
             checkpoint_id,
         )
-        self._export: asyncio.Task[tuple[list[Record], list[str]]] | None = None
+        self._export: asyncio.Task[list[Record]] | None = None
         self.timings: dict[str, Any] = {}
         """Once run: ``records``, ``bytes`` (``RecordWriter.bytes_written``: the records file, and the
         other files of a store that writes more), ``capture_ms`` (on the event loop), ``write_ms`` (in
@@ -79,12 +86,11 @@ class ExportPipeline:
     async def _run(
         self, open_writer: Callable[[], RecordWriter], kind: str, instance: str
     ) -> tuple[Manifest, list[str]]:
-        opening = asyncio.ensure_future(asyncio.to_thread(open_writer))
+        opening = _in_thread(open_writer)
         writer: RecordWriter | None = None
         try:
             began = time.perf_counter()
-            self._export = asyncio.ensure_future(self._capture())
-            records, exported = await self._export
+            records, exported = await self._capture()
             captured = time.perf_counter()
             writer = await asyncio.shield(opening)
             ready = time.perf_counter()
@@ -101,14 +107,16 @@ class ExportPipeline:
         return manifest, exported
 
     async def _capture(self) -> tuple[list[Record], list[str]]:
-        """The records in scope, and the capture keys of their episodes (each once, in order)."""
+        """The records in scope, and the capture keys of their episodes (each once, in order): an
+        ``ExportAtOnce`` adapter's list in the caller's turn of the loop, else the adapter's records
+        streamed by a task of their own (``cancel_export`` stops it)."""
         with self.telemetry.span("export", **{ATTR.ID: self.checkpoint_id}) as span:
             taken = self._at_once()
             if taken is None:
-                records = await self._streamed()
-                keys = list(map(_RECORD_KEY, records))
-            else:
-                records, keys = taken
+                self._export = asyncio.ensure_future(self._streamed())
+                records = await self._export
+                taken = records, list(map(_RECORD_KEY, records))
+            records, keys = taken
             exported = list(dict.fromkeys(keys))
             span.set_attribute(ATTR.RECORDS, len(exported))
             return records, exported
@@ -153,6 +161,14 @@ class ExportPipeline:
         writer.write_records(records)
         manifest = writer.finish(kind, instance, self.checkpoint_id)
         return manifest, time.perf_counter() - began, time.thread_time() - began_cpu
+
+
+def _in_thread(work: Callable[[], T]) -> asyncio.Future[T]:
+    """``work`` handed to the loop's default executor now, in a copy of the current context (as
+    ``asyncio.to_thread`` does), as a future: no task to start first, so the thread begins in this
+    turn of the event loop and its result is one turn away once it ends."""
+    call = functools.partial(contextvars.copy_context().run, work)
+    return asyncio.get_running_loop().run_in_executor(None, call)
 
 
 async def _opened(opening: asyncio.Future[RecordWriter]) -> RecordWriter | None:
