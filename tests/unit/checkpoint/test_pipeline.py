@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
@@ -232,4 +233,32 @@ async def test_a_list_handed_over_whole_and_the_writers_thread_start_in_the_turn
         lambda: store.open_writer(root / "c1", "agent", "a1", StopSignal()), "agent", "a1")
     counter.stop()
     assert (adapter.asked_at_turn, submitted_at_turn[0], exported) == (0, 0, ["r1", "r2"])
+    assert manifest.record_count == 2
+
+
+async def test_the_write_is_handed_to_its_thread_before_the_writer_is_open(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write's thread takes the writer from the opening thread: the loop awaits no opening (each
+    thread result awaited there is turns of a busy loop later) and the commit's one await is the write."""
+    store = CheckpointStore(root)
+    loop = asyncio.get_running_loop()
+    handed: list[str] = []
+    submit = loop.run_in_executor
+
+    def noted_submit(executor: Any, work: Any, *args: Any) -> asyncio.Future[Any]:
+        handed.append(getattr(getattr(work, "args", (None,))[0], "__name__", repr(work)))
+        return submit(executor, work, *args)
+
+    def open_writer() -> RecordWriter:
+        deadline = time.monotonic() + 2.0
+        while len(handed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen_while_opening.extend(handed)
+        return store.open_writer(root / "c1", "agent", "a1", StopSignal())
+
+    seen_while_opening: list[str] = []
+    monkeypatch.setattr(loop, "run_in_executor", noted_submit)
+    manifest, _ = await _pipeline(_Adapter()).run(open_writer, "agent", "a1")
+    assert len(seen_while_opening) == 2, f"handed to threads while the writer opened: {seen_while_opening}"
     assert manifest.record_count == 2
