@@ -93,10 +93,53 @@ Work = Coroutine[Any, Any, dict[str, Any]]
 
 @dataclass
 class _Job:
-    """One export+write (commit) or read+install (restore), keyed by its arguments."""
+    """One export+write (commit) or read+install (restore), keyed by its arguments. Its callers
+    wait on futures of their own that the job's task settles in its last step (``run``): through a
+    done callback of the task (``asyncio.shield``) each reply was one turn of the loop later, and on
+    a busy server a turn is every callback that was ready when it began."""
 
     args: Hashable
-    task: asyncio.Task[dict[str, Any]]
+    waiters: set[asyncio.Future[dict[str, Any]]] = field(default_factory=set)
+    task: asyncio.Task[dict[str, Any]] = field(init=False)
+
+    async def run(self, work: Work) -> dict[str, Any]:
+        try:
+            reply = await work
+        except asyncio.CancelledError:
+            self._settle(asyncio.Future.cancel)
+            raise
+        except BaseException as error:
+            self._settle(functools.partial(_set_exception, error=error))
+            raise
+        self._settle(functools.partial(_set_result, reply=reply))
+        return reply
+
+    def waiter(self) -> asyncio.Future[dict[str, Any]]:
+        """A future of the caller's own, settled like the job (cancelling it leaves the job alone)."""
+        waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        if not self.task.done():
+            self.waiters.add(waiter)
+        elif self.task.cancelled():
+            waiter.cancel()
+        elif (error := self.task.exception()) is not None:
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(self.task.result())
+        return waiter
+
+    def _settle(self, settle: Callable[[asyncio.Future[dict[str, Any]]], Any]) -> None:
+        waiters, self.waiters = self.waiters, set()
+        for waiter in waiters:
+            if not waiter.done():
+                settle(waiter)
+
+
+def _set_exception(waiter: asyncio.Future[Any], *, error: BaseException) -> None:
+    waiter.set_exception(error)
+
+
+def _set_result(waiter: asyncio.Future[Any], *, reply: dict[str, Any]) -> None:
+    waiter.set_result(reply)
 
 
 @dataclass
@@ -630,12 +673,17 @@ class Participant:
         return job
 
     def _start_job(self, open_: _Open, op: Op, args: Hashable, work: Work) -> _Job:
-        job = _Job(args, self._spawn(work))
+        job = _Job(args)
+        job.task = self._spawn(job.run(work))
         open_.jobs[op] = job
         return job
 
     async def _await_job(self, job: _Job, deadline_ts: float, checkpoint_id: str) -> dict[str, Any]:
-        done, reply = await wait_until(self.clock, asyncio.shield(job.task), deadline_ts)
+        waiter = job.waiter()
+        try:
+            done, reply = await wait_until(self.clock, waiter, deadline_ts)
+        finally:
+            job.waiters.discard(waiter)
         if job.task.cancelled():
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} was resumed before this finished")
         if not done or reply is None:

@@ -7,6 +7,7 @@ import asyncio
 import errno
 import shutil
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from nemo_gym_ckpt.testing.clock import FakeClock
 from nemo_gym_ckpt.testing.conformance import expect_error
 from nemo_gym_ckpt.testing.crashfs import CrashFS
 from nemo_gym_ckpt.testing.minimal import SessionsAdapter, create_minimal_server
+from tests.support.loop_turns import TurnCounter
 
 from .conftest import FAKE_CLOCK_START, GRACE_S, TOKEN, ServerFactory, client_of, until
 
@@ -881,3 +883,50 @@ def test_participant_arguments_are_checked(root: Path) -> None:
             Participant(
                 kind=kind, instance=instance, adapter=SessionsAdapter(), store=store, lease_grace_s=grace
             )
+
+
+async def test_a_prepare_with_nothing_in_flight_answers_in_the_turn_it_was_asked(root: Path) -> None:
+    """On a busy server each turn of the event loop is every callback ready when it began: a prepare
+    whose readiness is known at once must not wait for any turn (it waited three)."""
+    adapter = SessionsAdapter()
+    participant = Participant(kind="agent", instance="a1", adapter=adapter, store=CheckpointStore(root),
+                              lease_grace_s=GRACE_S)
+    adapter.participant = participant
+    adapter.put(RolloutIdentity("r1"), {"turn": 1})
+    counter = TurnCounter()
+    reply = await participant.prepare(ControlRequest(checkpoint_id="c1", deadline_ts=time.time() + 10))
+    assert (counter.stop(), reply["phase"]) == (0, "prepared")
+    await participant.resume(ControlRequest(checkpoint_id="c1", deadline_ts=time.time() + 10))
+    await participant.aclose()
+
+
+class _TurnNotingAdapter(SessionsAdapter):
+    """Notes the turn of the loop in which a commit's work ended (``committed`` is its last step)."""
+
+    counter: TurnCounter | None = None
+    ended_at_turn: int | None = None
+
+    async def committed(self, scope: Scope | None) -> dict[str, Any]:
+        assert self.counter is not None
+        self.ended_at_turn = self.counter.turns
+        return dict(await super().committed(scope))
+
+
+async def test_a_commits_reply_reaches_its_caller_one_turn_after_its_work_ends(root: Path) -> None:
+    """The job's task settles its callers' futures in its last step: through a done callback of the
+    task (``asyncio.shield``) the reply came two turns of a busy loop after the work, not one."""
+    adapter = _TurnNotingAdapter()
+    participant = Participant(kind="agent", instance="a1", adapter=adapter, store=CheckpointStore(root),
+                              lease_grace_s=GRACE_S)
+    adapter.participant = participant
+    adapter.put(RolloutIdentity("r1"), {"turn": 1})
+    deadline = time.time() + 10
+    await participant.prepare(ControlRequest(checkpoint_id="c1", deadline_ts=deadline))
+    adapter.counter = TurnCounter()
+    reply = await participant.commit(CommitRequest(checkpoint_id="c1", deadline_ts=deadline,
+                                                   checkpoint_dir=str(root / "c1")))
+    turns = adapter.counter.stop()
+    assert adapter.ended_at_turn is not None and reply["phase"] == "committed"
+    assert turns - adapter.ended_at_turn == 1
+    await participant.resume(ControlRequest(checkpoint_id="c1", deadline_ts=deadline))
+    await participant.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import pkgutil
+import time
 
 import pytest
 
@@ -15,6 +16,7 @@ from nemo_gym_ckpt.checkpoint.lease import Lease
 from nemo_gym_ckpt.checkpoint.phases import OPEN_PHASES, TRANSITIONS, Op, Phase, advance, allowed_from
 from nemo_gym_ckpt.errors import InvalidPhase
 from nemo_gym_ckpt.testing.clock import FakeClock
+from tests.support.loop_turns import TurnCounter
 
 pytestmark = pytest.mark.unit
 
@@ -105,6 +107,33 @@ async def test_wait_until_on_the_system_clock_gives_the_same_answers() -> None:
 
     with pytest.raises(RuntimeError):
         await wait_until(SYSTEM_CLOCK, boom(), SYSTEM_CLOCK.now() + 5)
+
+
+async def test_on_the_system_clock_work_done_at_once_answers_in_the_turn_it_was_asked() -> None:
+    async def counted() -> int:
+        return 7
+
+    event = asyncio.Event()
+    event.set()
+    counter = TurnCounter()
+    answers = [await wait_until(SYSTEM_CLOCK, counted(), SYSTEM_CLOCK.now() + 5),
+               await wait_until(SYSTEM_CLOCK, event.wait(), SYSTEM_CLOCK.now() + 5)]
+    assert (counter.stop(), answers) == (0, [(True, 7), (True, True)]), (
+        "no task and no asyncio.wait between the caller and work that needs no other turn")
+
+
+async def test_on_the_system_clock_the_deadline_is_the_wall_clocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's timer fires on its own clock; a wall clock stepped back meanwhile is waited for."""
+    from nemo_gym_ckpt.checkpoint import clock as clock_module
+
+    step = {"back_s": 0.0}
+    real_time = time.time
+    monkeypatch.setattr(clock_module.time, "time", lambda: real_time() - step["back_s"])
+    ts = clock_module.time.time() + 0.05
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.02, step.update, {"back_s": 0.1})
+    assert await wait_until(SYSTEM_CLOCK, asyncio.Event().wait(), ts) == (False, None)
+    assert clock_module.time.time() >= ts, "the wait ended before the wall clock reached its deadline"
 
 
 async def test_a_signal_wakes_whoever_took_its_event_and_only_them() -> None:

@@ -3,8 +3,10 @@ outlives a failure, and all of it runs with prompt hand-offs of the interpreter'
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
@@ -17,6 +19,7 @@ from nemo_gym_ckpt.checkpoint.store import CheckpointStore, RecordWriter, StopSi
 from nemo_gym_ckpt.checkpoint.switching import COMMIT_SWITCH_INTERVAL_S, prompt_switching
 from nemo_gym_ckpt.checkpoint.telemetry import Telemetry
 from nemo_gym_ckpt.errors import InternalError, Unavailable
+from tests.support.loop_turns import TurnCounter
 
 pytestmark = pytest.mark.unit
 
@@ -193,3 +196,69 @@ async def test_a_reference_in_a_list_is_refused_as_in_a_stream() -> None:
     reference = Record.from_raw(b'{"episode_id":{"rollout_id":"r1","attempt":0},"same_as":"x"}')
     with pytest.raises(InternalError, match="mark a reference"):
         await _capture(_AtOnce([_record("r2"), reference]), None)
+
+
+class _TurnNoting(_Adapter):
+    """Hands its two records over whole (``ExportAtOnce``), noting the turn of the loop it was asked in."""
+
+    def __init__(self, counter: TurnCounter) -> None:
+        super().__init__()
+        self.counter = counter
+        self.asked_at_turn: int | None = None
+
+    def export_at_once(self, scope: Scope | None) -> list[Record]:
+        self.asked_at_turn = self.counter.turns
+        return [Record.from_data({"episode_id": {"rollout_id": rollout, "attempt": 0}, "n": 1})
+                for rollout in ("r1", "r2")]
+
+
+async def test_a_list_handed_over_whole_and_the_writers_thread_start_in_the_turn_the_commit_began(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a busy server a turn of the loop is every callback ready when it began: neither the
+    capture nor the thread that opens the writer may wait for one to start."""
+    store = CheckpointStore(root)
+    loop = asyncio.get_running_loop()
+    submitted_at_turn: list[int] = []
+    submit = loop.run_in_executor
+
+    def noted_submit(executor: Any, work: Any, *args: Any) -> asyncio.Future[Any]:
+        submitted_at_turn.append(counter.turns)
+        return submit(executor, work, *args)
+
+    monkeypatch.setattr(loop, "run_in_executor", noted_submit)
+    counter = TurnCounter()
+    adapter = _TurnNoting(counter)
+    manifest, exported = await _pipeline(adapter).run(
+        lambda: store.open_writer(root / "c1", "agent", "a1", StopSignal()), "agent", "a1")
+    counter.stop()
+    assert (adapter.asked_at_turn, submitted_at_turn[0], exported) == (0, 0, ["r1", "r2"])
+    assert manifest.record_count == 2
+
+
+async def test_the_write_is_handed_to_its_thread_before_the_writer_is_open(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write's thread takes the writer from the opening thread: the loop awaits no opening (each
+    thread result awaited there is turns of a busy loop later) and the commit's one await is the write."""
+    store = CheckpointStore(root)
+    loop = asyncio.get_running_loop()
+    handed: list[str] = []
+    submit = loop.run_in_executor
+
+    def noted_submit(executor: Any, work: Any, *args: Any) -> asyncio.Future[Any]:
+        handed.append(getattr(getattr(work, "args", (None,))[0], "__name__", repr(work)))
+        return submit(executor, work, *args)
+
+    def open_writer() -> RecordWriter:
+        deadline = time.monotonic() + 2.0
+        while len(handed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen_while_opening.extend(handed)
+        return store.open_writer(root / "c1", "agent", "a1", StopSignal())
+
+    seen_while_opening: list[str] = []
+    monkeypatch.setattr(loop, "run_in_executor", noted_submit)
+    manifest, _ = await _pipeline(_Adapter()).run(open_writer, "agent", "a1")
+    assert len(seen_while_opening) == 2, f"handed to threads while the writer opened: {seen_while_opening}"
+    assert manifest.record_count == 2
