@@ -109,9 +109,10 @@ class _Job:
             self._settle(asyncio.Future.cancel)
             raise
         except BaseException as error:
-            self._settle(functools.partial(_set_exception, error=error))
+            failure = error  # ``error`` is unbound when the clause ends
+            self._settle(lambda waiter: waiter.set_exception(failure))
             raise
-        self._settle(functools.partial(_set_result, reply=reply))
+        self._settle(lambda waiter: waiter.set_result(reply))
         return reply
 
     def waiter(self) -> asyncio.Future[dict[str, Any]]:
@@ -132,14 +133,6 @@ class _Job:
         for waiter in waiters:
             if not waiter.done():
                 settle(waiter)
-
-
-def _set_exception(waiter: asyncio.Future[Any], *, error: BaseException) -> None:
-    waiter.set_exception(error)
-
-
-def _set_result(waiter: asyncio.Future[Any], *, reply: dict[str, Any]) -> None:
-    waiter.set_result(reply)
 
 
 @dataclass

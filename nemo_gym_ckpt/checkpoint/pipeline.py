@@ -71,8 +71,8 @@ class ExportPipeline:
         the worker thread, from the first byte to the manifest's link and the directory's fsync) and
         ``write_cpu_ms`` (that thread's CPU time meanwhile: the rest of ``write_ms`` it waited, for the
         disk, a core or the interpreter's lock), ``sync_ms`` (of ``write_ms``, the time in its fsyncs)
-        and ``open_wait_ms`` (from the capture's end until the
-        writer was open, in neither of the others)."""
+        and ``open_wait_ms`` (in the write's thread, before ``write_ms``: the time it waited for the
+        writer's own thread to open it)."""
 
     def cancel_export(self) -> None:
         if self._export is not None:
