@@ -59,6 +59,7 @@ from nemo_gym_ckpt.launch.child import (
     watch_parent,
 )
 from nemo_gym_ckpt.launch.instance_token import read_instance_token, with_instance_token
+from nemo_gym_ckpt.launch.startup_gc import settled_at_startup
 from nemo_gym_ckpt.resources.shell import ResourcesShell
 
 __all__ = ["ServerBlock", "main", "server_class_in", "server_folder"]
@@ -167,4 +168,5 @@ def main(instance: str) -> None:
     app = flush_telemetry_at_shutdown(server_class.run_webserver(), exporting)  # type: ignore[attr-defined]
     shell = ResourcesShell(app, instance, declaration, inner_strips_prefix=True)
     served = shell.build_app(checkpoint if checkpoint.enabled else None, max_body_bytes=block.max_body_bytes)
-    uvicorn.run(with_instance_token(served, token), host=block.host, port=block.port, **UVICORN_SETTINGS)
+    uvicorn.run(settled_at_startup(with_instance_token(served, token)), host=block.host, port=block.port,
+                **UVICORN_SETTINGS)

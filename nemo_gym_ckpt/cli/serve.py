@@ -12,6 +12,11 @@ directory); it stops them all on SIGTERM or SIGINT, or when one ends.
 
 from __future__ import annotations
 
+from nemo_gym_ckpt.launch import startup_gc
+
+if __name__ == "__main__":  # a server process: its imports and its app's start without the collector
+    startup_gc.pause_collector()
+
 import argparse
 import asyncio
 import importlib
@@ -78,7 +83,7 @@ def _serve(mesh: MeshConfig, instance: ServerInstance, *, worker: bool) -> None:
         logger.error("config error: %s", error)
         raise SystemExit(ExitCode.USAGE) from None
     host, port = instance.settings.host, cast(int, instance.settings.port)
-    served = with_instance_token(app, token)
+    served = startup_gc.settled_at_startup(with_instance_token(app, token))
     if worker:
         uvicorn.Server(uvicorn.Config(served, **UVICORN_SETTINGS)).run(sockets=[bind_listener(host, port)])
     else:
@@ -103,6 +108,7 @@ def _serve_workers(mesh: MeshConfig, instance: ServerInstance) -> int:
         _serve(mesh, instance, worker=True)
 
     workers = WorkerProcesses.fork(instance.name, count, serve)
+    startup_gc.settle_collector()  # the workers settle theirs once their apps have started
     if launcher_pid is not None:
         watch_parent(int(launcher_pid), exit_orphaned)
     try:

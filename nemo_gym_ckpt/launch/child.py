@@ -64,6 +64,8 @@ spec = importlib.machinery.PathFinder.find_spec("nemo_gym_ckpt", [root])
 package = importlib.util.module_from_spec(spec)
 sys.modules["nemo_gym_ckpt"] = package
 spec.loader.exec_module(package)
+from nemo_gym_ckpt.launch.startup_gc import pause_collector
+pause_collector()
 from nemo_gym_ckpt.bridge.child import main
 main(instance)
 """
