@@ -472,6 +472,8 @@ class MeshLauncher:
         Returns the names of the servers that were still running; those that needed SIGKILL are
         logged and left in ``killed``.
         """
+        if self._head is not None:
+            self._head.begin_stop()  # the head server shuts down while the children do
         running = [child for child in self._children.values() if child.signal(signal.SIGTERM)]
         deadline = time.monotonic() + self.stop_grace_s
         killed = [child for child in running if not child.reap(deadline - time.monotonic())]

@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -355,15 +356,28 @@ def test_a_stop_requested_before_the_servers_are_up_ends_the_start() -> None:
     assert not [pid for pid in child_pids(os.getpid()) if "nemo_gym_ckpt.cli.serve" in _cmdline(pid)]
 
 
+def head_answers(head_url: str) -> bool:
+    try:
+        get_json(f"{head_url}/servers")
+    except httpx.TransportError:
+        return False
+    return True
+
+
 def test_stop_kills_a_server_that_does_not_exit_on_sigterm(launch_mesh: Launch) -> None:
-    mesh = launch_mesh("string_match.yaml", stop_grace_s=0.5)
-    pid = mesh.pid_of("sm")
+    mesh = launch_mesh("string_match.yaml", stop_grace_s=2.0)
+    pid, head_url = mesh.pid_of("sm"), mesh.head_url
     assert mesh.kill("sm", signal.SIGSTOP)  # a stopped process leaves SIGTERM pending
     started = time.monotonic()
-    assert mesh.stop() == ["sm"]
+    with ThreadPoolExecutor(1) as pool:
+        stopping = pool.submit(mesh.stop)
+        # the head server shuts down while the launcher waits for its servers, not after them
+        wait_until(lambda: not head_answers(head_url), 1.5, "the head server stopped answering")
+        assert not stopping.done()  # sm is still within its grace
+        assert stopping.result(timeout=10) == ["sm"]
     assert mesh.killed == ["sm"]
     assert is_gone(pid)
-    assert time.monotonic() - started < 5.0
+    assert time.monotonic() - started < 6.0
 
 
 # ---- the `run` command ---------------------------------------------------------------------------
