@@ -3,7 +3,9 @@
 A worker takes whole files, in collection order, and the whole e2e tier is one unit of work: one
 worker runs it from the start while the other runs everything else, so no two meshes of real
 processes start at once on a 2-core machine. (xdist's own ``loadgroup`` marks groups by renaming
-node ids, which pytest 9.2 no longer allows, so the grouping lives in the scheduler here.)
+node ids, which pytest 9.2 no longer allows, so the grouping lives in the scheduler here.) The tier
+sets the suite's wall time, so its files that start no server process at all (``OFF_TIER``) are
+files like any other, run by whichever worker takes them.
 
 Each worker's meshes take their free ports from their own slice of the launcher's default range
 (``worker_port_range``, exported as ``$NEMO_GYM_CKPT_PORT_RANGE``, which child processes inherit),
@@ -16,16 +18,21 @@ from xdist.scheduler import LoadFileScheduling
 
 from nemo_gym_ckpt.launch.launcher import PORT_RANGE
 
-__all__ = ["E2E_TIER", "TierFileScheduling", "worker_port_range"]
+__all__ = ["E2E_TIER", "OFF_TIER", "TierFileScheduling", "worker_port_range"]
 
 E2E_TIER = "tests/e2e/"
+OFF_TIER = ("tests/e2e/test_kit_from_wheel.py",)
+"""e2e files that launch no server process: a wheel built and installed, the test kit's conformance
+suite run in process by a pytest of that environment."""
 
 
 class TierFileScheduling(LoadFileScheduling):
-    """``loadfile``, except that every file of the e2e tier is one unit of work."""
+    """``loadfile``, except that every file of the e2e tier but those of ``OFF_TIER`` is one unit of work."""
 
     def _split_scope(self, nodeid: str) -> str:
-        return E2E_TIER if nodeid.startswith(E2E_TIER) else super()._split_scope(nodeid)
+        if nodeid.startswith(E2E_TIER) and not nodeid.startswith(OFF_TIER):
+            return E2E_TIER
+        return super()._split_scope(nodeid)
 
 
 def worker_port_range(worker: str, count: int) -> str:
