@@ -468,9 +468,8 @@ def load_config(paths: Sequence[str | Path], overrides: Sequence[str] = ()) -> M
         for name in variables:
             del resolved[name]
         return build_mesh(resolved, origins)
-    except RecursionError:  # each file is at most MAX_DEPTH deep; blocks copied into each other may be deeper
-        raise ConfigError("nested too deeply to read (_inherit_from or _copy of blocks that nest copies "
-                          "of each other)") from None
+    except RecursionError:  # each file is at most MAX_DEPTH deep; blocks that ${...} names inside others deeper
+        raise ConfigError("nested too deeply to read (${...} of blocks that nest copies of each other)") from None
 
 
 def load_config_dict(raw: Mapping[str, Any]) -> MeshConfig:

@@ -15,9 +15,16 @@ each key (``Origins``), in NeMo Gym's order (docs/architecture.md section 3):
    replaces the file's value. Every merge is OmegaConf's: ``???`` over a key already set keeps its
    value, a mapping over a list or a list over a mapping is refused. Keys follow Hydra's key grammar.
 3. Directives: ``X: {_inherit_from: a.b, ...}`` is the block at ``a.b`` with X's own keys merged
-   over it, and ``a.b`` is moved (it no longer exists); ``_copy`` does the same and keeps ``a.b``;
-   ``${inherit_from:a.b}`` and ``${copy:a.b}`` are the same without own keys. An environment
-   server's agent reference that names a moved agent instance follows it to its new name.
+   over it (OmegaConf's merge again: ``???`` keeps the block's value, a mapping and a list do not
+   merge), and ``a.b`` is moved (it no longer exists); ``_copy`` does the same and keeps ``a.b``;
+   ``${inherit_from:a.b}`` and ``${copy:a.b}`` are the same without own keys. A block that is
+   ``???`` (or under one) makes X ``???``. NeMo Gym copies the named block as the files wrote it, so
+   a directive inside it (a chain) is refused, and so is a directive that is a list's item (NeMo Gym
+   leaves both unexpanded). An environment server's agent reference that names a moved agent
+   instance follows it to its new name.
+
+A file's string holding a malformed ``${...}`` is refused on reading, as NeMo Gym's loader
+(OmegaConf) refuses it (``config_interpolations``).
 
 ``resolve_interpolations`` then replaces ``${a.b}`` by that value, ``${oc.select:a.b,default}`` by
 that value or the default when there is none, and ``${oc.env:VAR}`` / ``${oc.env:VAR,default}`` by
@@ -48,6 +55,7 @@ from typing import Any, NoReturn
 
 import yaml
 
+from nemo_gym_ckpt.config_interpolations import interpolation_problem
 from nemo_gym_ckpt.config_overrides import OverrideRefused, parse_override_value
 from nemo_gym_ckpt.config_yaml import MAX_DEPTH, YamlRefused, load_yaml, read_yaml_file
 from nemo_gym_ckpt.errors import ConfigError
@@ -186,7 +194,22 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError("expected a mapping at the top level", file=str(path))
+    _refuse_malformed_interpolations(data, str(path), ())
     return data
+
+
+def _refuse_malformed_interpolations(value: Any, file: str, path: Path_) -> None:
+    """A string value that NeMo Gym's loader (OmegaConf) refuses, holding a malformed ``${...}``, is refused
+    here too, naming its key (keys themselves are not read for ``${`` there, nor here)."""
+    if isinstance(value, dict | list):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            _refuse_malformed_interpolations(item, file, (*path, str(key)))
+    elif isinstance(value, str):
+        problem = interpolation_problem(value)
+        if problem is not None:
+            raise ConfigError(f"{value!r:.80} is not a value NeMo Gym's loader (OmegaConf) reads: a malformed "
+                              f"${{...}}: {problem}", file=file, key=".".join(path))
 
 
 def _merge_into(dst: dict[str, Any], src: Mapping[str, Any], origin: str, origins: Origins, prefix: Path_) -> None:
@@ -349,25 +372,69 @@ class _Directives:
             if isinstance(value, dict):
                 return {key: self.expand(item, (*path, key)) for key, item in value.items()}
             if isinstance(value, list):
-                return [self.expand(item, (*path, str(index))) for index, item in enumerate(value)]
+                return [self.expand_item(item, (*path, str(index))) for index, item in enumerate(value)]
             return value
         kind, source, own = directive
         if source in self.active or path in self.active or source == path[: len(source)]:
             self.fail(f"{kind} {'.'.join(source)} refers back to itself", path)
+        found = self.lookup(source, kind, path)
+        if kind == INHERIT_FROM:
+            self.moves.setdefault(source, []).append(path)
+        if found == MISSING_VALUE:  # a required value: so is the block made of it, own keys or not (NeMo Gym's)
+            return MISSING_VALUE
+        self.refuse_chain(found, kind, source, path)
         self.active.append(path)
         try:
-            base = self.expand(self.lookup(source, kind, path), source)
+            base = self.expand(found, source)
             local = {key: self.expand(item, (*path, key)) for key, item in own.items()}
         finally:
             self.active.pop()
-        if kind == INHERIT_FROM:
-            self.moves.setdefault(source, []).append(path)
         self._carry_origins(source, path)
         if not local:
             return base
         if not isinstance(base, dict):
             self.fail(f"{kind} {'.'.join(source)} is not a mapping, so keys cannot be merged over it", path)
-        return _deep_merge(base, local)
+        return self.merge_over(base, local, path, f"{kind} {'.'.join(source)}")
+
+    def expand_item(self, item: Any, path: Path_) -> Any:
+        """A list's item: NeMo Gym expands no directive that is one (it keeps the item as written)."""
+        kind = _directive_kind(item)
+        if kind is not None:
+            self.fail(f"{kind} as a list's item: NeMo Gym does not expand it there (it keeps the item as written); "
+                      "put the block under a key", path)
+        return self.expand(item, path)
+
+    def refuse_chain(self, found: Any, kind: str, source: Path_, path: Path_) -> None:
+        """NeMo Gym copies the block a directive names as the files wrote it: a directive inside it stays a
+        key (or a string) of the copy, unexpanded, and the keys it names are not there. Refused here."""
+        inner = _first_directive(found, source)
+        if inner is None:
+            return
+        inner_kind, inner_path = inner
+        where = "it" if inner_path == source else f"{'.'.join(inner_path)} in it"
+        self.fail(f"{kind} {'.'.join(source)}: {where} is itself a {inner_kind}, which NeMo "
+                  f"Gym does not follow (it copies the block as written, {inner_kind} unexpanded, without the keys "
+                  f"that one names): name the block it names directly, or write its keys out", path)
+
+    def merge_over(self, base: dict[str, Any], over: Mapping[str, Any], path: Path_, gives: str) -> dict[str, Any]:
+        """``over`` merged over a copy of ``base`` as NeMo Gym's merge (OmegaConf's) does it: a mapping into a
+        mapping, ``???`` over a key already there keeps its value, a mapping over a list or a list over a
+        mapping is refused, anything else replaces."""
+        merged = deep_copy(base)
+        for key, value in over.items():
+            here = merged.get(key)
+            if isinstance(value, str) and value == MISSING_VALUE and key in merged:
+                continue
+            if isinstance(value, Mapping) and isinstance(here, dict):
+                merged[key] = self.merge_over(here, value, (*path, key), gives)
+                continue
+            for new, old, kept in ((Mapping, list, "list"), (list, dict, "mapping")):
+                if isinstance(value, new) and isinstance(here, old):
+                    self.fail(f"{'a mapping' if kept == 'list' else 'a list'} cannot be merged over the {kept} that "
+                              f"{gives} gives it (NeMo Gym's merge refuses it too): give a {kept} instead",
+                              (*path, key))
+            merged[key] = deep_copy(value)
+        return merged
 
     def directive_of(self, value: Any, path: Path_) -> tuple[str, Path_, dict[str, Any]] | None:
         if isinstance(value, str):
@@ -400,8 +467,11 @@ class _Directives:
         return parts
 
     def lookup(self, source: Path_, kind: str, path: Path_) -> Any:
+        """The block at ``source``; ``???`` where it, or a block holding it, is ``???`` (NeMo Gym's)."""
         node: Any = self.frozen
         for part in source:
+            if node == MISSING_VALUE:
+                return MISSING_VALUE
             if not isinstance(node, dict) or part not in node:
                 self.fail(f"{kind} names {'.'.join(source)}, which does not exist", path)
             node = node[part]
@@ -451,14 +521,27 @@ def _environment_agent_refs(tree: Mapping[str, Any]) -> Iterator[tuple[Path_, di
                     yield (name, ENVIRONMENTS_TYPE, implementation, field), ref
 
 
-def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    merged = deep_copy(base)
-    for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = deep_copy(value)
-    return merged
+def _directive_kind(value: Any) -> str | None:
+    """``_inherit_from`` or ``_copy`` where ``value`` is one (a block with the key, or its ``${...}`` string)."""
+    if isinstance(value, str):
+        match = _DIRECTIVE_STRING.fullmatch(value.strip())
+        return None if match is None else INHERIT_FROM if match[1] == "inherit_from" else COPY
+    if isinstance(value, dict):
+        return next((kind for kind in (INHERIT_FROM, COPY) if kind in value), None)
+    return None
+
+
+def _first_directive(value: Any, path: Path_) -> tuple[str, Path_] | None:
+    """The kind and the path of the first directive in ``value`` (``value`` itself included), if any."""
+    kind = _directive_kind(value)
+    if kind is not None:
+        return kind, path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _first_directive(item, (*path, str(key)))
+        if found is not None:
+            return found
+    return None
 
 
 def _delete_path(tree: dict[str, Any], path: Path_) -> None:

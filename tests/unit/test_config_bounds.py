@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_ckpt.config import load_config
-from nemo_gym_ckpt.config_sources import MAX_EXPANDED_CHARS, parse_overrides
+from nemo_gym_ckpt.config_sources import MAX_EXPANDED_CHARS, MAX_EXPANDED_VALUES, parse_overrides
 from nemo_gym_ckpt.config_yaml import MAX_DEPTH, MAX_FILE_BYTES, MAX_NODES, MAX_NUMBER_CHARS, YamlRefused, load_yaml
 from nemo_gym_ckpt.errors import ConfigError
 
@@ -134,17 +134,18 @@ def test_a_file_over_the_size_bound_is_refused_unread(write: Write) -> None:
 # ---- copies made by interpolation and directives -------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("ref", "message"),
-    [(lambda i: f"'${{a{i}}}'", "interpolation copies more than"),
-     (lambda i: f"{{_copy: a{i}}}", "_copy copy more than"),
-     (lambda i: f"'${{copy:a{i}}}'", "_copy copy more than")],
-    ids=["${a.b}", "_copy", "${copy:a.b}"],
-)
-def test_copies_that_copy_each_other_are_refused(write: Write, ref: Callable[[int], str], message: str) -> None:
-    path = write("copies.yaml", laughs(5, ref=ref, anchor=""))  # 10**5 strings, 10 times more a level before
+def test_copies_that_copy_each_other_are_refused(write: Write) -> None:
+    path = write("copies.yaml", laughs(5, ref=lambda i: f"'${{a{i}}}'", anchor=""))  # 10**5 strings, 10 a level
     error = refusal([path])
-    assert error.file == path and message in str(error)
+    assert error.file == path and "interpolation copies more than" in str(error)
+
+
+@pytest.mark.parametrize("ref", ["{_copy: big}", "'${copy:big}'", "{_copy: big, extra: 1}", "{_inherit_from: big}"])
+def test_directives_copying_one_block_many_times_are_refused(write: Write, ref: str) -> None:
+    big = "big: {" + ", ".join(f"k{i}: v" for i in range(2_000)) + "}\n"
+    path = write("copies.yaml", big + "".join(f"c{i}: {ref}\n" for i in range(60)))  # 120,000 values copied
+    error = refusal([path])
+    assert error.file == path and f"_copy copy more than {MAX_EXPANDED_VALUES:,} values" in str(error)
 
 
 def test_a_string_that_interpolation_grows_tenfold_a_level_is_refused(write: Write) -> None:
@@ -160,7 +161,7 @@ def test_copies_nested_past_the_recursion_limit_are_one_config_error(write: Writ
     depth = MAX_DEPTH - 4
     lines = ["c0: {x: 1}"]
     for i in range(1, 30):  # each block nests the one before 60 levels down: 1,740 levels in all
-        lines.append(f"c{i}: " + "{n: " * depth + f"{{_copy: c{i - 1}}}" + "}" * depth)
+        lines.append(f"c{i}: " + "{n: " * depth + f"'${{c{i - 1}}}'" + "}" * depth)
     server = SERVER.replace("domain: knowledge", "value: '${c29}'")
     path = write("nested_copies.yaml", "\n".join(lines) + "\n" + server)
     error = refusal([path])

@@ -3,17 +3,22 @@ values that only ``${...}`` reads, top-level launcher keys, and NeMo Gym's serve
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from environment_servers.legacy_agent import app as legacy_app
 from nemo_gym_ckpt.config import PROJECT_ROOT, Domain, ServerConfig, ServerRef, load_config, load_config_dict
+from nemo_gym_ckpt.config_sources import CONFIG_PATHS, read_sources
 from nemo_gym_ckpt.errors import ConfigError
+from tests.support.config_file_cases import MALFORMED, MERGES, REFUSED_MERGES, WELL_FORMED
 
 pytestmark = pytest.mark.unit
 
@@ -187,7 +192,9 @@ def test_copy_keeps_the_source_and_string_forms_work(write: Writer) -> None:
     assert "words" not in mesh.raw
 
 
-def test_an_inherited_chain_resolves_and_moves_every_link(write: Writer) -> None:
+def test_an_inherited_chain_is_refused_as_nemo_gym_does_not_follow_it(write: Writer) -> None:
+    """NeMo Gym copies ``second`` as written, its ``_inherit_from: first`` left in ``third`` unexpanded and
+    ``first``'s keys lost: ``third`` is no server there (``tests/support/config_file_cases``)."""
     path = write("a.yaml", """
         first:
           resources_servers:
@@ -195,10 +202,51 @@ def test_an_inherited_chain_resolves_and_moves_every_link(write: Writer) -> None
         second: {_inherit_from: first, resources_servers: {fake_tool: {answer: two}}}
         third: {_inherit_from: second}
     """)
-    mesh = load_config([path])
-    assert set(mesh.instances) == {"third"}
-    settings = mesh.instance("third").settings
-    assert isinstance(settings, ToolConfig) and (settings.answer, settings.port) == ("two", 15311)
+    with pytest.raises(ConfigError) as caught:
+        load_config([path])
+    assert (caught.value.file, caught.value.key) == (path, "third")
+    assert "_inherit_from second: it is itself a _inherit_from, which NeMo Gym does not follow" in str(caught.value)
+
+
+@pytest.mark.parametrize(("text", "tree"), [case[1:] for case in MERGES], ids=[case[0] for case in MERGES])
+def test_directives_merge_as_nemo_gyms_do(write: Writer, text: str, tree: dict[str, Any]) -> None:
+    merged, _ = read_sources([write("a.yaml", text)], [])
+    del merged[CONFIG_PATHS]
+    assert json.dumps(merged) == json.dumps(tree)  # the order of the keys too
+
+
+@pytest.mark.parametrize(("text", "key", "message"), [case[1:] for case in REFUSED_MERGES],
+                         ids=[case[0] for case in REFUSED_MERGES])
+def test_directives_nemo_gym_refuses_or_leaves_unexpanded_are_refused(
+        write: Writer, text: str, key: str, message: str) -> None:
+    path = write("a.yaml", text)
+    with pytest.raises(ConfigError) as caught:
+        read_sources([path], [])
+    assert (caught.value.file, caught.value.key) == (path, key)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_block_inheriting_a_missing_source_is_a_missing_value(write: Writer) -> None:
+    path = write("a.yaml", "base: ???\ntool: {resources_servers: {fake_tool: {_inherit_from: base, answer: x}}}\n")
+    with pytest.raises(ConfigError, match=r"key 'tool.resources_servers.fake_tool': required value is missing \("):
+        load_config([path])
+
+
+@pytest.mark.parametrize(("text", "key"), MALFORMED)
+def test_a_files_malformed_interpolation_is_refused_naming_the_file_and_key(
+        write: Writer, text: str, key: str) -> None:
+    path = write("a.yaml", text)
+    with pytest.raises(ConfigError) as caught:
+        read_sources([path], [])
+    assert (caught.value.file, caught.value.key) == (path, key)
+    assert "is not a value NeMo Gym's loader (OmegaConf) reads: a malformed ${...}" in str(caught.value)
+
+
+@pytest.mark.parametrize("text", WELL_FORMED)
+def test_a_files_strings_that_nemo_gym_loads_are_read_as_written(write: Writer, text: str) -> None:
+    merged, _ = read_sources([write("a.yaml", text)], [])
+    del merged[CONFIG_PATHS]
+    assert merged == yaml.safe_load(text)
 
 
 def test_an_error_in_an_inherited_key_names_the_file_that_set_it(write: Writer) -> None:
@@ -231,7 +279,7 @@ def test_a_moved_agent_takes_the_environment_servers_reference_with_it(write: Wr
     ("text", "key", "message"),
     [("t: {_inherit_from: nowhere.at_all}\n", "t", "_inherit_from names nowhere.at_all, which does not exist"),
      ("t: {_inherit_from: t}\n", "t", "refers back to itself"),
-     ("a: {_inherit_from: b}\nb: {_inherit_from: a}\n", "b", "refers back to itself"),
+     ("a: {_inherit_from: b}\nb: {_inherit_from: a}\n", "a", "it is itself a _inherit_from"),
      ("t: {_inherit_from: tool, _copy: tool}\n", "t", "not both"),
      ("t: {_copy: tool, _delete_key: 'a,b'}\n", "t._delete_key", "_delete_key is not supported"),
      ("t: {_copy: tool.resources_servers.fake_tool.answer, x: 1}\n", "t", "is not a mapping"),
