@@ -241,7 +241,7 @@ def _refuse_clash(value: Any, here: Any, origin: str, here_from: str | None, pat
     else:
         return
     dotted = ".".join(path)
-    was = f"the {old} {here_from} gives it" if here_from and here_from != COMMAND_LINE \
+    was = f"the {old} that {here_from} gives it" if here_from and here_from != COMMAND_LINE \
         else f"the {old} set earlier on the command line"
     raise ConfigError(f"{new} cannot be merged over {was} (NeMo Gym's merge refuses it too): give "
                       f"{'a list' if old == 'list' else 'a mapping'} instead",
@@ -394,7 +394,10 @@ class _Directives:
             return base
         if not isinstance(base, dict):
             self.fail(f"{kind} {'.'.join(source)} is not a mapping, so keys cannot be merged over it", path)
-        return self.merge_over(base, local, path, f"{kind} {'.'.join(source)}")
+        merged = deep_copy(base)  # X's own keys over the block, by the files' merge; a clash names the directive
+        _merge_into(merged, local, origin_of(self.origins, path) or COMMAND_LINE,
+                    {path: f"{kind} {'.'.join(source)}"}, path)
+        return merged
 
     def expand_item(self, item: Any, path: Path_) -> Any:
         """A list's item: NeMo Gym expands no directive that is one (it keeps the item as written)."""
@@ -415,26 +418,6 @@ class _Directives:
         self.fail(f"{kind} {'.'.join(source)}: {where} is itself a {inner_kind}, which NeMo "
                   f"Gym does not follow (it copies the block as written, {inner_kind} unexpanded, without the keys "
                   f"that one names): name the block it names directly, or write its keys out", path)
-
-    def merge_over(self, base: dict[str, Any], over: Mapping[str, Any], path: Path_, gives: str) -> dict[str, Any]:
-        """``over`` merged over a copy of ``base`` as NeMo Gym's merge (OmegaConf's) does it: a mapping into a
-        mapping, ``???`` over a key already there keeps its value, a mapping over a list or a list over a
-        mapping is refused, anything else replaces."""
-        merged = deep_copy(base)
-        for key, value in over.items():
-            here = merged.get(key)
-            if isinstance(value, str) and value == MISSING_VALUE and key in merged:
-                continue
-            if isinstance(value, Mapping) and isinstance(here, dict):
-                merged[key] = self.merge_over(here, value, (*path, key), gives)
-                continue
-            for new, old, kept in ((Mapping, list, "list"), (list, dict, "mapping")):
-                if isinstance(value, new) and isinstance(here, old):
-                    self.fail(f"{'a mapping' if kept == 'list' else 'a list'} cannot be merged over the {kept} that "
-                              f"{gives} gives it (NeMo Gym's merge refuses it too): give a {kept} instead",
-                              (*path, key))
-            merged[key] = deep_copy(value)
-        return merged
 
     def directive_of(self, value: Any, path: Path_) -> tuple[str, Path_, dict[str, Any]] | None:
         if isinstance(value, str):
